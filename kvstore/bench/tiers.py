@@ -1,0 +1,228 @@
+"""``kvstore bench tiers``: host and SSD tiers against limits measured in the same run.
+
+Limits: a copy of the same bytes into a reused buffer (``numpy.copyto``) for the host tier;
+plain ``write`` + ``fsync`` of a new file and a plain ``readinto`` of a file dropped from
+the page cache for the SSD tier.  Objects of 32 MiB and 28 MiB are both measured (glibc
+treats fresh allocations of these sizes differently; a pooled tier must not care).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import sys
+import tracemalloc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvstore import codec
+from kvstore.bench.common import Row, gbps, print_rows, write_json
+from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.store import TieredStore
+from tiers.base import put_bytes
+from tiers.host import HostTier
+from tiers.ssd import SSDTier, drop_page_cache
+
+MiB = 1 << 20
+IDENT = Identity("bench", "r0", "bf16", "bench:opaque", 32, 8, 128)
+
+
+def _object(size: int, seed: int) -> tuple[object, np.ndarray]:
+    """A sealed object of exactly ``size`` bytes, with random payload."""
+    ns = IDENT.namespace()
+    key = object_keys(ns, chunk_hashes(ns, np.full(256, seed), 256))[0]
+    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE, "bf16", "bench:opaque")
+    buf = np.empty(size, np.uint8)
+    rng = np.random.default_rng(seed)
+    codec.encode_into(buf, key, geom, rng.integers(0, 256, geom.payload_bytes, dtype=np.uint8))
+    return key, buf
+
+
+def _timed(samples: list[float], t0: float) -> None:
+    samples.append(time.perf_counter() - t0)
+
+
+async def _host_rows(size: int, repeat: int) -> list[Row]:
+    """Steady state: one key put (then deleted, untimed, so the slot is reused) and read.
+    Each operation runs in its own loop, so each meets the caches as the limit does."""
+    key, src = _object(size, size)
+    dst = np.empty(size, np.uint8)
+    host = HostTier(2 * size + 4 * MiB)
+
+    async def put() -> float:
+        t0 = time.perf_counter()
+        handle = await host.put_start(key, size)
+        handle.buffer[:size] = src.data
+        await host.put_commit(handle, True)
+        return time.perf_counter() - t0
+
+    def copy() -> float:
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+    copies = [copy() for _ in range(repeat)]
+    puts = []
+    for _ in range(repeat):
+        puts.append(await put())
+        await host.delete(key)
+    await put()
+    gets = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        await host.read_into(key, memoryview(dst))
+        gets.append(time.perf_counter() - t0)
+    copies += [copy() for _ in range(repeat)]
+    await host.aclose()
+    limit = gbps(size, statistics.median(copies))
+    mb = size // MiB
+    return [Row(f"host put {mb} MiB", gbps(size, statistics.median(puts)), "GB/s", "copy into reused buffer", limit, target=0.8),
+            Row(f"host get {mb} MiB", gbps(size, statistics.median(gets)), "GB/s", "copy into reused buffer", limit, target=0.8)]
+
+
+async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
+    """Distinct keys into a full pool (evicting as it goes), against copies into the same
+    number of rotating destinations: writing to cold memory costs both the same."""
+    ring = np.ones(slots * size, np.uint8)  # prefaulted, like the host pool
+    host = HostTier(slots * size)
+    src = _object(size, size)[1]
+    lim, put = [], []
+    for i in range(max(repeat, 2 * slots)):
+        j = i % slots
+        t0 = time.perf_counter()
+        np.copyto(ring[j * size:(j + 1) * size], src)
+        _timed(lim, t0)
+        key, obj = _object(size, 1000 + i)
+        t0 = time.perf_counter()
+        handle = await host.put_start(key, size)
+        handle.buffer[:size] = obj.data
+        await host.put_commit(handle, True)
+        _timed(put, t0)
+    await host.aclose()
+    return Row(f"host put {size // MiB} MiB, new keys, evicting", gbps(size, statistics.median(put)), "GB/s",
+               f"copy into {slots} rotating buffers", gbps(size, statistics.median(lim)), target=0.8)
+
+
+def _plain_write(path: Path, data: np.ndarray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plain_read(path: Path, out: np.ndarray) -> None:
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(out)
+        while view:
+            n = f.readinto(view)
+            if not n:
+                break
+            view = view[n:]
+
+
+async def _ssd_rows(size: int, repeat: int, root: Path) -> list[Row]:
+    key, src = _object(size, size + 1)
+    dst = np.empty(size, np.uint8)
+    ssd = SSDTier(root / "ssd", 4 * size)
+    plain = root / "plain.bin"
+    wlim, wput, rlim, rget = [], [], [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        _plain_write(plain, src)
+        _timed(wlim, t0)
+        t0 = time.perf_counter()
+        await put_bytes(ssd, key, memoryview(src))
+        _timed(wput, t0)
+        drop_page_cache(plain)
+        t0 = time.perf_counter()
+        _plain_read(plain, dst)
+        _timed(rlim, t0)
+        drop_page_cache(ssd.path_of(key))
+        t0 = time.perf_counter()
+        n = await ssd.read_into(key, memoryview(dst))
+        _timed(rget, t0)
+        assert n == size, "SSD tier lost the benchmark object"
+        await ssd.delete(key)
+        plain.unlink()
+    await ssd.aclose()
+    mb = size // MiB
+    return [Row(f"ssd write {mb} MiB", gbps(size, statistics.median(wput)), "GB/s", "plain write+fsync",
+                gbps(size, statistics.median(wlim)), target=0.7),
+            Row(f"ssd cold read {mb} MiB", gbps(size, statistics.median(rget)), "GB/s", "plain readinto, cold",
+                gbps(size, statistics.median(rlim)), target=0.8)]
+
+
+async def _hash_rows(repeat: int) -> list[Row]:
+    ns = IDENT.namespace()
+    tokens = np.random.default_rng(1).integers(0, 128000, 512 * 256)
+    hash_t = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        hashes = chunk_hashes(ns, tokens, 256)
+        _timed(hash_t, t0)
+    per_chunk_us = statistics.median(hash_t) / 512 * 1e6
+    keys = object_keys(ns, hashes)
+    tiny = codec.ObjectGeometry(1, 1, 64)
+    store = TieredStore(HostTier(len(keys) * 4096 + MiB))
+    for i, key in enumerate(keys):
+        await store.put_payload(key, tiny, np.zeros(64, np.uint8), hashes[i - 1] if i else ROOT)
+    look_t = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        found = await store.lookup(object_keys(ns, chunk_hashes(ns, tokens, 256)))
+        _timed(look_t, t0)
+    assert found.hits == 512
+    await store.aclose()
+    overhead = host_index_overhead_bytes(20_000)
+    return [Row("chained hash per 256-token chunk", per_chunk_us, "µs", "target", 2.0, "lower", target=1.0),
+            Row("hash+lookup 128k-token prompt", statistics.median(look_t) * 1e3, "ms", "target", 2.0, "lower", target=1.0),
+            Row("host index bytes per object", overhead, "B", "target", 300.0, "lower", target=1.0)]
+
+
+def host_index_overhead_bytes(n: int) -> float:
+    """Python heap bytes per object in the host index (key, entry, dict slot), by tracemalloc."""
+    geom = codec.ObjectGeometry(1, 1, 1)
+    host = HostTier(n * 512, alignment=512, pin=False)
+    obj = np.empty(codec.object_size(geom), np.uint8)
+    ns = IDENT.namespace()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    keys = object_keys(ns, chunk_hashes(ns, np.arange(n), chunk_size=1))
+    for i, key in enumerate(keys):
+        codec.encode_into(obj, key, geom, b"\x01")
+        handle = host.put_start_sync(key, len(obj), keys[i - 1] if i else None)
+        handle.buffer[:] = obj
+        assert host.put_commit_sync(handle)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base - sys.getsizeof(keys)
+    tracemalloc.stop()
+    assert host.stats().objects == n
+    return used / n
+
+
+async def _run(args) -> list[Row]:
+    rows: list[Row] = []
+    for size in (32 * MiB, 28 * MiB):
+        rows += await _host_rows(size, args.repeat)
+        rows.append(await _host_rotating_row(size, args.repeat))
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.dir) as tmp:
+        for size in (32 * MiB, 28 * MiB):
+            rows += await _ssd_rows(size, args.repeat, Path(tmp))
+    rows += await _hash_rows(args.repeat)
+    return rows
+
+
+def run(args) -> int:
+    rows = asyncio.run(_run(args))
+    print_rows(f"kvstore bench tiers (median of {args.repeat}; limits measured in this run)", rows)
+    write_json(args.json, rows)
+    return 0

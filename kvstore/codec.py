@@ -1,0 +1,236 @@
+"""The self-describing object format: one byte layout for host slots, Redis, SSD and gRPC.
+
+An object is a fixed 256-byte header followed by the payload::
+
+    header  magic "KVSO", version, header size, codec, dtype, geometry (layers, pages per
+            layer, page bytes, tokens), raw and stored payload length, xxh3-128 of the
+            stored payload, layout id, key (namespace, chunk hash, tag), parent chunk hash,
+            and finally xxh3-64 of all preceding header bytes.
+    payload layer-major [layers][pages][page bytes]; pages are opaque (never reinterpreted).
+
+Encoding and decoding work in caller-provided buffers: the hot path never allocates a
+payload-sized buffer.  Every read from a tier goes through ``verify()``; any damage raises a
+specific ``ObjectFormatError`` subclass, which the caller turns into a counted miss.
+lz4 exists for tiers where a sampled ratio pays (``sample_ratio``); it allocates, so it is
+off by default (bf16 KV compresses to ~1.00, see LIMITS.md).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import Enum
+
+import lz4.block
+import xxhash
+
+from kvstore.errors import (
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptHeaderError,
+    KeyMismatchError,
+)
+from kvstore.keys import DIGEST_SIZE, ROOT, ChunkHash, ObjectKey
+
+MAGIC = b"KVSO"
+VERSION = 1
+HEADER_SIZE = 256
+_FIELDS = struct.Struct("<4sHHBBHIIQIQQ16s32s32s32sB32s32s")
+_CHECK = struct.Struct("<Q")
+_CHECK_AT = HEADER_SIZE - _CHECK.size
+assert _FIELDS.size <= _CHECK_AT
+MAX_OBJECT_BYTES = 1 << 40
+
+_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "uint8", "fp8")
+
+
+class Codec(Enum):
+    NONE = 0
+    LZ4 = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectGeometry:
+    """Shape of a chunk object's payload: ``num_layers × pages_per_layer × page_bytes``."""
+
+    num_layers: int
+    pages_per_layer: int
+    page_bytes: int
+    dtype: str = "bf16"
+    layout_id: str = "opaque"
+    num_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "pages_per_layer", "page_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"object geometry {name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; expected one of {', '.join(_DTYPES)}")
+        if not 0 < len(self.layout_id.encode()) <= 32:
+            raise ConfigError("layout id must be 1-32 bytes")
+        if self.payload_bytes > MAX_OBJECT_BYTES:
+            raise ConfigError("object geometry exceeds the 1 TiB object limit")
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.num_layers * self.pages_per_layer * self.page_bytes
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.pages_per_layer * self.page_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    key: ObjectKey
+    parent: ChunkHash
+    geometry: ObjectGeometry
+    codec: Codec
+    raw_len: int
+    stored_len: int
+    checksum: bytes
+
+    @property
+    def total_len(self) -> int:
+        return HEADER_SIZE + self.stored_len
+
+
+def object_size(geometry: ObjectGeometry) -> int:
+    """Bytes of an uncompressed object with this geometry (header + payload)."""
+    return HEADER_SIZE + geometry.payload_bytes
+
+
+def payload_view(buf, header: ObjectHeader) -> memoryview:
+    return memoryview(buf).cast("B")[HEADER_SIZE : header.total_len]
+
+
+def layer_view(buf, geometry: ObjectGeometry, layer: int) -> memoryview:
+    """The bytes of one layer's pages inside an uncompressed object."""
+    if not 0 <= layer < geometry.num_layers:
+        raise ConfigError(f"layer {layer} out of range [0, {geometry.num_layers})")
+    start = HEADER_SIZE + layer * geometry.layer_bytes
+    return memoryview(buf).cast("B")[start : start + geometry.layer_bytes]
+
+
+def checksum(data) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+def pack_header(header: ObjectHeader) -> bytes:
+    g, key = header.geometry, header.key
+    tag = key.tag.encode()
+    fields = _FIELDS.pack(
+        MAGIC, VERSION, HEADER_SIZE, header.codec.value, _DTYPES.index(g.dtype), 0,
+        g.num_layers, g.pages_per_layer, g.page_bytes, g.num_tokens,
+        header.raw_len, header.stored_len, header.checksum,
+        g.layout_id.encode().ljust(32, b"\0"), bytes(key.namespace), bytes(key.chunk_hash),
+        len(tag), tag.ljust(32, b"\0"), bytes(header.parent),
+    )
+    body = fields.ljust(_CHECK_AT, b"\0")
+    return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def encode_into(buf, key: ObjectKey, geometry: ObjectGeometry, payload=None,
+                parent: ChunkHash = ROOT) -> ObjectHeader:
+    """Seal an uncompressed object in ``buf``.
+
+    With ``payload`` it is copied in first; without, the caller already wrote the payload
+    at ``buf[HEADER_SIZE:]`` (for example gathered straight from the engine's pages).
+    """
+    view = memoryview(buf).cast("B")
+    size = object_size(geometry)
+    if len(view) < size:
+        raise ConfigError(f"buffer of {len(view)} bytes cannot hold a {size}-byte object")
+    body = view[HEADER_SIZE:size]
+    if payload is not None:
+        src = memoryview(payload).cast("B")
+        if len(src) != geometry.payload_bytes:
+            raise ConfigError(f"payload is {len(src)} bytes, geometry says {geometry.payload_bytes}")
+        body[:] = src
+    n = geometry.payload_bytes
+    header = ObjectHeader(key, parent, geometry, Codec.NONE, n, n, checksum(body))
+    view[:HEADER_SIZE] = pack_header(header)
+    return header
+
+
+def decode_header(buf) -> ObjectHeader:
+    """Parse and check a header; raise ``CorruptHeaderError`` on any inconsistency."""
+    view = memoryview(buf).cast("B")
+    if len(view) < HEADER_SIZE:
+        raise CorruptHeaderError(f"object shorter than its header ({len(view)} bytes)")
+    head = bytes(view[:HEADER_SIZE])
+    if head[:4] != MAGIC:
+        raise CorruptHeaderError("bad magic: not a kvstore object")
+    if _CHECK.unpack_from(head, _CHECK_AT)[0] != xxhash.xxh3_64_intdigest(head[:_CHECK_AT]):
+        raise CorruptHeaderError("header checksum mismatch")
+    (_, version, hsize, codec, dtype, _flags, layers, pages, page_bytes, tokens, raw_len,
+     stored_len, digest, layout, ns, chash, tag_len, tag, parent) = _FIELDS.unpack_from(head)
+    if version != VERSION or hsize != HEADER_SIZE:
+        raise CorruptHeaderError(f"unsupported object version {version} / header size {hsize}")
+    try:
+        geometry = ObjectGeometry(layers, pages, page_bytes, _DTYPES[dtype],
+                                  layout.rstrip(b"\0").decode(), tokens)
+        key = ObjectKey.from_bytes(ns + chash + tag[:tag_len])
+        codec_e = Codec(codec)
+    except (ConfigError, IndexError, ValueError, UnicodeDecodeError) as err:
+        raise CorruptHeaderError(f"invalid header field: {err}") from err
+    if raw_len != geometry.payload_bytes or (codec_e is Codec.NONE and stored_len != raw_len):
+        raise CorruptHeaderError("header lengths disagree with its geometry")
+    return ObjectHeader(key, ChunkHash(parent), geometry, codec_e, raw_len, stored_len, digest)
+
+
+def verify(buf, expected_key: ObjectKey | None = None, length: int | None = None) -> ObjectHeader:
+    """Check header, length, key and payload checksum of the object in ``buf``."""
+    header = decode_header(buf)
+    view = memoryview(buf).cast("B")
+    if length is not None and length != header.total_len:
+        raise CorruptHeaderError(f"object is {length} bytes, header says {header.total_len}")
+    if len(view) < header.total_len:
+        raise CorruptHeaderError(f"object truncated: {len(view)} of {header.total_len} bytes")
+    if expected_key is not None and header.key != expected_key:
+        raise KeyMismatchError(f"object holds {header.key!r}, expected {expected_key!r}")
+    if checksum(view[HEADER_SIZE : header.total_len]) != header.checksum:
+        raise ChecksumMismatchError(f"payload checksum mismatch for {header.key!r}")
+    return header
+
+
+# --- lz4: a cold-path codec for tiers where it pays -------------------------------------
+
+def compress(obj) -> bytes:
+    """An LZ4 copy of an uncompressed, verified object (allocates: not for hot paths)."""
+    header = verify(obj)
+    if header.codec is not Codec.NONE:
+        raise ConfigError(f"object {header.key!r} is already {header.codec.name}-compressed")
+    packed = lz4.block.compress(payload_view(obj, header), store_size=False)
+    new = ObjectHeader(header.key, header.parent, header.geometry, Codec.LZ4,
+                       header.raw_len, len(packed), checksum(packed))
+    return pack_header(new) + packed
+
+
+def decompress_into(obj, out) -> ObjectHeader:
+    """Verify an object of any codec and write its uncompressed form into ``out``."""
+    header = verify(obj)
+    if header.codec is Codec.NONE:
+        if len(memoryview(out).cast("B")) < header.total_len:
+            raise ConfigError(f"buffer cannot hold a {header.total_len}-byte object")
+        memoryview(out).cast("B")[: header.total_len] = memoryview(obj).cast("B")[: header.total_len]
+        return header
+    try:
+        raw = lz4.block.decompress(payload_view(obj, header), uncompressed_size=header.raw_len)
+    except lz4.block.LZ4BlockError as err:
+        raise ChecksumMismatchError(f"lz4 payload does not decode: {err}") from err
+    if len(raw) != header.raw_len:  # a valid stream of the wrong size is damage, not a bad argument
+        raise ChecksumMismatchError(f"lz4 payload decodes to {len(raw)} bytes, header says {header.raw_len}")
+    return encode_into(out, header.key, header.geometry, raw, header.parent)
+
+
+def sample_ratio(payload, sample_bytes: int = 1 << 20) -> float:
+    """Compression ratio (raw/compressed) of an lz4 sample of ``payload``; ≥1.1 may pay."""
+    view = memoryview(payload).cast("B")[:sample_bytes]
+    return len(view) / max(1, len(lz4.block.compress(view, store_size=False)))
+
+
+__all__ = [
+    "HEADER_SIZE", "Codec", "ObjectGeometry", "ObjectHeader", "object_size", "encode_into",
+    "decode_header", "verify", "payload_view", "layer_view", "compress", "decompress_into",
+    "sample_ratio", "DIGEST_SIZE",
+]

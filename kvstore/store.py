@@ -95,6 +95,10 @@ class TieredStore:
             c.add("keys_hit", name)
         return LookupResult(len(keys), tuple(found))
 
+    async def contains(self, key: ObjectKey) -> bool:
+        """Whether any tier holds ``key`` (no counters touched)."""
+        return await self._where(key) is not None
+
     async def _where(self, key: ObjectKey) -> Tier | None:
         for tier in self.tiers:
             if await tier.contains(key):
@@ -115,6 +119,30 @@ class TieredStore:
             return GetResult(n, tier.name, seconds)
         self.counters.get_misses += 1
         return None
+
+    async def promote(self, key: ObjectKey) -> bool:
+        """Make ``key`` resident in the host tier, reading it (verified) from the first lower
+        tier that has it straight into a host slot.  False on a miss or no room."""
+        if await self.host.contains(key):
+            return True
+        for tier in self.lower:
+            size = await tier.size_of(key)
+            if size is None:
+                continue
+            handle = await self.host.put_start(key, size)
+            if handle is None:
+                return False
+            t0 = time.perf_counter()
+            n = None
+            try:
+                n = await tier.read_into(key, handle.buffer)
+            finally:
+                published = await self.host.put_commit(handle, n == size)
+            if n == size:
+                self._count_read(tier.name, n, time.perf_counter() - t0)
+                self.counters.promotions += published
+                return published
+        return False
 
     def _count_read(self, tier: str, n: int, seconds: float) -> None:
         c = self.counters

@@ -43,6 +43,7 @@ class PutHandle:
     parent: ObjectKey | None = None
     buffer: memoryview | None = None
     token: object = None  # tier-private state (slot offset, temp file, ...)
+    offset: int = -1      # where ``buffer`` starts in the tier's pool, when it has one
 
 
 @dataclass(slots=True)

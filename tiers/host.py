@@ -21,6 +21,11 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
   (None only if no room); its commit keeps the stored copy (same key, same bytes), frees
   the new slot and returns True.  Callers check ``contains`` first (``put_bytes`` does).
 
+* **Shared pool** (``shared=True``): the buffer is a file in /dev/shm (``shm_path``) that
+  another process maps with ``attach_shared(path, capacity)`` to move slot bytes by offset,
+  while this tier keeps all bookkeeping (see ``tiers.host_shm``).  ``close`` unlinks the
+  file and releases the mapping; reads then raise ``TierUnavailableError``.
+
 Keys and slots: at most one slot per key is ever *referenced*, so ``release(key)`` is
 unambiguous.  Thread-safe: sync methods (``*_sync``, ``acquire``, ``lease``...) may be
 called from copy threads; the async methods are thin wrappers for the event loop.
@@ -42,6 +47,8 @@ from kvstore.keys import ObjectKey
 from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
 from tiers.base import PutHandle, TierStats
+from tiers.eviction import pick_victim
+from tiers.host_shm import SharedPoolView, attach_shared, create_shared, remove_stale_pools
 
 EvictCallback = Callable[[ObjectKey, memoryview], None]
 
@@ -92,16 +99,24 @@ class HostTier:
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 4096, pin: bool | None = None,
                  clock: Clock = time.monotonic, name: str = "host",
-                 on_evict: EvictCallback | None = None) -> None:
+                 on_evict: EvictCallback | None = None, shared: bool = False) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"host tier capacity must be positive, got {capacity_bytes}")
         self.name = name
         self._alloc = SlotAllocator(capacity_bytes, alignment)
-        self.array, self.tensor = _allocate(capacity_bytes, pin)
-        self.buffer = memoryview(self.array)  # writable, 1-D, uint8
+        self._shm: SharedPoolView | None = None
+        if shared:
+            self._shm = create_shared(capacity_bytes, pin=pin)
+            self.array, self.tensor = self._shm.array, self._shm.tensor
+        else:
+            self.array, self.tensor = _allocate(capacity_bytes, pin)
+        self.shm_path: str | None = None if self._shm is None else self._shm.path
+        # Writable, 1-D, uint8.  None (with array and tensor) once a shared pool is released.
+        self.buffer: memoryview | None = memoryview(self.array)
         self._on_evict = on_evict  # called under _lock: must be quick, must not call the tier
-        # _lock guards _index, _pending, _doomed, _alloc, _leases, _stats, _refs, _closed and
-        # every _Entry field.  Copies of slot bytes happen outside it, under a reference.
+        # _lock guards _index, _pending, _doomed, _alloc, _leases, _stats, _refs, _closed, _shm,
+        # array/buffer/tensor and every _Entry field.  Copies of slot bytes happen outside it,
+        # under a reference.
         self._lock = threading.Lock()
         self._index: dict[ObjectKey, _Entry] = {}    # LIVE; insertion order = LRU, oldest first
         self._pending: dict[ObjectKey, _Entry] = {}  # PENDING
@@ -142,11 +157,12 @@ class HostTier:
             size = self._alloc.size_of(entry.offset)
             if len(dst) < size:
                 raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {size}")
+            src = self._view(entry)  # taken under the lock: close() may drop self.buffer
             self._hold(key, entry)
             self._stats.hits += 1
             self._stats.bytes_read += size
         try:
-            dst[:size] = self.buffer[entry.offset : entry.offset + size]
+            dst[:size] = src
         finally:
             with self._lock:
                 self._unhold(key, entry)
@@ -158,8 +174,19 @@ class HostTier:
             entry = self._index.get(key)
             if entry is None:
                 return None
+            view = self._view(entry)
             self._hold(key, entry)
-            return self._view(entry)
+            return view
+
+    def pin(self, key: ObjectKey) -> tuple[int, int] | None:
+        """Like ``acquire``, for a reader in another process that maps the shared pool:
+        ``(offset, size)`` of the object, held until ``release(key)``; None on a miss."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            self._hold(key, entry)
+            return entry.offset, self._alloc.size_of(entry.offset)
 
     def release(self, key: ObjectKey) -> None:
         with self._lock:
@@ -184,7 +211,7 @@ class HostTier:
             if offset is None:
                 return None
             entry = self._pending[key] = _Entry(offset)
-        return PutHandle(key, size, parent, self.buffer[offset : offset + size], entry)
+            return PutHandle(key, size, parent, self.buffer[offset : offset + size], entry, offset)
 
     def put_write_sync(self, handle: PutHandle, offset: int, data) -> None:
         src = memoryview(data).cast("B")
@@ -296,10 +323,22 @@ class HostTier:
     async def delete(self, key: ObjectKey) -> bool:
         return self.delete_sync(key)
 
-    async def aclose(self) -> None:
-        """Refuse new puts; stored objects stay readable until the tier is dropped."""
+    def close(self) -> None:
+        """Refuse new puts.  A private buffer stays readable until the tier is dropped.  A
+        shared pool is released: its file is unlinked now (other processes' mappings stay
+        valid), reads raise ``TierUnavailableError``, and the mapping is unmapped once no
+        view of it is alive (acquired views, in-flight copies, put handles keep it)."""
         with self._lock:
             self._closed = True
+            shm, self._shm = self._shm, None
+            if shm is not None:
+                self.array = self.buffer = self.tensor = None
+        if shm is not None:
+            shm.close()
+
+    async def aclose(self) -> None:
+        """``close()``, for the Tier protocol and ``async with``."""
+        self.close()
 
     async def __aenter__(self) -> HostTier:
         return self
@@ -310,6 +349,8 @@ class HostTier:
     # --- internals: caller holds _lock -----------------------------------------------
 
     def _view(self, entry: _Entry) -> memoryview:
+        if self.buffer is None:
+            raise TierUnavailableError(f"host tier {self.name!r} is closed: its shared pool is released")
         return self.buffer[entry.offset : entry.offset + self._alloc.size_of(entry.offset)]
 
     def _transition(self, entry: _Entry, dst: SlotState) -> None:
@@ -365,17 +406,10 @@ class HostTier:
         return offset
 
     def _pick_victim(self) -> ObjectKey | None:
-        """Least recently used unprotected chain tail, else the least recently used unprotected
-        object.  A linear scan from the LRU end: cheap while the oldest objects are unpinned."""
-        fallback = None
-        for key, entry in self._index.items():
-            if entry.refs or self._leases.held(key):
-                continue
-            if not entry.children:
-                return key
-            if fallback is None:
-                fallback = key
-        return fallback
+        """Among objects neither referenced nor leased.  A linear scan from the LRU end:
+        cheap while the oldest objects are unpinned."""
+        return pick_victim((key, bool(entry.children)) for key, entry in self._index.items()
+                           if not (entry.refs or self._leases.held(key)))
 
     def _evict(self, key: ObjectKey) -> None:
         entry = self._index.pop(key)
@@ -395,3 +429,7 @@ class HostTier:
         except CorruptHeaderError:
             return False
         return header.key == handle.key and header.total_len == handle.size
+
+
+__all__ = ["EvictCallback", "HostTier", "SharedPoolView", "SlotState", "attach_shared",
+           "remove_stale_pools"]

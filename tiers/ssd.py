@@ -21,7 +21,7 @@ allocation).  Eviction is prefix-aware: chain tails (no child present) before pa
 first, never an object being read; puts in progress are not in the index, so never evicted.
 
 Concurrency: blocking file I/O runs in worker threads (``asyncio.to_thread``); bookkeeping
-lives in ``_Index`` behind one lock that is never held across I/O or an ``await``.  A
+lives in ``ssd_index.Index`` behind one lock that is never held across I/O or an ``await``.  A
 cancelled call waits for its worker thread before re-raising, so no thread still writes into
 a caller's buffer.  The index entry records the file's inode: removals (eviction, delete,
 corruption) unlink a name only while it still holds that inode, never a newer put's file.
@@ -30,42 +30,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import fcntl
 import itertools
 import logging
 import os
 import threading
-from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
-import xxhash
-
 from kvstore import codec
-from kvstore.errors import (
-    CapacityError, ConfigError, CorruptHeaderError, KeyMismatchError, ObjectFormatError,
-    TierError, TierUnavailableError,
-)
-from kvstore.keys import DIGEST_SIZE, ROOT, ChunkHash, ObjectKey
+from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierError, TierUnavailableError
+from kvstore.keys import ObjectKey
 from tiers.base import PutHandle, TierStats
+from tiers.ssd_files import (
+    SUFFIX, TMP, ReadOutcome, check_written, claim_directory, drop_page_cache, fsync_dir,
+    object_path, parent_key, pwrite_all, scan_file, unlink_quiet,
+)
+from tiers.ssd_files import read_file as _read_file  # a module global: tests patch it here
+from tiers.ssd_index import Entry, Index
 
 log = logging.getLogger(__name__)
-
-_SUFFIX = ".kv"
-_TMP = "tmp"
-_LOCK = "LOCK"
-_WRITE_CHUNK = 4 << 20  # writeback starts per chunk (see _pwrite_all)
-_READ_CHUNK = 512 << 10  # hash chunk i while readahead fetches the next (best of 256K-4M here)
-
-
-@dataclass(slots=True)
-class _Entry:
-    size: int
-    parent: ObjectKey | None
-    ino: int  # inode of the published file: removals check it, never deleting a newer put
 
 
 @dataclass(slots=True)
@@ -75,72 +60,8 @@ class _PutState:
     path: str                        # the temp file
     fd: int = -1
     error: Exception | None = None   # first failure; later writes are skipped
-    entry: _Entry | None = None      # set once renamed into place and indexed
+    entry: Entry | None = None       # set once renamed into place and indexed
     reserved: int = 0                # capacity held for this put until published or failed
-
-
-class _Read(Enum):
-    OK = "ok"
-    VANISHED = "vanished"
-    CORRUPT = "corrupt"
-
-
-class _Index:
-    """What exists, in LRU order, with child counts, readers and reservations.  No I/O."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.entries: OrderedDict[ObjectKey, _Entry] = OrderedDict()  # LRU first
-        self.children: Counter[ObjectKey] = Counter()  # present children per parent key
-        self.readers: Counter[ObjectKey] = Counter()   # reads in flight per key
-        self.used = 0
-        self.reserved = 0
-
-    def add(self, key: ObjectKey, entry: _Entry) -> None:
-        self.remove(key)
-        self.entries[key] = entry
-        self.used += entry.size
-        if entry.parent is not None:
-            self.children[entry.parent] += 1
-
-    def remove(self, key: ObjectKey, only: _Entry | None = None) -> _Entry | None:
-        """Drop ``key`` (only if its entry is still ``only``, when given)."""
-        entry = self.entries.get(key)
-        if entry is None or (only is not None and entry is not only):
-            return None
-        del self.entries[key]
-        self.used -= entry.size
-        if entry.parent is not None:
-            self.children[entry.parent] -= 1
-            if self.children[entry.parent] <= 0:
-                del self.children[entry.parent]
-        return entry
-
-    def reserve(self, size: int) -> list[tuple[ObjectKey, _Entry]] | None:
-        """Reserve ``size`` bytes, evicting as needed; the evicted entries, or None (no room)."""
-        excess = self.used + self.reserved + size - self.capacity
-        evictable = sum(e.size for k, e in self.entries.items() if not self.readers[k])
-        if excess > evictable:
-            return None
-        victims = []
-        while self.used + self.reserved + size > self.capacity:
-            key = self._victim()
-            victims.append((key, self.remove(key)))
-        self.reserved += size
-        return victims
-
-    def _victim(self) -> ObjectKey:
-        """The LRU chain tail not being read; else the LRU object not being read."""
-        fallback = None
-        for key in self.entries:
-            if self.readers[key]:
-                continue
-            if not self.children[key]:
-                return key
-            fallback = key if fallback is None else fallback
-        if fallback is None:
-            raise RuntimeError("eviction found no victim although enough bytes were evictable")
-        return fallback
 
 
 class SSDTier:
@@ -153,7 +74,7 @@ class SSDTier:
         self.name = name
         self._dir = Path(directory)
         self._fsync = fsync
-        self._lock_fd = _claim_directory(self._dir)
+        self._lock_fd = claim_directory(self._dir)
         # Serialises renames into place (with their index insert) and removals of published
         # names: worker threads only, held across those metadata syscalls alone.  A removal's
         # inode check + unlink, and a put's rename + index insert, are then atomic with
@@ -163,7 +84,7 @@ class SSDTier:
         # Guards _index, _stats, _puts and _closed.  Bookkeeping only: never held across
         # file I/O or an await, so worker threads and the event loop never wait on a disk.
         self._lock = threading.Lock()
-        self._index = _Index(capacity_bytes)
+        self._index = Index(capacity_bytes)
         self._stats = TierStats(name, capacity_bytes=capacity_bytes)
         self._puts: dict[int, _PutState] = {}
         self._closed = False
@@ -185,24 +106,24 @@ class SSDTier:
         await self.aclose()
 
     def path_of(self, key: ObjectKey) -> Path:
-        return self._dir / _shard(key) / (key.printable() + _SUFFIX)
+        return object_path(self._dir, key)
 
     def _remove_published(self, key: ObjectKey, ino: int) -> None:
         """Unlink ``key``'s file if it still is inode ``ino`` (not a newer put's file)."""
         path = self.path_of(key)
         with self._names, suppress(FileNotFoundError):
             if os.stat(path).st_ino == ino:
-                _unlink_quiet(path)
+                unlink_quiet(path)
 
     # --- start-up scan ------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        torn = sum(_unlink_quiet(path) for path in (self._dir / _TMP).iterdir())
+        torn = sum(unlink_quiet(path) for path in (self._dir / TMP).iterdir())
         corrupt, found = 0, []
-        for path in self._dir.glob("??/*" + _SUFFIX):
-            item = _scan_file(path)
+        for path in self._dir.glob("??/*" + SUFFIX):
+            item = scan_file(path)
             if item is None:
-                _unlink_quiet(path)
+                unlink_quiet(path)
                 corrupt += 1
             else:
                 found.append(item)
@@ -259,15 +180,15 @@ class SSDTier:
             raise TierError(f"reading {self.path_of(key)} failed: {err}") from err
         finally:
             self._end_read(key, entry, outcome)
-        return entry.size if outcome is _Read.OK else None
+        return entry.size if outcome is ReadOutcome.OK else None
 
-    def _read_checked(self, key: ObjectKey, view: memoryview) -> _Read:
+    def _read_checked(self, key: ObjectKey, view: memoryview) -> ReadOutcome:
         outcome, ino = _read_file(self.path_of(key), view, key)
-        if outcome is _Read.CORRUPT:
+        if outcome is ReadOutcome.CORRUPT:
             self._remove_published(key, ino)
         return outcome
 
-    def _begin_read(self, key: ObjectKey, buf_len: int) -> _Entry | None:
+    def _begin_read(self, key: ObjectKey, buf_len: int) -> Entry | None:
         with self._lock:
             self._check_open()
             entry = self._index.entries.get(key)
@@ -280,17 +201,17 @@ class SSDTier:
             self._index.entries.move_to_end(key)
             return entry
 
-    def _end_read(self, key: ObjectKey, entry: _Entry, outcome: _Read | None) -> None:
+    def _end_read(self, key: ObjectKey, entry: Entry, outcome: ReadOutcome | None) -> None:
         with self._lock:
             self._index.readers[key] -= 1
             if self._index.readers[key] <= 0:
                 del self._index.readers[key]
-            if outcome is _Read.OK:
+            if outcome is ReadOutcome.OK:
                 self._stats.hits += 1
                 self._stats.bytes_read += entry.size
                 return
             self._stats.misses += 1
-            self._stats.corrupt += outcome is _Read.CORRUPT
+            self._stats.corrupt += outcome is ReadOutcome.CORRUPT
             if outcome is not None:
                 self._index.remove(key, only=entry)
 
@@ -301,7 +222,7 @@ class SSDTier:
             raise ConfigError(f"object size {size} is smaller than the {codec.HEADER_SIZE}-byte header")
         if size > self._index.capacity:
             raise CapacityError(f"object of {size} bytes exceeds SSD capacity {self._index.capacity}")
-        state = _PutState(str(self._dir / _TMP / f"{key.printable()}.{os.getpid()}.{next(self._seq)}.tmp"))
+        state = _PutState(str(self._dir / TMP / f"{key.printable()}.{os.getpid()}.{next(self._seq)}.tmp"))
         handle = PutHandle(key, size, parent, None, state)
         victims = self._reserve(handle)
         if victims is None:
@@ -316,7 +237,7 @@ class SSDTier:
             raise
         return handle
 
-    def _reserve(self, handle: PutHandle) -> list[tuple[ObjectKey, _Entry]] | None:
+    def _reserve(self, handle: PutHandle) -> list[tuple[ObjectKey, Entry]] | None:
         with self._lock:
             self._check_open()
             victims = self._index.reserve(handle.size)
@@ -326,7 +247,7 @@ class SSDTier:
                 handle.token.reserved = handle.size
             return victims
 
-    def _open_temp(self, state: _PutState, victims: list[tuple[ObjectKey, _Entry]]) -> None:
+    def _open_temp(self, state: _PutState, victims: list[tuple[ObjectKey, Entry]]) -> None:
         for key, entry in victims:  # free the disk space before taking more
             self._remove_published(key, entry.ino)
         state.fd = os.open(state.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -338,7 +259,7 @@ class SSDTier:
         if offset < 0 or offset + len(view) > handle.size:
             raise ConfigError(f"write [{offset}, {offset + len(view)}) outside a {handle.size}-byte object")
         if state.error is None:
-            await _in_thread(_pwrite_all, state, view, offset, self._fsync)
+            await _in_thread(_write, state, view, offset, self._fsync)
 
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
         state = self._live_put(handle, claim=True)
@@ -373,20 +294,20 @@ class SSDTier:
                 _discard(state)
 
     def _publish(self, handle: PutHandle, state: _PutState) -> None:
-        header, ino = _check_written(state.fd, handle)
+        header, ino = check_written(state.fd, handle)
         if self._fsync:
             # Data and size must be on disk BEFORE the name is: otherwise a crash after the
             # rename reached the journal could publish a name over torn or missing bytes.
             os.fsync(state.fd)
         os.close(state.fd)
         state.fd = -1
-        parent = handle.parent if handle.parent is not None else _parent_key(handle.key, header.parent)
+        parent = handle.parent if handle.parent is not None else parent_key(handle.key, header.parent)
         final = self.path_of(handle.key)
         new_shard = not final.parent.is_dir()
         final.parent.mkdir(exist_ok=True)
         with self._names:  # rename and index change in one order for all puts of a key
             os.rename(state.path, final)
-            state.entry = _Entry(handle.size, parent, ino)
+            state.entry = Entry(handle.size, parent, ino)
             with self._lock:  # the reservation becomes the entry, atomically
                 self._index.add(handle.key, state.entry)
                 self._index.reserved -= state.reserved
@@ -394,9 +315,9 @@ class SSDTier:
         if self._fsync:
             # Make the rename itself durable before reporting success: a committed object
             # must survive a crash.  A new shard's own entry lives in the root directory.
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             if new_shard:
-                _fsync_dir(self._dir)
+                fsync_dir(self._dir)
 
     def _retract(self, key: ObjectKey, state: _PutState) -> None:
         """Undo a publish whose directory fsync failed (the object was briefly visible)."""
@@ -440,7 +361,7 @@ class SSDTier:
         os.close(self._lock_fd)
 
 
-# --- helpers (blocking; called at construction or in worker threads) -------------------
+# --- helpers ---------------------------------------------------------------------------
 
 async def _in_thread(fn, *args):
     """Run blocking I/O in a worker thread.  If the caller is cancelled, wait for the thread
@@ -455,109 +376,13 @@ async def _in_thread(fn, *args):
         raise
 
 
-def _claim_directory(path: Path) -> int:
-    """Create ``path`` (+ tmp/), prove it writable, and take its lock; ConfigError if not."""
+def _write(state: _PutState, view: memoryview, offset: int, flush_early: bool) -> None:
+    """``pwrite_all`` in a worker thread.  An error (e.g. ENOSPC) is remembered in the state
+    even if the caller was cancelled meanwhile: the commit fails and cleans up."""
     try:
-        (path / _TMP).mkdir(parents=True, exist_ok=True)
-        probe = path / _TMP / f".probe-{os.getpid()}"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
-        os.unlink(probe)
-        fd = os.open(path / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        pwrite_all(state.fd, view, offset, flush_early)
     except OSError as err:
-        raise ConfigError(f"SSD tier directory {path} is not usable: {err.strerror or err}") from err
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        os.close(fd)
-        raise ConfigError(f"SSD tier directory {path} is in use by another SSDTier") from err
-    return fd
-
-
-def _scan_file(path: Path) -> tuple[float, ObjectKey, _Entry] | None:
-    """Mtime, key and index entry of a published file whose header checks out, else None."""
-    try:
-        key = ObjectKey.parse(path.name[: -len(_SUFFIX)])
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(codec.HEADER_SIZE)
-            st = os.fstat(f.fileno())
-        size = st.st_size
-        header = codec.decode_header(head)
-    except (OSError, ConfigError, ObjectFormatError) as err:
-        log.warning("ssd scan: dropping %s: %s", path, err)
-        return None
-    if header.key != key or header.total_len != size or path.parent.name != _shard(key):
-        log.warning("ssd scan: dropping %s: header names another key or length", path)
-        return None
-    return st.st_mtime, key, _Entry(size, _parent_key(key, header.parent), st.st_ino)
-
-
-def _read_file(path: Path, view: memoryview, key: ObjectKey) -> tuple[_Read, int]:
-    """Read the whole object into ``view`` and verify it; the outcome and the file's inode."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return _Read.VANISHED, 0
-    try:
-        st = os.fstat(fd)
-        if st.st_size != len(view):
-            raise CorruptHeaderError(f"file holds {st.st_size} bytes, index says {len(view)}")
-        _verify(view, key, _read_hashing(fd, view))
-        return _Read.OK, st.st_ino
-    except ObjectFormatError as err:
-        log.warning("ssd read: %s is damaged (%s); deleting it", path, err)
-        return _Read.CORRUPT, st.st_ino
-    finally:
-        os.close(fd)
-
-
-def _read_hashing(fd: int, view: memoryview) -> bytes:
-    """Fill ``view`` from ``fd`` in chunks, hashing each chunk's payload bytes while the
-    kernel's readahead already fetches the next one; the payload's xxh3-128 digest."""
-    digest, got = xxhash.xxh3_128(), 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got : got + _READ_CHUNK]], got)
-        if n == 0:
-            raise CorruptHeaderError(f"file ended after {got} of {len(view)} bytes")
-        digest.update(view[max(got, codec.HEADER_SIZE) : got + n])
-        got += n
-    return digest.digest()
-
-
-def _verify(view: memoryview, key: ObjectKey, digest: bytes) -> None:
-    """``codec.verify`` without hashing the payload twice: when the streamed digest, key and
-    length all match the header, the object is good; otherwise ``codec.verify`` has the
-    final word (and raises the precise error)."""
-    header = codec.decode_header(view)
-    if header.checksum != digest or header.key != key or header.total_len != len(view):
-        codec.verify(view, expected_key=key, length=len(view))
-
-
-def _pwrite_all(state: _PutState, view: memoryview, offset: int, flush_early: bool) -> None:
-    """Write ``view`` at ``offset`` in chunks; with ``flush_early`` each chunk's writeback
-    starts at once (POSIX_FADV_DONTNEED on dirty pages starts it without waiting, as
-    PostgreSQL's pg_flush_data does where sync_file_range is missing): the disk works while
-    we write, the final fsync waits for little, and the object does not crowd the page cache."""
-    try:
-        for start in range(0, len(view), _WRITE_CHUNK):
-            chunk, done = view[start : start + _WRITE_CHUNK], 0
-            while done < len(chunk):
-                done += os.pwrite(state.fd, chunk[done:], offset + start + done)
-            if flush_early:
-                os.posix_fadvise(state.fd, offset + start, len(chunk), os.POSIX_FADV_DONTNEED)
-    except OSError as err:  # e.g. ENOSPC: remembered, the commit fails and cleans up
         state.error = err
-
-
-def _check_written(fd: int, handle: PutHandle) -> tuple[codec.ObjectHeader, int]:
-    """The header of a fully written temp file naming the put's key, and its inode."""
-    header = codec.decode_header(os.pread(fd, codec.HEADER_SIZE, 0))
-    if header.key != handle.key:
-        raise KeyMismatchError(f"object holds {header.key!r}, put names {handle.key!r}")
-    st = os.fstat(fd)
-    if header.total_len != handle.size or st.st_size != handle.size:
-        raise CorruptHeaderError(
-            f"put of {handle.size} bytes wrote {st.st_size}, header says {header.total_len}")
-    return header, st.st_ino
 
 
 def _discard(state: _PutState) -> None:
@@ -565,45 +390,7 @@ def _discard(state: _PutState) -> None:
     if fd >= 0:
         with suppress(OSError):  # a broken fd (the write error being cleaned up)
             os.close(fd)
-    _unlink_quiet(state.path)
-
-
-def _unlink_quiet(path: str | os.PathLike) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as err:
-        log.warning("ssd: cannot remove %s: %s", path, err)
-        return False
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _shard(key: ObjectKey) -> str:
-    return key[DIGEST_SIZE : DIGEST_SIZE + 1].hex()  # first byte (2 hex chars) of the chunk hash
-
-
-def _parent_key(key: ObjectKey, parent: ChunkHash) -> ObjectKey | None:
-    return None if parent == ROOT else ObjectKey(key.namespace, parent, key.tag)
-
-
-def drop_page_cache(path: str | os.PathLike) -> None:
-    """Drop ``path``'s pages from the page cache, for cold-read benchmarks.  fsync first:
-    dirty pages are not dropped."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    unlink_quiet(state.path)
 
 
 __all__ = ["SSDTier", "drop_page_cache"]

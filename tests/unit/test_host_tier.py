@@ -75,11 +75,14 @@ def test_bad_capacity_is_a_config_error(capacity):
         HostTier(capacity, pin=False)
 
 
-def test_buffer_is_one_writable_uint8_region():
-    t = tier()
+@pytest.mark.parametrize("shared", [False, True])
+def test_buffer_is_one_writable_uint8_region(shared):
+    t = tier(shared=shared)
     assert t.buffer.format == "B" and t.buffer.ndim == 1 and not t.buffer.readonly
-    assert t.buffer.nbytes == 16 * P
+    assert t.buffer.nbytes == 16 * P and t.array.nbytes == 16 * P
     assert isinstance(t, Tier)
+    assert (t.shm_path is not None) == shared
+    t.close()
 
 
 def test_buffer_is_pinned_exactly_when_cuda_is_present():
@@ -92,6 +95,19 @@ def test_buffer_is_pinned_exactly_when_cuda_is_present():
         with pytest.raises(ConfigError):
             HostTier(4 * P, pin=True)
         assert HostTier(4 * P).tensor is None
+
+
+def test_shared_pool_is_pinned_exactly_when_cuda_is_present():
+    import torch
+
+    t = HostTier(4 * P, shared=True)
+    try:
+        if torch.cuda.is_available():
+            assert t.tensor.is_pinned() and t.tensor.data_ptr() == t.array.ctypes.data
+        else:
+            assert t.tensor is None
+    finally:
+        t.close()
 
 
 def test_objects_land_first_fit_and_reuse_freed_holes():
@@ -549,11 +565,11 @@ def check_slots(t: HostTier) -> None:
         assert off + t.allocator.aligned(size) <= nxt, "overlapping slots"
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_concurrent_simulation_against_a_dict_model(seed):
+@pytest.mark.parametrize("seed, shared", [(1, False), (2, False), (3, False), (4, True)])
+def test_concurrent_simulation_against_a_dict_model(seed, shared):
     clock = SimClock()
     model = Model(clock)
-    t = tier(16, clock=clock, on_evict=model.on_evict)
+    t = tier(16, clock=clock, on_evict=model.on_evict, shared=shared)
     workers = [Worker(t, model, seed * 100 + i) for i in range(4)]
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
@@ -579,3 +595,4 @@ def test_concurrent_simulation_against_a_dict_model(seed):
     for key, _, size, _ in slots:
         out = np.zeros(size, np.uint8)
         assert t.read_into_sync(key, out) == size and np.array_equal(out, OBJS[key])
+    t.close()

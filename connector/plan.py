@@ -1,0 +1,90 @@
+"""What the scheduler half tells the worker half each step, and what the worker reports back.
+
+Both are plain picklable dataclasses: in vLLM's multi-process mode they cross a process
+boundary (scheduler → worker inside the step's connector metadata; worker → scheduler
+inside ``kv_connector_worker_meta``).  The scheduler owns every decision (which slot, which
+key, which blocks); the worker only moves bytes between the shared host pool and the
+engine's blocks, by job id, and reports the outcome.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ChunkCopy:
+    """One chunk object at byte offset ``slot`` of the pool, and the engine blocks of its
+    pages ``page_offset .. page_offset + len(block_ids)``.  ``key`` is the ObjectKey's bytes: the worker checks
+    the object's header names it before a load, and writes it into the header on a save."""
+
+    slot: int
+    key: bytes
+    block_ids: list[int]
+    page_offset: int = 0  # loads: the first page of the chunk that block_ids[0] receives
+    parent: bytes = b""   # saves: the parent chunk hash written into the header
+
+
+@dataclass(slots=True)
+class LoadJob:
+    job_id: int
+    req_id: str
+    chunks: list[ChunkCopy]
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b for c in self.chunks for b in c.block_ids]
+
+
+@dataclass(slots=True)
+class SaveJob:
+    job_id: int
+    req_id: str
+    chunks: list[ChunkCopy]
+    chunk_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StepPlan:
+    pool_path: str
+    pool_size: int
+    pages_per_chunk: int
+    chunk_tokens: int
+    page_bytes: int  # the scheduler's view of one page; the worker checks it matches its own
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def has_sync_loads(self) -> bool:
+        return bool(self.loads)
+
+
+@dataclass(slots=True)
+class WorkerReport:
+    """Outcomes since the last report.  ``loads``: job id → ok.  ``saves``: job id → ok per
+    chunk.  With several workers (TP) a job is ok only if it is ok on every worker."""
+
+    loads: dict[int, bool] = field(default_factory=dict)
+    saves: dict[int, list[bool]] = field(default_factory=dict)
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    bytes_saved: int = 0
+    save_seconds: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def merge(self, other: "WorkerReport") -> "WorkerReport":
+        for job, ok in other.loads.items():
+            self.loads[job] = self.loads.get(job, True) and ok
+        for job, oks in other.saves.items():
+            mine = self.saves.get(job)
+            self.saves[job] = oks if mine is None else [a and b for a, b in zip(mine, oks)]
+        self.bytes_loaded += other.bytes_loaded
+        self.load_seconds = max(self.load_seconds, other.load_seconds)
+        self.bytes_saved += other.bytes_saved
+        self.save_seconds = max(self.save_seconds, other.save_seconds)
+        for reason, n in other.failures.items():
+            self.failures[reason] = self.failures.get(reason, 0) + n
+        return self
+
+    def empty(self) -> bool:
+        return not (self.loads or self.saves or self.failures)

@@ -1,0 +1,402 @@
+"""Scheduler half of the connector: keys, lookup, the load-or-recompute decision, slot
+bookkeeping and the per-step plan.  Runs in the engine's scheduler process.
+
+It owns the embedded ``TieredStore`` (a host pool in shared memory + SSD).  Workers only
+copy bytes into and out of the slots chosen here (``connector.plan``).
+
+Loads.  A request's prompt is hashed into chunk keys (namespace: the model identity plus
+``cache_salt`` and LoRA); the contiguous hit is looked up across tiers and the cost model
+picks how much of it to load.  Chunks in a lower tier (SSD) are first *prefetched* into
+host slots on the I/O thread while ``get_num_new_matched_tokens`` answers "ask me later"
+(the engine parks the request and runs others).  Only bytes already verified in host
+memory are ever promised to the engine, so a slow, failing or dead tier costs a miss,
+never a failed request.  Promised chunks are pinned (a reference) until the worker reports
+the copy finished.
+
+Saves.  When a step completes a full prompt chunk that no tier holds, a host slot is
+reserved (incomplete, invisible) and the worker gathers the pages into it after the
+forward; the worker's report commits it (visible), then it is written through to the
+lower tiers.  A finished request whose saves were planned keeps its blocks
+(``delay_free``) until the worker says the gathers are done.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from connector.config import ConnectorConfig
+from connector.ioloop import IOLoop
+from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
+from kvstore import codec
+from kvstore.keys import ROOT, ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
+from kvstore.metrics import HitStats, prometheus
+from kvstore.policy import CostModel
+from kvstore.store import TieredStore
+from tiers.base import PutHandle, PutResult, put_bytes
+from tiers.host import HostTier
+
+log = logging.getLogger("kvstore.connector")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    req_id: str
+    prompt: Sequence[int]
+    salt: str = ""
+    lora: str = ""
+
+
+@dataclass(slots=True)
+class StepInput:
+    new: list[tuple[str, list[int], int]] = field(default_factory=list)              # id, blocks, computed
+    cached: list[tuple[str, list[int] | None, int, bool]] = field(default_factory=list)  # id, new blocks, computed, resumed
+    scheduled: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Req:
+    view: RequestView
+    keys: list[ObjectKey]
+    hashes: list[ChunkHash]
+    blocks: list[int] = field(default_factory=list)
+    saved_upto: int = 0                      # chunks already saved or skipped
+    pins: dict[ObjectKey, int] = field(default_factory=dict)  # pinned key -> slot offset
+    window: tuple[int, int] = (0, 0)         # token range promised to the engine
+    prefetch: object = None                  # concurrent.futures.Future while SSD→host runs
+    fetched: bool = False
+    counted: bool = False
+    tiers: tuple[str, ...] = ()
+    had_saves: bool = False
+
+
+class SchedulerHalf:
+    def __init__(self, cfg: ConnectorConfig, identity: Identity, page_bytes: int, block_size: int,
+                 store: TieredStore | None = None) -> None:
+        cfg.check_block_size(block_size)
+        self.cfg, self.identity, self.block_size = cfg, identity, block_size
+        self.pages_per_chunk = cfg.chunk_size // block_size
+        self.geometry = codec.ObjectGeometry(identity.num_layers, self.pages_per_chunk, page_bytes,
+                                             "uint8", "planned", cfg.chunk_size)
+        self.object_size = codec.object_size(self.geometry)
+        self.store = store or TieredStore(HostTier(cfg.host_capacity, shared=True, pin=False), _lower_tiers(cfg))
+        self.host: HostTier = self.store.host
+        self.io = IOLoop()
+        self.cost = CostModel(cfg.prefill_tokens_per_s)
+        self.stats = HitStats()
+        self._prom = prometheus()
+        self._reqs: dict[str, _Req] = {}
+        self._namespaces: dict[tuple[str, str], Namespace] = {}
+        self._queued_loads: list[LoadJob] = []
+        self._load_pins: dict[int, list[ObjectKey]] = {}
+        self._saves: dict[int, list[tuple[PutHandle, ObjectKey]]] = {}
+        self._next_job = 1
+        self._step: tuple[float, int] | None = None
+        self._computed: dict[str, int] = {}
+
+    # --- keys ------------------------------------------------------------------------------
+
+    def _namespace(self, salt: str, lora: str) -> Namespace:
+        ns = self._namespaces.get((salt, lora))
+        if ns is None:
+            ident = Identity(**{**_fields(self.identity), "scope": salt, "adapter": lora})
+            ns = self._namespaces[(salt, lora)] = ident.namespace()
+        return ns
+
+    def _state(self, view: RequestView) -> _Req:
+        st = self._reqs.get(view.req_id)
+        if st is None:
+            ns = self._namespace(view.salt, view.lora)
+            hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), self.cfg.chunk_size)
+            st = self._reqs[view.req_id] = _Req(view, object_keys(ns, hashes), hashes)
+        return st
+
+    # --- lookup and load decision ------------------------------------------------------------
+
+    def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
+        """Tokens beyond ``num_computed`` to load now (all from host memory), or None when a
+        prefetch from a lower tier is still running."""
+        st = self._state(view)
+        self._unpin(st)
+        if st.prefetch is not None:
+            if not st.prefetch.done():
+                return None
+            self._finish_prefetch(st)
+        found = self.io.run(self.store.lookup(st.keys))
+        if not st.tiers:  # where the hit was first found (before any prefetch moved it)
+            st.tiers = found.tiers
+        worth = self.cost.plan(found.tiers, self.object_size, self.cfg.chunk_size)
+        lower = [st.keys[i] for i in range(worth) if found.tiers[i] != self.host.name]
+        if lower and not st.fetched:
+            st.prefetch = self.io.spawn(self._prefetch(lower))
+            self.stats.prefetches += 1
+            return None
+        n = self._pin_prefix(st, worth, num_computed)
+        self._count_lookup(st, n)
+        return n
+
+    async def _prefetch(self, keys: list[ObjectKey]) -> int:
+        done = 0
+        for key in keys:
+            if not await self.store.promote(key):
+                break
+            done += 1
+        return done
+
+    def _finish_prefetch(self, st: _Req) -> None:
+        fut, st.prefetch, st.fetched = st.prefetch, None, True
+        try:
+            fut.result()
+        except Exception as err:  # noqa: BLE001 - a failing tier is a miss
+            self.stats.add("failures", f"prefetch:{type(err).__name__}")
+            self._prom["failures"].labels("lower", type(err).__name__).inc()
+            log.warning("kvstore: prefetch for %s failed: %s", st.view.req_id, err)
+
+    def _pin_prefix(self, st: _Req, chunks: int, num_computed: int) -> int:
+        """Pin the host-resident prefix (≤ chunks) and return the tokens to promise."""
+        prompt_len, c = len(st.view.prompt), self.cfg.chunk_size
+        for key in st.keys[:chunks]:
+            slot = self.host.pin(key)
+            if slot is None:
+                break
+            st.pins[key] = slot[0]
+        end = min(len(st.pins) * c, prompt_len - 1) // self.block_size * self.block_size
+        if end <= num_computed:
+            self._unpin(st)
+            return 0
+        for i, key in enumerate(st.keys[:len(st.pins)]):
+            if (i + 1) * c <= num_computed or i * c >= end:  # not needed: release now
+                self.host.release(key)
+                del st.pins[key]
+        st.window = (num_computed, end)
+        return end - num_computed
+
+    def _unpin(self, st: _Req) -> None:
+        for key in st.pins:
+            self.host.release(key)
+        st.pins.clear()
+        st.window = (0, 0)
+
+    def _count_lookup(self, st: _Req, n: int) -> None:
+        if st.counted:
+            return
+        st.counted = True
+        s, p, c = self.stats, self._prom, self.cfg.chunk_size
+        full = len(st.view.prompt) // c
+        s.requests += 1
+        s.tokens_looked_up += len(st.view.prompt)
+        s.chunks_looked_up += full
+        p["requests"].inc()
+        p["looked_up_tokens"].inc(len(st.view.prompt))
+        p["chunks"].inc(full)
+        if n <= 0:
+            return
+        start, end = st.window
+        s.requests_hit += 1
+        s.tokens_hit += n
+        p["request_hits"].inc()
+        for i in range(start // c, (end + c - 1) // c):
+            tier = st.tiers[i] if i < len(st.tiers) else self.host.name
+            tokens = min(end, (i + 1) * c) - max(start, i * c)
+            s.add("tokens_hit_by_tier", tier, tokens)
+            p["hit_tokens"].labels(tier).inc(tokens)
+        s.chunks_hit += len(st.pins)
+        p["chunk_hits"].inc(len(st.pins))
+
+    # --- after allocation: the load job --------------------------------------------------------
+
+    def after_alloc(self, req_id: str, block_ids: list[int], num_external: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.blocks = list(block_ids)
+        if num_external <= 0 or not st.pins:
+            self._unpin(st)
+            return
+        start, end = st.window
+        if end - start != num_external:  # the engine took another amount: recompute instead
+            log.warning("kvstore: engine accepted %d external tokens, %d were planned", num_external, end - start)
+        job = LoadJob(self._job_id(), req_id, self._load_chunks(st, start, start + num_external))
+        self._load_pins[job.job_id] = list(st.pins)
+        st.pins.clear()
+        self._queued_loads.append(job)
+
+    def _load_chunks(self, st: _Req, start: int, end: int) -> list[ChunkCopy]:
+        c, bs = self.cfg.chunk_size, self.block_size
+        out = []
+        for i, key in enumerate(st.keys):
+            lo, hi = max(start, i * c), min(end, (i + 1) * c)
+            if lo >= hi:
+                continue
+            blocks = st.blocks[lo // bs:(hi + bs - 1) // bs]
+            out.append(ChunkCopy(st.pins[key], bytes(key), blocks, (lo - i * c) // bs))
+        return out
+
+    def _job_id(self) -> int:
+        self._next_job += 1
+        return self._next_job - 1
+
+    # --- the step plan -----------------------------------------------------------------------
+
+    def build_plan(self, step: StepInput) -> StepPlan:
+        self._track_blocks(step)
+        plan = StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
+                        self.cfg.chunk_size, self.geometry.page_bytes,
+                        loads=self._queued_loads, preempted=sorted(step.preempted))
+        self._queued_loads = []
+        for req_id, n in step.scheduled.items():
+            job = self._plan_saves(req_id, n)
+            if job is not None:
+                plan.saves.append(job)
+        self._step = (time.perf_counter(), sum(step.scheduled.values()))
+        return plan
+
+    def _track_blocks(self, step: StepInput) -> None:
+        for req_id, blocks, _ in step.new:
+            if req_id in self._reqs:
+                self._reqs[req_id].blocks = list(blocks)
+        for req_id, new_blocks, _, resumed in step.cached:
+            st = self._reqs.get(req_id)
+            if st is None or new_blocks is None:
+                continue
+            st.blocks = list(new_blocks) if resumed else st.blocks + list(new_blocks)
+        for req_id in step.preempted:
+            if req_id in self._reqs:
+                self._reqs[req_id].blocks = []
+        self._computed = {r: n for r, _, n in step.new} | {r: n for r, _, n, _ in step.cached}
+
+    def _plan_saves(self, req_id: str, scheduled: int) -> SaveJob | None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return None
+        c = self.cfg.chunk_size
+        done = min(self._computed.get(req_id, 0) + scheduled, len(st.view.prompt))
+        todo = list(range(st.saved_upto, min(done // c, len(st.keys))))
+        if not todo:
+            return None
+        present = self.io.run(self._present([st.keys[i] for i in todo]))
+        chunks, handles = [], []
+        for i, there in zip(todo, present):
+            if not there:
+                handle = self._reserve(st, i)
+                if handle is None:  # no room: later chunks would be orphans, stop here
+                    st.saved_upto = len(st.keys)
+                    break
+                chunks.append(ChunkCopy(handle.offset, bytes(st.keys[i]), self._chunk_blocks(st, i),
+                                        parent=bytes(st.hashes[i - 1]) if i else b""))
+                handles.append((handle, st.keys[i]))
+            st.saved_upto = i + 1
+        if not chunks:
+            return None
+        job = SaveJob(self._job_id(), req_id, chunks, c)
+        self._saves[job.job_id] = handles
+        st.had_saves = True
+        return job
+
+    async def _present(self, keys: list[ObjectKey]) -> list[bool]:
+        return [await self.store.contains(k) for k in keys]
+
+    def _chunk_blocks(self, st: _Req, i: int) -> list[int]:
+        return st.blocks[i * self.pages_per_chunk:(i + 1) * self.pages_per_chunk]
+
+    def _reserve(self, st: _Req, i: int) -> PutHandle | None:
+        parent = st.keys[i - 1] if i else None
+        try:
+            return self.host.put_start_sync(st.keys[i], self.object_size, parent)
+        except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
+            self.stats.add("failures", f"reserve:{type(err).__name__}")
+            return None
+
+    # --- worker outcomes ---------------------------------------------------------------------
+
+    def on_report(self, report: WorkerReport | None) -> None:
+        self._observe_step()
+        if report is None:
+            return
+        for job_id, ok in report.loads.items():
+            for key in self._load_pins.pop(job_id, []):
+                self.host.release(key)
+            if not ok:
+                self._fail("host", "load")
+        for job_id, oks in report.saves.items():
+            for (handle, key), ok in zip(self._saves.pop(job_id, []), oks):
+                self._commit(handle, key, ok)
+        for reason, n in report.failures.items():
+            self.stats.add("failures", reason, n)
+        if report.bytes_loaded:
+            self.cost.observe_transfer(self.host.name, report.bytes_loaded, report.load_seconds)
+            self._bytes(self.host.name, "read", report.bytes_loaded)
+        if report.bytes_saved:
+            self._bytes(self.host.name, "write", report.bytes_saved)
+
+    def _observe_step(self) -> None:
+        if self._step is not None:
+            t0, tokens = self._step
+            if tokens >= 64:  # prefill-dominated steps only
+                self.cost.observe_prefill(tokens, time.perf_counter() - t0)
+            self._step = None
+
+    def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
+        if not self.host.put_commit_sync(handle, ok):
+            self._fail("host", "save")
+            return
+        self.stats.saves_committed += 1
+        view = self.host.acquire(key) if self.store.lower else None
+        if view is not None:  # the reference keeps the slot alive while lower tiers copy it
+            self.io.spawn(self._write_through(key, view, handle.parent))
+
+    async def _write_through(self, key: ObjectKey, view: memoryview, parent: ObjectKey | None) -> None:
+        try:
+            for tier in self.store.lower:
+                if await put_bytes(tier, key, view, parent) is PutResult.STORED:
+                    self._bytes(tier.name, "write", len(view))
+        except Exception as err:  # noqa: BLE001 - the object stays in host memory
+            self._fail("lower", f"write:{type(err).__name__}")
+        finally:
+            self.host.release(key)
+
+    def _bytes(self, tier: str, direction: str, n: int) -> None:
+        self.stats.add("bytes_by_tier", f"{tier}:{direction}", n)
+        self._prom["bytes"].labels(tier, direction).inc(n)
+
+    def _fail(self, tier: str, reason: str) -> None:
+        self.stats.add("failures", f"{tier}:{reason}")
+        self._prom["failures"].labels(tier, reason).inc()
+
+    # --- end of a request ----------------------------------------------------------------------
+
+    def request_finished(self, req_id: str) -> bool:
+        """True when the engine must keep the blocks until the worker reports the saves."""
+        st = self._reqs.pop(req_id, None)
+        if st is None:
+            return False
+        self._unpin(st)
+        if self.cfg.stats_path is not None:
+            self.stats.write(self.cfg.stats_path)
+        return st.had_saves
+
+    def close(self) -> None:
+        """Finish write-throughs, then close the tiers (the pool's file is unlinked)."""
+        for st in self._reqs.values():
+            self._unpin(st)
+        if self.cfg.stats_path is not None:
+            self.stats.write(self.cfg.stats_path)
+        self.io.drain()
+        self.io.run(self.store.aclose())
+        self.io.close()
+
+
+def _lower_tiers(cfg: ConnectorConfig) -> list:
+    if cfg.ssd_dir is None:
+        return []
+    from tiers.ssd import SSDTier
+
+    return [SSDTier(cfg.ssd_dir, cfg.ssd_capacity)]
+
+
+def _fields(identity: Identity) -> dict[str, object]:
+    return {f: getattr(identity, f) for f in identity.__dataclass_fields__}

@@ -1,0 +1,163 @@
+"""Random-weight Llama checkpoints built locally, for tests and benchmarks (no hub access).
+
+`build_model(dest, ...)` writes a `LlamaForCausalLM` with seeded random weights as
+safetensors. It is idempotent: a directory built with the same spec is left alone. It is
+crash-safe: the model is written to a temporary sibling directory and renamed into place,
+so `dest` is either absent, a complete old model, or a complete new one.
+
+`GEOMETRIES` names the shapes we use: "tiny" and "tiny2" (two different KV geometries for
+tests) and "bench" (KV bytes per token of a real 1B-class model, with a prefill cost that
+fits a 2-core CPU). Runs on the host, outside the engine; imports torch/transformers lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SPEC_FILE = "kvstore-model-spec.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Everything that determines a built model, weights included (via the seed)."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 1024
+    intermediate: int = 512
+    max_positions: int = 8192
+    head_dim: int | None = None
+    seed: int = 0
+    dtype: str = "bfloat16"
+    # Weight init std. HF's default 0.02 gives a near-uniform next-token distribution whose
+    # greedy output is one token repeated regardless of context, a weak oracle; 0.1 makes
+    # outputs depend on the prompt and keeps logits small enough for bf16 logprob checks.
+    init_std: float = 0.1
+
+    def kv_bytes_per_token(self) -> int:
+        elem = 4 if self.dtype == "float32" else 2
+        head_dim = self.head_dim or self.hidden // self.heads
+        return 2 * self.layers * self.kv_heads * head_dim * elem
+
+
+GEOMETRIES: dict[str, Geometry] = {
+    # 4 layers x 2 KV heads x 64: 2 KiB of KV per token; 12 MB of weights.
+    "tiny": Geometry(),
+    # 6 layers x 4 KV heads x 32: 1.5 KiB per token; a second layout for tests.
+    "tiny2": Geometry(layers=6, hidden=128, heads=4, kv_heads=4, head_dim=32, intermediate=256),
+    # Llama-3.2-1B's KV geometry (16 layers x 8 KV heads x 64, bf16: 32 KiB per token)
+    # with a narrower MLP and vocabulary so a 2000-token prefill takes ~1-3 s on 2 cores.
+    "bench": Geometry(
+        layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096
+    ),
+}
+
+
+def build_model(
+    dest: Path,
+    *,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 1024,
+    intermediate: int = 512,
+    max_positions: int = 8192,
+    head_dim: int | None = None,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    init_std: float = 0.1,
+) -> Path:
+    """Build (or reuse) a random-weight Llama at `dest`; return `dest`."""
+    geo = Geometry(layers, hidden, heads, kv_heads, vocab, intermediate, max_positions,
+                   head_dim, seed, dtype, init_std)
+    return build_geometry(Path(dest), geo)
+
+
+def build_named(dest: Path, name: str) -> Path:
+    """Build one of `GEOMETRIES` by name."""
+    return build_geometry(Path(dest), GEOMETRIES[name])
+
+
+def build_geometry(dest: Path, geo: Geometry) -> Path:
+    dest = Path(dest)
+    if _is_built(dest, geo):
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp.chmod(0o755)
+    try:
+        _write_model(tmp, geo)
+        _install(tmp, dest, geo)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _spec(geo: Geometry) -> dict:
+    return {"format": 1, **asdict(geo)}
+
+
+def _is_built(dest: Path, geo: Geometry) -> bool:
+    try:
+        spec = json.loads((dest / SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return spec == _spec(geo) and (dest / "config.json").exists()
+
+
+def _install(tmp: Path, dest: Path, geo: Geometry) -> None:
+    """Rename the finished `tmp` into `dest`, replacing a stale model there."""
+    if dest.exists():
+        if _is_built(dest, geo):  # a concurrent builder won the race
+            return
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.rename(dest, old)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(tmp, dest)
+    except OSError:
+        if not _is_built(dest, geo):
+            raise
+
+
+def _llama_config(geo: Geometry):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=geo.hidden,
+        intermediate_size=geo.intermediate,
+        num_hidden_layers=geo.layers,
+        num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads,
+        head_dim=geo.head_dim or geo.hidden // geo.heads,
+        vocab_size=geo.vocab,
+        max_position_embeddings=geo.max_positions,
+        initializer_range=geo.init_std,
+        tie_word_embeddings=False,
+        dtype=geo.dtype,
+    )
+
+
+def _write_model(tmp: Path, geo: Geometry) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(geo.seed)
+    model = LlamaForCausalLM(_llama_config(geo)).to(getattr(torch, geo.dtype))
+    model.save_pretrained(tmp, safe_serialization=True)
+    # The spec is written last: its presence marks a complete model.
+    (tmp / SPEC_FILE).write_text(json.dumps(_spec(geo), sort_keys=True))
+
+
+if __name__ == "__main__":  # python -m connector.tinymodel DEST [GEOMETRY]
+    import sys
+
+    print(build_named(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "tiny"))

@@ -1,0 +1,187 @@
+"""``KVStoreConnector``: vLLM's ``KVConnectorBase_V1`` over the two engine-agnostic halves.
+
+Select it with::
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "connector.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"ssd_dir": "/var/lib/kvstore", "host_capacity": "4GiB"}}'
+
+This file only converts between vLLM's objects and ours and delegates: the scheduler role
+to ``connector.scheduler.SchedulerHalf``, the worker role to ``connector.worker.WorkerHalf``.
+They talk only through the picklable ``StepPlan`` / ``WorkerReport`` carried by vLLM.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from connector.config import ConnectorConfig
+from connector.device import make_device
+from connector.plan import StepPlan, WorkerReport
+from connector.scheduler import RequestView, SchedulerHalf, StepInput
+from connector.transfer import PagedKV
+from connector.worker import WorkerHalf
+from kvstore.errors import ConfigError
+from kvstore.keys import Identity
+
+log = logging.getLogger("kvstore.connector")
+
+
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVStoreWorkerMetadata):
+            self.report.merge(other.report)
+        return self
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        block_size = vllm_config.cache_config.block_size
+        self.cfg.check_block_size(block_size)
+        _check_supported(vllm_config, kv_cache_config)
+        self._sched: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            identity, page_bytes = engine_identity(vllm_config, kv_cache_config)
+            self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size)
+        else:
+            self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never a correctness problem
+
+    # --- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.mm_features or request.prompt_token_ids is None:
+            return 0, False  # multimodal placeholders are not keyed yet: never guess
+        lora = request.lora_request.lora_name if request.lora_request else ""
+        view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora)
+        return self._sched.matched_tokens(view, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._sched.after_alloc(request.request_id, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        so = scheduler_output
+        cached = so.scheduled_cached_reqs
+        step = StepInput(
+            new=[(r.req_id, list(r.block_ids[0]), r.num_computed_tokens) for r in so.scheduled_new_reqs],
+            cached=[(rid, None if nb is None else list(nb[0]), cached.num_computed_tokens[i],
+                     rid in cached.resumed_req_ids)
+                    for i, (rid, nb) in enumerate(zip(cached.req_ids, cached.new_block_ids))],
+            scheduled=dict(so.num_scheduled_tokens),
+            preempted=set(so.preempted_req_ids or ()),
+        )
+        return KVStoreConnectorMetadata(self._sched.build_plan(step))
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        self._sched.on_report(meta.report if isinstance(meta, KVStoreWorkerMetadata) else None)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request.request_id), None
+
+    # --- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        group = self._kv_cache_config.kv_cache_groups[0]
+        self._worker.register(PagedKV(kv_caches, group.layer_names, self._kv_cache_config.num_blocks))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind(connector_metadata.plan)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if kv_connector_metadata.plan.preempted:
+            self._worker.drain_saves()
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # chunks are gathered after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker.finish_loads()
+        self._worker.submit_saves()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished_sending(finished_req_ids) or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self._worker.take_report()
+        return None if report is None else KVStoreWorkerMetadata(report)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.close()
+
+
+def _check_supported(vllm_config, kv_cache_config) -> None:
+    if vllm_config.parallel_config.tensor_parallel_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError("KVStoreConnector: tensor/pipeline parallelism is not supported yet (rank-sharded chunks)")
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        raise ConfigError("KVStoreConnector: models with several KV cache groups (hybrid attention) are not supported yet")
+
+
+def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
+    """The computation identity of this engine's KV (DESIGN §3) and its page size."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    mc = vllm_config.model_config
+    device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
+    layout = f"{device}:bs{spec.block_size}:h{spec.num_kv_heads}x{spec.head_size}:{vllm_config.cache_config.cache_dtype}"
+    identity = Identity(
+        model=str(mc.model), revision=mc.revision or model_fingerprint(mc.model),
+        kv_dtype=str(spec.dtype).removeprefix("torch."), layout_id=layout,
+        num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
+    )
+    return identity, spec.page_size_bytes
+
+
+def model_fingerprint(model: str) -> str:
+    """For a local model directory: a digest of its config and weight files (size and the
+    first and last MiB of each), so two different checkpoints at one path never share KV."""
+    root = Path(model)
+    if not root.is_dir():
+        return "unversioned"
+    h = hashlib.sha256()
+    for path in sorted(root.glob("*.json")) + sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), 2)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]

@@ -1,0 +1,276 @@
+"""Worker half of the connector: moves bytes between the shared host pool and the engine's
+KV blocks, by the jobs of the scheduler's ``StepPlan``, and reports outcomes.
+
+Per load chunk the lifecycle ticket runs LOOKED_UP → READABLE (the scheduler holds a
+reference on the slot) → IN_BUFFER (header, key and checksum verified in the slot) →
+ON_DEVICE (every layer's scatter event completed) → CONSUMABLE (the compute waited on
+it) → RELEASED (reported; the scheduler drops its reference).  A chunk that fails makes it
+and every later chunk of its job "failed blocks": vLLM recomputes them.
+
+Saves gather finished chunks into their reserved slots after the forward and seal the
+header (checksum); blocks of a finished request stay allocated (``delay_free``) until its
+gathers completed, and preemption drains in-flight gathers before blocks are reused.
+Every step drains its own load copies before it returns, so a failed or timed-out load
+never writes into blocks the engine is already recomputing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from connector.device import CopyEvent, Device
+from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
+from connector.transfer import PagedKV
+from kvstore import codec
+from kvstore.errors import ConfigError, ObjectFormatError
+from kvstore.keys import ROOT, ChunkHash, ObjectKey
+from kvstore.lifecycle import LoadState, Ticket, load_ticket
+from tiers.host import attach_shared
+
+log = logging.getLogger("kvstore.connector")
+DRAIN_LIMIT_S = 600.0  # past this a copy is wedged: crash rather than risk wrong KV
+
+
+@dataclass
+class _Load:
+    job: LoadJob
+    tickets: list[Ticket]
+    events: list[CopyEvent] = field(default_factory=list)  # one per layer
+    failed_from: int | None = None  # index of the first chunk that must be recomputed
+    started: float = 0.0
+
+    def fail(self, chunk: int, reason: str) -> None:
+        if self.failed_from is None or chunk < self.failed_from:
+            self.failed_from = chunk
+        for t in self.tickets[chunk:]:
+            t.fail(reason)
+
+
+class WorkerHalf:
+    def __init__(self, device: Device, verify_loads: bool = True, load_timeout_s: float = 30.0) -> None:
+        self.device = device
+        self.verify_loads = verify_loads
+        self.load_timeout_s = load_timeout_s
+        self.kv: PagedKV | None = None
+        self._pool = None
+        self._pool_t: torch.Tensor | None = None
+        self._plan: StepPlan | None = None
+        self._loads: list[_Load] = []
+        self._load_errors: set[int] = set()
+        self._saving: dict[str, int] = {}         # req id -> gathers in flight
+        self._had_saves: set[str] = set()         # req ids that ever had a save job
+        self._finished: set[str] = set()          # finished req ids awaiting their gathers
+        self._report = WorkerReport()
+        self._lock = threading.Lock()  # guards _report, _saving, _save_oks, _save_left, _had_saves, _finished
+        self._save_oks: dict[int, list[bool]] = {}
+        self._save_left: dict[int, int] = {}
+
+    # --- setup -----------------------------------------------------------------------------
+
+    def register(self, kv: PagedKV) -> None:
+        self.kv = kv
+
+    def bind(self, plan: StepPlan) -> None:
+        if self.kv is not None and plan.page_bytes != self.kv.layout.page_bytes:
+            raise ConfigError(f"scheduler plans {plan.page_bytes}-byte pages, this worker's KV pages "
+                              f"are {self.kv.layout.page_bytes} bytes ({self.kv.layout})")
+        self._plan = plan
+        if self._pool is None or self._pool.path != plan.pool_path:
+            self._attach(plan.pool_path, plan.pool_size)
+
+    def _attach(self, path: str, size: int) -> None:
+        if self._pool is not None:
+            self.device.synchronize()
+            self._pool.close()
+        self._pool = attach_shared(path, size)
+        self._pool_t = torch.from_numpy(self._pool.array)
+
+    # --- loads -----------------------------------------------------------------------------
+
+    def start_loads(self) -> None:
+        plan = self._plan
+        if plan is None or not plan.loads:
+            return
+        if self.kv is None:
+            raise RuntimeError("start_load_kv before register_kv_caches")
+        for job in plan.loads:
+            self._loads.append(self._issue(job, plan.pages_per_chunk))
+
+    def _issue(self, job: LoadJob, pages_per_chunk: int) -> _Load:
+        tickets = [load_ticket(f"{job.req_id}#{i}") for i in range(len(job.chunks))]
+        load = _Load(job, tickets, started=time.perf_counter())
+        for t in tickets:
+            t.advance(LoadState.READABLE)  # the scheduler pinned the slot before planning
+            t.begin_copy()
+        verify = self.device.submit(lambda: self._verify(load, pages_per_chunk))
+        verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
+        for layer in range(self.kv.layout.num_layers):
+            load.events.append(self.device.submit(lambda layer=layer: self._scatter(load, layer, pages_per_chunk)))
+        load.events[-1].on_complete(lambda ev: self._on_device(load, ev))
+        return load
+
+    def _verify(self, load: _Load, pages: int) -> None:
+        for i, chunk in enumerate(load.job.chunks):
+            try:
+                self._check_object(chunk, pages)
+            except (ObjectFormatError, ConfigError) as err:
+                self._count("load_" + type(err).__name__)
+                load.fail(i, str(err))
+                return
+            load.tickets[i].advance(LoadState.IN_BUFFER)
+
+    def _check_object(self, chunk: ChunkCopy, pages: int) -> None:
+        view = self._pool.buffer[chunk.slot:]
+        key = ObjectKey.from_bytes(chunk.key)
+        if self.verify_loads:
+            header = codec.verify(view, expected_key=key)
+        else:
+            header = codec.decode_header(view)
+            if header.key != key:
+                raise codec.KeyMismatchError(f"slot holds {header.key!r}, expected {key!r}")
+        g = header.geometry
+        if (g.num_layers, g.page_bytes) != (self.kv.layout.num_layers, self.kv.layout.page_bytes) \
+                or g.pages_per_layer < chunk.page_offset + len(chunk.block_ids):
+            raise codec.CorruptHeaderError(f"object geometry {g} does not fit this engine's KV layout")
+
+    def _scatter(self, load: _Load, layer: int, pages: int) -> None:
+        for i, chunk in enumerate(load.job.chunks):
+            if load.failed_from is not None and i >= load.failed_from:
+                return
+            payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
+            self.kv.scatter_layer(layer, chunk.block_ids, payload[:, chunk.page_offset:])
+
+    def _on_device(self, load: _Load, event: CopyEvent) -> None:
+        for t in load.tickets:
+            t.end_copy()
+            if event.error is not None:
+                t.fail(f"copy: {event.error}")
+            elif t.state is LoadState.IN_BUFFER:
+                t.advance(LoadState.ON_DEVICE)
+        if event.error is not None:
+            self._count("load_copy_error")
+            load.fail(0, f"copy: {event.error}")
+
+    def wait_layer(self, layer_name: str) -> None:
+        if not self._loads or self.kv is None:
+            return
+        layer = self.kv.index.get(layer_name)
+        if layer is None:
+            return
+        for load in self._loads:
+            ev = load.events[layer]
+            if not self.device.make_compute_wait(ev, self.load_timeout_s):
+                self._count("load_timeout")
+                load.fail(0, f"layer {layer_name} not loaded within {self.load_timeout_s}s")
+            elif ev.error is not None:
+                load.fail(0, f"copy: {ev.error}")
+
+    def finish_loads(self) -> None:
+        """Drain this step's load copies, then record outcomes and failed blocks."""
+        for load in self._loads:
+            for ev in load.events:
+                if not ev.wait(DRAIN_LIMIT_S):
+                    raise RuntimeError("a KV load copy is wedged; refusing to continue with unknown KV")
+            self._settle(load)
+        self._loads = []
+
+    def _settle(self, load: _Load) -> None:
+        ok = load.failed_from is None
+        if not ok:
+            for chunk in load.job.chunks[load.failed_from:]:
+                self._load_errors.update(chunk.block_ids)
+            log.warning("kvstore: load %s of %s failed from chunk %d: %s", load.job.job_id,
+                        load.job.req_id, load.failed_from, load.tickets[load.failed_from].error)
+        for t in load.tickets:
+            if t.state is LoadState.ON_DEVICE:
+                t.advance(LoadState.CONSUMABLE)
+            t.release()
+        pages = sum(len(c.block_ids) for c in load.job.chunks)
+        with self._lock:
+            r = self._report
+            r.loads[load.job.job_id] = ok
+            if ok:
+                r.bytes_loaded += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
+                r.load_seconds += time.perf_counter() - load.started
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- saves -----------------------------------------------------------------------------
+
+    def submit_saves(self) -> None:
+        plan = self._plan
+        if plan is None or not plan.saves:
+            return
+        geometry = self.kv.layout.geometry(plan.pages_per_chunk, plan.chunk_tokens)
+        for job in plan.saves:
+            with self._lock:
+                self._had_saves.add(job.req_id)
+                self._saving[job.req_id] = self._saving.get(job.req_id, 0) + len(job.chunks)
+                self._save_oks[job.job_id] = [False] * len(job.chunks)
+                self._save_left[job.job_id] = len(job.chunks)
+            for i, chunk in enumerate(job.chunks):
+                ev = self.device.submit(lambda c=chunk: self._gather(c, geometry, plan.pages_per_chunk))
+                ev.on_complete(lambda e, j=job, i=i: self._saved(j, i, e))
+
+    def _gather(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry, pages: int) -> None:
+        payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
+        self.kv.gather(chunk.block_ids, payload)
+        parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
+        view = self._pool.buffer[chunk.slot:chunk.slot + codec.object_size(geometry)]
+        codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent)
+
+    def _saved(self, job: SaveJob, i: int, event: CopyEvent) -> None:
+        """Copy-thread callback: the gather of chunk i finished (SNAPSHOT_DONE) or failed."""
+        ok = event.error is None
+        if not ok:
+            log.warning("kvstore: save of %s chunk %d failed: %s", job.req_id, i, event.error)
+            self._count("save_copy_error")
+        with self._lock:
+            self._save_oks[job.job_id][i] = ok
+            self._save_left[job.job_id] -= 1
+            self._saving[job.req_id] -= 1
+            if ok:
+                self._report.bytes_saved += self.kv.layout.page_bytes * self.kv.layout.num_layers * len(job.chunks[i].block_ids)
+            if self._save_left[job.job_id] == 0:
+                del self._save_left[job.job_id]
+                self._report.saves[job.job_id] = self._save_oks.pop(job.job_id)
+
+    def drain_saves(self) -> None:
+        """Preemption: blocks may be reused next; every gather must have finished."""
+        if not self.device.synchronize(DRAIN_LIMIT_S):
+            raise RuntimeError("a KV save copy is wedged; refusing to reuse its blocks")
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose saves are done: their blocks may now be freed."""
+        with self._lock:
+            self._finished |= finished_req_ids & self._had_saves
+            done = {r for r in self._finished if self._saving.get(r, 0) == 0}
+            self._finished -= done
+            self._had_saves -= done
+            for r in done:
+                self._saving.pop(r, None)
+        return done
+
+    # --- reporting -------------------------------------------------------------------------
+
+    def _count(self, reason: str) -> None:
+        with self._lock:
+            f = self._report.failures
+            f[reason] = f.get(reason, 0) + 1
+
+    def take_report(self) -> WorkerReport | None:
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return None if report.empty() else report
+
+    def close(self) -> None:
+        self.device.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None

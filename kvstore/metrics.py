@@ -1,0 +1,72 @@
+"""Metrics with named denominators (DESIGN §10) and their Prometheus counters.
+
+``HitStats`` is the plain record the connector keeps and prints; every rate it reports
+names its denominator.  ``prometheus()`` returns process-wide counters (created once, so
+two connector instances in one process share them instead of colliding).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prometheus_client import Counter, Histogram
+
+_LOCK = threading.Lock()  # guards creation of the process-wide Prometheus collectors
+_PROM: dict[str, object] = {}
+
+
+@dataclass
+class HitStats:
+    requests: int = 0
+    requests_hit: int = 0
+    tokens_looked_up: int = 0
+    tokens_hit: int = 0
+    chunks_looked_up: int = 0
+    chunks_hit: int = 0
+    tokens_hit_by_tier: dict[str, int] = field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)  # "<tier>:<read|write>"
+    failures: dict[str, int] = field(default_factory=dict)
+    prefetches: int = 0
+    saves_committed: int = 0
+
+    def add(self, table: str, key: str, n: int = 1) -> None:
+        d = getattr(self, table)
+        d[key] = d.get(key, 0) + n
+
+    def rates(self) -> dict[str, str]:
+        def r(a: int, b: int, what: str) -> str:
+            return f"{a}/{b} {what} ({100.0 * a / b:.1f}%)" if b else f"0/0 {what}"
+        return {
+            "token_hit_rate": r(self.tokens_hit, self.tokens_looked_up, "hit tokens / looked-up prompt tokens"),
+            "chunk_hit_rate": r(self.chunks_hit, self.chunks_looked_up, "hit chunks / looked-up full chunks"),
+            "request_hit_rate": r(self.requests_hit, self.requests, "requests with a hit / requests"),
+        }
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        d["rates"] = self.rates()
+        return d
+
+    def write(self, path: Path) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+
+
+def prometheus() -> dict[str, object]:
+    with _LOCK:
+        if not _PROM:
+            _PROM.update(
+                looked_up_tokens=Counter("kvstore_looked_up_tokens", "Prompt tokens looked up"),
+                hit_tokens=Counter("kvstore_hit_tokens", "Tokens loaded instead of recomputed", ["tier"]),
+                requests=Counter("kvstore_requests", "Requests looked up"),
+                request_hits=Counter("kvstore_request_hits", "Requests with at least one loaded chunk"),
+                chunks=Counter("kvstore_looked_up_chunks", "Full chunks looked up"),
+                chunk_hits=Counter("kvstore_chunk_hits", "Chunks loaded"),
+                bytes=Counter("kvstore_bytes", "Bytes moved", ["tier", "direction"]),
+                failures=Counter("kvstore_failures", "Failures by tier and reason", ["tier", "reason"]),
+                stage=Histogram("kvstore_stage_seconds", "Time to reach each lifecycle stage", ["stage"]),
+            )
+        return _PROM

@@ -71,6 +71,7 @@ class WorkerReport:
     bytes_saved: int = 0
     save_seconds: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
+    damaged: list[bytes] = field(default_factory=list)  # keys whose slot failed verification
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         for job, ok in other.loads.items():
@@ -84,7 +85,8 @@ class WorkerReport:
         self.save_seconds = max(self.save_seconds, other.save_seconds)
         for reason, n in other.failures.items():
             self.failures[reason] = self.failures.get(reason, 0) + n
+        self.damaged += [k for k in other.damaged if k not in self.damaged]
         return self
 
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.failures)
+        return not (self.loads or self.saves or self.failures or self.damaged)

@@ -327,6 +327,8 @@ class SchedulerHalf:
                 self._commit(handle, key, ok)
         for reason, n in report.failures.items():
             self.stats.add("failures", reason, n)
+        for raw in report.damaged:  # a damaged object is a miss from now on: drop it
+            self.host.delete_sync(ObjectKey.from_bytes(raw))
         if report.bytes_loaded:
             self.cost.observe_transfer(self.host.name, report.bytes_loaded, report.load_seconds)
             self._bytes(self.host.name, "read", report.bytes_loaded)

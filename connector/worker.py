@@ -119,6 +119,8 @@ class WorkerHalf:
                 self._check_object(chunk, pages)
             except (ObjectFormatError, ConfigError) as err:
                 self._count("load_" + type(err).__name__)
+                with self._lock:
+                    self._report.damaged.append(chunk.key)
                 load.fail(i, str(err))
                 return
             load.tickets[i].advance(LoadState.IN_BUFFER)

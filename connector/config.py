@@ -6,7 +6,8 @@ Keys (each also read from ``KVSTORE_<KEY>`` when absent from the mapping):
   ssd_dir         a directory for the SSD tier; "" or absent = no SSD tier
   ssd_capacity    bytes or "16GiB"
   chunk_size      tokens per chunk object; a multiple of the engine block size
-  device          auto | host | cuda: the copy engine on the worker
+  device          auto | host | cuda: the copy engine on the worker (tests also use
+                  faulty:fail_every=N,delay=S to inject copy failures)
   verify_loads    true/false: checksum every object before it reaches the engine
   prefill_tokens_per_s  seed of the cost model's recompute rate (refined online)
   load_timeout_s  how long a layer waits for its load before the load counts as failed
@@ -45,7 +46,7 @@ class ConnectorConfig:
     lease_ttl: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES:
+        if self.device not in DEVICES and not self.device.startswith("faulty:"):
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
         for name in ("prefill_tokens_per_s", "load_timeout_s", "lease_ttl"):
             if getattr(self, name) <= 0:

@@ -224,6 +224,9 @@ class CudaDevice:
             cuda_event.record(self.stream)
         event = CudaCopyEvent(cuda_event)
         if error is not None:
+            # Copies the job enqueued before it raised may still touch its buffers: complete
+            # (and so let the ticket release them) only once they have finished.
+            cuda_event.synchronize()
             event.complete(error)
         else:
             with self._lock:
@@ -254,7 +257,10 @@ class CudaDevice:
 
 
 def make_device(kind: str = "auto") -> Device:
-    """``auto`` → CUDA when available, else host; ``host``; ``cuda``."""
+    """``auto`` → CUDA when available, else host; ``host``; ``cuda``; and for fault tests
+    ``faulty:fail_every=N,delay=S`` (every N-th copy job fails, each waits S seconds)."""
+    if kind.startswith("faulty:"):
+        return _faulty(kind.removeprefix("faulty:"))
     if kind == "auto":
         try:
             import torch
@@ -266,4 +272,19 @@ def make_device(kind: str = "auto") -> Device:
         return HostDevice()
     if kind == "cuda":
         return CudaDevice()
-    raise ConfigError(f"unknown device {kind!r}; expected auto, host or cuda")
+    raise ConfigError(f"unknown device {kind!r}; expected auto, host, cuda or faulty:...")
+
+
+def _faulty(spec: str) -> FaultyDevice:
+    opts = {}
+    for part in filter(None, spec.split(",")):
+        name, _, value = part.partition("=")
+        if name not in ("fail_every", "delay"):
+            raise ConfigError(f"faulty device: unknown option {name!r}")
+        try:
+            opts[name] = float(value)
+        except ValueError as err:
+            raise ConfigError(f"faulty device: {name}={value!r} is not a number") from err
+    every = int(opts.get("fail_every", 0))
+    fail = (lambda n: (n + 1) % every == 0) if every > 0 else None
+    return FaultyDevice(delay=opts.get("delay", 0.0), fail=fail)

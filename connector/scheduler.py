@@ -193,19 +193,21 @@ class SchedulerHalf:
         p["requests"].inc()
         p["looked_up_tokens"].inc(len(st.view.prompt))
         p["chunks"].inc(full)
-        if n <= 0:
-            return
-        start, end = st.window
-        s.requests_hit += 1
-        s.tokens_hit += n
-        p["request_hits"].inc()
-        for i in range(start // c, (end + c - 1) // c):
-            tier = st.tiers[i] if i < len(st.tiers) else self.host.name
-            tokens = min(end, (i + 1) * c) - max(start, i * c)
-            s.add("tokens_hit_by_tier", tier, tokens)
-            p["hit_tokens"].labels(tier).inc(tokens)
-        s.chunks_hit += len(st.pins)
-        p["chunk_hits"].inc(len(st.pins))
+        by_tier: dict[str, int] = {}
+        if n > 0:
+            start, end = st.window
+            s.requests_hit += 1
+            s.tokens_hit += n
+            p["request_hits"].inc()
+            for i in range(start // c, (end + c - 1) // c):
+                tier = st.tiers[i] if i < len(st.tiers) else self.host.name
+                by_tier[tier] = by_tier.get(tier, 0) + min(end, (i + 1) * c) - max(start, i * c)
+            for tier, tokens in by_tier.items():
+                s.add("tokens_hit_by_tier", tier, tokens)
+                p["hit_tokens"].labels(tier).inc(tokens)
+            s.chunks_hit += len(st.pins)
+            p["chunk_hits"].inc(len(st.pins))
+        s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt))
 
     # --- after allocation: the load job --------------------------------------------------------
 

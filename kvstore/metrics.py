@@ -30,6 +30,13 @@ class HitStats:
     failures: dict[str, int] = field(default_factory=dict)
     prefetches: int = 0
     saves_committed: int = 0
+    recent: list[dict[str, object]] = field(default_factory=list)  # last requests, in order
+    RECENT_MAX = 1000
+
+    def log_request(self, prompt_tokens: int, hit_tokens: int, tiers: dict[str, int], salted: bool) -> None:
+        self.recent.append({"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
+                            "tiers": tiers, "salted": salted})
+        del self.recent[:-self.RECENT_MAX]
 
     def add(self, table: str, key: str, n: int = 1) -> None:
         d = getattr(self, table)

@@ -29,28 +29,31 @@ Callback = Callable[["CopyEvent"], None]
 class CopyEvent:
     """Completion of one submitted copy.  ``error`` is set when the copy raised."""
 
-    __slots__ = ("_done", "error", "_callbacks", "_lock")
+    __slots__ = ("_done", "_fired", "error", "_callbacks", "_lock")
 
     def __init__(self) -> None:
         self._done = threading.Event()
+        self._fired = False
         self._lock = threading.Lock()  # guards _callbacks against a concurrent complete()
         self._callbacks: list[Callback] = []
         self.error: BaseException | None = None
 
     def complete(self, error: BaseException | None = None) -> None:
+        """Record the outcome, run the callbacks, then let waiters go: a ``wait()`` that
+        returns True has seen every callback (e.g. the ticket's ``end_copy``) finish."""
         with self._lock:
-            if self._done.is_set():
+            if self._fired:
                 return
-            self.error = error
-            self._done.set()
+            self._fired, self.error = True, error
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
+        self._done.set()
 
     def on_complete(self, cb: Callback) -> None:
         """Run ``cb(event)`` once the copy completed (at once if it already has)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._fired:
                 self._callbacks.append(cb)
                 return
         cb(self)
@@ -125,10 +128,11 @@ class HostDevice:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
         if self._closed:
             return
-        self.synchronize()
+        if not self.synchronize(timeout):
+            raise RuntimeError(f"copy jobs still running after {timeout}s; not closing under them")
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout=10)

@@ -12,6 +12,7 @@ into it and ``index_copy_`` scatters from it, with no allocation per chunk.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ class PageLayout:
     @property
     def layout_id(self) -> str:
         shape = "x".join(map(str, self.page_shape))
-        return f"{self.device}:b{self.block_dim}:{shape}"[:32]
+        text = f"{self.device}:b{self.block_dim}:{shape}"
+        return text if len(text) <= 32 else "h:" + hashlib.sha256(text.encode()).hexdigest()[:30]
 
     def geometry(self, pages_per_chunk: int, chunk_tokens: int) -> codec.ObjectGeometry:
         return codec.ObjectGeometry(self.num_layers, pages_per_chunk, self.page_bytes,

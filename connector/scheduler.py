@@ -379,17 +379,20 @@ class SchedulerHalf:
         if st is None:
             return False
         self._unpin(st)
-        if self.cfg.stats_path is not None:
-            self.stats.write(self.cfg.stats_path)
+        self.write_stats()
         return st.had_saves
+
+    def write_stats(self) -> None:
+        if self.cfg.stats_path is not None:
+            tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
+            self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
 
     def close(self) -> None:
         """Finish write-throughs, then close the tiers (the pool's file is unlinked)."""
         for st in self._reqs.values():
             self._unpin(st)
-        if self.cfg.stats_path is not None:
-            self.stats.write(self.cfg.stats_path)
         self.io.drain()
+        self.write_stats()
         self.io.run(self.store.aclose())
         self.io.close()
 

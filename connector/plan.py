@@ -72,6 +72,7 @@ class WorkerReport:
     save_seconds: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
     damaged: list[bytes] = field(default_factory=list)  # keys whose slot failed verification
+    stages: list[tuple[str, float]] = field(default_factory=list)  # (lifecycle state, seconds)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         for job, ok in other.loads.items():
@@ -86,6 +87,7 @@ class WorkerReport:
         for reason, n in other.failures.items():
             self.failures[reason] = self.failures.get(reason, 0) + n
         self.damaged += [k for k in other.damaged if k not in self.damaged]
+        self.stages += other.stages
         return self
 
     def empty(self) -> bool:

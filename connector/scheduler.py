@@ -22,6 +22,7 @@ lower tiers.  A finished request whose saves were planned keeps its blocks
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class SchedulerHalf:
         self.io = IOLoop()
         self.cost = CostModel(cfg.prefill_tokens_per_s)
         self.stats = HitStats()
+        self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
         self._prom = prometheus()
         self._reqs: dict[str, _Req] = {}
         self._namespaces: dict[tuple[str, str], Namespace] = {}
@@ -140,11 +142,16 @@ class SchedulerHalf:
         return n
 
     async def _prefetch(self, keys: list[ObjectKey]) -> int:
-        done = 0
+        done, t0 = 0, time.perf_counter()
         for key in keys:
             if not await self.store.promote(key):
                 break
             done += 1
+        seconds = time.perf_counter() - t0
+        self._prom["stage"].labels("PREFETCHED").observe(seconds)
+        if done:
+            self.cost.observe_transfer(self.store.lower[0].name, done * self.object_size, seconds)
+            self._bytes(self.store.lower[0].name, "read", done * self.object_size)
         return done
 
     def _finish_prefetch(self, st: _Req) -> None:
@@ -152,8 +159,7 @@ class SchedulerHalf:
         try:
             fut.result()
         except Exception as err:  # noqa: BLE001 - a failing tier is a miss
-            self.stats.add("failures", f"prefetch:{type(err).__name__}")
-            self._prom["failures"].labels("lower", type(err).__name__).inc()
+            self._fail("lower", f"prefetch:{type(err).__name__}")
             log.warning("kvstore: prefetch for %s failed: %s", st.view.req_id, err)
 
     def _pin_prefix(self, st: _Req, chunks: int, num_computed: int) -> int:
@@ -310,7 +316,7 @@ class SchedulerHalf:
         try:
             return self.host.put_start_sync(st.keys[i], self.object_size, parent)
         except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
-            self.stats.add("failures", f"reserve:{type(err).__name__}")
+            self._fail("host", f"reserve:{type(err).__name__}")
             return None
 
     # --- worker outcomes ---------------------------------------------------------------------
@@ -327,8 +333,11 @@ class SchedulerHalf:
         for job_id, oks in report.saves.items():
             for (handle, key), ok in zip(self._saves.pop(job_id, []), oks):
                 self._commit(handle, key, ok)
-        for reason, n in report.failures.items():
-            self.stats.add("failures", reason, n)
+        with self._stats_lock:
+            for reason, n in report.failures.items():
+                self.stats.add("failures", reason, n)
+        for stage, seconds in report.stages:
+            self._prom["stage"].labels(stage).observe(seconds)
         for raw in report.damaged:  # a damaged object is a miss from now on: drop it
             self.host.delete_sync(ObjectKey.from_bytes(raw))
         if report.bytes_loaded:
@@ -364,11 +373,13 @@ class SchedulerHalf:
             self.host.release(key)
 
     def _bytes(self, tier: str, direction: str, n: int) -> None:
-        self.stats.add("bytes_by_tier", f"{tier}:{direction}", n)
+        with self._stats_lock:
+            self.stats.add("bytes_by_tier", f"{tier}:{direction}", n)
         self._prom["bytes"].labels(tier, direction).inc(n)
 
     def _fail(self, tier: str, reason: str) -> None:
-        self.stats.add("failures", f"{tier}:{reason}")
+        with self._stats_lock:
+            self.stats.add("failures", f"{tier}:{reason}")
         self._prom["failures"].labels(tier, reason).inc()
 
     # --- end of a request ----------------------------------------------------------------------
@@ -385,7 +396,8 @@ class SchedulerHalf:
     def write_stats(self) -> None:
         if self.cfg.stats_path is not None:
             tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
-            self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
+            with self._stats_lock:
+                self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
 
     def close(self) -> None:
         """Finish write-throughs, then close the tiers (the pool's file is unlinked)."""

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from connector.config import ConnectorConfig
 from connector.device import make_device
@@ -50,6 +51,25 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
         if isinstance(other, KVStoreWorkerMetadata):
             self.report.merge(other.report)
         return self
+
+
+class KVStoreStats(KVConnectorStats):
+    """Worker-side transfer counters for vLLM's periodic log (hit rates live on the
+    scheduler side: ``stats_path`` and the Prometheus counters)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -132,6 +152,14 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished_sending(finished_req_ids) or None, None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._worker.take_interval() if self._worker is not None else {}
+        return KVStoreStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()

@@ -68,6 +68,7 @@ class WorkerHalf:
         self._lock = threading.Lock()  # guards _report, _saving, _save_oks, _save_left, _had_saves, _finished
         self._save_oks: dict[int, list[bool]] = {}
         self._save_left: dict[int, int] = {}
+        self._interval = _zero_interval()  # guarded by _lock
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -191,11 +192,16 @@ class WorkerHalf:
             if t.state is LoadState.ON_DEVICE:
                 t.advance(LoadState.CONSUMABLE)
             t.release()
+        stages = list(load.tickets[0].durations().items()) if ok else []
         pages = sum(len(c.block_ids) for c in load.job.chunks)
         with self._lock:
             r = self._report
             r.loads[load.job.job_id] = ok
+            r.stages += stages
+            self._interval["loads"] += 1
+            self._interval["load_failures"] += not ok
             if ok:
+                self._interval["bytes_loaded"] += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
                 r.bytes_loaded += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
                 r.load_seconds += time.perf_counter() - load.started
 
@@ -237,8 +243,12 @@ class WorkerHalf:
             self._save_oks[job.job_id][i] = ok
             self._save_left[job.job_id] -= 1
             self._saving[job.req_id] -= 1
+            nbytes = self.kv.layout.page_bytes * self.kv.layout.num_layers * len(job.chunks[i].block_ids)
+            self._interval["saves"] += 1
+            self._interval["save_failures"] += not ok
             if ok:
-                self._report.bytes_saved += self.kv.layout.page_bytes * self.kv.layout.num_layers * len(job.chunks[i].block_ids)
+                self._report.bytes_saved += nbytes
+                self._interval["bytes_saved"] += nbytes
             if self._save_left[job.job_id] == 0:
                 del self._save_left[job.job_id]
                 self._report.saves[job.job_id] = self._save_oks.pop(job.job_id)
@@ -266,6 +276,12 @@ class WorkerHalf:
             f = self._report.failures
             f[reason] = f.get(reason, 0) + 1
 
+    def take_interval(self) -> dict[str, int]:
+        """Counters since the last call, for vLLM's periodic connector-stats log."""
+        with self._lock:
+            data, self._interval = self._interval, _zero_interval()
+        return {k: v for k, v in data.items() if v}
+
     def take_report(self) -> WorkerReport | None:
         with self._lock:
             report, self._report = self._report, WorkerReport()
@@ -276,3 +292,7 @@ class WorkerHalf:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+def _zero_interval() -> dict[str, int]:
+    return dict.fromkeys(("loads", "load_failures", "bytes_loaded", "saves", "save_failures", "bytes_saved"), 0)

@@ -19,12 +19,11 @@ Unknown keys, impossible sizes and unwritable directories fail at engine start w
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.config import StoreConfig, parse_size
+from kvstore.config import StoreConfig, merge_settings, parse_size
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 
@@ -56,15 +55,7 @@ class ConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None,
                           env: Mapping[str, str] | None = None) -> "ConnectorConfig":
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        env = os.environ if env is None else env
-        merged = {k: env[f"KVSTORE_{k.upper()}"] for k in known if f"KVSTORE_{k.upper()}" in env}
-        merged.update(extra)
+        merged = merge_settings(cls, dict(extra or {}), env, "kv_connector_extra_config")
         return cls(**{k: _convert(k, v) for k, v in merged.items()})
 
     def check_block_size(self, block_size: int) -> None:

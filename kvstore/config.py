@@ -39,6 +39,20 @@ def parse_size(value: int | str, what: str = "size") -> int:
     return n
 
 
+def merge_settings(cls: type, values: Mapping[str, object], env: Mapping[str, str] | None,
+                   where: str) -> dict[str, object]:
+    """The fields of dataclass ``cls`` given in ``values``, else in ``KVSTORE_<KEY>``
+    environment variables; unknown keys raise ``ConfigError`` naming them and the known ones."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    env = os.environ if env is None else env
+    merged: dict[str, object] = {k: env[f"KVSTORE_{k.upper()}"] for k in known if f"KVSTORE_{k.upper()}" in env}
+    merged.update(values)
+    return merged
+
+
 class WritePolicy(Enum):
     WRITE_THROUGH = "write_through"  # every put also goes to the lower tiers before it returns
     HOST_ONLY = "host_only"          # lower tiers are read (and promoted from), never written
@@ -63,13 +77,7 @@ class StoreConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, object], env: Mapping[str, str] | None = None) -> "StoreConfig":
         """Build from a mapping; ``KVSTORE_<KEY>`` environment variables fill missing keys."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        env = os.environ if env is None else env
-        merged = {k: env[f"KVSTORE_{k.upper()}"] for k in known if f"KVSTORE_{k.upper()}" in env}
-        merged.update(values)
+        merged = merge_settings(cls, values, env, "config")
         return cls(**{k: _convert(k, v) for k, v in merged.items()})
 
     def with_(self, **changes: object) -> "StoreConfig":

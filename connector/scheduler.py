@@ -41,6 +41,7 @@ from tiers.base import PutHandle, PutResult, put_bytes
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.connector")
+MAX_SAVE_WAITS = 50  # engine steps a request may wait for a chunk another request is saving
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,7 @@ class _Req:
     prefetch: object = None                  # concurrent.futures.Future while SSD→host runs
     fetched: bool = False
     counted: bool = False
+    save_waits: int = 0
     tiers: tuple[str, ...] = ()
     had_saves: bool = False
 
@@ -96,6 +98,7 @@ class SchedulerHalf:
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
         self._saves: dict[int, list[tuple[PutHandle, ObjectKey]]] = {}
+        self._saving: dict[ObjectKey, int] = {}  # key -> save job reserving its slot
         self._next_job = 1
         self._step: tuple[float, int] | None = None
         self._computed: dict[str, int] = {}
@@ -129,6 +132,8 @@ class SchedulerHalf:
                 return None
             self._finish_prefetch(st)
         found = self.io.run(self.store.lookup(st.keys))
+        if self._save_pending(st, found.hits):
+            return None  # the next chunk is being saved by an earlier request: ask again soon
         if not st.tiers:  # where the hit was first found (before any prefetch moved it)
             st.tiers = found.tiers
         worth = self.cost.plan(found.tiers, self.object_size, self.cfg.chunk_size)
@@ -140,6 +145,14 @@ class SchedulerHalf:
         n = self._pin_prefix(st, worth, num_computed)
         self._count_lookup(st, n)
         return n
+
+    def _save_pending(self, st: _Req, hits: int) -> bool:
+        """True when chunk ``hits`` (the first miss) is reserved by an in-flight save; a
+        request waits for it a bounded number of steps instead of recomputing it."""
+        if hits >= len(st.keys) or st.keys[hits] not in self._saving or st.save_waits >= MAX_SAVE_WAITS:
+            return False
+        st.save_waits += 1
+        return True
 
     async def _prefetch(self, keys: list[ObjectKey]) -> int:
         done, t0 = 0, time.perf_counter()
@@ -302,6 +315,7 @@ class SchedulerHalf:
             return None
         job = SaveJob(self._job_id(), req_id, chunks, c)
         self._saves[job.job_id] = handles
+        self._saving.update(dict.fromkeys((k for _, k in handles), job.job_id))
         st.had_saves = True
         return job
 
@@ -332,6 +346,7 @@ class SchedulerHalf:
                 self._fail("host", "load")
         for job_id, oks in report.saves.items():
             for (handle, key), ok in zip(self._saves.pop(job_id, []), oks):
+                self._saving.pop(key, None)
                 self._commit(handle, key, ok)
         with self._stats_lock:
             for reason, n in report.failures.items():

@@ -52,6 +52,8 @@ GEOMETRIES: dict[str, Geometry] = {
     "tiny": Geometry(),
     # 6 layers x 4 KV heads x 32: 1.5 KiB per token; a second layout for tests.
     "tiny2": Geometry(layers=6, hidden=128, heads=4, kv_heads=4, head_dim=32, intermediate=256),
+    # "tiny" in float32: hit-vs-recompute noise ~1e-6 instead of bf16's ~0.03, for a sharp oracle.
+    "tiny-f32": Geometry(dtype="float32"),
     # Llama-3.2-1B's KV geometry (16 layers x 8 KV heads x 64, bf16: 32 KiB per token)
     # with a narrower MLP and vocabulary so a 2000-token prefill takes ~1-3 s on 2 cores.
     "bench": Geometry(

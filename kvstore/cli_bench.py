@@ -10,6 +10,36 @@ def register(sub) -> None:
     tiers.add_argument("--json", help="write the rows as JSON to this file")
     tiers.add_argument("--repeat", type=int, default=7, help="repetitions per figure (median)")
     tiers.set_defaults(func=_tiers)
+    _register_e2e(suites)
+
+
+def _register_e2e(suites) -> None:
+    from connector.tinymodel import GEOMETRIES  # no torch/vLLM import at parse time
+
+    e2e = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")
+    e2e.add_argument("--json", help="write rows and per-setup results as JSON to this file")
+    e2e.add_argument("--geometry", default="bench", choices=sorted(GEOMETRIES), help="model shape")
+    e2e.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
+    e2e.add_argument("--repeats", type=_positive, default=1, help="whole comparisons; samples pooled")
+    e2e.add_argument("--prompts", type=_positive, default=8, help="distinct long prompts")
+    e2e.add_argument("--prompt-len", type=_positive, default=2080, help="tokens per long prompt")
+    e2e.add_argument("--shorts", type=int, default=3, help="short unrelated prompts in between")
+    e2e.add_argument("--max-tokens", type=_positive, default=8, help="generated tokens per request")
+    e2e.add_argument("--skip-lmcache", action="store_true", help="leave out the LMCache setup")
+    e2e.add_argument("--single-process", action="store_true",
+                     help="engines in single-process mode: faster start, no LMCache")
+    e2e.add_argument("--workdir", help="keep SSD files, stats and logs here (default: a temp dir)")
+    e2e.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
+    e2e.set_defaults(func=_e2e)
+
+
+def _positive(value: str) -> int:
+    import argparse
+
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def _tiers(args) -> int:
@@ -20,3 +50,9 @@ def _tiers(args) -> int:
 
         raise ConfigError("--repeat must be at least 1")
     return tiers.run(args)
+
+
+def _e2e(args) -> int:
+    from kvstore.bench import e2e
+
+    return e2e.run(args)

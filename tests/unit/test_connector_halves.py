@@ -253,3 +253,17 @@ def test_bad_config_is_rejected(tmp_path):
     blocker.write_text("x")
     with pytest.raises(Exception, match="f/ssd"):
         Engine(tmp_path, ssd_dir=str(blocker / "ssd"))
+
+
+def test_a_repeat_waits_for_the_save_in_flight_instead_of_missing(tmp_path, tokens):
+    e = Engine(tmp_path, device=FaultyDevice(delay=0.1))
+    view = RequestView("a", tokens)
+    assert e.sched.matched_tokens(view, 0) == 0
+    e.sched.after_alloc("a", [0, 1, 2, 3, 4], 0)
+    e.step(new=[("a", [0, 1, 2, 3, 4], 0)], scheduled={"a": len(tokens)},
+           compute=lambda: fill(e, [0, 1, 2, 3, 4], 0))          # gathers now in flight
+    repeat = RequestView("b", tokens)
+    assert e.sched.matched_tokens(repeat, 0) is None              # not a miss: ask again
+    e.settle()                                                     # the saves commit
+    assert e.sched.matched_tokens(repeat, 0) == 512
+    e.close()

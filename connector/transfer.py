@@ -61,6 +61,18 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ConfigError(f"unsupported KV cache dtype {dtype}") from err
 
 
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(index in block_ids, first block, length)`` of each run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            start, first, count = runs[-1]
+            runs[-1] = (start, first, count + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
 def _block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
     if num_blocks is None:
         return 0
@@ -116,7 +128,11 @@ class PagedKV:
                 payload[layer, :n].copy_(pages.index_select(0, idx), non_blocking=True)
 
     def scatter_layer(self, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """Copy ``payload[layer, :n]`` into the pages of ``block_ids`` of one layer."""
-        n = len(block_ids)
-        pages = self.pages[layer]
-        pages.index_copy_(0, self._index(block_ids), payload[layer, :n].to(pages.device, non_blocking=True))
+        """Copy ``payload[layer, :n]`` into the pages of ``block_ids`` of one layer.
+
+        Runs of consecutive block ids are copied as one slice (``copy_`` runs at memcpy
+        speed, about twice ``index_copy_`` on CPU); blocks are usually allocated in runs."""
+        self._index(block_ids)  # range check
+        pages, src = self.pages[layer], payload[layer]
+        for start, first, count in _runs(block_ids):
+            pages[first:first + count].copy_(src[start:start + count], non_blocking=True)

@@ -33,7 +33,7 @@ from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
 from kvstore import codec
-from kvstore.keys import ROOT, ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel
 from kvstore.store import TieredStore

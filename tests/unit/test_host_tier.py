@@ -5,11 +5,9 @@ Objects are real (``kvstore.codec.encode_into``) with a geometry chosen so an ob
 simulation checked against a plain dict model.
 """
 import asyncio
-import gc
 import random
 import sys
 import threading
-import tracemalloc
 
 import numpy as np
 import pytest

@@ -21,6 +21,7 @@ lower tiers.  A finished request whose saves were planned keeps its blocks
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -41,6 +42,7 @@ from tiers.base import PutHandle, PutResult, put_bytes
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.connector")
+PREFETCH_POLL_S = 0.005  # how long one lookup may block on a running prefetch
 MAX_SAVE_WAITS = 50  # engine steps a request may wait for a chunk another request is saving
 
 
@@ -128,6 +130,9 @@ class SchedulerHalf:
         st = self._state(view)
         self._unpin(st)
         if st.prefetch is not None:
+            # A short blocking wait: it releases the GIL, which the engine's busy step loop
+            # would otherwise hold while the I/O thread needs it between reads.
+            concurrent.futures.wait([st.prefetch], timeout=PREFETCH_POLL_S)
             if not st.prefetch.done():
                 return None
             self._finish_prefetch(st)

@@ -51,3 +51,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+## Regenerate the gRPC code committed under kvstore/_proto from proto/ (a test checks it is fresh).
+proto: $(STAMP)
+	$(PY) -m kvstore._proto.generate

@@ -234,3 +234,19 @@ __all__ = [
     "decode_header", "verify", "payload_view", "layer_view", "compress", "decompress_into",
     "sample_ratio", "DIGEST_SIZE",
 ]
+
+
+def rekey(buf, key: ObjectKey) -> ObjectHeader:
+    """Rewrite the key in a valid object's header in place (header checksum recomputed).
+
+    The store process keeps objects under the tenant-scoped key and clients under their own;
+    the payload and its checksum are untouched, so this costs one 256-byte header.
+    """
+    view = memoryview(buf).cast("B")
+    header = decode_header(view)
+    if len(key.tag.encode()) > 32:
+        raise ConfigError(f"key tag too long for the header: {key.tag!r}")
+    new = ObjectHeader(key, header.parent, header.geometry, header.codec, header.raw_len,
+                       header.stored_len, header.checksum)
+    view[:HEADER_SIZE] = pack_header(new)
+    return new

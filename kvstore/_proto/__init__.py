@@ -1,0 +1,1 @@
+"""Generated gRPC code for ``proto/kvstore/v1/kvstore.proto`` (``make proto`` regenerates it)."""

@@ -13,12 +13,27 @@ Keys (each also read from ``KVSTORE_<KEY>`` when absent from the mapping):
   load_timeout_s  how long a layer waits for its load before the load counts as failed
   stats_path      a JSON file the scheduler keeps updated with hit rates and bytes
   lease_ttl       seconds a lease protects an object chosen for loading
+  redis_url       a Redis (or Redis Cluster) tier below host DRAM: redis://, rediss://,
+                  redis+cluster://...; tier options as URL query parameters (key_prefix,
+                  ttl_s, part_size, tls_ca, ...; see tiers/redis_config.py); "" = none
+  store_target    HOST:PORT of a `kvstore serve` store process shared by the engines on a
+                  host (a tier below host DRAM); "" = none
+  store_token     bearer token for the store process (its tenant and permissions)
+  store_tls_ca    CA certificate file when the store process serves TLS
+  store_transport auto | shm | stream: how bytes move to and from the store process
+  write_policy    write_through (lower tiers get each chunk when it is saved) or
+                  write_back (chunks stay in host DRAM only and go down in LRU order when
+                  unflushed chunks exceed half the pool, and at shutdown)
+  lower_tiers_required  true/false: whether an unreachable Redis or store process at engine
+                  start is an error (true) or starts the tier as down (false: misses and a
+                  background retry, see the circuit breaker)
 
 Unknown keys, impossible sizes and unwritable directories fail at engine start with a
 ``ConfigError`` naming the key.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +44,9 @@ from kvstore.layout import validate_chunk_size
 
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 DEVICES = ("auto", "host", "cuda")
+TRANSPORTS = ("auto", "shm", "stream")
+WRITE_POLICIES = ("write_through", "write_back")
+_HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +61,13 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     stats_path: Path | None = None
     lease_ttl: float = 60.0
+    redis_url: str = ""
+    store_target: str = ""
+    store_token: str = ""
+    store_tls_ca: Path | None = None
+    store_transport: str = "auto"
+    write_policy: str = "write_through"
+    lower_tiers_required: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES and not self.device.startswith("faulty:"):
@@ -51,6 +76,16 @@ class ConnectorConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         validate_chunk_size(self.chunk_size, 1)
+        if self.store_transport not in TRANSPORTS:
+            raise ConfigError(f"store_transport: {self.store_transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy: {self.write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
+        if self.store_target and not _HOSTPORT.match(self.store_target):
+            raise ConfigError(f"store_target: expected HOST:PORT, got {self.store_target!r}")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return bool(self.ssd_dir or self.redis_url or self.store_target)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None,
@@ -72,11 +107,11 @@ def _convert(key: str, value: object) -> object:
     try:
         if key in ("host_capacity", "ssd_capacity"):
             return parse_size(value, key)  # type: ignore[arg-type]
-        if key in ("ssd_dir", "stats_path"):
+        if key in ("ssd_dir", "stats_path", "store_tls_ca"):
             return None if value in (None, "") else Path(str(value))
         if key == "chunk_size":
             return value if isinstance(value, int) and not isinstance(value, bool) else int(str(value), 10)
-        if key == "verify_loads":
+        if key in ("verify_loads", "lower_tiers_required"):
             return value if isinstance(value, bool) else _BOOL[str(value).lower()]
         if key in ("prefill_tokens_per_s", "load_timeout_s", "lease_ttl"):
             return float(value)  # type: ignore[arg-type]

@@ -18,6 +18,8 @@ T = TypeVar("T")
 class IOLoop:
     def __init__(self, name: str = "kvstore-io") -> None:
         self.loop = asyncio.new_event_loop()
+        self._spawned: set[concurrent.futures.Future] = set()  # not yet done
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -26,16 +28,26 @@ class IOLoop:
         self.loop.run_forever()
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._lock:
+            self._spawned.add(fut)
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, fut: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._spawned.discard(fut)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
         return self.spawn(coro).result(timeout)
 
     def drain(self, timeout: float = 60.0) -> None:
-        """Wait for every task spawned so far (write-throughs) to finish."""
-        pending = self.run(_pending_tasks(), timeout)
+        """Wait for everything ``spawn``ed so far (write-throughs, prefetches) to finish.
+        Tasks the tiers run for themselves (a circuit breaker's probe) are not waited for."""
+        with self._lock:
+            pending = set(self._spawned)
         if pending:
-            self.run(asyncio.wait(pending, timeout=timeout), timeout + 5)
+            concurrent.futures.wait(pending, timeout=timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         if not self.loop.is_running():
@@ -43,8 +55,3 @@ class IOLoop:
         self.drain(timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
-
-
-async def _pending_tasks() -> set[asyncio.Task]:
-    me = asyncio.current_task()
-    return {t for t in asyncio.all_tasks() if t is not me}

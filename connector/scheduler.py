@@ -1,12 +1,13 @@
 """Scheduler half of the connector: keys, lookup, the load-or-recompute decision, slot
 bookkeeping and the per-step plan.  Runs in the engine's scheduler process.
 
-It owns the embedded ``TieredStore`` (a host pool in shared memory + SSD).  Workers only
+It owns the embedded ``TieredStore``: a host pool in shared memory, then the lower tiers of
+``connector.lower`` (SSD, the store process, Redis).  Workers only
 copy bytes into and out of the slots chosen here (``connector.plan``).
 
 Loads.  A request's prompt is hashed into chunk keys (namespace: the model identity plus
 ``cache_salt`` and LoRA); the contiguous hit is looked up across tiers and the cost model
-picks how much of it to load.  Chunks in a lower tier (SSD) are first *prefetched* into
+picks how much of it to load.  Chunks in a lower tier are first *prefetched* into
 host slots on the I/O thread while ``get_num_new_matched_tokens`` answers "ask me later"
 (the engine parks the request and runs others).  Only bytes already verified in host
 memory are ever promised to the engine, so a slow, failing or dead tier costs a miss,
@@ -15,8 +16,9 @@ the copy finished.
 
 Saves.  When a step completes a full prompt chunk that no tier holds, a host slot is
 reserved (incomplete, invisible) and the worker gathers the pages into it after the
-forward; the worker's report commits it (visible), then it is written through to the
-lower tiers.  A finished request whose saves were planned keeps its blocks
+forward; the worker's report commits it (visible), then ``connector.lower.WriteDown``
+copies it to the lower tiers (write-through, or write-back under pressure and at shutdown).
+A finished request whose saves were planned keeps its blocks
 (``delay_free``) until the worker says the gathers are done.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel
 from kvstore.store import TieredStore
-from tiers.base import PutHandle, PutResult, put_bytes
+from connector.lower import WriteDown, open_lower_tiers
+from tiers.base import PutHandle
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.connector")
@@ -88,13 +91,22 @@ class SchedulerHalf:
         self.geometry = codec.ObjectGeometry(identity.num_layers, self.pages_per_chunk, page_bytes,
                                              "uint8", "planned", cfg.chunk_size)
         self.object_size = codec.object_size(self.geometry)
-        self.store = store or TieredStore(HostTier(cfg.host_capacity, shared=True, pin=False), _lower_tiers(cfg))
-        self.host: HostTier = self.store.host
         self.io = IOLoop()
-        self.cost = CostModel(cfg.prefill_tokens_per_s)
-        self.stats = HitStats()
         self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
+        self.stats = HitStats()
         self._prom = prometheus()
+        if store is None:
+            host = HostTier(cfg.host_capacity, shared=True, pin=False)
+            try:
+                store = TieredStore(host, self.io.run(open_lower_tiers(cfg, self._fail)))
+            except BaseException:
+                host.close()
+                self.io.close()
+                raise
+        self.store = store
+        self.host: HostTier = self.store.host
+        self.writer = WriteDown(self.host, self.store.lower, self.io, cfg.write_policy, self._bytes, self._fail)
+        self.cost = CostModel(cfg.prefill_tokens_per_s)
         self._reqs: dict[str, _Req] = {}
         self._namespaces: dict[tuple[str, str], Namespace] = {}
         self._queued_loads: list[LoadJob] = []
@@ -160,16 +172,19 @@ class SchedulerHalf:
         return True
 
     async def _prefetch(self, keys: list[ObjectKey]) -> int:
-        done, t0 = 0, time.perf_counter()
+        done, t0, by_tier = 0, time.perf_counter(), {}
         for key in keys:
-            if not await self.store.promote(key):
+            tier = await self.store.promote_from(key)
+            if tier is None:
                 break
             done += 1
+            by_tier[tier] = by_tier.get(tier, 0) + 1
         seconds = time.perf_counter() - t0
         self._prom["stage"].labels("PREFETCHED").observe(seconds)
-        if done:
-            self.cost.observe_transfer(self.store.lower[0].name, done * self.object_size, seconds)
-            self._bytes(self.store.lower[0].name, "read", done * self.object_size)
+        for tier, n in by_tier.items():
+            if tier != self.host.name:
+                self.cost.observe_transfer(tier, n * self.object_size, seconds * n / done)
+                self._bytes(tier, "read", n * self.object_size)
         return done
 
     def _finish_prefetch(self, st: _Req) -> None:
@@ -304,7 +319,7 @@ class SchedulerHalf:
         todo = list(range(st.saved_upto, min(done // c, len(st.keys))))
         if not todo:
             return None
-        present = self.io.run(self._present([st.keys[i] for i in todo]))
+        present = self.io.run(self.store.present([st.keys[i] for i in todo]))
         chunks, handles = [], []
         for i, there in zip(todo, present):
             if not there:
@@ -323,9 +338,6 @@ class SchedulerHalf:
         self._saving.update(dict.fromkeys((k for _, k in handles), job.job_id))
         st.had_saves = True
         return job
-
-    async def _present(self, keys: list[ObjectKey]) -> list[bool]:
-        return [await self.store.contains(k) for k in keys]
 
     def _chunk_blocks(self, st: _Req, i: int) -> list[int]:
         return st.blocks[i * self.pages_per_chunk:(i + 1) * self.pages_per_chunk]
@@ -378,19 +390,7 @@ class SchedulerHalf:
             self._fail("host", "save")
             return
         self.stats.saves_committed += 1
-        view = self.host.acquire(key) if self.store.lower else None
-        if view is not None:  # the reference keeps the slot alive while lower tiers copy it
-            self.io.spawn(self._write_through(key, view, handle.parent))
-
-    async def _write_through(self, key: ObjectKey, view: memoryview, parent: ObjectKey | None) -> None:
-        try:
-            for tier in self.store.lower:
-                if await put_bytes(tier, key, view, parent) is PutResult.STORED:
-                    self._bytes(tier.name, "write", len(view))
-        except Exception as err:  # noqa: BLE001 - the object stays in host memory
-            self._fail("lower", f"write:{type(err).__name__}")
-        finally:
-            self.host.release(key)
+        self.writer.committed(key, handle.parent)
 
     def _bytes(self, tier: str, direction: str, n: int) -> None:
         with self._stats_lock:
@@ -424,17 +424,10 @@ class SchedulerHalf:
         for st in self._reqs.values():
             self._unpin(st)
         self.io.drain()
+        self.writer.flush_all()
         self.write_stats()
         self.io.run(self.store.aclose())
         self.io.close()
-
-
-def _lower_tiers(cfg: ConnectorConfig) -> list:
-    if cfg.ssd_dir is None:
-        return []
-    from tiers.ssd import SSDTier
-
-    return [SSDTier(cfg.ssd_dir, cfg.ssd_capacity)]
 
 
 def _fields(identity: Identity) -> dict[str, object]:

@@ -82,12 +82,15 @@ class TieredStore:
         return [self.host, *self.lower]
 
     async def lookup(self, keys: Sequence[ObjectKey]) -> LookupResult:
+        """The contiguous prefix of ``keys`` present in some tier, with the fastest tier of
+        each hit.  Each tier is asked once, in a batch, about the keys no faster tier has
+        (one round trip for network tiers)."""
+        where = await self._where_many(keys)
         found: list[str] = []
-        for key in keys:
-            tier = await self._where(key)
-            if tier is None:
+        for name in where:
+            if name is None:
                 break
-            found.append(tier.name)
+            found.append(name)
         c = self.counters
         c.lookups += 1
         c.keys_looked_up += len(keys)
@@ -95,11 +98,27 @@ class TieredStore:
             c.add("keys_hit", name)
         return LookupResult(len(keys), tuple(found))
 
+    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key is held by some tier (batched per tier; no counters touched)."""
+        return [name is not None for name in await self._where_many(keys)]
+
+    async def _where_many(self, keys: Sequence[ObjectKey]) -> list[str | None]:
+        where: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, name in enumerate(where) if name is None]
+            if not todo:
+                break
+            flags = await present_in(tier, [keys[i] for i in todo])
+            for i, there in zip(todo, flags):
+                if there:
+                    where[i] = tier.name
+        return where
+
     async def contains(self, key: ObjectKey) -> bool:
         """Whether any tier holds ``key`` (no counters touched)."""
         return await self._where(key) is not None
 
-    async def _where(self, key: ObjectKey) -> Tier | None:
+    async def _where(self, key: ObjectKey) -> Tier | None:  # one key: no batching needed
         for tier in self.tiers:
             if await tier.contains(key):
                 return tier
@@ -123,15 +142,20 @@ class TieredStore:
     async def promote(self, key: ObjectKey) -> bool:
         """Make ``key`` resident in the host tier, reading it (verified) from the first lower
         tier that has it straight into a host slot.  False on a miss or no room."""
+        return await self.promote_from(key) is not None
+
+    async def promote_from(self, key: ObjectKey) -> str | None:
+        """Like ``promote``; the name of the tier it came from ("host" when already
+        resident), or None on a miss or no room."""
         if await self.host.contains(key):
-            return True
+            return self.host.name
         for tier in self.lower:
             size = await tier.size_of(key)
             if size is None:
                 continue
             handle = await self.host.put_start(key, size)
             if handle is None:
-                return False
+                return None
             t0 = time.perf_counter()
             n = None
             try:
@@ -141,8 +165,8 @@ class TieredStore:
             if n == size:
                 self._count_read(tier.name, n, time.perf_counter() - t0)
                 self.counters.promotions += published
-                return published
-        return False
+                return tier.name if published else None
+        return None
 
     def _count_read(self, tier: str, n: int, seconds: float) -> None:
         c = self.counters
@@ -224,3 +248,17 @@ class TieredStore:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def present_in(tier: Tier, keys: Sequence[ObjectKey]) -> list[bool]:
+    """Which of ``keys`` ``tier`` holds: its batch ``present`` when it has one (network
+    tiers: one round trip), else ``contains`` per key.  A failing tier holds nothing."""
+    from kvstore.errors import TierError
+
+    batch = getattr(tier, "present", None)
+    try:
+        if batch is not None:
+            return list(await batch(keys))
+        return [await tier.contains(k) for k in keys]
+    except TierError:
+        return [False] * len(keys)

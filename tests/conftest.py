@@ -18,3 +18,68 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny2_model(tmp_path_factory) -> Path:
     """A second KV geometry ("tiny2": 6 layers, 4 KV heads x 32), built once per session."""
     return tinymodel.build_named(tmp_path_factory.mktemp("models") / "tiny2", "tiny2")
+
+
+# --------------------------------------------------------------- real redis-server processes
+# kvstore.redis_proc is imported inside the fixtures, so test packages that never touch Redis
+# do not import redis-py.
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory):
+    """A CA, a server certificate (127.0.0.1/localhost) and a client certificate."""
+    from kvstore.redis_proc import make_tls_files
+
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def redis_factory(tmp_path):
+    """``make(**RedisServer kwargs)`` -> a started server in its own directory under
+    ``tmp_path``; every server made is stopped at teardown."""
+    from kvstore.redis_proc import RedisServer
+
+    servers = []
+
+    def make(**kw):
+        directory = kw.pop("directory", None) or tmp_path / f"redis{len(servers)}"
+        server = RedisServer(directory, **kw)
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_factory):
+    """One plain started redis-server (no auth, no TLS)."""
+    return redis_factory()
+
+
+@pytest.fixture
+def redis_cluster_factory(tmp_path):
+    """``make(n=3, **RedisServer kwargs)`` -> a started RedisClusterProcs; for tests that
+    kill or restart nodes.  Every cluster made is stopped at teardown."""
+    from kvstore.redis_proc import RedisClusterProcs
+
+    clusters = []
+
+    def make(n=3, **kw):
+        cluster = RedisClusterProcs(tmp_path / f"cluster{len(clusters)}", n, **kw)
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in clusters:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    """A started 3-node cluster shared by a module's tests; do not kill its nodes."""
+    from kvstore.redis_proc import RedisClusterProcs
+
+    with RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster")).start() as cluster:
+        yield cluster

@@ -3,12 +3,17 @@
 1. Build a small random-weight model locally (first run only; no hub access).
 2. Run the prefix-sharing workload without a connector: the recompute reference.
 3. Run it with the connector in engine process 1 (cold store: chunks are saved, and
-   repeated prefixes hit host DRAM), then in engine process 2 on the same SSD directory
-   (a cold host pool: hits are read from SSD).
+   repeated prefixes hit host DRAM), then in engine process 2 on the same lower tiers
+   (a cold host pool: hits are read from a lower tier).
 4. Print TTFT p50/p95/p99 of misses and hits, hit rates with their denominators, bytes per
    tier, and whether every output matched the reference (greedy tokens and logprobs).
 
-Exit status 0 only when outputs matched and engine 2 served hits from SSD.
+The lower tiers are, by default, an SSD directory (the embedded default: no Redis, no
+server).  ``--store-target HOST:PORT`` adds a ``kvstore serve`` store process shared by
+both engines, ``--redis-url`` a Redis tier, and ``--no-ssd`` leaves the SSD out, so that
+engine 2 can only hit what engine 1 left in the shared store (the docker-compose engine).
+
+Exit status 0 only when outputs matched and engine 2 served hits from a lower tier.
 """
 from __future__ import annotations
 
@@ -25,9 +30,16 @@ CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "co
              "kv_role": "kv_both"}
 
 
-def connector_config(ssd_dir: Path, stats: Path, **extra: object) -> dict:
-    cfg = {"ssd_dir": str(ssd_dir), "host_capacity": "1GiB", "stats_path": str(stats), **extra}
+LOWER = ("ssd", "remote", "redis")
+
+
+def connector_config(ssd_dir: Path | None, stats: Path, **extra: object) -> dict:
+    cfg = {"ssd_dir": str(ssd_dir or ""), "host_capacity": "1GiB", "stats_path": str(stats), **extra}
     return {**CONNECTOR, "kv_connector_extra_config": cfg}
+
+
+def lower_hit_tokens(stats: dict) -> dict[str, int]:
+    return {t: n for t, n in stats["tokens_hit_by_tier"].items() if t in LOWER and n > 0}
 
 
 def hit_labels(result: e2e.EngineResult, stats: dict) -> set[str]:
@@ -65,17 +77,27 @@ def run(args: argparse.Namespace) -> int:
     reference = e2e.run_engine(model, None, workload, timeout_s=args.timeout)
     print(f"reference (no connector): TTFT p50 "
           f"{e2e.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
-    ok, ssd = True, work / "ssd"
+    ssd = None if args.no_ssd else work / "ssd"
+    extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
+                               ("redis_url", args.redis_url)) if v}
+    tiers = ", ".join([*(["SSD directory"] if ssd else []), *(f"{k}={v}" for k, v in extra.items()
+                                                              if k != "store_token")])
+    if not tiers:
+        raise SystemExit("connector.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
+    ok = True
     for i, name in ((1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
-                    (2, "engine 2: new process, same SSD directory (cold host pool)")):
+                    (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
         stats_path = work / f"stats-{i}.json"
-        result = e2e.run_engine(model, connector_config(ssd, stats_path), workload, timeout_s=args.timeout)
+        result = e2e.run_engine(model, connector_config(ssd, stats_path, **extra), workload,
+                                timeout_s=args.timeout)
         stats = json.loads(stats_path.read_text())
         cmp = e2e.compare_outputs(reference, result)
         print(format_engine(name, result, stats, cmp), flush=True)
         ok = ok and bool(cmp)
         if i == 2:
-            ok = ok and stats["tokens_hit_by_tier"].get("ssd", 0) > 0
+            lower = lower_hit_tokens(stats)
+            print(f"  engine 2 hit tokens from lower tiers: {lower or 'none'}")
+            ok = ok and bool(lower)
     print(f"\nresult: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -87,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="keep models, SSD files and stats here (default: a temp dir)")
     p.add_argument("--model-dir", help="where the generated model lives (reused when present)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
+    p.add_argument("--store-target", help="HOST:PORT of a `kvstore serve` store process for both engines")
+    p.add_argument("--store-token", help="bearer token for the store process")
+    p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
+    p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
     return run(p.parse_args(argv))
 
 

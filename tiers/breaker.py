@@ -10,7 +10,9 @@ successful probe closes the breaker again.
 
 Only *transport* failures (connection refused or reset, timeouts) trip it; an answer the
 server gave (an error reply, a miss) means the backend is up.  It is used from one event
-loop; ``stats()`` may be read from any thread.
+loop; ``stats()`` may be read from any thread.  At most one probe loop runs at a time; a
+breaker opened outside a running loop starts its probe at the first ``allow()`` inside one;
+after ``aclose()`` no probe starts again.
 """
 from __future__ import annotations
 
@@ -46,7 +48,8 @@ class CircuitBreaker:
         self._clock = clock
         self._open_since: float | None = None
         self._last_error = ""
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the one probe loop, while it runs
+        self._closed = False
         self.counters = BreakerStats()
 
     @property
@@ -62,6 +65,7 @@ class CircuitBreaker:
         if self._open_since is None:
             return True
         self.counters.rejected += 1
+        self._start_probe()  # opened outside a running loop: nobody is probing yet
         return False
 
     def success(self) -> None:
@@ -78,7 +82,13 @@ class CircuitBreaker:
         self.counters.opened += 1
         log.warning("kvstore: %s is unavailable (%s); answering misses until it is back",
                     self.name, self._last_error)
-        with suppress(RuntimeError):  # no running loop: the next allow() after a probe decides
+        self._start_probe()
+
+    def _start_probe(self) -> None:
+        """Start the probe loop unless one runs (it may outlive a close and a re-open)."""
+        if self._closed or (self._task is not None and not self._task.done()):
+            return
+        with suppress(RuntimeError):  # no running loop: the first allow() inside one starts it
             self._task = asyncio.get_running_loop().create_task(self._probe_loop())
 
     def _close(self) -> None:
@@ -100,9 +110,11 @@ class CircuitBreaker:
             except Exception as err:  # noqa: BLE001 - still down
                 self._last_error = f"{type(err).__name__}: {err}"
                 continue
-            self._close()
+            if self._open_since is not None:  # success() may have closed it meanwhile
+                self._close()
 
     async def aclose(self) -> None:
+        self._closed = True
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()

@@ -1,0 +1,145 @@
+"""The Redis tier on a real 3-node Redis Cluster: parts spread over the nodes, a 512-key
+present() in one round trip per node, and one node killed: objects with any key on it are
+misses (no exception, nothing deleted, no wrong bytes), every other object still hits."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from redis.crc import key_slot
+
+from kvstore import codec
+from kvstore.keys import Identity, ObjectKey, chunk_hashes, object_keys
+from tiers.base import PutResult, put_bytes
+from tiers.redis import RedisTier
+from tiers.redis_config import RedisConfig
+from tiers.redis_manifest import manifest_key, part_keys, unpack
+
+PART = 16 * 1024
+SIZE = 3 * PART + 100  # 4 parts
+NS = Identity("redis-cluster", "r0", "bf16", "test:opaque", 1, 1, 1).namespace()
+
+
+def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
+    return object_keys(NS, chunk_hashes(NS, np.arange(n * 4) + seed * 100_000, 4))
+
+
+def make_object(key: ObjectKey, size: int = SIZE) -> np.ndarray:
+    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE, "bf16", "test:opaque")
+    buf = np.empty(size, np.uint8)
+    rng = np.random.default_rng(size + key[-1] + 256 * key[-2])
+    codec.encode_into(buf, key, geom, rng.integers(0, 256, geom.payload_bytes, dtype=np.uint8))
+    return buf
+
+
+async def open_tier(cluster, **options) -> RedisTier:
+    options.setdefault("part_size", PART)
+    options.setdefault("retry_s", 0.2)
+    options.setdefault("op_timeout_s", 1.0)
+    return await RedisTier.open(RedisConfig.from_url(cluster.url, **options))
+
+
+def slot_owners(cluster) -> dict[int, int]:
+    """slot -> index of the node serving it, from CLUSTER SLOTS of a live node."""
+    ports = {n.port: i for i, n in enumerate(cluster.nodes)}
+    node = next(n for n in cluster.nodes if n.running)
+    with node.client() as c:
+        ranges = c.execute_command("CLUSTER SLOTS")
+    return {slot: ports[int(r[2][1])] for r in ranges for slot in range(int(r[0]), int(r[1]) + 1)}
+
+
+def object_nodes(cluster, owners: dict[int, int], key: ObjectKey) -> set[int]:
+    """The nodes holding ``key``'s manifest or any of its parts."""
+    with cluster.client() as c:
+        manifest = unpack(c.get(manifest_key("kvstore:", key)))
+    names = [manifest_key("kvstore:", key), *part_keys("kvstore:", key, manifest)]
+    return {owners[key_slot(n.encode())] for n in names}
+
+
+async def read_back(tier: RedisTier, key: ObjectKey, size: int = SIZE) -> np.ndarray | None:
+    out = np.empty(size, np.uint8)
+    n = await tier.read_into(key, memoryview(out))
+    return None if n is None else out
+
+
+async def test_parts_spread_over_all_nodes_and_read_back(redis_cluster):
+    tier = await open_tier(redis_cluster)
+    keys = keys_of(12, 1)
+    for key in keys:
+        assert await put_bytes(tier, key, memoryview(make_object(key))) is PutResult.STORED
+    owners = slot_owners(redis_cluster)
+    spans = [object_nodes(redis_cluster, owners, key) for key in keys]
+    assert set().union(*spans) == {0, 1, 2}
+    assert sum(len(s) >= 2 for s in spans) >= 9  # one object's keys are not pinned to one slot
+    for node in redis_cluster.nodes:
+        with node.client() as c:
+            assert c.dbsize() > 0
+    for key in keys:
+        got = await read_back(tier, key)
+        assert got is not None and np.array_equal(got, make_object(key))
+    assert tier.stats().hits == 12
+    for key in keys:
+        assert await tier.delete(key)
+    assert await tier.lookup(keys) == 0
+    await tier.aclose()
+
+
+async def test_present_of_512_keys_is_one_round_trip_per_node(redis_cluster):
+    tier = await open_tier(redis_cluster)
+    keys = keys_of(512, 2)
+    stored = {i for i in range(512) if i % 3 != 1}
+    small = 300
+    for i in sorted(stored):
+        assert await put_bytes(tier, keys[i], memoryview(make_object(keys[i], small))) is PutResult.STORED
+    trips = tier.stats().extra["round_trips"]
+    flags = await tier.present(keys)
+    assert flags == [i in stored for i in range(512)]
+    assert tier.stats().extra["round_trips"] - trips == 3
+    assert await tier.lookup(keys) == 1
+    for i in stored:
+        await tier.delete(keys[i])
+    await tier.aclose()
+
+
+async def test_killed_node_costs_misses_on_its_keys_only(redis_cluster_factory):
+    cluster = redis_cluster_factory(appendonly=True)  # the victim's data survives its restart
+    tier = await open_tier(cluster)
+    keys = keys_of(30, 3)
+    sizes = {key: (PART - 5, 2 * PART, SIZE)[i % 3] for i, key in enumerate(keys)}  # 1, 2, 4 parts
+    for key in keys:
+        assert await put_bytes(tier, key, memoryview(make_object(key, sizes[key]))) is PutResult.STORED
+    owners = slot_owners(cluster)
+    spans = {key: object_nodes(cluster, owners, key) for key in keys}
+    victim = 1
+    cluster.kill(victim)
+    alive = [k for k in keys if victim not in spans[k]]
+    dead = [k for k in keys if victim in spans[k]]
+    assert alive and dead
+    for _ in range(2):  # before and after the victim's breaker opened
+        for key in keys:
+            got = await read_back(tier, key, sizes[key])
+            if key in alive:
+                assert got is not None and np.array_equal(got, make_object(key, sizes[key]))
+            else:
+                assert got is None
+    flags = await tier.present(keys)
+    for key, flag in zip(keys, flags):
+        on_victim = owners[key_slot(manifest_key("kvstore:", key).encode())] == victim
+        assert flag is (not on_victim)
+    s = tier.stats()
+    assert s.hits == 2 * len(alive) and s.misses == 2 * len(dead)
+    assert (s.corrupt, s.extra["lost"]) == (0, 0)  # unreachable is not lost: nothing deleted
+    assert s.extra["breaker_opened"] >= 1 and s.extra["breaker_open"] == 1.0
+    new = keys_of(16, 4)  # one part each: about half of them avoid the dead node
+    results = [await put_bytes(tier, key, memoryview(make_object(key, PART - 5))) for key in new]
+    assert PutResult.STORED in results  # puts whose keys avoid the dead node still work
+    assert set(results) <= {PutResult.STORED, PutResult.FAILED, PutResult.NO_ROOM}
+    await asyncio.to_thread(cluster.restart, victim)
+    for _ in range(100):  # the node's breaker closes after a probe interval or two
+        if tier.stats().extra["breaker_open"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    for key in keys:  # the victim's keys were never deleted: everything hits again
+        got = await read_back(tier, key, sizes[key])
+        assert got is not None and np.array_equal(got, make_object(key, sizes[key]))
+    await tier.aclose()

@@ -25,11 +25,12 @@ def size_arg(flag: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvstore import cli_capacity, cli_bench, cli_demo
+    from kvstore import cli_capacity, cli_bench, cli_demo, cli_serve
 
     cli_capacity.register(sub)
     cli_bench.register(sub)
     cli_demo.register(sub)
+    cli_serve.register(sub)
     return parser
 
 

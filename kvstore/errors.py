@@ -17,6 +17,8 @@ Layers (STYLE.md lesson 9):
     ``LeaseError``             a lease is unknown or expired where a valid one is required
     ``TierError``              a tier failed to do I/O (disk error, unreachable backend)
         ``TierUnavailableError``   the tier is down / its circuit breaker is open
+    ``UnauthenticatedError``   a store call carries no token or an unknown one
+    ``PermissionDeniedError``  the caller's token lacks the permission a call needs
 """
 from __future__ import annotations
 
@@ -63,3 +65,11 @@ class TierError(KVStoreError):
 
 class TierUnavailableError(TierError):
     """A tier is down, or its circuit breaker is open."""
+
+
+class UnauthenticatedError(KVStoreError):
+    """The call carries no token, a malformed one, or one the server does not know."""
+
+
+class PermissionDeniedError(KVStoreError):
+    """The authenticated token lacks the permission a call needs."""

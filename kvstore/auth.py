@@ -1,0 +1,203 @@
+"""Bearer-token authentication of the store process (server side; DESIGN §3, §7).
+
+* A tokens file is YAML::
+
+      tokens:
+        - {token: "s3cret-a", tenant: "a", permissions: [read, write, shm]}
+        - {token: "s3cret-r", tenant: "a", permissions: [read]}
+
+  ``TokenTable.load(path)`` checks it whole before the server starts: a missing or
+  unreadable file, bad YAML, an entry that is not a mapping, an unknown key, an empty
+  token or tenant, a duplicate token, an empty or unknown permission all raise
+  ``ConfigError`` naming the file, the entry and the value (never the token itself: a
+  duplicate is named by its entry numbers).
+* Every RPC except health carries ``authorization: Bearer <token>``.  ``Authenticator``
+  turns call metadata into a ``Principal`` (tenant + permissions): a missing, malformed or
+  unknown token raises ``UnauthenticatedError``; ``Principal.require`` raises
+  ``PermissionDeniedError`` naming the permission that is lacking.
+* Without a tokens file every call is ``Principal("default", {read, write, shm})``.
+* Tokens are kept only as sha256 digests, so a lookup never compares secrets byte by byte
+  and a memory dump does not reveal them.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import yaml
+
+from kvstore.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
+
+__all__ = ["PermissionDeniedError", "UnauthenticatedError"]  # re-exported for the server
+
+
+class Permission(Enum):
+    READ = "read"    # Lookup, Get, GetStream, Stats
+    WRITE = "write"  # PutStart, PutCommit, PutStream, Delete
+    SHM = "shm"      # the shared-memory data plane: segment offsets (Get, PutStart)
+
+
+ALL_PERMISSIONS = frozenset(Permission)
+DEFAULT_TENANT = "default"
+_ENTRY_KEYS = frozenset({"token", "tenant", "permissions"})
+_MAX_TENANT = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the tenant objects are scoped to, and what it may do."""
+
+    tenant: str
+    permissions: frozenset[Permission]
+
+    def allows(self, permission: Permission) -> bool:
+        return permission in self.permissions
+
+    def require(self, *needed: Permission) -> None:
+        missing = [p.value for p in needed if p not in self.permissions]
+        if missing:
+            raise PermissionDeniedError(
+                f"tenant {self.tenant!r}: token lacks permission {', '.join(missing)}")
+
+    @property
+    def permission_names(self) -> list[str]:
+        return [p.value for p in Permission if p in self.permissions]
+
+
+ANONYMOUS = Principal(DEFAULT_TENANT, ALL_PERMISSIONS)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class TokenTable:
+    """Token digests mapped to principals (see the module docstring)."""
+
+    def __init__(self, principals: Mapping[bytes, Principal]) -> None:
+        self._by_digest = dict(principals)
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    @property
+    def tenants(self) -> set[str]:
+        return {p.tenant for p in self._by_digest.values()}
+
+    def principal(self, token: str) -> Principal | None:
+        return self._by_digest.get(_digest(token))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TokenTable":
+        """Read and validate a tokens file; ``ConfigError`` naming the problem."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError as err:
+            raise ConfigError(f"auth tokens file {path} does not exist") from err
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"auth tokens file {path} is not readable: {err}") from err
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"auth tokens file {path} is not valid YAML: {err}") from err
+        return cls.from_document(doc, str(path))
+
+    @classmethod
+    def from_document(cls, doc: object, where: str = "auth tokens") -> "TokenTable":
+        if not isinstance(doc, dict) or set(doc) != {"tokens"}:
+            raise ConfigError(f"{where}: expected a mapping with one key 'tokens' "
+                              f"(tokens: [{{token, tenant, permissions}}, ...])")
+        entries = doc["tokens"]
+        if not isinstance(entries, list) or not entries:
+            raise ConfigError(f"{where}: 'tokens' must be a non-empty list")
+        table: dict[bytes, Principal] = {}
+        first_seen: dict[bytes, int] = {}
+        for i, entry in enumerate(entries):
+            token, principal = _parse_entry(entry, f"{where}: tokens[{i}]")
+            digest = _digest(token)
+            if digest in table:
+                raise ConfigError(f"{where}: tokens[{i}] repeats the token of "
+                                  f"tokens[{first_seen[digest]}] (each token must be unique)")
+            table[digest] = principal
+            first_seen[digest] = i
+        return cls(table)
+
+
+def _parse_entry(entry: object, where: str) -> tuple[str, Principal]:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a mapping with token, tenant, permissions; got {entry!r}")
+    unknown = sorted(map(str, set(entry) - _ENTRY_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: token, tenant, permissions")
+    token, tenant, perms = entry.get("token"), entry.get("tenant"), entry.get("permissions")
+    if not isinstance(token, str) or not token.strip():
+        raise ConfigError(f"{where}: 'token' must be a non-empty string")
+    if any(c.isspace() for c in token) or not token.isprintable():
+        raise ConfigError(f"{where}: 'token' must not contain spaces or control characters")
+    if not isinstance(tenant, str) or not tenant.strip():
+        raise ConfigError(f"{where}: 'tenant' must be a non-empty string, got {tenant!r}")
+    if len(tenant) > _MAX_TENANT or not tenant.isprintable():
+        raise ConfigError(f"{where}: tenant {tenant!r} must be 1-{_MAX_TENANT} printable characters")
+    return token, Principal(tenant, _parse_permissions(perms, where))
+
+
+def _parse_permissions(perms: object, where: str) -> frozenset[Permission]:
+    if not isinstance(perms, list) or not perms:
+        raise ConfigError(f"{where}: 'permissions' must be a non-empty list of read, write, shm")
+    out = set()
+    for name in perms:
+        try:
+            out.add(Permission(name))
+        except ValueError as err:
+            raise ConfigError(f"{where}: unknown permission {name!r}; known: read, write, shm") from err
+    return frozenset(out)
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of the ``authorization: Bearer <token>`` entry; None when there is none.
+    A present but malformed header raises ``UnauthenticatedError``."""
+    for name, value in metadata or ():
+        if name.lower() != "authorization":
+            continue
+        if isinstance(value, bytes):
+            value = value.decode("latin-1")
+        scheme, _, token = value.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise UnauthenticatedError("authorization metadata must be 'Bearer <token>'")
+        return token
+    return None
+
+
+class Authenticator:
+    """Call metadata → ``Principal``; open (everyone is ANONYMOUS) without a table."""
+
+    def __init__(self, table: TokenTable | None = None) -> None:
+        self.table = table
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> "Authenticator":
+        return cls(None if path is None else TokenTable.load(path))
+
+    @property
+    def enabled(self) -> bool:
+        return self.table is not None
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
+        if self.table is None:
+            return ANONYMOUS
+        token = bearer_token(metadata)
+        if token is None:
+            raise UnauthenticatedError("missing 'authorization: Bearer <token>' metadata")
+        principal = self.table.principal(token)
+        if principal is None:
+            raise UnauthenticatedError("unknown bearer token")
+        return principal
+
+
+__all__ = ["ALL_PERMISSIONS", "ANONYMOUS", "Authenticator", "DEFAULT_TENANT", "Permission",
+           "PermissionDeniedError", "Principal", "TokenTable", "UnauthenticatedError", "bearer_token"]

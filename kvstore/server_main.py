@@ -1,0 +1,241 @@
+"""Lifecycle of the store process (``kvstore serve``): start, serve, drain, exit 0.
+
+Server side.  ``serve(cfg)``:
+
+1. checks what can fail before anything is created (tokens file, TLS files), then opens the
+   tiers (``ServerStore.open``: the shared host pool, SSD, Redis);
+2. starts a ``grpc.aio`` server on ``cfg.listen`` (port 0 picks a free port) with the
+   KVStore servicer, ``grpc.health.v1`` (SERVING for "" and ``kvstore.v1.KVStore``) and
+   server reflection; TLS when configured, client certificates when a client CA is given;
+3. optionally serves Prometheus ``/metrics`` on ``cfg.metrics_port``;
+4. once serving, writes ``host:port`` to ``cfg.ready_file`` (temp + rename, so a reader
+   never sees half a line) and prints ``kvstore serve: listening on HOST:PORT (...)``;
+5. on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused, in-flight calls get
+   ``shutdown_grace`` seconds to finish, then uncommitted puts are aborted, leases
+   released, write-throughs finished, tiers closed and the shm file unlinked; returns 0.
+
+The gRPC server is created with ``so_reuseport`` off, so a port already in use is an error
+(``ConfigError``) rather than two servers silently sharing it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.auth import Authenticator
+from kvstore.errors import ConfigError
+from kvstore.server import KVStoreServicer, Segment
+from kvstore.server_config import STREAM_HEADROOM, ServerConfig, split_listen
+from kvstore.server_metrics import ServerMetrics, start_http
+from kvstore.server_store import ServerStore
+from kvstore.server_wire import SERVICE, generic_handler
+
+log = logging.getLogger("kvstore.server")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def _read(path: Path | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"{what} {path} is not readable: {err.strerror or err}") from err
+
+
+def credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS server credentials, or None for a plaintext server."""
+    if cfg.tls_cert is None:
+        return None
+    cert, key = _read(cfg.tls_cert, "tls_cert"), _read(cfg.tls_key, "tls_key")
+    ca = _read(cfg.tls_client_ca, "tls_client_ca")
+    _check_pem(cfg)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
+def _check_pem(cfg: ServerConfig) -> None:
+    """Load the files with ``ssl`` first: grpc reports a bad certificate or a key that does
+    not match it only as "failed to bind"."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(str(cfg.tls_cert), str(cfg.tls_key))
+    except ssl.SSLError as err:
+        raise ConfigError(f"tls_cert {cfg.tls_cert} / tls_key {cfg.tls_key}: not a PEM certificate "
+                          f"and its matching private key ({err.reason or err})") from err
+    if cfg.tls_client_ca is not None:
+        try:
+            ctx.load_verify_locations(str(cfg.tls_client_ca))
+        except ssl.SSLError as err:
+            raise ConfigError(f"tls_client_ca {cfg.tls_client_ca}: not a PEM CA certificate "
+                              f"({err.reason or err})") from err
+
+
+def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", max(cfg.max_message_bytes, cfg.frame_bytes + STREAM_HEADROOM)),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 60_000),      # find half-open connections of dead hosts
+        ("grpc.keepalive_timeout_ms", 20_000),
+    ]
+
+
+def segment_of(store: ServerStore) -> Segment:
+    st = os.stat(store.segment_path)
+    try:
+        boot_id = BOOT_ID.read_text().strip()
+    except OSError:
+        boot_id = ""
+    return Segment(store.segment_path, st.st_size, st.st_ino, boot_id)
+
+
+def write_ready(path: Path, target: str) -> None:
+    """``target`` into ``path`` atomically (temp file + rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(target + "\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        raise ConfigError(f"ready_file {path} cannot be written: {err.strerror or err}") from err
+
+
+def _bind(server: grpc.aio.Server, cfg: ServerConfig, creds: grpc.ServerCredentials | None) -> int:
+    try:
+        if creds is None:
+            return server.add_insecure_port(cfg.listen)
+        return server.add_secure_port(cfg.listen, creds)
+    except RuntimeError as err:
+        raise ConfigError(f"cannot listen on {cfg.listen}: {err}") from err
+
+
+def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metrics_url: str | None) -> str:
+    parts = [f"host pool {cfg.host_capacity / 2**20:.1f} MiB at {store.segment_path}"]
+    if cfg.ssd_dir is not None:
+        parts.append(f"ssd {cfg.ssd_dir} ({cfg.ssd_capacity / 2**30:.2f} GiB)")
+    if cfg.redis:
+        parts.append("redis on")
+    parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
+    parts.append("tls on" + (" with client certificates" if cfg.tls_client_ca else "") if cfg.tls else "tls off")
+    if metrics_url:
+        parts.append(f"metrics {metrics_url}")
+    return ", ".join(parts)
+
+
+class _Stopper:
+    """SIGTERM/SIGINT → an event: the first signal starts the graceful shutdown, later ones
+    are ignored.  Plain ``signal.signal`` handlers (not the loop's): they stay installed
+    until the process exits, so a signal during the final teardown cannot kill it."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._set, signum)
+        except RuntimeError:  # the loop is closed: shutting down already
+            pass
+
+    def _set(self, signum: int) -> None:
+        if not self.event.is_set():
+            log.warning("kvstore serve: %s received, shutting down", signal.Signals(signum).name)
+        self.event.set()
+
+
+async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
+    """Run the store process until ``stop`` is set (default: SIGTERM/SIGINT); 0 when it
+    shut down gracefully."""
+    auth = Authenticator.from_file(cfg.auth_tokens)
+    creds = credentials(cfg)
+    stop = stop if stop is not None else _Stopper().event
+    metrics = ServerMetrics()
+    store = await ServerStore.open(cfg, metrics)
+    http, server = None, None
+    try:
+        server = grpc.aio.server(options=grpc_options(cfg))
+        server.add_generic_rpc_handlers((generic_handler(KVStoreServicer(store, auth, segment_of(store))),))
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        port = _bind(server, cfg, creds)
+        await server.start()
+        for name in ("", SERVICE):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        metrics_url = None
+        if cfg.metrics_port is not None:
+            mhost = cfg.metrics_host or cfg.listen_host
+            try:
+                http, mport = start_http(metrics, mhost, cfg.metrics_port)
+            except OSError as err:
+                raise ConfigError(f"cannot serve metrics on {mhost}:{cfg.metrics_port}: {err}") from err
+            metrics_url = f"http://{mhost}:{mport}/metrics"
+        target = f"{split_listen(cfg.listen)[0]}:{port}"
+        if cfg.ready_file is not None:
+            write_ready(cfg.ready_file, target)
+        print(f"kvstore serve: listening on {target} ({_describe(cfg, store, auth, metrics_url)})",
+              flush=True)
+        await stop.wait()
+        await health.enter_graceful_shutdown()
+        await server.stop(cfg.shutdown_grace)
+    finally:
+        if server is not None:
+            await server.stop(0)  # no-op after a graceful stop; ends a failed start-up
+        await store.aclose(cfg.shutdown_grace)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+    print("kvstore serve: stopped", flush=True)
+    return 0
+
+
+def tune_malloc() -> bool:
+    """Keep freed message buffers in the heap instead of unmapping them (glibc only).
+
+    Every 1 MiB stream frame is a fresh ``bytes`` (grpc needs one per message); above glibc's
+    mmap threshold each is a new mapping whose pages fault in one by one, which caps copies
+    near 2 GB/s (LIMITS.md).  Raising the mmap and trim thresholds lets the heap reuse the
+    same pages: GetStream went from 0.78 to 0.96 GB/s here.  The cost is that the heap keeps
+    its peak size (bounded by frames in flight)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def run(cfg: ServerConfig) -> int:
+    tune_malloc()
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(serve(cfg))
+    finally:
+        # Shut down already: a late SIGTERM must not turn exit 0 into death by signal while
+        # the interpreter tears down (which resets Python-level handlers to SIG_DFL).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+__all__ = ["credentials", "grpc_options", "run", "serve", "write_ready"]

@@ -1,0 +1,189 @@
+"""Counters of the store process, served two ways: the ``Stats`` RPC and Prometheus ``/metrics``.
+
+Server side.  ``ServerCounters`` is the one record the servicer and store update (from the
+event loop); the Prometheus view is derived from it at scrape time by a collector on the
+server's *own* registry (no process-wide collectors, so tests may run several servers in one
+process).  Stage latencies are histograms observed as they happen.
+
+Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its denominator:
+
+* ``lookup_keys_total`` (denominator) and ``lookup_hits_total{tier}``: keys of Lookup calls
+  and the contiguous hits among them, by the tier that had each; ``lookups_total``: calls.
+* ``gets_total{path,tier}`` / ``get_misses_total{path}``: Get (path "shm") and GetStream
+  (path "stream"); ``puts_total{path,outcome}``.
+* ``bytes_total{tier,direction}``: host read = bytes served to clients, host write = bytes
+  committed by clients, ssd/redis read = promotions, ssd/redis write = write-through.
+* ``stage_seconds{stage}``: lookup, get, get_stream, put_commit, put_stream, promote,
+  write_through.
+* ``leases_held`` (gauge), ``leases_expired_total``, ``leases_granted_total``,
+  ``puts_in_flight`` (gauge), ``evictions_total{tier}``, ``tier_objects{tier}``,
+  ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
+  ``failures_total{reason}``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "kvstore_server_"
+_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+STAGES = ("lookup", "get", "get_stream", "put_commit", "put_stream", "promote", "write_through")
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    """Plain counters; each dict maps a label (or a label tuple) to a count."""
+
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hits: dict[str, int] = field(default_factory=dict)        # tier -> keys
+    gets: dict[tuple[str, str], int] = field(default_factory=dict)   # (path, tier) -> calls
+    get_misses: dict[str, int] = field(default_factory=dict)         # path -> calls
+    puts: dict[tuple[str, str], int] = field(default_factory=dict)   # (path, outcome) -> calls
+    bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, direction) -> bytes
+    promotions: dict[str, int] = field(default_factory=dict)         # from tier -> objects
+    write_through: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, result)
+    leases_granted: int = 0
+    leases_released: int = 0
+    puts_reaped: int = 0
+    failures: dict[str, int] = field(default_factory=dict)           # reason -> count
+    stages: dict[str, list[float]] = field(default_factory=dict)     # stage -> [count, seconds]
+
+    @staticmethod
+    def bump(table: dict, label, n: float = 1) -> None:
+        table[label] = table.get(label, 0) + n
+
+    def fail(self, reason: str) -> None:
+        self.bump(self.failures, reason)
+
+    def as_json(self) -> dict[str, object]:
+        def flat(table: dict) -> dict[str, float]:
+            return {(".".join(k) if isinstance(k, tuple) else k): v for k, v in dict(table).items()}
+
+        return {
+            "lookups": self.lookups, "lookup_keys": self.lookup_keys,
+            "lookup_hits": flat(self.lookup_hits), "gets": flat(self.gets),
+            "get_misses": flat(self.get_misses), "puts": flat(self.puts),
+            "bytes": flat(self.bytes), "promotions": flat(self.promotions),
+            "write_through": flat(self.write_through), "leases_granted": self.leases_granted,
+            "leases_released": self.leases_released, "puts_reaped": self.puts_reaped,
+            "failures": flat(self.failures),
+            "stages": {k: {"count": v[0], "seconds": v[1]} for k, v in dict(self.stages).items()},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Gauges read at scrape time (from the HTTP thread: the callable must be thread-safe)."""
+
+    leases_held: int
+    leases_expired: int
+    puts_in_flight: int
+    tiers: dict[str, dict[str, object]]  # tier name -> TierStats.as_dict()
+
+
+class ServerMetrics:
+    """The counters plus the Prometheus registry that exposes them."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot] | None = None) -> None:
+        self.counters = ServerCounters()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._stage = Histogram(PREFIX + "stage_seconds", "Seconds spent in each server stage",
+                                ["stage"], registry=self.registry, buckets=_BUCKETS)
+        self._snapshot = snapshot
+        self.registry.register(_Collector(self))
+
+    def bind(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def snapshot(self) -> Snapshot:
+        if self._snapshot is None:
+            return Snapshot(0, 0, 0, {})
+        return self._snapshot()
+
+    def observe(self, stage: str, seconds: float) -> None:
+        self._stage.labels(stage).observe(seconds)
+        entry = self.counters.stages.setdefault(stage, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
+    def timer(self, stage: str) -> "_Timer":
+        return _Timer(self, stage)
+
+
+class _Timer:
+    """``with metrics.timer("lookup"):`` observes the block's wall time."""
+
+    __slots__ = ("_metrics", "_stage", "_t0")
+
+    def __init__(self, metrics: ServerMetrics, stage: str) -> None:
+        self._metrics, self._stage, self._t0 = metrics, stage, 0.0
+
+    def __enter__(self) -> "_Timer":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._metrics.observe(self._stage, time.perf_counter() - self._t0)
+
+
+class _Collector:
+    """Turns ``ServerCounters`` and a ``Snapshot`` into Prometheus families at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        c, snap = self._m.counters, self._m.snapshot()
+        yield _counter("lookups", "Lookup calls", [], {(): c.lookups})
+        yield _counter("lookup_keys", "Keys looked up (the denominator of the hit rate)", [],
+                       {(): c.lookup_keys})
+        yield _counter("lookup_hits", "Contiguous hits among looked-up keys, by tier", ["tier"],
+                       {(k,): v for k, v in dict(c.lookup_hits).items()})
+        yield _counter("gets", "Get (shm) and GetStream (stream) hits", ["path", "tier"], dict(c.gets))
+        yield _counter("get_misses", "Get and GetStream misses", ["path"],
+                       {(k,): v for k, v in dict(c.get_misses).items()})
+        yield _counter("puts", "Puts by path and outcome", ["path", "outcome"], dict(c.puts))
+        yield _counter("bytes", "Bytes by tier and direction", ["tier", "direction"], dict(c.bytes))
+        yield _counter("failures", "Failures by reason", ["reason"],
+                       {(k,): v for k, v in dict(c.failures).items()})
+        yield _counter("leases_granted", "Leases granted", [], {(): c.leases_granted})
+        yield _counter("leases_expired", "Leases that expired before release", [],
+                       {(): snap.leases_expired})
+        yield _counter("evictions", "Objects evicted, by tier", ["tier"],
+                       {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
+        yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
+        yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
+        for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
+                          ("tier_capacity_bytes", "capacity_bytes"), ("breaker_open", "breaker_open")):
+            values = {(t,): s[key] for t, s in snap.tiers.items() if key in s}
+            yield _gauge(name, f"Per-tier {key}", ["tier"], values)
+
+
+def _counter(name: str, doc: str, labels: list[str], values: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+    for label_values, value in values.items():
+        family.add_metric(list(label_values), float(value))
+    return family
+
+
+def _gauge(name: str, doc: str, labels: list[str], values: dict) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+    for label_values, value in values.items():
+        family.add_metric(list(label_values), float(value))
+    return family
+
+
+def start_http(metrics: ServerMetrics, host: str, port: int):
+    """Serve ``/metrics`` from a daemon thread; ``(server, bound_port)``."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)
+    return server, server.server_address[1]
+
+
+__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "Snapshot", "start_http"]

@@ -1,0 +1,158 @@
+"""The store process's wire edge: grpc method handlers built from the proto's descriptor.
+
+Server side.  ``generic_handler(servicer)`` registers one handler per RPC of
+``kvstore.v1.KVStore`` (taken from the generated descriptor, so a method added to the proto
+and missing in the servicer fails at start-up).  Two handlers skip the protobuf object on
+their bulk path, because protobuf ``bytes`` fields accept only ``bytes`` and every frame would
+otherwise be copied twice more:
+
+* ``GetStream`` responses may be ``OutFrame``s: encoded straight from a view of the host slot
+  into the wire bytes (one copy, which grpc needs anyway).  The encoding is byte-identical to
+  ``GetFrame.SerializeToString()`` (tests check it).
+* ``PutStream`` requests are decoded into ``InFrame``s whose ``data`` is a view of the
+  received message (no copy until the handler writes it into the reserved slot).
+
+Every request deserializer is total: bytes protobuf refuses (e.g. a string field with bad
+UTF-8) become a ``Malformed`` value that the handler answers with INVALID_ARGUMENT, instead
+of an exception inside grpc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvstore._proto import kvstore_pb2 as pb
+
+SERVICE = "kvstore.v1.KVStore"
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A request protobuf could not parse."""
+
+    method: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OutFrame:
+    """One GetStream frame whose ``data`` is a view of the stored object."""
+
+    data: memoryview
+    offset: int = 0
+    found: bool = True
+    total_length: int = 0
+    tier: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InFrame:
+    """One PutStream frame: exactly one of ``start`` and ``data`` is set."""
+
+    start: pb.PutStartRequest | None = None
+    data: memoryview | None = None
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_get_frame(frame: OutFrame | pb.GetFrame) -> bytes:
+    """Wire bytes of a GetFrame (fields in number order, proto3 defaults omitted)."""
+    if isinstance(frame, pb.GetFrame):
+        return frame.SerializeToString()
+    head = bytearray()
+    if frame.found:
+        head += b"\x08\x01"
+    if frame.total_length:
+        head += b"\x10" + _varint(frame.total_length)
+    if frame.offset:
+        head += b"\x18" + _varint(frame.offset)
+    parts = [bytes(head)]
+    if len(frame.data):
+        parts[0] += b"\x22" + _varint(len(frame.data))
+        parts.append(frame.data)
+    if frame.tier:
+        parts.append(b"\x28" + _varint(frame.tier))
+    return b"".join(parts)
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    n = shift = 0
+    while pos < len(buf) and shift < 64:
+        b = buf[pos]
+        n |= (b & 0x7F) << shift
+        pos += 1
+        if not b & 0x80:
+            return n, pos
+        shift += 7
+    raise DecodeError("truncated varint")
+
+
+def decode_put_frame(raw: bytes) -> InFrame | Malformed:
+    """A PutFrame; the common case (one ``data`` field, nothing else) without copying."""
+    if raw[:1] == b"\x12":
+        try:
+            length, pos = _read_varint(raw, 1)
+        except DecodeError:
+            length, pos = -1, 0
+        if pos + length == len(raw):
+            return InFrame(data=memoryview(raw)[pos:])
+    try:
+        msg = pb.PutFrame.FromString(raw)
+    except DecodeError as err:
+        return Malformed("PutStream", str(err))
+    which = msg.WhichOneof("frame")
+    if which == "start":
+        return InFrame(start=msg.start)
+    if which == "data":
+        return InFrame(data=memoryview(msg.data))
+    return InFrame()
+
+
+def _parser(cls, method: str):
+    def parse(raw: bytes):
+        try:
+            return cls.FromString(raw)
+        except DecodeError as err:
+            return Malformed(method, str(err))
+
+    parse.__name__ = f"parse_{cls.__name__}"
+    return parse
+
+
+_SHAPES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+}
+
+
+def generic_handler(servicer: object) -> grpc.GenericRpcHandler:
+    """All KVStore methods of ``servicer`` (one coroutine / async generator per RPC name)."""
+    service = pb.DESCRIPTOR.services_by_name["KVStore"]
+    handlers = {}
+    for method in service.methods:
+        fn = getattr(servicer, method.name, None)
+        if fn is None:
+            raise RuntimeError(f"servicer {type(servicer).__name__} lacks RPC {method.name}")
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        parse = decode_put_frame if request_cls is pb.PutFrame else _parser(request_cls, method.name)
+        serialize = encode_get_frame if response_cls is pb.GetFrame else response_cls.SerializeToString
+        shape = _SHAPES.get((method.client_streaming, method.server_streaming))
+        if shape is None:
+            raise RuntimeError(f"no handler shape for bidirectional RPC {method.name}")
+        handlers[method.name] = shape(fn, request_deserializer=parse, response_serializer=serialize)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+__all__ = ["InFrame", "Malformed", "OutFrame", "SERVICE", "decode_put_frame",
+           "encode_get_frame", "generic_handler"]

@@ -1,0 +1,117 @@
+"""ServerConfig: precedence flags > KVSTORE_SERVE_* > YAML file > defaults, conversions, and
+bad values that must name the key and where it came from."""
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.server_config import ServerConfig, split_listen
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def test_defaults():
+    cfg = ServerConfig.from_sources({}, env={})
+    assert cfg == ServerConfig()
+    assert cfg.host_capacity == 1 * GiB and cfg.max_object_bytes == 256 * MiB
+    assert cfg.max_keys_per_call == 4096 and cfg.max_message_bytes == 8 * MiB
+    assert cfg.put_ttl_s == cfg.lease_ttl == 30.0
+    assert cfg.ssd_dir is None and cfg.auth_tokens is None and not cfg.tls
+
+
+def test_precedence_flags_over_env_over_file(tmp_path):
+    conf = tmp_path / "serve.yaml"
+    conf.write_text("host-capacity: 2GiB\nssd_capacity: 3GiB\nlease_ttl: 7\nlisten: 0.0.0.0:1\n"
+                    "max_keys_per_call: 10\n")
+    env = {"KVSTORE_SERVE_SSD_CAPACITY": "4GiB", "KVSTORE_SERVE_LEASE_TTL": "8",
+           "KVSTORE_SERVE_CONFIG": str(conf)}
+    flags = {"lease_ttl": "9", "ssd_dir": str(tmp_path), "redis": None}
+    cfg = ServerConfig.from_sources(flags, env=env)
+    assert cfg.host_capacity == 2 * GiB      # file only
+    assert cfg.ssd_capacity == 4 * GiB       # env beats file
+    assert cfg.lease_ttl == 9.0              # flag beats env and file
+    assert cfg.listen == "0.0.0.0:1"
+    assert cfg.max_keys_per_call == 10
+    assert cfg.ssd_dir == Path(tmp_path)
+    assert cfg.redis is None                 # a flag left out (None) does not override
+
+
+def test_config_flag_beats_env_config(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("frame_bytes: 64KiB\nmax_message_bytes: 1MiB\n")
+    b.write_text("frame_bytes: 128KiB\n")
+    cfg = ServerConfig.from_sources({"config": str(a)}, env={"KVSTORE_SERVE_CONFIG": str(b)})
+    assert cfg.frame_bytes == 64 * 1024 and cfg.max_message_bytes == MiB
+
+
+def test_env_conversions():
+    env = {"KVSTORE_SERVE_METRICS_PORT": "0", "KVSTORE_SERVE_WRITE_THROUGH": "off",
+           "KVSTORE_SERVE_PUT_TTL": "2.5", "KVSTORE_SERVE_MAX_OBJECT_BYTES": "1MiB"}
+    cfg = ServerConfig.from_sources({}, env=env)
+    assert cfg.metrics_port == 0 and cfg.write_through is False
+    assert cfg.put_ttl_s == 2.5 and cfg.max_object_bytes == MiB
+
+
+@pytest.mark.parametrize("flags,env,needle", [
+    ({"host_capacity": "lots"}, {}, "--host-capacity: cannot parse size 'lots'"),
+    ({}, {"KVSTORE_SERVE_SSD_CAPACITY": "-3"}, "KVSTORE_SERVE_SSD_CAPACITY"),
+    ({"lease_ttl": "soon"}, {}, "--lease-ttl: expected a number of seconds, got 'soon'"),
+    ({"lease_ttl": "0"}, {}, "lease_ttl must be a positive number"),
+    ({"lease_ttl": "60", "max_lease_ttl": "30"}, {}, "max_lease_ttl (30.0) is below lease_ttl (60.0)"),
+    ({"metrics_port": "http"}, {}, "--metrics-port: expected an integer, got 'http'"),
+    ({"metrics_port": "70000"}, {}, "metrics_port must lie in [0, 65535]"),
+    ({"listen": "localhost"}, {}, "listen address 'localhost' must be HOST:PORT"),
+    ({"listen": "h:99999"}, {}, "must be HOST:PORT with a port in [0, 65535]"),
+    ({"tls_cert": "c.pem"}, {}, "tls_cert and tls_key must be given together"),
+    ({"tls_client_ca": "ca.pem"}, {}, "tls_client_ca needs tls_cert"),
+    ({"frame_bytes": "8MiB"}, {}, "max_message_bytes (8388608) must be at least frame_bytes + 64 KiB"),
+    ({"max_object_bytes": "100"}, {}, "max_object_bytes must hold at least a 256-byte header"),
+    ({"max_keys_per_call": "0"}, {}, "max_keys_per_call must be positive"),
+    ({"bogus": "1"}, {}, "command line: unknown key 'bogus'"),
+    ({}, {"KVSTORE_SERVE_WRITE_THROUGH": "maybe"}, "KVSTORE_SERVE_WRITE_THROUGH: expected true or false"),
+])
+def test_bad_values_are_named(flags, env, needle):
+    with pytest.raises(ConfigError) as info:
+        ServerConfig.from_sources(flags, env=env)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("host_capacity: 1GiB\nhost_capacty: 2GiB\n", "unknown key 'host_capacty'"),
+    ("- a\n", "expected a mapping of settings, got list"),
+    ("listen: [1, 2\n", "is not valid YAML"),
+    ("listen: 5\n", "expected a string, got 5"),
+])
+def test_bad_files_are_named(tmp_path, text, needle):
+    conf = tmp_path / "serve.yaml"
+    conf.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        ServerConfig.from_sources({"config": str(conf)}, env={})
+    assert needle in str(info.value) and str(conf) in str(info.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="absent.yaml does not exist"):
+        ServerConfig.from_sources({}, env={"KVSTORE_SERVE_CONFIG": str(tmp_path / "absent.yaml")})
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    conf = tmp_path / "empty.yaml"
+    conf.write_text("")
+    assert ServerConfig.from_sources({"config": str(conf)}, env={}) == ServerConfig()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("127.0.0.1:0", ("127.0.0.1", 0)),
+    ("0.0.0.0:50051", ("0.0.0.0", 50051)),
+    ("[::1]:7", ("[::1]", 7)),
+    ("store.local:65535", ("store.local", 65535)),
+])
+def test_split_listen(text, expected):
+    assert split_listen(text) == expected
+
+
+@pytest.mark.parametrize("bad", [":50051", "host:", "host:-1", "[::1:5", "no-port"])
+def test_split_listen_rejects(bad):
+    with pytest.raises(ConfigError, match="listen address"):
+        split_listen(bad)

@@ -1,0 +1,249 @@
+"""``kvstore bench store``: the store process's client paths beside limits of the same run.
+
+Starts its own store (``StoreProcess``: ``kvstore serve`` with a host pool, no lower tiers)
+unless ``--target`` names one.  Rows, each a median of ``--repeat`` operations:
+
+* **Lookup** of 512 chained keys (one ``Lookup`` round trip) beside a plain small grpcio
+  unary call (target ≤ 2×).
+* **Shared memory**: ``get_into`` / ``put`` of each ``--sizes`` object (RPCs, copy, lease
+  release, checksum and rekey included) beside a copy of the same bytes into a reused
+  buffer (target for a 32 MiB get: ≥ 0.6).
+* **Streams**: the same over ``GetStream`` / ``PutStream`` beside the loopback TCP transfer
+  of the same bytes (``bench.loopback``; target ≥ 0.5) and beside a plain grpcio unary call
+  carrying them (raw bytes, ``store_peers.RawGrpcPeer``; target ≥ 3×).
+* **Concurrent clients**: ``--clients`` processes, each with its own client, getting
+  ``--client-size`` objects over shared memory: aggregate GB/s beside the single client of
+  the same run (target ≥ 0.8), and p50/p99 latency beside the single client's.
+
+Targets apply to 32 MiB objects (the issue's chunk size); other sizes get a limit and a
+ratio only.  Objects are sealed with random payloads; every get is verified by the client.
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvstore import codec
+from kvstore.bench.common import Row, gbps, print_rows, write_json
+from kvstore.bench.loopback import measure_loopback
+from kvstore.bench.store_peers import RawGrpcPeer, run_clients
+from kvstore.client import StoreClient
+from kvstore.errors import ConfigError, TierError
+from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
+from tiers.base import PutResult
+
+MiB = 1 << 20
+TARGET_SIZE = 32 * MiB
+LOOKUP_KEYS = 512
+IDENT = Identity("bench-store", "r0", "bf16", "bench:opaque", 1, 1, 1)
+COPY = "copy into reused buffer"
+
+
+def make_object(size: int, seed: int) -> tuple[ObjectKey, np.ndarray]:
+    """A sealed object of exactly ``size`` bytes with a random payload and its own key."""
+    ns = IDENT.namespace()
+    key = object_keys(ns, chunk_hashes(ns, np.full(16, seed), 16))[0]
+    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE, "bf16", "bench:opaque")
+    buf = np.empty(size, np.uint8)
+    payload = np.random.default_rng(seed).integers(0, 256, geom.payload_bytes, dtype=np.uint8)
+    codec.encode_into(buf, key, geom, payload)
+    return key, buf
+
+
+async def _median_s(op: Callable[[], Awaitable[object]], repeat: int,
+                    between: Callable[[], Awaitable[object]] | None = None) -> float:
+    """Median seconds of ``op`` after one untimed warm-up (``between`` runs untimed
+    before each call, e.g. deleting what the previous put stored)."""
+    times = []
+    for i in range(repeat + 1):
+        if between is not None:
+            await between()
+        t0 = time.perf_counter()
+        await op()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _copy_limit_s(src: np.ndarray, dst: np.ndarray, repeat: int) -> float:
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+# --- rows ---------------------------------------------------------------------------------
+
+async def lookup_rows(client: StoreClient, raw: RawGrpcPeer, repeat: int) -> list[Row]:
+    ns = IDENT.namespace()
+    tokens = np.random.default_rng(7).integers(0, 50000, LOOKUP_KEYS * 16)
+    hashes = chunk_hashes(ns, tokens, 16)
+    keys = object_keys(ns, hashes)
+    geom = codec.ObjectGeometry(1, 1, 768)
+    obj = np.empty(codec.object_size(geom), np.uint8)
+    for i, key in enumerate(keys):
+        codec.encode_into(obj, key, geom, np.full(768, i % 251, np.uint8), hashes[i - 1] if i else ROOT)
+        if await client.put(key, obj, hashes[i - 1] if i else None) not in (PutResult.STORED, PutResult.EXISTS):
+            raise TierError("bench store: could not store the lookup keys (store full?)")
+
+    async def lookup() -> None:
+        if (await client.lookup(keys)).hits != LOOKUP_KEYS:
+            raise TierError("bench store: lookup lost keys")
+
+    n = max(20, 10 * repeat)
+    ours, plain = await _median_s(lookup, n), await _median_s(raw.ping, n)
+    return [Row(f"lookup {LOOKUP_KEYS} keys (1 RPC)", ours * 1e3, "ms", "plain grpcio small unary",
+                plain * 1e3, "lower", target=2.0)]
+
+
+async def _get_put_s(client: StoreClient, key: ObjectKey, obj: np.ndarray, repeat: int) -> tuple[float, float]:
+    """Median get and put seconds of one object through ``client``."""
+    dst = np.empty(len(obj), np.uint8)
+    dst.fill(0)
+    view = memoryview(dst)
+
+    async def put() -> None:
+        if await client.put(key, obj) is not PutResult.STORED:
+            raise TierError(f"bench store: put of {len(obj)} bytes was not stored (store full?)")
+
+    async def delete() -> None:
+        await client.delete(key)
+
+    put_s = await _median_s(put, repeat, delete)
+
+    async def get() -> None:
+        if await client.get_into(key, view) != len(obj):
+            raise TierError(f"bench store: get of a {len(obj)}-byte object missed")
+
+    get_s = await _median_s(get, repeat)
+    if not np.array_equal(dst[codec.HEADER_SIZE:], obj[codec.HEADER_SIZE:]):
+        raise TierError("bench store: the object read back differs from the one stored")
+    await client.delete(key)
+    return get_s, put_s
+
+
+async def shm_rows(client: StoreClient, size: int, repeat: int) -> list[Row]:
+    key, obj = make_object(size, size)
+    get_s, put_s = await _get_put_s(client, key, obj, repeat)
+    dst = np.ones(size, np.uint8)
+    limit = gbps(size, _copy_limit_s(obj, dst, repeat))
+    target = 0.6 if size == TARGET_SIZE else None
+    mb = _mb(size)
+    return [Row(f"shm get {mb}", gbps(size, get_s), "GB/s", COPY, limit, target=target),
+            Row(f"shm put {mb}", gbps(size, put_s), "GB/s", COPY, limit)]
+
+
+async def stream_rows(client: StoreClient, raw: RawGrpcPeer, size: int, repeat: int) -> list[Row]:
+    key, obj = make_object(size, size + 1)
+    get_s, put_s = await _get_put_s(client, key, obj, repeat)
+    tcp = measure_loopback(size, repeat)
+    data = obj.tobytes()
+    raw_get_s = await _median_s(lambda: raw.get(size), repeat)
+    raw_put_s = await _median_s(lambda: raw.put(data), repeat)
+    big = size == TARGET_SIZE
+    mb, g, p = _mb(size), gbps(size, get_s), gbps(size, put_s)
+    return [Row(f"stream get {mb} vs TCP", g, "GB/s", "loopback TCP get", tcp.get_gbps, target=0.5 if big else None),
+            Row(f"stream get {mb} vs grpc", g, "GB/s", "plain grpcio unary get", gbps(size, raw_get_s),
+                target=3.0 if big else None),
+            Row(f"stream put {mb} vs TCP", p, "GB/s", "loopback TCP put", tcp.put_gbps, target=0.5 if big else None),
+            Row(f"stream put {mb} vs grpc", p, "GB/s", "plain grpcio unary put", gbps(size, raw_put_s),
+                target=3.0 if big else None)]
+
+
+async def _store_client_objects(client: StoreClient, size: int, count: int) -> list[bytes]:
+    keys = []
+    for i in range(count):
+        key, obj = make_object(size, 10_000 + i)
+        if await client.put(key, obj) not in (PutResult.STORED, PutResult.EXISTS):
+            raise TierError(f"bench store: no room for {count} objects of {size} bytes (raise --host-capacity)")
+        keys.append(bytes(key))
+    return keys
+
+
+def clients_rows(target: str, token: str | None, keys: list[bytes], size: int, counts: list[int],
+                 gets: int, copy_gbps: float) -> list[Row]:
+    """Aggregate GB/s and p50/p99 of each client count beside one client of this run."""
+    results = {n: run_clients(n, target, token, keys, size, gets) for n in sorted(set(counts) | {1})}
+    one = results[1]
+    mb = _mb(size)
+    rows = [Row(f"1 client shm get {mb}", one.aggregate_gbps, "GB/s", COPY, copy_gbps)]
+    for n, r in results.items():
+        if n == 1:
+            continue
+        rows += [Row(f"{n} clients shm get {mb} aggregate", r.aggregate_gbps, "GB/s",
+                     "best single client (same run)", one.aggregate_gbps, target=0.8 if size == TARGET_SIZE else None),
+                 Row(f"{n} clients get p50", r.percentile_ms(50), "ms", "1 client p50", one.percentile_ms(50), "lower"),
+                 Row(f"{n} clients get p99", r.percentile_ms(99), "ms", "1 client p99", one.percentile_ms(99), "lower")]
+    return rows
+
+
+# --- the run ------------------------------------------------------------------------------
+
+def _mb(size: int) -> str:
+    return f"{size // MiB} MiB" if size % MiB == 0 else f"{size} B"
+
+
+async def _run_against(target: str, args) -> list[Row]:
+    rows: list[Row] = []
+    raw = RawGrpcPeer()
+    stream = await StoreClient.connect(target, token=args.token, transport="stream", timeout_s=30)
+    shm = await StoreClient.connect(target, token=args.token, transport="auto", timeout_s=30)
+    try:
+        rows += await lookup_rows(stream, raw, args.repeat)
+        if not shm.uses_shm:
+            print(f"  shared memory not available ({shm.shm_refusal}): shm and client rows left out")
+        for size in args.sizes:
+            if shm.uses_shm:
+                rows += await shm_rows(shm, size, args.repeat)
+            rows += await stream_rows(stream, raw, size, args.repeat)
+        if shm.uses_shm and args.clients:
+            keys = await _store_client_objects(shm, args.client_size, args.client_objects)
+            src, dst = make_object(args.client_size, 1)[1], np.ones(args.client_size, np.uint8)
+            copy = gbps(args.client_size, _copy_limit_s(src, dst, args.repeat))
+            gets = max(4, 2 * args.repeat)
+            rows += clients_rows(target, args.token, keys, args.client_size, args.clients, gets, copy)
+            for key in keys:
+                await shm.delete(ObjectKey.from_bytes(key))
+    finally:
+        await stream.close()
+        await shm.close()
+        await raw.aclose()
+    return rows
+
+
+def _capacity_needed(args) -> int:
+    per_size = sum(2 * s for s in args.sizes)
+    return LOOKUP_KEYS * 4096 + per_size + args.client_objects * args.client_size + 64 * MiB
+
+
+def run(args) -> int:
+    if args.repeat < 1:
+        raise ConfigError(f"--repeat must be at least 1, got {args.repeat}")
+    if args.target:
+        rows = asyncio.run(_run_against(args.target, args))
+        where = f"store at {args.target}"
+    else:
+        from kvstore.serve_proc import StoreProcess  # only when we start the store ourselves
+
+        capacity = max(args.host_capacity or 0, _capacity_needed(args))
+        with tempfile.TemporaryDirectory(prefix="kvstore-bench-store-") as tmp:
+            proc = StoreProcess(Path(tmp), "--host-capacity", str(capacity)).start()
+            try:
+                rows = asyncio.run(_run_against(proc.target, args))
+            finally:
+                proc.terminate(30)
+        where = f"own store process, host pool {capacity // MiB} MiB"
+    print_rows(f"kvstore bench store ({where}; median of {args.repeat}; limits measured in this run)", rows)
+    write_json(args.json, rows)
+    return 0
+
+
+__all__ = ["clients_rows", "lookup_rows", "make_object", "run", "shm_rows", "stream_rows"]

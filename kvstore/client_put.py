@@ -1,0 +1,180 @@
+"""The write half of ``StoreClient`` (mixed into it): two-phase puts through the shared
+segment and streamed puts.
+
+Client side.  Through the segment: ``reserve`` (``PutStart``) hands out a region that the
+caller (or ``put``) fills in place, then ``commit`` (``PutCommit``) lets the server verify
+and publish it, or aborts it.  Streamed: ``put_parts`` sends the start frame and then
+``frame_bytes`` slices of the caller's buffers, each serialized once straight from them.
+A put the server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND: a read-only
+token, a damaged object, an expired reservation) is ``PutResult.FAILED`` and counted, never
+an exception; transport failures raise ``TierUnavailableError`` (``StoreClient._error``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from kvstore import codec
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client_info import Reservation
+from kvstore.client_io import INLINE_BYTES, Copier, encode_data_frame
+from kvstore.errors import CapacityError, ConfigError, TierError
+from kvstore.keys import ROOT, ChunkHash, ObjectKey
+from tiers.base import PutResult
+
+log = logging.getLogger("kvstore.client")
+Code = grpc.StatusCode
+_REFUSED_PUT = frozenset({Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION, Code.NOT_FOUND})
+_OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
+             pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM}
+
+
+class PutMixin:
+    """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``,
+    ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``, ``_unary``,
+    ``_segment_changed`` and ``_error`` (all defined by ``StoreClient``)."""
+
+    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
+                  *, retry: bool = True) -> PutResult:
+        """Publish a complete object (its header names ``key``): through the segment
+        (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A commit refused
+        because the server came back with a new segment is retried once, remapped."""
+        src = np.frombuffer(memoryview(obj).cast("B"), np.uint8)
+        if self._segment is None:
+            return await self.put_parts(key, [memoryview(src)], len(src), parent_hash)
+        res = await self.reserve(key, len(src), parent_hash)
+        if isinstance(res, PutResult):
+            return res
+        ok = False
+        try:
+            await self._copy_out(res.array, src)
+            ok = True
+        finally:
+            result = await self.commit(res, ok)
+        if result is PutResult.FAILED and retry and await self._segment_changed():
+            self.counters.put_failures -= 1  # the retry counts instead
+            return await self.put(key, obj, parent_hash, retry=False)
+        return result
+
+    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None
+                      ) -> Reservation | PutResult:
+        """``PutStart``: a region of the segment to write ``size`` bytes into, or the final
+        outcome (EXISTS, NO_ROOM, FAILED when the server refuses)."""
+        self.check_size(size)
+        if self._segment is None:
+            raise ConfigError(f"reserve needs the shared-memory data plane ({self.shm_refusal})")
+        if not self._may_write(key):
+            return self._put_done(PutResult.FAILED, size)
+        segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
+        r = await self._unary("PutStart", _put_start(key, size, parent_hash), answers=_REFUSED_PUT)
+        if isinstance(r, Code) or r.outcome != pb.PUT_OUTCOME_UNSPECIFIED:
+            return self._put_done(PutResult.FAILED if isinstance(r, Code) else _outcome(r.outcome), size)
+        if r.length != size or r.offset + size > len(segment):
+            await self._unary("PutCommit", pb.PutCommitRequest(put_id=r.put_id, abort=True), answers=_REFUSED_PUT)
+            raise TierError(f"store {self.target}: PutStart answered [{r.offset}, +{r.length}) for {size} bytes")
+        return Reservation(key, size, r.put_id, r.offset, r.ttl_ms, segment[r.offset : r.offset + size])
+
+    async def commit(self, res: Reservation, ok: bool = True) -> PutResult:
+        """``PutCommit`` (or abort when not ``ok``); the server verifies and publishes."""
+        r = await self._unary("PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok),
+                              answers=_REFUSED_PUT)
+        result = PutResult.FAILED if isinstance(r, Code) or not ok else _outcome(r.outcome)
+        if isinstance(r, Code):
+            log.warning("kvstore: store %s refused commit of %r: %s", self.target, res.key, r.name)
+        return self._put_done(result, res.size)
+
+    async def put_parts(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
+                        parent_hash: ChunkHash | None = None) -> PutResult:
+        """``PutStream`` of ``parts`` (in order, ``size`` bytes in all), framed straight from
+        the caller's memory."""
+        self.check_size(size)
+        if sum(len(p) for p in parts) != size:
+            raise ConfigError(f"put of {key!r}: parts hold {sum(len(p) for p in parts)} bytes, not {size}")
+        if not self._may_write(key):
+            return self._put_done(PutResult.FAILED, size)
+        call = self._put_stream(timeout=self._deadline(size), metadata=self._metadata)
+        try:
+            await self._write_frames(call, pb.PutFrame(start=_put_start(key, size, parent_hash)), parts)
+            resp = await call
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code not in _REFUSED_PUT:
+                raise self._error("PutStream", err) from err
+            log.warning("kvstore: store %s refused put of %r: %s", self.target, key, code.name)
+            return self._put_done(PutResult.FAILED, size)
+        finally:
+            if not call.done():
+                call.cancel()
+        return self._put_done(_outcome(resp.outcome), size)
+
+    async def _write_frames(self, call, start: pb.PutFrame, parts: Sequence[memoryview]) -> None:
+        """The start frame, then ``frame_bytes`` slices of ``parts``; stops early when the
+        server has already answered (EXISTS, NO_ROOM, an error)."""
+        frame = self._info.frame_bytes or (1 << 20)
+        try:
+            await call.write(start.SerializeToString())
+            for part in parts:
+                part = memoryview(part).cast("B")
+                for lo in range(0, len(part), frame):
+                    await call.write(encode_data_frame(part[lo : lo + frame]))
+            await call.done_writing()
+        except asyncio.InvalidStateError:
+            return  # the call finished first: its reply (or status) tells the outcome
+
+    def _put_done(self, result: PutResult, size: int) -> PutResult:
+        c = self.counters
+        if result is PutResult.STORED:
+            c.puts += 1
+            c.bytes_written += size
+        elif result is PutResult.EXISTS:
+            c.put_exists += 1
+        else:
+            c.put_failures += 1
+        return result
+
+    def _may_write(self, key: ObjectKey) -> bool:
+        """Whether ``Hello`` granted "write".  Checked here because a stream the server
+        refuses at its first frame, while data frames are still being written, surfaces in
+        grpc as INTERNAL rather than as the server's PERMISSION_DENIED."""
+        if "write" in self._info.permissions:
+            return True
+        if self.counters.put_failures == 0:  # once per client: a read-only client puts often
+            log.warning("kvstore: puts to store %s fail: the token lacks the write permission (first: %r)",
+                        self.target, key)
+        return False
+
+    def check_size(self, size: int) -> None:
+        """``ConfigError`` below a header's size, ``CapacityError`` above the store's limit."""
+        if size < codec.HEADER_SIZE:
+            raise ConfigError(f"object of {size} bytes is smaller than its {codec.HEADER_SIZE}-byte header")
+        if self._info.max_object_bytes and size > self._info.max_object_bytes:
+            raise CapacityError(f"object of {size} bytes exceeds the store's limit of "
+                                f"{self._info.max_object_bytes} bytes")
+
+    async def _copy_out(self, dst: np.ndarray, src: np.ndarray) -> None:
+        if len(src) <= INLINE_BYTES:
+            np.copyto(dst, src)
+            return
+        fut = self._copier.copy(dst, src)
+        try:
+            await asyncio.wrap_future(fut)
+        finally:
+            Copier.wait_done(fut)
+
+
+def _put_start(key: ObjectKey, size: int, parent_hash: ChunkHash | None) -> pb.PutStartRequest:
+    parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
+    return pb.PutStartRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, size=size,
+                              parent_hash=parent)
+
+
+def _outcome(value: int) -> PutResult:
+    return _OUTCOMES.get(value, PutResult.FAILED)
+
+
+__all__ = ["PutMixin"]

@@ -1,0 +1,34 @@
+"""``kvstore bench store`` end to end with small settings: it starts its own store, the
+plain grpcio peer and client processes, and writes every row with a limit and a ratio
+(no speed assertions: this machine is shared and noisy)."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_store_writes_rows_with_limits(tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "kvstore", "bench", "store", "--repeat", "1", "--json", str(out),
+           "--sizes", "1MiB", "--clients", "1,2", "--client-size", "1MiB", "--client-objects", "2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    names = [r["name"] for r in rows]
+    assert names == ["lookup 512 keys (1 RPC)",
+                     "shm get 1 MiB", "shm put 1 MiB",
+                     "stream get 1 MiB vs TCP", "stream get 1 MiB vs grpc",
+                     "stream put 1 MiB vs TCP", "stream put 1 MiB vs grpc",
+                     "1 client shm get 1 MiB",
+                     "2 clients shm get 1 MiB aggregate", "2 clients get p50", "2 clients get p99"]
+    for row in rows:
+        assert row["value"] > 0 and row["limit_value"] > 0 and row["limit_name"], row
+        assert math.isclose(row["ratio"], row["value"] / row["limit_value"], rel_tol=1e-3, abs_tol=1e-4), row
+        assert row["unit"] in ("ms", "GB/s") and row["better"] in ("higher", "lower"), row
+    lookup = rows[0]
+    assert (lookup["unit"], lookup["better"], lookup["target"]) == ("ms", "lower", 2.0)
+    assert all(r["target"] is None for r in rows[1:])   # targets are for 32 MiB objects
+    assert "kvstore bench store" in done.stdout and "lookup 512 keys" in done.stdout

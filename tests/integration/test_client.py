@@ -1,0 +1,393 @@
+"""StoreClient against a real ``kvstore serve`` process (StoreProcess): round trips over
+shared memory and streams, lookups with tiers, tenants and permissions, leases that expire
+mid-read, damaged objects, and the hand-coded stream frames."""
+import asyncio
+import socket
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+
+from kvstore import codec
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client import StoreClient
+from kvstore.client_info import ClientCounters
+from kvstore.client_io import decode_get_frame, encode_data_frame
+from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
+from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.serve_proc import StoreProcess
+from tiers.base import PutResult
+
+KiB, MiB = 1 << 10, 1 << 20
+NS = Identity("client-test", "r", "bf16", "test:opaque", 1, 1, 1).namespace()
+TOKENS = {"ta": ("a", ["read", "write", "shm"]), "tb": ("b", ["read", "write", "shm"]),
+          "ta-read": ("a", ["read"]), "ta-noshm": ("a", ["read", "write"])}
+
+
+def chain(n, seed=0):
+    hashes = chunk_hashes(NS, np.random.default_rng(seed).integers(0, 50000, n * 16), 16)
+    return hashes, object_keys(NS, hashes)
+
+
+def sealed(key, size, seed, parent=ROOT):
+    """An object of exactly ``size`` bytes with a random payload, sealed under ``key``."""
+    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE)
+    buf = np.empty(size, np.uint8)
+    payload = np.random.default_rng(seed).integers(0, 256, geom.payload_bytes, dtype=np.uint8)
+    codec.encode_into(buf, key, geom, payload, parent)
+    return buf
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    proc = StoreProcess(tmp_path_factory.mktemp("store"), "--host-capacity", "256MiB").start()
+    yield proc
+    assert proc.terminate(30) == 0
+
+
+@pytest.fixture(scope="module")
+def tenant_store(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tenants")
+    tokens = work / "tokens.yaml"
+    tokens.write_text(yaml.safe_dump({"tokens": [{"token": t, "tenant": ten, "permissions": perms}
+                                                 for t, (ten, perms) in TOKENS.items()]}))
+    proc = StoreProcess(work, "--host-capacity", "64MiB", "--auth-tokens", str(tokens)).start()
+    yield proc
+    assert proc.terminate(30) == 0
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+@pytest.mark.parametrize("size", [KiB, MiB, 3 * MiB + 5, 32 * MiB])
+async def test_round_trip(store, transport, size):
+    _, keys = chain(1, seed=size)
+    obj = sealed(keys[0], size, seed=size)
+    buf = np.zeros(size + 100, np.uint8)
+    async with await StoreClient.connect(store.target, transport=transport) as client:
+        assert client.uses_shm is (transport == "shm")
+        assert await client.put(keys[0], obj) is PutResult.STORED
+        assert await client.put(keys[0], obj) is PutResult.EXISTS
+        assert tuple(await client.lookup(keys)) == (1, ("host",), (size,))
+        assert await client.get_into(keys[0], memoryview(buf)) == size
+        assert np.array_equal(buf[:size], obj)           # header rekeyed back to our key
+        assert not buf[size:].any()                     # nothing written past the object
+        assert await client.delete(keys[0]) is True
+        assert (await client.lookup(keys)).hits == 0
+        assert await client.get_into(keys[0], memoryview(buf)) is None
+        c = client.counters
+        assert (c.puts, c.put_exists, c.hits, c.misses, c.corrupt, c.bytes_read) == (1, 1, 1, 1, 0, size)
+
+
+async def test_shm_put_is_read_by_a_stream_client_and_back(store):
+    hashes, keys = chain(2, seed=11)
+    objs = [sealed(keys[0], 2 * MiB, 1), sealed(keys[1], 5 * MiB, 2, hashes[0])]
+    async with await StoreClient.connect(store.target, transport="shm") as shm, \
+            await StoreClient.connect(store.target, transport="stream") as stream:
+        assert await shm.put(keys[0], objs[0]) is PutResult.STORED
+        assert await stream.put(keys[1], objs[1], hashes[0]) is PutResult.STORED
+        for reader, key, obj in ((stream, keys[0], objs[0]), (shm, keys[1], objs[1])):
+            buf = np.empty(len(obj), np.uint8)
+            assert await reader.get_into(key, memoryview(buf)) == len(obj)
+            assert np.array_equal(buf, obj)
+        assert codec.decode_header(objs[1]).parent == hashes[0]
+        for key in keys:
+            assert await shm.delete(key)
+
+
+async def test_two_phase_reservation_in_place_and_abort(store):
+    _, keys = chain(2, seed=12)
+    obj = sealed(keys[0], 4 * MiB, 3)
+    async with await StoreClient.connect(store.target, transport="shm") as client:
+        res = await client.reserve(keys[0], len(obj))
+        res.buffer[:] = memoryview(obj)                 # producers write into the segment
+        assert await client.commit(res) is PutResult.STORED
+        res = await client.reserve(keys[1], len(obj))
+        assert await client.commit(res, ok=False) is PutResult.FAILED   # aborted
+        assert (await client.lookup(keys)).hits == 1
+        bad = await client.reserve(keys[1], len(obj))
+        bad.buffer[:] = memoryview(obj)                 # header names keys[0], not keys[1]
+        assert await client.commit(bad) is PutResult.FAILED
+        assert (await client.lookup(keys[1:])).hits == 0
+        assert client.counters.put_failures == 2
+        assert await client.delete(keys[0])
+
+
+async def test_lookup_512_keys_reports_tiers_and_sizes(tmp_path):
+    hashes, keys = chain(512, seed=13)
+    objs = [sealed(k, 1000 + i, i, hashes[i - 1] if i else ROOT) for i, k in enumerate(keys)]
+    proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                        "--ssd-capacity", "64MiB").start()
+    try:
+        async with await StoreClient.connect(proc.target) as client:
+            for i, (key, obj) in enumerate(zip(keys, objs)):
+                assert await client.put(key, obj, hashes[i - 1] if i else None) is PutResult.STORED
+            found = await client.lookup(keys)
+            assert found == (512, ("host",) * 512, tuple(1000 + i for i in range(512)))
+            assert client.counters.lookups == 1
+            assert await client.delete(keys[300])
+            assert (await client.lookup(keys)).hits == 300
+        assert proc.terminate(30) == 0                   # graceful: write-throughs finish
+        proc.restart()
+        async with await StoreClient.connect(proc.target) as client:
+            assert (await client.lookup(keys)).tiers == ("ssd",) * 300   # a cold host pool
+            buf = np.empty(2000, np.uint8)
+            for i in range(5):                          # promoted into the host pool on read
+                assert await client.get_into(keys[i], memoryview(buf)) == 1000 + i
+                assert np.array_equal(buf[: 1000 + i], objs[i])
+            assert (await client.lookup(keys)).tiers == ("host",) * 5 + ("ssd",) * 295
+    finally:
+        proc.kill()
+
+
+async def test_lookup_groups_keys_by_namespace_and_tag(store):
+    hashes, keys = chain(3, seed=14)
+    other = object_keys(NS, hashes, tag="r1")
+    async with await StoreClient.connect(store.target) as client:
+        for key in (*keys, other[0]):
+            assert await client.put(key, sealed(key, KiB, 5)) is PutResult.STORED
+        assert (await client.lookup([*keys, other[0], other[1]])).hits == 4
+        assert (await client.lookup([*keys, other[1], other[0]])).hits == 3
+        for key in (*keys, other[0]):
+            assert await client.delete(key)
+
+
+async def test_tenants_are_isolated_and_permissions_enforced(tenant_store):
+    _, keys = chain(2, seed=15)
+    obj = sealed(keys[0], 2 * MiB, 6)
+    buf = np.empty(len(obj), np.uint8)
+    target = tenant_store.target
+    async with await StoreClient.connect(target, token="ta") as a, \
+            await StoreClient.connect(target, token="tb") as b, \
+            await StoreClient.connect(target, token="ta-read") as reader:
+        assert a.uses_shm and b.uses_shm and not reader.uses_shm
+        assert (a.info.tenant, b.info.tenant) == ("a", "b")
+        assert await a.put(keys[0], obj) is PutResult.STORED
+        assert (await b.lookup(keys[:1])).hits == 0                 # B cannot detect it
+        assert await b.get_into(keys[0], memoryview(buf)) is None
+        assert await b.delete(keys[0]) is False                     # nor delete it
+        assert await b.put(keys[0], obj) is PutResult.STORED        # B's own copy
+        assert await reader.get_into(keys[0], memoryview(buf)) == len(obj)   # same tenant as A
+        assert np.array_equal(buf, obj)
+        assert await reader.put(keys[1], sealed(keys[1], KiB, 7)) is PutResult.FAILED
+        assert reader.counters.put_failures == 1
+        assert (await a.lookup(keys)).hits == 1
+        assert await a.delete(keys[0]) and await b.delete(keys[0])
+
+
+async def test_transport_follows_the_shm_permission(tenant_store):
+    target = tenant_store.target
+    async with await StoreClient.connect(target, token="ta-noshm") as auto:
+        assert not auto.uses_shm and "shm permission" in auto.shm_refusal
+        _, keys = chain(1, seed=16)
+        obj = sealed(keys[0], MiB, 8)
+        assert await auto.put(keys[0], obj) is PutResult.STORED     # streamed
+        assert await auto.delete(keys[0])
+    with pytest.raises(ConfigError, match="shm permission"):
+        await StoreClient.connect(target, token="ta-noshm", transport="shm")
+    async with await StoreClient.connect(target, token="ta", transport="auto") as auto:
+        assert auto.uses_shm and auto.shm_refusal == ""
+    for token in (None, "wrong"):
+        with pytest.raises(TierError, match="UNAUTHENTICATED"):
+            await StoreClient.connect(target, token=token)
+
+
+@pytest.mark.parametrize("size", [KiB, 4 * MiB])
+async def test_expired_lease_at_completion_is_a_miss(tmp_path, size):
+    """``_after_copy`` (a test hook) pauses between the copy and the lease release."""
+    proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--lease-ttl", "0.2").start()
+    _, keys = chain(1, seed=17)
+    obj = sealed(keys[0], size, 9)
+    buf = np.zeros(size, np.uint8)
+    try:
+        async with await StoreClient.connect(proc.target, transport="shm",
+                                             _after_copy=lambda: asyncio.sleep(0.5)) as slow, \
+                await StoreClient.connect(proc.target, transport="shm") as fast:
+            assert await fast.put(keys[0], obj) is PutResult.STORED
+            assert await slow.get_into(keys[0], memoryview(buf)) is None
+            assert (slow.counters.lease_expired, slow.counters.misses, slow.counters.hits) == (1, 1, 0)
+            assert await fast.get_into(keys[0], memoryview(buf)) == size
+            assert np.array_equal(buf, obj)
+    finally:
+        assert proc.terminate(30) == 0
+
+
+async def test_damaged_object_is_a_counted_miss_and_deleted(store):
+    _, keys = chain(1, seed=18)
+    obj = sealed(keys[0], 2 * MiB, 10)
+    buf = np.empty(len(obj), np.uint8)
+    async with await StoreClient.connect(store.target, transport="shm") as client:
+        assert await client.put(keys[0], obj) is PutResult.STORED
+        got = await client._stub.Get(pb.GetRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
+                                                   tag=keys[0].tag), timeout=5)
+        client._segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
+        await client._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5)
+        assert await client.get_into(keys[0], memoryview(buf)) is None
+        assert client.counters.corrupt == 1
+        assert (await client.lookup(keys)).hits == 0           # deleted on the server
+
+
+async def test_bad_arguments_raise_clear_errors(store):
+    _, keys = chain(1, seed=19)
+    obj = sealed(keys[0], 2 * MiB, 11)
+    async with await StoreClient.connect(store.target) as client:
+        assert await client.put(keys[0], obj) is PutResult.STORED
+        with pytest.raises(ConfigError, match="cannot hold"):
+            await client.get_into(keys[0], memoryview(np.empty(MiB, np.uint8)))
+        with pytest.raises(ConfigError, match="writable"):
+            await client.get_into(keys[0], memoryview(bytes(4 * MiB)))
+        with pytest.raises(CapacityError, match="exceeds"):
+            await client.put(keys[0], np.zeros(client.info.max_object_bytes + 1, np.uint8))
+        assert client.counters.hits == 0
+        stats = await client.stats()
+        assert stats["server"]["leases"]["held"] == 0           # the refused read let go
+        assert await client.delete(keys[0])
+    with pytest.raises(ConfigError, match="transport"):
+        await StoreClient.connect(store.target, transport="carrier-pigeon")
+
+
+async def test_unreachable_store_is_unavailable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}"):
+        await StoreClient.connect(f"127.0.0.1:{port}", timeout_s=0.3)
+
+
+def test_frames_match_protobuf():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 127, 128, 300, 1 << 20):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        put = pb.PutFrame.FromString(encode_data_frame(memoryview(data)))
+        assert put.WhichOneof("frame") == "data" and put.data == data
+        for found in (True, False):
+            msg = pb.GetFrame(found=found, total_length=n * 3, offset=n, data=data, tier=pb.TIER_SSD)
+            got = decode_get_frame(msg.SerializeToString())
+            assert (got.found, got.total_length, got.offset, bytes(got.data), got.tier) == \
+                (found, n * 3, n, data, pb.TIER_SSD)
+    with pytest.raises(TierError, match="malformed"):
+        decode_get_frame(pb.GetFrame(data=b"xyz").SerializeToString()[:-1])
+
+
+def test_grpc_codes_are_translated_in_one_place():
+    client = StoreClient.__new__(StoreClient)
+    client.target, client.counters = "h:1", ClientCounters()
+
+    def err(code):
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="why")
+
+    cases = {grpc.StatusCode.UNAVAILABLE: TierUnavailableError,
+             grpc.StatusCode.DEADLINE_EXCEEDED: TierUnavailableError,
+             grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
+             grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+             grpc.StatusCode.PERMISSION_DENIED: TierError}
+    for code, kind in cases.items():
+        e = client._error("Get", err(code))
+        assert type(e) is kind and code.name in str(e) and "h:1" in str(e)
+    assert (client.counters.transport_errors, client.counters.errors) == (2, 3)
+
+
+async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
+    """No call fails in between, so only the objects tell the client the segment changed:
+    the getter's first read finds another object at its offset (a key mismatch), the
+    putter's first commit is refused; each remaps once and retries, nothing counts as
+    damaged and nothing is deleted."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = StoreProcess(tmp_path, "--listen", f"127.0.0.1:{port}", "--host-capacity", "64MiB",
+                        "--ssd-dir", str(tmp_path / "ssd"), "--ssd-capacity", "64MiB").start()
+    _, keys = chain(3, seed=20)
+    objs = [sealed(k, 2 * MiB, 30 + i) for i, k in enumerate(keys)]
+    buf = np.empty(2 * MiB, np.uint8)
+    try:
+        async with await StoreClient.connect(proc.target, transport="shm") as getter, \
+                await StoreClient.connect(proc.target, transport="shm") as putter:
+            for key, obj in zip(keys[:2], objs[:2]):   # keys[0] first in the old segment
+                assert await putter.put(key, obj) is PutResult.STORED
+            old = getter.info.segment_path
+            assert proc.terminate(30) == 0
+            proc.start()
+            for client in (getter, putter):
+                await asyncio.wait_for(client._channel.channel_ready(), 10)
+            assert await getter.get_into(keys[1], memoryview(buf)) == 2 * MiB   # promoted to offset 0
+            assert np.array_equal(buf, objs[1])
+            assert await putter.put(keys[2], objs[2]) is PutResult.STORED
+            for client in (getter, putter):
+                assert client.info.segment_path != old
+                assert (client.counters.corrupt, client.counters.put_failures) == (0, 0)
+            assert (await getter.lookup(keys)).hits == 3
+    finally:
+        proc.kill()
+
+
+async def test_tls_with_client_certificates(tmp_path):
+    from kvstore.tls_files import make_tls_files
+
+    tls = make_tls_files(tmp_path / "tls")
+    proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--tls-cert", str(tls.cert),
+                        "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca_cert)).start()
+    _, keys = chain(1, seed=21)
+    obj = sealed(keys[0], 2 * MiB, 40)
+    buf = np.empty(len(obj), np.uint8)
+    mtls = dict(tls_ca=str(tls.ca_cert), tls_cert=str(tls.client_cert), tls_key=str(tls.client_key))
+    try:
+        for transport in ("shm", "stream"):
+            async with await StoreClient.connect(proc.target, transport=transport, **mtls) as client:
+                assert await client.put(keys[0], obj) in (PutResult.STORED, PutResult.EXISTS)
+                assert await client.get_into(keys[0], memoryview(buf)) == len(obj)
+                assert np.array_equal(buf, obj)
+        for opts in ({}, {"tls_ca": str(tls.ca_cert)}):           # plaintext; no client certificate
+            with pytest.raises(TierUnavailableError):
+                await StoreClient.connect(proc.target, timeout_s=1.0, **opts)
+        with pytest.raises(ConfigError, match="tls_key"):
+            await StoreClient.connect(proc.target, tls_ca=str(tls.ca_cert), tls_cert=str(tls.client_cert))
+        with pytest.raises(ConfigError, match="missing.pem"):
+            await StoreClient.connect(proc.target, tls_ca=str(tmp_path / "missing.pem"))
+    finally:
+        assert proc.terminate(30) == 0
+
+
+async def test_long_copies_renew_their_lease(tmp_path):
+    """A 2 ms lease cannot outlast a 256 MiB copy (>= 15 ms at any memcpy speed), so the
+    copy renews it every half TTL.  Whether every renewal arrives in time depends on the
+    machine, so either answer may come, but each must be consistent: the object's exact
+    bytes, or a miss counted as an expired lease."""
+    proc = StoreProcess(tmp_path, "--host-capacity", "300MiB", "--lease-ttl", "0.002",
+                        "--put-ttl", "30", "--max-object-bytes", "256MiB").start()
+    _, keys = chain(1, seed=22)
+    size = 256 * MiB
+    obj = sealed(keys[0], size, 50)
+    buf = np.zeros(size, np.uint8)
+    try:
+        async with await StoreClient.connect(proc.target, transport="shm") as client:
+            assert await client.put(keys[0], obj) is PutResult.STORED
+            got = await client.get_into(keys[0], memoryview(buf))
+            c = client.counters
+            assert c.renewals >= 1
+            if got is None:
+                assert (c.lease_expired, c.misses, c.corrupt) == (1, 1, 0)
+            else:
+                assert got == size and np.array_equal(buf, obj) and c.lease_expired == 0
+    finally:
+        assert proc.terminate(30) == 0
+
+
+async def test_renewed_lease_outlives_its_ttl(tmp_path):
+    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--lease-ttl", "0.3").start()
+    _, keys = chain(2, seed=23)
+    try:
+        async with await StoreClient.connect(proc.target, transport="shm") as client:
+            leases = []
+            for key in keys:
+                assert await client.put(key, sealed(key, 4096, 51)) is PutResult.STORED
+                got = await client._stub.Get(pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64],
+                                                           tag=key.tag), timeout=5)
+                leases.append(got.lease_id)
+            for _ in range(4):                       # 0.6 s: twice the TTL
+                await asyncio.sleep(0.15)
+                assert await client._renew(leases[0], 300) is True
+            assert await client._release(leases[0]) is True      # renewed: still valid
+            assert await client._release(leases[1]) is False     # not renewed: expired
+            assert await client._renew(leases[1], 300) is False  # unknown now: NOT_FOUND
+    finally:
+        assert proc.terminate(30) == 0

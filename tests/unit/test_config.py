@@ -1,4 +1,5 @@
 """StoreConfig and size parsing: tables of cases, and bad input that must name the key."""
+import re
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,32 @@ def test_unknown_keys_are_named():
 def test_bad_values_name_the_key(values, needle):
     with pytest.raises(ConfigError, match=needle):
         StoreConfig.from_mapping(values, env={})
+
+
+# --- the connector's shared-tier keys ---------------------------------------------------------
+
+def test_connector_shared_tier_keys_convert():
+    from connector.config import ConnectorConfig
+
+    cfg = ConnectorConfig.from_extra_config(
+        {"store_target": "kvstore:50051", "store_tls_ca": "/etc/ca.pem", "store_transport": "stream",
+         "redis_url": "redis://r:6379/0", "write_policy": "write_back", "lower_tiers_required": "no"},
+        env={"KVSTORE_STORE_TOKEN": "t0k"})
+    assert (cfg.store_target, cfg.store_token, str(cfg.store_tls_ca)) == ("kvstore:50051", "t0k", "/etc/ca.pem")
+    assert (cfg.store_transport, cfg.write_policy, cfg.lower_tiers_required) == ("stream", "write_back", False)
+    assert cfg.has_lower_tiers
+    assert not ConnectorConfig.from_extra_config({}, env={}).has_lower_tiers
+
+
+@pytest.mark.parametrize("values,needle", [
+    ({"store_target": "localhost"}, "store_target: expected HOST:PORT"),
+    ({"store_target": "a b:1"}, "store_target"),
+    ({"store_transport": "tcp"}, "store_transport: 'tcp' is not one of auto, shm, stream"),
+    ({"write_policy": "write_around"}, "write_policy: 'write_around'"),
+    ({"lower_tiers_required": "maybe"}, "lower_tiers_required"),
+])
+def test_connector_shared_tier_keys_reject(values, needle):
+    from connector.config import ConnectorConfig
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        ConnectorConfig.from_extra_config(values, env={})

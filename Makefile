@@ -42,9 +42,12 @@ run: $(ENGINE) redis-server
 test: $(ENGINE) redis-server
 	$(PY) -m pytest -q
 
-## Tier benchmarks, each figure beside the limit measured in the same run.
-bench: $(STAMP)
+## Benchmarks of the tiers, Redis and the store process, each figure beside the limit
+## measured in the same run (`kvstore bench e2e` runs real engines and takes longer).
+bench: $(STAMP) redis-server
 	$(PY) -m kvstore bench tiers
+	$(PY) -m kvstore bench redis
+	$(PY) -m kvstore bench store
 
 lint: $(STAMP)
 	$(PY) -m compileall -q kvstore tiers connector tests

@@ -5,12 +5,12 @@ store runs and is used from the event loop that opened it.  ``RedisTier.open(cfg
 and checks limits (``tiers.redis_config.connect``); ``present(keys)`` is the batch lookup.
 
 Layout (``tiers.redis_manifest``): parts first, the manifest LAST, so a reader never sees half
-an object; it reads the manifest, then the parts it names (at most ``max_inflight_parts`` at a
-time) straight into the caller's buffer, and verifies the whole object with
-``codec.verify``.  A part gone (evicted, lost with a node) is a miss counted in ``lost``; bad
-bytes or a bad manifest a miss counted in ``corrupt``; both are cleaned up (the manifest is
-deleted only while it still holds what the reader saw).  Parts are at most ``part_size``
-bytes, so no reply needs a large fresh allocation.
+an object; it reads the manifest, then the parts it names, pipelined straight into the caller's
+buffer by ``tiers.redis_bulk`` (or, after an error reply there, by redis-py GETs), at most
+``max_inflight_parts`` at a time, and verifies the whole object with ``codec.verify``.  A part
+gone (evicted, lost with a node) is a miss counted in ``lost``; bad bytes or a bad manifest a
+miss counted in ``corrupt``; both are cleaned up (the manifest is deleted only while it still
+holds what the reader saw).  Parts are at most ``part_size`` bytes: no large reply allocation.
 
 Puts: ``put_write`` SETs memoryview slices (no copies) as parts with ``PX orphan_ttl_s``, so an
 abandoned put vanishes by itself; ``put_commit`` SETs the manifest (NX: content addressing
@@ -48,6 +48,7 @@ from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierUn
 from kvstore.keys import ObjectKey
 from tiers.base import PutHandle, TierStats
 from tiers.breaker import CircuitBreaker
+from tiers.redis_bulk import BulkReader, Outcome
 from tiers.redis_config import TRANSPORT_ERRORS, RedisConfig, connect
 from tiers.redis_manifest import (
     DELETE_IF_SAME, NONCE_SIZE, Manifest, covered, manifest_key, parse, part_keys, pieces,
@@ -97,6 +98,7 @@ class RedisTier:
         self._ttl_ms = int(cfg.ttl_s * 1000) or None
         self._orphan_ms = int(cfg.orphan_ttl_s * 1000)
         self._closed = False
+        self._bulk = BulkReader(cfg, lambda node, err: self._breaker(node).failure(err))
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -116,6 +118,7 @@ class RedisTier:
         if self._closed:
             return
         self._closed = True
+        await self._bulk.aclose()
         for breaker in self._breakers.values():
             await breaker.aclose()
         with suppress(Exception):
@@ -123,8 +126,10 @@ class RedisTier:
 
     def stats(self) -> TierStats:
         """Counters; ``extra``: lost, round_trips and the breakers' counters summed over
-        servers (``breaker_open`` = how many are open now)."""
-        extra: dict[str, float] = {"lost": self._lost, "round_trips": self._round_trips, **_NO_BREAKER}
+        servers (``breaker_open`` = how many are open now), and the bulk reader's ``bulk_*``."""
+        bulk = self._bulk.stats()
+        extra: dict[str, float] = {"lost": self._lost, **_NO_BREAKER, **bulk,
+                                   "round_trips": self._round_trips + bulk["bulk_round_trips"]}
         for breaker in list(self._breakers.values()):
             for k, v in breaker.stats().items():
                 extra[k] += v
@@ -294,10 +299,14 @@ class RedisTier:
         return None
 
     async def _fetch(self, keys: list[str], manifest: Manifest, view: memoryview) -> _Fetch:
-        """Copy every part into ``view`` at its offset, ``max_inflight_parts`` at a time."""
+        """Every part into ``view`` at its offset: ``tiers.redis_bulk``, or redis-py on FALLBACK."""
         nodes = [self._node(k) for k in keys]
         if not all([self._allow(n) for n in set(nodes)]):
             return _Fetch.FAILED
+        bulk = _CLUSTER not in nodes  # else: no node known for some key, let redis-py find it
+        outcome = await self._bulk.fetch(nodes, keys, manifest, view) if bulk else Outcome.FALLBACK
+        if outcome is not Outcome.FALLBACK:
+            return _Fetch(outcome.value)
         todo = iter(range(len(keys)))
         state = [_Fetch.OK]
 

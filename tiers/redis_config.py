@@ -47,10 +47,9 @@ from kvstore.errors import ConfigError, TierUnavailableError
 MiB = 1 << 20
 REDIS_MAX_BULK = 512 * MiB        # Redis' default (and usual) proto-max-bulk-len
 MIN_PART_SIZE = 4096
-# Measured here (32 MiB objects, 2 cores, max_inflight_parts 2-8): 1 MiB parts get ~0.9 GB/s
-# and put ~1.3-1.5; 2 MiB parts get ~0.75-0.8; 4 MiB parts get ~0.55-0.7 (bigger replies
-# cost hiredis and the allocator more), with puts about the same.  4 parts in flight was
-# the best get; 8 gave puts ~5% more and gets a little less.
+# Measured here (32 MiB objects, 2 cores): gets go through ``tiers.redis_bulk`` (pipelined part
+# GETs straight into the caller's buffer) at ~1.0-1.6 GB/s with 1 MiB parts, 4 in flight;
+# bigger parts cost Redis more output buffering; puts ~1.3-1.5 GB/s.
 DEFAULT_PART_SIZE = 1 * MiB
 _SCHEMES = {"redis": (False, False), "rediss": (True, False),
             "redis+cluster": (False, True), "rediss+cluster": (True, True)}

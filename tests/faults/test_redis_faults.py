@@ -6,6 +6,8 @@ read or lookup, never wrong or partial bytes."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import numpy as np
@@ -65,9 +67,14 @@ async def test_kill_mid_get_is_a_miss_and_opens_the_breaker(redis_factory):
     key = keys_of(1, 1)[0]
     size = 32 << 20  # 2048 parts: the read is still running when the server dies
     assert await put_bytes(tier, key, memoryview(make_object(key, size))) is PutResult.STORED
-    out = np.zeros(size, np.uint8)
+    out = np.full(size, 0xA5, np.uint8)
     task = asyncio.create_task(tier.read_into(key, memoryview(out)))
-    await asyncio.sleep(0.03)
+    for _ in range(200_000):  # run until the first part has landed, the read still going
+        if (out[:4096] != 0xA5).any():
+            break
+        assert not task.done(), "the read ended before its first part arrived"
+        await asyncio.sleep(0)
+    os.kill(server.pid, signal.SIGSTOP)  # frozen mid-object, then killed
     assert not task.done()
     await asyncio.to_thread(server.kill)
     assert await task is None  # no exception: a miss

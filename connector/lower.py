@@ -140,7 +140,8 @@ class WriteDown:
                     stored = True
                     self._on_bytes(tier.name, "write", len(view))
                 elif result in (PutResult.NO_ROOM, PutResult.FAILED):
-                    self._on_fail(tier.name, f"write:{result.value}")
+                    down = tier.stats().extra.get("breaker_open", 0) == 1
+                    self._on_fail(tier.name, f"write:{'unavailable' if down else result.value}")
             self.written += stored
         finally:
             self.host.release(key)

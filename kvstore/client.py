@@ -15,23 +15,25 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, D
   also deleted on the server (after a ``refresh`` rules out a remapped segment).
 * Reads land in the caller's buffer: one copy from the segment (on a copy thread for
   large objects, checksummed on a second thread meanwhile) or one copy per received frame.
-  A buffer is never written after ``get_into`` returns or raises.
+  A buffer is never written after ``get_into`` returns or raises.  A same-host read is one
+  round trip: the lease is released later, in batches (``client_leases``), unless the copy
+  outran the lease's window, when the server is asked whether it still held.
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
   ``authorization: Bearer <token>`` metadata.  Status codes become domain errors in one
   place (``_error``): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise
   ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
   FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
 * ``_after_copy`` (tests only): an awaitable factory awaited between the copy out of the
-  segment and the lease release, so a test can let a short lease expire mid-read.
+  segment and the lease check, so a test can let a short lease expire mid-read.
+* ``close`` sends the queued lease releases first (so do ``delete`` and ``stats``).
 
 One client belongs to one event loop.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 
 import grpc
@@ -44,8 +46,8 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client_info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport,
                                  local_boot_id, open_channel)
-from kvstore.client_io import (INLINE_BYTES, Copier, check_object, decode_get_frame, payload_digest,
-                               prefault)
+from kvstore.client_io import Copier, check_object, decode_get_frame, lookup_requests, prefault
+from kvstore.client_leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
 from kvstore.client_put import PutMixin
 from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
                             TierUnavailableError)
@@ -58,11 +60,12 @@ _TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CAN
 _STREAM_BYTES_PER_S = 100e6   # deadline allowance for streamed bytes (far below the real rate)
 
 
-class StoreClient(PutMixin):
+class StoreClient(LeasedGetMixin, PutMixin):
     """A connection to one store process (see the module docstring)."""
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
-                 transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None) -> None:
+                 transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None,
+                 release_delay_s: float = RELEASE_DELAY_S) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.transport = transport
@@ -70,16 +73,23 @@ class StoreClient(PutMixin):
         self.info: ServerInfo | None = None
         self._channel = channel
         self._stub = pb_grpc.KVStoreStub(channel)
-        # Hand-coded frames on the two streams (see client_io): requests and replies are bytes.
+        # Hand-coded messages (see client_io): the streams' frames and Lookup requests are bytes.
         self._get_stream = channel.unary_stream("/kvstore.v1.KVStore/GetStream",
-                                                request_serializer=pb.GetRequest.SerializeToString)
+                                                request_serializer=pb.GetRequest.SerializeToString,
+                                                _registered_method=True)
         self._put_stream = channel.stream_unary("/kvstore.v1.KVStore/PutStream",
-                                                response_deserializer=pb.PutCommitResponse.FromString)
+                                                response_deserializer=pb.PutCommitResponse.FromString,
+                                                _registered_method=True)
+        self._lookup_call = channel.unary_unary("/kvstore.v1.KVStore/Lookup",
+                                                response_deserializer=pb.LookupResponse.FromString,
+                                                _registered_method=True)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._after_copy = after_copy
         self._segment: SharedPoolView | None = None
         self._segment_id: tuple[str, int, int] | None = None
         self._copier = Copier()
+        self._releases = ReleaseQueue(self._send_releases, lambda: self._info.max_keys_per_call,
+                                      release_delay_s)
         self._scoped: dict[bytes, Namespace] = {}
         self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
 
@@ -89,17 +99,20 @@ class StoreClient(PutMixin):
     async def connect(cls, target: str, *, token: str | None = None, tls_ca: str | None = None,
                       tls_cert: str | None = None, tls_key: str | None = None,
                       tls_server_name: str | None = None, transport: Transport | str = "auto",
-                      timeout_s: float = 2.0,
+                      timeout_s: float = 2.0, release_delay_s: float = RELEASE_DELAY_S,
                       _after_copy: Callable[[], Awaitable[object]] | None = None) -> StoreClient:
         """Open a channel, ``Hello`` (waiting up to ``timeout_s`` for the server), choose
-        the data plane.  ``TierUnavailableError`` when the store cannot be reached."""
+        the data plane.  ``TierUnavailableError`` when the store cannot be reached.
+        ``release_delay_s``: how long finished reads' lease releases wait to be batched."""
         mode = Transport.parse(transport)
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
+        if not 0 <= release_delay_s <= 60:
+            raise ConfigError(f"release_delay_s must lie in [0, 60] seconds, got {release_delay_s}")
         if not target or ":" not in target:
             raise ConfigError(f"store target must be HOST:PORT, got {target!r}")
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
-        client = cls(channel, target, token, timeout_s, mode, _after_copy)
+        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s)
         try:
             await client.refresh(wait_for_ready=True)
         except BaseException:
@@ -120,7 +133,9 @@ class StoreClient(PutMixin):
         return self._segment is not None
 
     async def close(self) -> None:
-        """Close the channel, stop the copy threads (after any copy in flight), unmap."""
+        """Send queued lease releases, close the channel, stop the copy threads (after any
+        copy in flight), unmap."""
+        await self.flush_releases()
         await self._channel.close()
         self._copier.close()
         self._drop_segment()
@@ -138,32 +153,24 @@ class StoreClient(PutMixin):
         sharing namespace and tag (at most ``max_keys_per_call`` each), stopping at a miss."""
         tiers: list[str] = []
         sizes: list[int] = []
-        for batch in self._batches(keys):
-            resp = await self._unary("Lookup", pb.LookupRequest(
-                namespace=batch[0][:32], chunk_hashes=[k[32:64] for k in batch], tag=batch[0].tag))
-            if not resp.hits <= len(batch) or len(resp.tiers) != resp.hits or len(resp.sizes) != resp.hits:
-                raise TierError(f"store {self.target}: malformed Lookup reply ({resp.hits} hits for "
-                                f"{len(batch)} keys, {len(resp.tiers)} tiers, {len(resp.sizes)} sizes)")
-            tiers += [TIER_NAMES.get(t, "unknown") for t in resp.tiers]
-            sizes += resp.sizes
-            if resp.hits < len(batch):
+        for request, asked in lookup_requests(keys, max(1, self._info.max_keys_per_call)):
+            resp = await self._unary("Lookup", request, call=self._lookup_call)
+            codes, found, hits = resp.tiers[:], resp.sizes[:], resp.hits  # [:]: lists, fastest
+            if not hits <= asked or len(codes) != hits or len(found) != hits:
+                raise TierError(f"store {self.target}: malformed Lookup reply ({hits} hits for "
+                                f"{asked} keys, {len(codes)} tiers, {len(found)} sizes)")
+            if hits and codes.count(codes[0]) == hits:  # the usual answer: one tier
+                tiers += [TIER_NAMES.get(codes[0], "unknown")] * hits
+            else:
+                tiers += [TIER_NAMES.get(t, "unknown") for t in codes]
+            sizes += found
+            if hits < asked:
                 break
         c = self.counters
         c.lookups += 1
         c.keys_looked_up += len(keys)
         c.keys_hit += len(tiers)
         return RemoteLookup(len(tiers), tuple(tiers), tuple(sizes))
-
-    def _batches(self, keys: Sequence[ObjectKey]) -> Iterator[Sequence[ObjectKey]]:
-        limit, start, n = max(1, self._info.max_keys_per_call), 0, len(keys)
-        while start < n:
-            first = keys[start]
-            ns, tag, size = first[:32], first[64:], len(first)
-            end, stop = start + 1, min(n, start + limit)
-            while end < stop and len(k := keys[end]) == size and k.startswith(ns) and k.endswith(tag):
-                end += 1
-            yield keys[start:end]
-            start = end
 
     # --- reads -------------------------------------------------------------------------
 
@@ -179,78 +186,6 @@ class StoreClient(PutMixin):
             self.counters.hits += 1
             self.counters.bytes_read += n
         return n
-
-    async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
-        segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
-        resp = await self._unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag))
-        if not resp.found:
-            return None
-        n, off = resp.length, resp.offset
-        if n > len(dst) or off + n > len(segment):
-            await self._release(resp.lease_id)
-            if n > len(dst):
-                raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {n}")
-            raise TierError(f"store {self.target}: Get answered bytes [{off}, {off + n}) outside "
-                            f"its {len(segment)}-byte segment")
-        release: asyncio.Future | None = None
-        try:
-            held, digest = await self._copy_leased(dst[:n], segment[off : off + n], resp)
-            if self._after_copy is not None:
-                await self._after_copy()
-            release = asyncio.ensure_future(self._release(resp.lease_id))
-            if not isinstance(digest, bytes):
-                digest = await asyncio.wrap_future(digest)
-            valid = await release
-        finally:
-            if release is None or not release.done():  # failed before the release finished
-                await self._release_quietly(release, resp.lease_id)
-        if not (held and valid):
-            self.counters.lease_expired += 1
-            return None
-        return await self._checked(key, dst, n, digest, retry, shm=True)
-
-    async def _release_quietly(self, release: asyncio.Future | None, lease_id: int) -> None:
-        """Best effort on an error path: an unreleased lease expires by its TTL anyway."""
-        try:
-            await (release if release is not None else self._release(lease_id))
-        except (TierError, asyncio.CancelledError):
-            pass
-
-    async def _copy_leased(self, dst: np.ndarray, src: np.ndarray, resp: pb.GetResponse):
-        """Copy under the lease, renewing it every half TTL.  Returns (whether the lease was
-        held throughout, the payload checksum or its future) only once the copy has stopped
-        touching ``dst``.  Large objects: the checksum thread hashes the leased source while
-        the copy thread copies it (measured ~30% faster than hashing the copy afterwards on
-        two cores); the source cannot change under a lease that held, and a lost lease is a
-        miss, so that checksum is the copy's."""
-        if len(dst) <= INLINE_BYTES:
-            np.copyto(dst, src)
-            return True, payload_digest(memoryview(dst))
-        digest = self._copier.digest(memoryview(src))
-        fut = self._copier.copy(dst, src)
-        ttl_ms = resp.lease_ms or self._info.lease_ms
-        held = True
-        try:
-            aw = asyncio.wrap_future(fut)
-            while True:
-                done, _ = await asyncio.wait({aw}, timeout=max(ttl_ms, 2) / 2000)
-                if done:
-                    aw.result()
-                    return held, digest
-                if held:
-                    held = await self._renew(resp.lease_id, ttl_ms)
-        finally:
-            Copier.wait_done(fut)  # cancelled or failed: still never return while it copies
-
-    async def _renew(self, lease_id: int, ttl_ms: int) -> bool:
-        r = await self._unary("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms),
-                              answers=frozenset({Code.NOT_FOUND}))
-        self.counters.renewals += 1
-        return not isinstance(r, Code)
-
-    async def _release(self, lease_id: int) -> bool:
-        resp = await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[lease_id]))
-        return len(resp.valid) == 1 and resp.valid[0]
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag)
@@ -312,12 +247,14 @@ class StoreClient(PutMixin):
     async def delete(self, key: ObjectKey, *, quiet: bool = False) -> bool:
         """Delete ``key`` from every tier of the store (``quiet``: refusals answer False)."""
         answers = frozenset({Code.PERMISSION_DENIED}) if quiet else frozenset()
+        await self.flush_releases()  # our own pins would keep a deleted slot taken a while
         req = pb.DeleteRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag)
         r = await self._unary("Delete", req, answers=answers)
         return not isinstance(r, Code) and r.deleted
 
     async def stats(self) -> dict[str, object]:
         """The server's stats document and flat counters, and this client's counters."""
+        await self.flush_releases()  # the answer then reflects every read this client finished
         resp = await self._unary("Stats", pb.StatsRequest())
         try:
             doc = json.loads(resp.json) if resp.json else {}
@@ -346,11 +283,12 @@ class StoreClient(PutMixin):
         return self.timeout_s + nbytes / _STREAM_BYTES_PER_S
 
     async def _unary(self, name: str, request, *, answers: frozenset = frozenset(),
-                     wait_for_ready: bool | None = None):
-        """The reply, or its status code when that is one of ``answers``."""
+                     wait_for_ready: bool | None = None, call=None):
+        """The reply, or its status code when that is one of ``answers`` (``call``: a
+        multicallable of ``name`` other than the stub's, e.g. one taking encoded bytes)."""
         try:
-            return await getattr(self._stub, name)(request, timeout=self.timeout_s, metadata=self._metadata,
-                                                   wait_for_ready=wait_for_ready)
+            return await (call or getattr(self._stub, name))(
+                request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=wait_for_ready)
         except grpc.aio.AioRpcError as err:
             if err.code() in answers:
                 return err.code()

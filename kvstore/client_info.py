@@ -129,6 +129,8 @@ class ClientCounters:
     lease_expired: int = 0
     corrupt: int = 0
     renewals: int = 0
+    releases_deferred: int = 0   # leases released in the background (copy known good in time)
+    release_calls: int = 0       # ReleaseLease calls sent (background batches and late copies)
     bytes_read: int = 0
     puts: int = 0
     put_exists: int = 0

@@ -138,9 +138,9 @@ class PutMixin:
         return result
 
     def _may_write(self, key: ObjectKey) -> bool:
-        """Whether ``Hello`` granted "write".  Checked here because a stream the server
-        refuses at its first frame, while data frames are still being written, surfaces in
-        grpc as INTERNAL rather than as the server's PERMISSION_DENIED."""
+        """Whether ``Hello`` granted "write": a put the token may not make is refused here,
+        without a round trip (the server would answer PERMISSION_DENIED, once it has read
+        the stream)."""
         if "write" in self._info.permissions:
             return True
         if self.counters.put_failures == 0:  # once per client: a read-only client puts often

@@ -37,7 +37,7 @@ from kvstore.server import KVStoreServicer, Segment
 from kvstore.server_config import STREAM_HEADROOM, ServerConfig, split_listen
 from kvstore.server_metrics import ServerMetrics, start_http
 from kvstore.server_store import ServerStore
-from kvstore.server_wire import SERVICE, generic_handler
+from kvstore.server_wire import SERVICE, add_to_server
 
 log = logging.getLogger("kvstore.server")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -167,7 +167,7 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     http, server = None, None
     try:
         server = grpc.aio.server(options=grpc_options(cfg))
-        server.add_generic_rpc_handlers((generic_handler(KVStoreServicer(store, auth, segment_of(store))),))
+        add_to_server(KVStoreServicer(store, auth, segment_of(store)), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(

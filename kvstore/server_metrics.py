@@ -16,6 +16,7 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
 * ``stage_seconds{stage}``: lookup, get, get_stream, put_commit, put_stream, promote,
   write_through.
 * ``leases_held`` (gauge), ``leases_expired_total``, ``leases_granted_total``,
+  ``lease_release_calls_total`` (ReleaseLease calls; clients batch their releases),
   ``puts_in_flight`` (gauge), ``evictions_total{tier}``, ``tier_objects{tier}``,
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
   ``failures_total{reason}``.
@@ -48,7 +49,8 @@ class ServerCounters:
     promotions: dict[str, int] = field(default_factory=dict)         # from tier -> objects
     write_through: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, result)
     leases_granted: int = 0
-    leases_released: int = 0
+    leases_released: int = 0        # released while still valid
+    release_calls: int = 0          # ReleaseLease calls (each may carry many lease ids)
     puts_reaped: int = 0
     failures: dict[str, int] = field(default_factory=dict)           # reason -> count
     stages: dict[str, list[float]] = field(default_factory=dict)     # stage -> [count, seconds]
@@ -70,7 +72,8 @@ class ServerCounters:
             "get_misses": flat(self.get_misses), "puts": flat(self.puts),
             "bytes": flat(self.bytes), "promotions": flat(self.promotions),
             "write_through": flat(self.write_through), "leases_granted": self.leases_granted,
-            "leases_released": self.leases_released, "puts_reaped": self.puts_reaped,
+            "leases_released": self.leases_released, "release_calls": self.release_calls,
+            "puts_reaped": self.puts_reaped,
             "failures": flat(self.failures),
             "stages": {k: {"count": v[0], "seconds": v[1]} for k, v in dict(self.stages).items()},
         }
@@ -95,6 +98,7 @@ class ServerMetrics:
         self._stage = Histogram(PREFIX + "stage_seconds", "Seconds spent in each server stage",
                                 ["stage"], registry=self.registry, buckets=_BUCKETS)
         self._snapshot = snapshot
+        self._stage_of = {stage: self._stage.labels(stage) for stage in STAGES}  # labels() locks
         self.registry.register(_Collector(self))
 
     def bind(self, snapshot: Callable[[], Snapshot]) -> None:
@@ -106,7 +110,8 @@ class ServerMetrics:
         return self._snapshot()
 
     def observe(self, stage: str, seconds: float) -> None:
-        self._stage.labels(stage).observe(seconds)
+        child = self._stage_of.get(stage)
+        (child if child is not None else self._stage.labels(stage)).observe(seconds)
         entry = self.counters.stages.setdefault(stage, [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
@@ -152,6 +157,8 @@ class _Collector:
         yield _counter("failures", "Failures by reason", ["reason"],
                        {(k,): v for k, v in dict(c.failures).items()})
         yield _counter("leases_granted", "Leases granted", [], {(): c.leases_granted})
+        yield _counter("lease_release_calls", "ReleaseLease calls (clients batch lease ids)", [],
+                       {(): c.release_calls})
         yield _counter("leases_expired", "Leases that expired before release", [],
                        {(): snap.leases_expired})
         yield _counter("evictions", "Objects evicted, by tier", ["tier"],

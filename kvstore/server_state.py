@@ -9,9 +9,12 @@ acts on what they return.  Both are used from the server's one event loop only (
   after its TTL (the reaper aborts it); a stream's reservation has no TTL, its handler owns it
   and frees it on every exit path.  ``claim`` hands a reservation to exactly one caller
   (commit, abort or reaper), so a slot is never freed twice.
-* ``LeaseBook``: which tenant holds which host-tier lease until when.  The host tier is the
-  authority on validity; the book adds ownership (a tenant cannot release or renew another
-  tenant's lease) and lets the reaper forget leases nobody released.
+* ``LeaseBook``: which tenant holds which host-tier lease on which object until when.  The
+  host tier is the authority on validity; the book adds ownership (a tenant cannot release
+  or renew another tenant's lease), remembers the object each lease *pins* (the store holds
+  one buffer reference per lease, so its slot is neither freed nor reused while the lease
+  lasts, even if the object is deleted), and hands the reaper the leases nobody released:
+  ``forget`` and ``sweep`` return the pinned keys, and the store drops those references.
 """
 from __future__ import annotations
 
@@ -98,10 +101,11 @@ class ExpiredPutError(LeaseError):
 class _Held:
     tenant: str
     expires_at: float
+    key: ObjectKey     # the object whose slot this lease pins
 
 
 class LeaseBook:
-    """Owner and expiry of each host-tier lease handed to a client."""
+    """Owner, expiry and pinned object of each host-tier lease handed to a client."""
 
     def __init__(self) -> None:
         self._leases: dict[int, _Held] = {}
@@ -109,8 +113,8 @@ class LeaseBook:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, lease_id: int, tenant: str, expires_at: float) -> None:
-        self._leases[lease_id] = _Held(tenant, expires_at)
+    def grant(self, lease_id: int, tenant: str, expires_at: float, key: ObjectKey) -> None:
+        self._leases[lease_id] = _Held(tenant, expires_at, key)
 
     def owned(self, lease_id: int, tenant: str) -> bool:
         held = self._leases.get(lease_id)
@@ -119,15 +123,15 @@ class LeaseBook:
     def renew(self, lease_id: int, expires_at: float) -> None:
         self._leases[lease_id].expires_at = expires_at
 
-    def forget(self, lease_id: int) -> None:
-        self._leases.pop(lease_id, None)
+    def forget(self, lease_id: int) -> ObjectKey | None:
+        """Drop a lease; the key whose pin the caller must now release (None if unknown)."""
+        held = self._leases.pop(lease_id, None)
+        return None if held is None else held.key
 
-    def sweep(self, now: float) -> int:
-        """Forget leases past their expiry; how many."""
+    def sweep(self, now: float) -> list[ObjectKey]:
+        """Forget leases past their expiry; the keys whose pins the caller must release."""
         gone = [lid for lid, held in self._leases.items() if held.expires_at <= now]
-        for lid in gone:
-            del self._leases[lid]
-        return len(gone)
+        return [self._leases.pop(lid).key for lid in gone]
 
     def ids(self) -> list[int]:
         return list(self._leases)

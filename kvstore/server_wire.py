@@ -1,10 +1,12 @@
 """The store process's wire edge: grpc method handlers built from the proto's descriptor.
 
-Server side.  ``generic_handler(servicer)`` registers one handler per RPC of
+Server side.  ``method_handlers(servicer)`` makes one handler per RPC of
 ``kvstore.v1.KVStore`` (taken from the generated descriptor, so a method added to the proto
-and missing in the servicer fails at start-up).  Two handlers skip the protobuf object on
-their bulk path, because protobuf ``bytes`` fields accept only ``bytes`` and every frame would
-otherwise be copied twice more:
+and missing in the servicer fails at start-up); ``add_to_server`` registers them as
+registered methods (matched in grpc's core, as generated stubs call them) and as a generic
+handler, like generated code does; ``generic_handler`` is the latter alone.  Two handlers
+skip the protobuf object on their bulk path, because protobuf ``bytes`` fields accept only
+``bytes`` and every frame would otherwise be copied twice more:
 
 * ``GetStream`` responses may be ``OutFrame``s: encoded straight from a view of the host slot
   into the wire bytes (one copy, which grpc needs anyway).  The encoding is byte-identical to
@@ -137,6 +139,20 @@ _SHAPES = {
 
 def generic_handler(servicer: object) -> grpc.GenericRpcHandler:
     """All KVStore methods of ``servicer`` (one coroutine / async generator per RPC name)."""
+    return grpc.method_handlers_generic_handler(SERVICE, method_handlers(servicer))
+
+
+def add_to_server(servicer: object, server: grpc.aio.Server) -> None:
+    """Register the KVStore methods of ``servicer`` both ways, as generated code does: as
+    *registered* methods (grpc matches them in its core; generated stubs and ``StoreClient``
+    call them so) and as a generic handler (for clients that do not register methods)."""
+    handlers = method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+def method_handlers(servicer: object) -> dict[str, grpc.RpcMethodHandler]:
+    """One handler per RPC of the proto's KVStore service, bound to ``servicer``."""
     service = pb.DESCRIPTOR.services_by_name["KVStore"]
     handlers = {}
     for method in service.methods:
@@ -151,8 +167,8 @@ def generic_handler(servicer: object) -> grpc.GenericRpcHandler:
         if shape is None:
             raise RuntimeError(f"no handler shape for bidirectional RPC {method.name}")
         handlers[method.name] = shape(fn, request_deserializer=parse, response_serializer=serialize)
-    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+    return handlers
 
 
-__all__ = ["InFrame", "Malformed", "OutFrame", "SERVICE", "decode_put_frame",
-           "encode_get_frame", "generic_handler"]
+__all__ = ["InFrame", "Malformed", "OutFrame", "SERVICE", "add_to_server", "decode_put_frame",
+           "encode_get_frame", "generic_handler", "method_handlers"]

@@ -252,13 +252,26 @@ class TieredStore:
 
 async def present_in(tier: Tier, keys: Sequence[ObjectKey]) -> list[bool]:
     """Which of ``keys`` ``tier`` holds: its batch ``present`` when it has one (network
-    tiers: one round trip), else ``contains`` per key.  A failing tier holds nothing."""
+    tiers: one round trip), else its batch ``sizes`` (the host pool: one lock), else
+    ``contains`` per key.  A failing tier holds nothing."""
     from kvstore.errors import TierError
 
     batch = getattr(tier, "present", None)
     try:
         if batch is not None:
             return list(await batch(keys))
+        if getattr(tier, "sizes", None) is not None:
+            return [size is not None for size in await sizes_in(tier, keys)]
         return [await tier.contains(k) for k in keys]
     except TierError:
         return [False] * len(keys)
+
+
+async def sizes_in(tier: Tier, keys: Sequence[ObjectKey]) -> list[int | None]:
+    """The object size of each of ``keys`` in ``tier`` (None: not there): its batch
+    ``sizes`` when it has one (the host pool answers under one lock), else ``size_of`` per
+    key.  ``TierError`` propagates: the caller decides what a failing tier means."""
+    batch = getattr(tier, "sizes", None)
+    if batch is not None:
+        return list(await batch(keys))
+    return [await tier.size_of(k) for k in keys]

@@ -144,6 +144,14 @@ class HostTier:
             entry = self._index.get(key)
             return None if entry is None else self._alloc.size_of(entry.offset)
 
+    def sizes_sync(self, keys: Sequence[bytes]) -> list[int | None]:
+        """``size_of_sync`` of every key under ONE lock acquisition (a 512-key Lookup asks
+        once, not 512 times).  Like ``size_of``, it neither touches the LRU order nor counts
+        hits.  Keys may also be their canonical bytes (the index compares bytes)."""
+        with self._lock:
+            get, size_of = self._index.get, self._alloc.size_of
+            return [None if (entry := get(key)) is None else size_of(entry.offset) for key in keys]
+
     # --- reads -----------------------------------------------------------------------
 
     def read_into_sync(self, key: ObjectKey, buf) -> int | None:
@@ -307,6 +315,9 @@ class HostTier:
 
     async def size_of(self, key: ObjectKey) -> int | None:
         return self.size_of_sync(key)
+
+    async def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        return self.sizes_sync(keys)
 
     async def read_into(self, key: ObjectKey, buf) -> int | None:
         return self.read_into_sync(key, buf)

@@ -3,7 +3,9 @@
 Runs in the engine's processes, over one ``kvstore.client.StoreClient``.
 
 * **Reads** land verified in the caller's buffer (``read_into``), rekeyed to the caller's
-  key; ``lookup`` is the store's contiguous prefix (one ``Lookup`` per 4096 keys).
+  key; ``lookup`` is the store's contiguous prefix (one ``Lookup`` per 4096 keys).  A
+  same-host read is one round trip: its lease is released later, in a batch
+  (``kvstore.client_leases``; ``aclose`` sends what is queued).
   ``present(keys)`` is the batch form for ``TieredStore.lookup``: one round trip; key i is
   True for i below the store's contiguous hit and False from its first miss on (the store
   answers prefixes, and a chunk after a missing one is useless anyway), so pass the keys
@@ -186,7 +188,8 @@ class RemoteTier:
     def stats(self) -> TierStats:
         c = self.client.counters
         extra: dict[str, float] = {**self.breaker.stats(), "lease_expired": c.lease_expired,
-                                   "renewals": c.renewals, "put_exists": c.put_exists,
+                                   "renewals": c.renewals, "releases_deferred": c.releases_deferred,
+                                   "release_calls": c.release_calls, "put_exists": c.put_exists,
                                    "failed_reads": self._failed_reads,
                                    "shm": float(self.client.uses_shm)}
         extra.update({f"errors_{k}": v for k, v in self._errors.items()})

@@ -109,7 +109,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """Same-host read: the object's place in the shared segment, under a lease.
+        """Same-host read: the object's place in the shared segment, under a lease that pins it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,13 +149,15 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Extend a lease for a long copy (NOT_FOUND: it expired, or its object was deleted).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End leases and drop their pins; many ids per call (the clients' background batches).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -2,7 +2,9 @@
 UNAVAILABLE, no hang; a restart on the same SSD directory keeps the objects), a full SSD
 (puts still land in host memory, the write-through failures are counted, reads continue),
 SIGTERM with a stream in flight (it drains, exit 0, no /dev/shm file left), and a client
-killed with ``kill -9`` while holding leases (they expire and the space comes back).
+killed with ``kill -9`` while holding leases, renewed ones or ones its finished reads had
+queued for a batched release (they expire, their pins go, and the space comes back, even
+the space of an object deleted meanwhile).
 
 Disk full is a real 4 MiB tmpfs mounted by the test (this runs as root here).  Where
 ``mount`` is refused, the server's RLIMIT_FSIZE is lowered instead (``prlimit``): Python
@@ -231,6 +233,62 @@ def test_client_killed_holding_leases_they_expire_and_space_returns(tmp_path, ob
             assert counters["leases_expired"] >= 4
             assert c.put_shm(extra, send.make(extra, size)) == pb.PUT_OUTCOME_STORED
             assert c.lookup([extra]).hits == 1
+        finally:
+            child.kill()
+            child.wait()
+
+
+QUEUED = """
+import asyncio, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from kvstore.client import StoreClient
+from kvstore.keys import ObjectKey
+
+async def main():
+    client = await StoreClient.connect(sys.argv[2], transport="shm", release_delay_s=60)
+    buf = np.empty(int(sys.argv[3]), np.uint8)
+    for raw in sys.argv[4:]:
+        assert await client.get_into(ObjectKey.from_bytes(bytes.fromhex(raw)), memoryview(buf)) == len(buf)
+    assert client.counters.releases_deferred == len(sys.argv) - 4
+    print("read", client.counters.releases_deferred, flush=True)
+    await asyncio.sleep(3600)  # killed here: the releases are still queued
+
+asyncio.run(main())
+"""
+
+
+def test_client_killed_with_queued_releases_they_expire_and_pins_go(tmp_path, objects):
+    """A reader whose copies were good leaves its releases queued (60 s batching delay) and
+    is killed: the leases pin their slots until the reaper expires them (1 s TTL), even the
+    slot of an object deleted meanwhile; then every byte comes back."""
+    send = objects[0]
+    rng = np.random.default_rng(4)
+    size = 2 * MiB
+    with StoreProcess(tmp_path, "--host-capacity", "8MiB", "--lease-ttl", "1") as proc, \
+            StoreClient(proc.target) as c:
+        base = c.stats()[1]["host.bytes_used"]
+        keys = [random_key(rng) for _ in range(4)]
+        for key in keys:
+            assert c.put_shm(key, send.make(key, size)) == pb.PUT_OUTCOME_STORED
+        child = subprocess.Popen([sys.executable, "-c", QUEUED, str(ROOT), proc.target, str(size),
+                                  *(bytes(k).hex() for k in keys)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "read 4"
+            counters = c.stats()[1]
+            assert (counters["leases_held"], counters["host.refs_held"]) == (4, 4)
+            assert c.delete(keys[0])                                # hidden, but its slot pinned
+            extra = random_key(rng)
+            assert c.put_shm(extra, send.make(extra, size)) == pb.PUT_OUTCOME_NO_ROOM
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            assert wait_until(lambda: c.stats()[1]["host.refs_held"] == 0, timeout=5)
+            counters = c.stats()[1]
+            assert (counters["leases_held"], counters["host.doomed"]) == (0, 0)
+            assert counters["host.bytes_used"] == base + 3 * size
+            assert counters["leases_expired"] == 3      # the deleted object's lease ended with it
+            assert c.put_shm(extra, send.make(extra, size)) == pb.PUT_OUTCOME_STORED
+            assert c.lookup([extra]).hits == 1 and c.lookup([keys[0]]).hits == 0
         finally:
             child.kill()
             child.wait()

@@ -13,7 +13,8 @@ from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client import StoreClient
 from kvstore.client_info import ClientCounters
-from kvstore.client_io import decode_get_frame, encode_data_frame
+from kvstore.client_io import decode_get_frame, encode_data_frame, lookup_requests
+from kvstore.client_leases import LeaseWindow
 from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
 from kvstore.serve_proc import StoreProcess
@@ -191,6 +192,55 @@ async def test_transport_follows_the_shm_permission(tenant_store):
             await StoreClient.connect(target, token=token)
 
 
+async def _put_stream_code(target: str, token: str, frames: list[bytes]) -> grpc.StatusCode:
+    """Status of a PutStream of ``frames`` from a grpc.aio client writing them all."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = channel.stream_unary("/kvstore.v1.KVStore/PutStream")(
+            metadata=(("authorization", f"Bearer {token}"),), timeout=20)
+        try:
+            for frame in frames:
+                await call.write(frame)
+            await call.done_writing()
+            await call
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+async def test_refused_put_streams_get_their_real_status(tenant_store):
+    """The server reads a refused stream to its end before answering, so an aio client that
+    is still writing sees PERMISSION_DENIED / INVALID_ARGUMENT / RESOURCE_EXHAUSTED rather
+    than "INTERNAL: Internal error from Core"; nothing is stored or left reserved."""
+    _, keys = chain(1, seed=28)
+    target = tenant_store.target
+
+    def frames(size: int, **start) -> list[bytes]:
+        obj = sealed(keys[0], size, 57)
+        head = pb.PutFrame(start=pb.PutStartRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
+                                                    tag="r0", size=size, **start))
+        return [head.SerializeToString(), *(encode_data_frame(memoryview(obj)[o:o + MiB])
+                                            for o in range(0, size, MiB))]
+
+    for size in (8 * KiB, 4 * MiB):
+        for _ in range(3):
+            assert await _put_stream_code(target, "ta-read", frames(size)) is grpc.StatusCode.PERMISSION_DENIED
+    bad_tag = frames(4 * MiB)
+    bad_tag[0] = pb.PutFrame(start=pb.PutStartRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
+                                                      tag="no spaces", size=4 * MiB)).SerializeToString()
+    assert await _put_stream_code(target, "ta", bad_tag) is grpc.StatusCode.INVALID_ARGUMENT
+    async with await StoreClient.connect(target, token="ta") as a:
+        too_big = frames(2 * MiB)
+        too_big[0] = pb.PutFrame(start=pb.PutStartRequest(
+            namespace=keys[0][:32], chunk_hash=keys[0][32:64], tag="r0",
+            size=a.info.max_object_bytes + 1)).SerializeToString()
+        assert await _put_stream_code(target, "ta", too_big) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await a.lookup(keys)).hits == 0
+        counters = (await a.stats())["server_counters"]
+        assert (counters["puts_in_flight"], counters["host.pending"]) == (0, 0)
+        assert await _put_stream_code(target, "ta", frames(4 * MiB)) is grpc.StatusCode.OK
+        assert (await a.lookup(keys)).hits == 1 and await a.delete(keys[0])
+
+
 @pytest.mark.parametrize("size", [KiB, 4 * MiB])
 async def test_expired_lease_at_completion_is_a_miss(tmp_path, size):
     """``_after_copy`` (a test hook) pauses between the copy and the lease release."""
@@ -205,8 +255,109 @@ async def test_expired_lease_at_completion_is_a_miss(tmp_path, size):
             assert await fast.put(keys[0], obj) is PutResult.STORED
             assert await slow.get_into(keys[0], memoryview(buf)) is None
             assert (slow.counters.lease_expired, slow.counters.misses, slow.counters.hits) == (1, 1, 0)
+            # past its window the copy was not trusted: the server was asked, and said expired
+            assert (slow.counters.releases_deferred, slow.counters.release_calls) == (0, 1)
             assert await fast.get_into(keys[0], memoryview(buf)) == size
             assert np.array_equal(buf, obj)
+            assert (fast.counters.releases_deferred, fast.counters.lease_expired) == (1, 0)
+    finally:
+        assert proc.terminate(30) == 0
+
+
+async def _server_counters(client: StoreClient) -> dict[str, float]:
+    return (await client.stats())["server_counters"]
+
+
+async def test_same_host_reads_release_their_leases_in_batches(tmp_path):
+    """A same-host read is one round trip; its lease is released later, in a batch.  With a
+    30 s delay nothing goes until a call's worth (max_keys_per_call 8) is queued or the
+    client flushes, and the queued leases keep their slots pinned meanwhile."""
+    proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--max-keys-per-call", "8").start()
+    _, keys = chain(2, seed=24)
+    objs = [sealed(keys[0], 64 * KiB, 52), sealed(keys[1], 4 * MiB, 53)]   # inline; copy thread
+    buf = np.zeros(4 * MiB, np.uint8)
+    try:
+        async with await StoreClient.connect(proc.target, transport="shm", release_delay_s=30) as c, \
+                await StoreClient.connect(proc.target, transport="stream") as watcher:
+            for key, obj in zip(keys, objs):
+                assert await c.put(key, obj) is PutResult.STORED
+            base = await _server_counters(watcher)
+            for i in range(20):
+                obj = objs[i % 2]
+                assert await c.get_into(keys[i % 2], memoryview(buf)) == len(obj)
+                assert np.array_equal(buf[:len(obj)], obj)
+            now = await _server_counters(watcher)
+            assert now["store.release_calls"] - base["store.release_calls"] == 2      # 8 + 8
+            assert (now["leases_held"], now["host.refs_held"]) == (4, 4)           # queued: pinned
+            assert (c.counters.releases_deferred, c.counters.release_calls, c.counters.lease_expired) == (20, 2, 0)
+            await c.flush_releases()
+            now = await _server_counters(watcher)
+            assert now["store.release_calls"] - base["store.release_calls"] == 3
+            assert now["store.leases_released"] - base["store.leases_released"] == 20   # all valid
+            assert (now["leases_held"], now["host.refs_held"]) == (0, 0)
+            assert c.counters.release_calls == 3
+    finally:
+        assert proc.terminate(30) == 0
+
+
+async def test_queued_releases_go_by_themselves(store):
+    """Without any further call from the reader, its queued releases reach the server within
+    a moment (the default delay is milliseconds)."""
+    _, keys = chain(1, seed=25)
+    obj = sealed(keys[0], 256 * KiB, 54)
+    buf = np.zeros(len(obj), np.uint8)
+    async with await StoreClient.connect(store.target, transport="shm") as c, \
+            await StoreClient.connect(store.target, transport="stream") as watcher:
+        assert await c.put(keys[0], obj) is PutResult.STORED
+        base = await _server_counters(watcher)
+        got = await asyncio.gather(*(c.get_into(keys[0], memoryview(np.zeros(len(obj), np.uint8)))
+                                     for _ in range(10)))
+        assert got == [len(obj)] * 10 and c.counters.releases_deferred == 10
+        for _ in range(100):
+            now = await _server_counters(watcher)
+            if now["store.leases_released"] - base["store.leases_released"] == 10:
+                break
+            await asyncio.sleep(0.02)
+        assert now["store.leases_released"] - base["store.leases_released"] == 10
+        assert (now["leases_held"], now["host.refs_held"]) == (0, 0)
+        assert now["store.release_calls"] - base["store.release_calls"] == c.counters.release_calls
+        assert await c.get_into(keys[0], memoryview(buf)) == len(obj) and np.array_equal(buf, obj)
+        assert await c.delete(keys[0])
+
+
+async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_path):
+    """A lease pins its slot: a Delete hides the object at once, but its bytes stay put and
+    its room stays taken until the lease is released (here: a 2 MiB pool, two leased 1 MiB
+    objects, so a third object fits exactly when the deleted one's lease ends)."""
+    proc = StoreProcess(tmp_path, "--host-capacity", "2MiB").start()
+    _, keys = chain(3, seed=26)
+    objs = [sealed(k, MiB, 55 + i) for i, k in enumerate(keys)]
+    buf = np.zeros(MiB, np.uint8)
+    try:
+        async with await StoreClient.connect(proc.target, transport="shm") as c:
+            for key, obj in zip(keys[:2], objs[:2]):
+                assert await c.put(key, obj) is PutResult.STORED
+            leases = [await c._stub.Get(pb.GetRequest(namespace=k[:32], chunk_hash=k[32:64], tag=k.tag),
+                                        timeout=5) for k in keys[:2]]   # held: never released here
+            held = leases[0]
+            before = c._segment.array[held.offset:held.offset + MiB].copy()
+            assert await c.delete(keys[0]) is True
+            assert (await c.lookup(keys[:1])).hits == 0                     # hidden at once
+            assert await c.get_into(keys[0], memoryview(buf)) is None       # new reads miss
+            counters = await _server_counters(c)
+            assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
+                (2 * MiB, 1, 2)
+            assert await c.put(keys[2], objs[2]) is PutResult.NO_ROOM      # the room is pinned
+            assert np.array_equal(c._segment.array[held.offset:held.offset + MiB], before)
+            assert await c._release(held.lease_id) is False                 # deleted: conservative
+            counters = await _server_counters(c)
+            assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
+                (MiB, 0, 1)
+            assert await c.put(keys[2], objs[2]) is PutResult.STORED        # now it fits
+            assert await c._release(leases[1].lease_id) is True
+            assert await c.get_into(keys[2], memoryview(buf)) == MiB and np.array_equal(buf, objs[2])
+            counters = await _server_counters(c)
+            assert (counters["leases_held"], counters["host.refs_held"]) == (0, 0)
     finally:
         assert proc.terminate(30) == 0
 
@@ -266,6 +417,36 @@ def test_frames_match_protobuf():
                 (found, n * 3, n, data, pb.TIER_SSD)
     with pytest.raises(TierError, match="malformed"):
         decode_get_frame(pb.GetFrame(data=b"xyz").SerializeToString()[:-1])
+
+
+def test_lookup_requests_match_protobuf():
+    """Hand-encoded Lookup requests: split into runs of one namespace and tag, at most
+    ``limit`` keys each, byte-identical to protobuf's encoding (few keys are encoded in
+    Python, many with numpy: both paths)."""
+    hashes, keys = chain(9, seed=27)
+    other_ns = Identity("client-test-2", "r", "bf16", "test:opaque", 1, 1, 1).namespace()
+    mixed = [*keys[:5], *object_keys(NS, hashes[5:7], tag="rank-10"), *object_keys(other_ns, hashes[7:])]
+    runs = [(0, 3), (3, 5), (5, 7), (7, 9)]
+    want = [(pb.LookupRequest(namespace=mixed[a][:32], chunk_hashes=[k[32:64] for k in mixed[a:b]],
+                              tag=mixed[a].tag).SerializeToString(), b - a) for a, b in runs]
+    assert list(lookup_requests(mixed, 3)) == want
+    for n in (1, 9, 16, 17, 600):                       # few keys: no numpy; many: numpy
+        hashes, keys = chain(n, seed=n)
+        assert list(lookup_requests(keys, 4096)) == [(pb.LookupRequest(
+            namespace=bytes(NS), chunk_hashes=[bytes(h) for h in hashes], tag="r0").SerializeToString(), n)]
+    mixed_many = [*keys[:40], *object_keys(NS, hashes[40:60], tag="rank-10"), *keys[60:100]]
+    bounds = [(0, 32), (32, 40), (40, 60), (60, 92), (92, 100)]
+    assert list(lookup_requests(mixed_many, 32)) == [(pb.LookupRequest(
+        namespace=bytes(NS), chunk_hashes=[k[32:64] for k in mixed_many[a:b]], tag=mixed_many[a].tag
+    ).SerializeToString(), b - a) for a, b in bounds]
+    assert list(lookup_requests([], 8)) == []
+
+
+def test_lease_window_counts_from_the_last_start():
+    window = LeaseWindow(7, start=100.0, ttl_s=0.2)
+    assert window.holds(100.18) and not window.holds(100.19)    # 5% + 1 ms of margin
+    window.renewed(100.15, 200)
+    assert window.holds(100.33) and not window.holds(100.34)
 
 
 def test_grpc_codes_are_translated_in_one_place():
@@ -385,9 +566,9 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
                 leases.append(got.lease_id)
             for _ in range(4):                       # 0.6 s: twice the TTL
                 await asyncio.sleep(0.15)
-                assert await client._renew(leases[0], 300) is True
+                assert await client._renew(leases[0], 300) == 300
             assert await client._release(leases[0]) is True      # renewed: still valid
             assert await client._release(leases[1]) is False     # not renewed: expired
-            assert await client._renew(leases[1], 300) is False  # unknown now: NOT_FOUND
+            assert await client._renew(leases[1], 300) is None   # unknown now: NOT_FOUND
     finally:
         assert proc.terminate(30) == 0

@@ -1,5 +1,6 @@
 """RemoteTier against a real ``kvstore serve`` process: the Tier contract over shared
-memory and streams, and the circuit breaker when the store is killed and restarted."""
+memory and streams, queued lease releases sent at close, and the circuit breaker when the
+store is killed and restarted."""
 import asyncio
 import socket
 import time
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvstore import codec
+from kvstore.client import StoreClient
 from kvstore.errors import TierUnavailableError
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
 from kvstore.serve_proc import StoreProcess
@@ -71,6 +73,33 @@ async def test_tier_contract(store, transport):
         assert s.extra["breaker_open"] == 0 and s.extra["errors"] == 0
         for key in keys:
             await tier.delete(key)
+
+
+async def test_closing_the_tier_sends_its_queued_lease_releases(store):
+    """Same-host reads leave their releases queued (a 30 s delay here); ``aclose`` sends
+    them, in one call, before the channel goes."""
+    _, keys = chain(3, seed=6)
+    objs = [sealed(k, MiB + i, 10 + i) for i, k in enumerate(keys)]
+    buf = np.zeros(2 * MiB, np.uint8)
+    async with await StoreClient.connect(store.target, transport="stream") as watcher:
+        tier = await RemoteTier.open(store.target, transport="shm", release_delay_s=30)
+        for key, obj in zip(keys, objs):
+            assert await tier.put(key, obj) is PutResult.STORED
+        base = (await watcher.stats())["server_counters"]
+        for key, obj in zip(keys, objs):
+            assert await tier.read_into(key, memoryview(buf)) == len(obj)
+            assert np.array_equal(buf[:len(obj)], obj)
+        s = tier.stats()
+        assert (s.hits, s.extra["releases_deferred"], s.extra["release_calls"]) == (3, 3, 0)
+        held = (await watcher.stats())["server_counters"]
+        assert (held["leases_held"], held["host.refs_held"]) == (3, 3)
+        await tier.aclose()
+        after = (await watcher.stats())["server_counters"]
+        assert (after["leases_held"], after["host.refs_held"]) == (0, 0)
+        assert after["store.release_calls"] - base["store.release_calls"] == 1
+        assert after["store.leases_released"] - base["store.leases_released"] == 3
+        for key in keys:
+            assert await watcher.delete(key)
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])

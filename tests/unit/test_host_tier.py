@@ -152,6 +152,48 @@ def test_lookup_counts_only_the_contiguous_prefix():
     assert t.lookup_sync([]) == 0
 
 
+class CountingLock:
+    """The tier's lock, counting acquisitions (how many times a batch call locks)."""
+
+    def __init__(self) -> None:
+        self._lock, self.acquired = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.acquired += 1
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def test_sizes_answer_every_key_under_one_lock_without_touching_lru():
+    t = tier(5)
+    a, b, c, d, e, f = chain(6, seed=12)
+    put(t, a, pages=1)
+    put(t, b, pages=2, parent=a)
+    put(t, d, pages=1)
+    pending = t.put_start_sync(e, len(make_obj(e, 1)))          # reserved, not committed
+    t.acquire(d)
+    t.delete_sync(d)                                            # doomed: still referenced
+    t._lock = lock = CountingLock()
+    n_a, n_b = len(make_obj(a, 1)), len(make_obj(b, 2))
+    assert t.sizes_sync([a, b, c, d, e, a]) == [n_a, n_b, None, None, None, n_a]
+    assert lock.acquired == 1
+    assert t.sizes_sync([bytes(b), bytes(c)]) == [n_b, None]    # canonical bytes find it too
+    assert t.sizes_sync([]) == []
+    assert asyncio.run(t.sizes([c, a])) == [None, n_a]
+    assert lock.acquired == 4
+    assert [t.size_of_sync(k) for k in (a, b, c, d, e)] == [n_a, n_b, None, None, None]
+    assert t.stats().hits == 0                                  # sizes are not reads
+    t.put_commit_sync(pending, False)
+    t.release(d)
+    lru = tier(3)
+    for k in (a, b, c):
+        put(lru, k)
+    lru.sizes_sync([b, a])
+    assert put(lru, f) == 0 and present(lru, [a, b, c]) == [False, True, True]  # a: still LRU
+
+
 # --- eviction ---------------------------------------------------------------------------
 
 def test_lease_and_acquire_count_as_use():

@@ -156,6 +156,13 @@ class SSDTier:
             entry = self._index.entries.get(key)
             return None if entry is None else entry.size
 
+    async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        """``size_of`` of every key under one lock acquisition (batch lookups)."""
+        with self._lock:
+            self._check_open()
+            get = self._index.entries.get
+            return [None if (entry := get(key)) is None else entry.size for key in keys]
+
     def stats(self) -> TierStats:
         with self._lock:
             return dataclasses.replace(

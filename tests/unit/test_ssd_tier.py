@@ -412,3 +412,18 @@ async def test_random_concurrent_ops_match_the_disk(tmp_path, seed):
     for key in on_disk:
         assert verify(await read(tier, key), key)
     await tier.aclose()
+
+
+async def test_batch_sizes_match_size_of(tmp_path):
+    """``sizes`` answers a whole batch like ``size_of`` per key (used by batched lookups)."""
+    from kvstore.store import present_in
+
+    tier = SSDTier(tmp_path / "batch", 1 << 20)
+    ks = chain(4, seed=77)
+    await put_bytes(tier, ks[0], memoryview(make_obj(ks[0], 1000)))
+    await put_bytes(tier, ks[2], memoryview(make_obj(ks[2], 5000)))
+    expected = [await tier.size_of(k) for k in ks]
+    assert expected[1] is None and expected[3] is None and expected[0] < expected[2]
+    assert await tier.sizes(ks) == expected
+    assert await present_in(tier, ks) == [True, False, True, False]
+    await tier.aclose()

@@ -16,28 +16,22 @@ from kvstore.client_info import ClientCounters
 from kvstore.client_io import decode_get_frame, encode_data_frame, lookup_requests
 from kvstore.client_leases import LeaseWindow
 from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
-from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.keys import ROOT, Identity, object_keys
 from kvstore.serve_proc import StoreProcess
+import kvobjects as kv
 from tiers.base import PutResult
 
 KiB, MiB = 1 << 10, 1 << 20
-NS = Identity("client-test", "r", "bf16", "test:opaque", 1, 1, 1).namespace()
+NS = kv.namespace("client-test")
 TOKENS = {"ta": ("a", ["read", "write", "shm"]), "tb": ("b", ["read", "write", "shm"]),
           "ta-read": ("a", ["read"]), "ta-noshm": ("a", ["read", "write"])}
 
 
 def chain(n, seed=0):
-    hashes = chunk_hashes(NS, np.random.default_rng(seed).integers(0, 50000, n * 16), 16)
-    return hashes, object_keys(NS, hashes)
+    return kv.chain(NS, n, seed)
 
 
-def sealed(key, size, seed, parent=ROOT):
-    """An object of exactly ``size`` bytes with a random payload, sealed under ``key``."""
-    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE)
-    buf = np.empty(size, np.uint8)
-    payload = np.random.default_rng(seed).integers(0, 256, geom.payload_bytes, dtype=np.uint8)
-    codec.encode_into(buf, key, geom, payload, parent)
-    return buf
+sealed = kv.sealed
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvstore import codec
-from kvstore.keys import Identity, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import ObjectKey
+import kvobjects as kv
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_config import RedisConfig
@@ -23,19 +24,15 @@ from tiers.redis_manifest import manifest_key, part_keys, unpack
 KiB, MiB = 1024, 1 << 20
 PART = 64 * KiB
 SENTINEL = 0xA5
-NS = Identity("redis-bulk", "r0", "bf16", "test:opaque", 1, 1, 1).namespace()
+NS = kv.namespace("redis-bulk")
 
 
 def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
-    return object_keys(NS, chunk_hashes(NS, np.arange(n * 4) + seed * 100_000, 4))
+    return kv.keys_of(NS, n, seed)
 
 
 def make_object(key: ObjectKey, size: int) -> np.ndarray:
-    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE, "bf16", "test:opaque")
-    buf = np.empty(size, np.uint8)
-    rng = np.random.default_rng(size + key[-1] + 256 * key[-2])
-    codec.encode_into(buf, key, geom, rng.integers(0, 256, geom.payload_bytes, dtype=np.uint8))
-    return buf
+    return kv.make_object(key, size)
 
 
 async def open_tier(url: str, **options) -> RedisTier:

@@ -8,29 +8,23 @@ import time
 import numpy as np
 import pytest
 
-from kvstore import codec
 from kvstore.client import StoreClient
 from kvstore.errors import TierUnavailableError
-from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.keys import ROOT
 from kvstore.serve_proc import StoreProcess
+import kvobjects as kv
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.remote import RemoteTier
 
 MiB = 1 << 20
-NS = Identity("remote-test", "r", "bf16", "test:opaque", 1, 1, 1).namespace()
+NS = kv.namespace("remote-test")
 
 
 def chain(n, seed=0):
-    hashes = chunk_hashes(NS, np.random.default_rng(seed).integers(0, 50000, n * 16), 16)
-    return hashes, object_keys(NS, hashes)
+    return kv.chain(NS, n, seed)
 
 
-def sealed(key, size, seed, parent=ROOT):
-    geom = codec.ObjectGeometry(1, 1, size - codec.HEADER_SIZE)
-    buf = np.empty(size, np.uint8)
-    codec.encode_into(buf, key, geom, np.random.default_rng(seed).integers(0, 256, geom.payload_bytes,
-                                                                            dtype=np.uint8), parent)
-    return buf
+sealed = kv.sealed
 
 
 def free_port():

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.protowire import read_varint, varint
 from kvstore import codec
 from kvstore.errors import ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, TierError
 from kvstore.keys import ObjectKey
@@ -41,31 +42,16 @@ _EMPTY = memoryview(b"")
 
 # --- protobuf wire format of the two streaming messages ---------------------------------
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(raw) or shift > 63:
-            raise TierError("malformed GetStream frame: truncated varint")
-        byte = raw[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
+    try:
+        return read_varint(raw, pos)
+    except ValueError as err:
+        raise TierError(f"malformed GetStream frame: {err}") from err
 
 
 def encode_data_frame(chunk: memoryview) -> bytes:
     """``PutFrame{data: chunk}`` serialized (field 2, length-delimited)."""
-    return b"".join((b"\x12", _varint(len(chunk)), chunk))
+    return b"".join((b"\x12", varint(len(chunk)), chunk))
 
 
 def lookup_requests(keys: Sequence[bytes], limit: int) -> Iterator[tuple[bytes, int]]:
@@ -114,7 +100,7 @@ def _same_run_slow(keys: Sequence[bytes]) -> int:
 def _encode_few(keys: Sequence[bytes]) -> bytes:
     tag = keys[0][64:]
     return b"".join((b"\x0a\x20", keys[0][:32], *(b"\x12\x20" + k[32:64] for k in keys),
-                     b"\x1a", _varint(len(tag)), tag))
+                     b"\x1a", varint(len(tag)), tag))
 
 
 def _encode_lookup(rows: np.ndarray) -> bytes:
@@ -122,7 +108,7 @@ def _encode_lookup(rows: np.ndarray) -> bytes:
     fields[:, 0], fields[:, 1] = 0x12, 32            # field 2, length-delimited, 32 bytes
     fields[:, 2:] = rows[:, 32:64]
     tag = rows[0, 64:].tobytes()
-    return b"".join((b"\x0a\x20", rows[0, :32].tobytes(), fields.tobytes(), b"\x1a", _varint(len(tag)), tag))
+    return b"".join((b"\x0a\x20", rows[0, :32].tobytes(), fields.tobytes(), b"\x1a", varint(len(tag)), tag))
 
 
 @dataclass(frozen=True, slots=True)

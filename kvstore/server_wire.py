@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvstore.protowire import read_varint, varint
 from kvstore._proto import kvstore_pb2 as pb
 
 SERVICE = "kvstore.v1.KVStore"
@@ -57,15 +58,6 @@ class InFrame:
     data: memoryview | None = None
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def encode_get_frame(frame: OutFrame | pb.GetFrame) -> bytes:
     """Wire bytes of a GetFrame (fields in number order, proto3 defaults omitted)."""
     if isinstance(frame, pb.GetFrame):
@@ -74,28 +66,20 @@ def encode_get_frame(frame: OutFrame | pb.GetFrame) -> bytes:
     if frame.found:
         head += b"\x08\x01"
     if frame.total_length:
-        head += b"\x10" + _varint(frame.total_length)
+        head += b"\x10" + varint(frame.total_length)
     if frame.offset:
-        head += b"\x18" + _varint(frame.offset)
+        head += b"\x18" + varint(frame.offset)
     parts = [bytes(head)]
     if len(frame.data):
-        parts[0] += b"\x22" + _varint(len(frame.data))
+        parts[0] += b"\x22" + varint(len(frame.data))
         parts.append(frame.data)
     if frame.tier:
-        parts.append(b"\x28" + _varint(frame.tier))
+        parts.append(b"\x28" + varint(frame.tier))
     return b"".join(parts)
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    while pos < len(buf) and shift < 64:
-        b = buf[pos]
-        n |= (b & 0x7F) << shift
-        pos += 1
-        if not b & 0x80:
-            return n, pos
-        shift += 7
-    raise DecodeError("truncated varint")
+    return read_varint(buf, pos, DecodeError)
 
 
 def decode_put_frame(raw: bytes) -> InFrame | Malformed:

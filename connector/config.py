@@ -6,8 +6,10 @@ Keys (each also read from ``KVSTORE_<KEY>`` when absent from the mapping):
   ssd_dir         a directory for the SSD tier; "" or absent = no SSD tier
   ssd_capacity    bytes or "16GiB"
   chunk_size      tokens per chunk object; a multiple of the engine block size
-  device          auto | host | cuda: the copy engine on the worker (tests also use
-                  faulty:fail_every=N,delay=S to inject copy failures)
+  device          auto | host | cuda | emulated-cuda: the copy engine on the worker.
+                  emulated-cuda gives CUDA's side-stream semantics on the CPU (writes land
+                  later, nothing calls back); options emulated-cuda:delay=S,fail_every=N.
+                  Tests also use faulty:fail_every=N,delay=S to inject copy failures
   verify_loads    true/false: checksum every object before it reaches the engine
   prefill_tokens_per_s  seed of the cost model's recompute rate (refined online)
   load_timeout_s  how long a layer waits for its load before the load counts as failed
@@ -38,12 +40,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from connector.device import check_device_spec
 from kvstore.config import StoreConfig, merge_settings, parse_size
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-DEVICES = ("auto", "host", "cuda")
 TRANSPORTS = ("auto", "shm", "stream")
 WRITE_POLICIES = ("write_through", "write_back")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
@@ -70,8 +72,7 @@ class ConnectorConfig:
     lower_tiers_required: bool = True
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICES and not self.device.startswith("faulty:"):
-            raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        check_device_spec(self.device)
         for name in ("prefill_tokens_per_s", "load_timeout_s", "lease_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

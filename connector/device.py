@@ -7,13 +7,27 @@
   recorded after them; ``make_compute_wait`` makes the compute stream wait on it, so
   attention never reads pages whose copy has not finished.
 * ``FaultyDevice``: a ``HostDevice`` for tests that delays, fails or reorders completions.
+* ``EmulatedCudaDevice`` (``connector.emulated_cuda``): CUDA's side-stream semantics on the
+  CPU, so that every test can run against them: tensor writes land later, on a stream
+  thread, and nothing calls back.
 
-The lifecycle (``kvstore.lifecycle``) drives all three the same way: a ticket records
+Two completion styles, and callers must handle both:
+
+* host-style events (``HostDevice``) complete on the copy thread, which runs the callbacks;
+* stream-style events (``StreamCopyEvent``: CUDA and its emulation) complete only when
+  somebody observes them through ``query()``, ``wait()`` or ``Device.synchronize()``; the
+  callbacks then run on the observing thread.  The worker polls its events in the hooks
+  vLLM calls every step.
+
+The lifecycle (``kvstore.lifecycle``) drives all of them the same way: a ticket records
 ``begin_copy`` before ``submit`` and ``end_copy`` in the completion callback, so memory a
-copy may still touch is never released early.
+copy may still touch is never released early.  A callback that raises is logged and
+counted on its event (``callback_error``, ``ok`` is then False); it never kills the thread
+that observed the completion.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -22,14 +36,17 @@ from typing import Protocol
 
 from kvstore.errors import ConfigError
 
+log = logging.getLogger("kvstore.connector")
+
 Job = Callable[[], None]
 Callback = Callable[["CopyEvent"], None]
 
 
 class CopyEvent:
-    """Completion of one submitted copy.  ``error`` is set when the copy raised."""
+    """Completion of one submitted copy.  ``error`` is set when the copy raised;
+    ``callback_error`` when a completion callback raised (the event is then not ``ok``)."""
 
-    __slots__ = ("_done", "_fired", "error", "_callbacks", "_lock")
+    __slots__ = ("_done", "_fired", "error", "callback_error", "_callbacks", "_lock")
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -37,6 +54,7 @@ class CopyEvent:
         self._lock = threading.Lock()  # guards _callbacks against a concurrent complete()
         self._callbacks: list[Callback] = []
         self.error: BaseException | None = None
+        self.callback_error: BaseException | None = None
 
     def complete(self, error: BaseException | None = None) -> None:
         """Record the outcome, run the callbacks, then let waiters go: a ``wait()`` that
@@ -47,8 +65,16 @@ class CopyEvent:
             self._fired, self.error = True, error
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
-            cb(self)
+            self._run(cb)
         self._done.set()
+
+    def _run(self, cb: Callback) -> None:
+        try:
+            cb(self)
+        except Exception as err:  # noqa: BLE001 - a callback must not kill the copy thread
+            log.exception("kvstore: copy completion callback failed")
+            if self.callback_error is None:
+                self.callback_error = err
 
     def on_complete(self, cb: Callback) -> None:
         """Run ``cb(event)`` once the copy completed (at once if it already has)."""
@@ -56,7 +82,12 @@ class CopyEvent:
             if not self._fired:
                 self._callbacks.append(cb)
                 return
-        cb(self)
+        self._run(cb)
+
+    @property
+    def done(self) -> bool:
+        """Completed and observed, callbacks run; unlike ``query()`` this observes nothing."""
+        return self._done.is_set()
 
     def query(self) -> bool:
         return self._done.is_set()
@@ -67,7 +98,36 @@ class CopyEvent:
 
     @property
     def ok(self) -> bool:
-        return self._done.is_set() and self.error is None
+        return self._done.is_set() and self.error is None and self.callback_error is None
+
+
+class StreamCopyEvent(CopyEvent):
+    """An event a stream reaches on its own, like ``torch.cuda.Event``: nothing calls back.
+    The first ``query()``/``wait()`` that finds it reached completes it (running the
+    callbacks on that thread) with the stream's error, if any."""
+
+    __slots__ = ()
+
+    def _reached(self) -> bool:
+        raise NotImplementedError
+
+    def _wait_reached(self, timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    def _stream_error(self) -> BaseException | None:
+        return None
+
+    def query(self) -> bool:
+        if not self._done.is_set() and self._reached():
+            self.complete(self._stream_error())
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._done.is_set():
+            if not self._wait_reached(timeout):
+                return False
+            self.complete(self._stream_error())
+        return self._done.wait(timeout)
 
 
 class Device(Protocol):
@@ -178,33 +238,35 @@ class FaultyDevice(HostDevice):
             super()._finish(event, error)
 
 
-class CudaCopyEvent(CopyEvent):
+class CudaCopyEvent(StreamCopyEvent):
     """Completes when its CUDA event has (``query``/``wait`` check the event itself)."""
 
-    __slots__ = ("cuda_event",)
+    __slots__ = ("cuda_event", "_err")
 
     def __init__(self, cuda_event) -> None:
         super().__init__()
         self.cuda_event = cuda_event
+        self._err: BaseException | None = None  # an injected stream failure (tests)
 
-    def query(self) -> bool:
-        if not self._done.is_set() and self.cuda_event.query():
-            self.complete()
-        return self._done.is_set()
+    def _reached(self) -> bool:
+        return bool(self.cuda_event.query())
 
-    def wait(self, timeout: float | None = None) -> bool:
-        if not self._done.is_set():
-            self.cuda_event.synchronize()
-            self.complete()
+    def _wait_reached(self, timeout: float | None) -> bool:
+        self.cuda_event.synchronize()  # CUDA offers no timed wait; copies are bounded
         return True
+
+    def _stream_error(self) -> BaseException | None:
+        return self._err
 
 
 class CudaDevice:
-    """Copies on a side stream; events are CUDA events recorded after each job."""
+    """Copies on a side stream; events are CUDA events recorded after each job.  For fault
+    tests, ``fail(n)`` makes the n-th job's event report a stream failure when observed
+    (its copies still run: a real CUDA error would poison the whole context)."""
 
     name = "cuda"
 
-    def __init__(self, device=None) -> None:
+    def __init__(self, device=None, fail: Callable[[int], bool] | None = None) -> None:
         import torch
 
         if not torch.cuda.is_available():
@@ -213,9 +275,11 @@ class CudaDevice:
         self.stream = torch.cuda.Stream(device=device)
         self._events: list[CudaCopyEvent] = []
         self._lock = threading.Lock()  # guards _events
+        self.fail, self.failures, self._count = fail, 0, 0
 
     def submit(self, job: Job) -> CopyEvent:
         torch = self._torch
+        n, self._count = self._count, self._count + 1
         # The copy stream must not read pages before compute has finished writing them.
         self.stream.wait_stream(torch.cuda.current_stream())
         error = None
@@ -227,23 +291,27 @@ class CudaDevice:
             cuda_event = torch.cuda.Event()
             cuda_event.record(self.stream)
         event = CudaCopyEvent(cuda_event)
+        if error is None and self.fail is not None and self.fail(n):
+            self.failures += 1
+            event._err = OSError(f"injected stream failure in job {n}")
         if error is not None:
             # Copies the job enqueued before it raised may still touch its buffers: complete
             # (and so let the ticket release them) only once they have finished.
             cuda_event.synchronize()
             event.complete(error)
-        else:
-            with self._lock:
-                self._events.append(event)
+            return event
+        with self._lock:  # events observed elsewhere need no tracking: keep the list short
+            self._events = [e for e in self._events if not e.done]
+            self._events.append(event)
         return event
 
     def poll(self) -> None:
-        """Complete the events whose CUDA work has finished (non-blocking)."""
+        """Complete the events whose CUDA work has finished (non-blocking), oldest first."""
         with self._lock:
-            done = [e for e in self._events if e.cuda_event.query()]
-            self._events = [e for e in self._events if e not in done]
-        for e in done:
-            e.complete()
+            events, self._events = self._events, []
+        pending = [e for e in events if not e.query()]
+        with self._lock:
+            self._events = pending + self._events
 
     def make_compute_wait(self, event: CopyEvent, timeout: float | None = None) -> bool:
         if isinstance(event, CudaCopyEvent) and event.error is None:
@@ -260,11 +328,20 @@ class CudaDevice:
         self.synchronize()
 
 
+DEVICE_KINDS = ("auto", "host", "cuda", "emulated-cuda")
+
+
 def make_device(kind: str = "auto") -> Device:
-    """``auto`` → CUDA when available, else host; ``host``; ``cuda``; and for fault tests
-    ``faulty:fail_every=N,delay=S`` (every N-th copy job fails, each waits S seconds)."""
+    """``auto`` → CUDA when available, else host; ``host``; ``cuda``; ``emulated-cuda``
+    (CUDA's stream semantics on the CPU; options ``emulated-cuda:delay=S,fail_every=N``);
+    and for fault tests ``faulty:fail_every=N,delay=S`` (every N-th copy job fails, each
+    waits S seconds)."""
     if kind.startswith("faulty:"):
-        return _faulty(kind.removeprefix("faulty:"))
+        return FaultyDevice(**_device_options("faulty", kind.removeprefix("faulty:")))
+    if kind == "emulated-cuda" or kind.startswith("emulated-cuda:"):
+        from connector.emulated_cuda import EmulatedCudaDevice
+
+        return EmulatedCudaDevice(**_device_options("emulated-cuda", kind.partition(":")[2]))
     if kind == "auto":
         try:
             import torch
@@ -276,19 +353,34 @@ def make_device(kind: str = "auto") -> Device:
         return HostDevice()
     if kind == "cuda":
         return CudaDevice()
-    raise ConfigError(f"unknown device {kind!r}; expected auto, host, cuda or faulty:...")
+    raise ConfigError(f"unknown device {kind!r}; expected {', '.join(DEVICE_KINDS)} or faulty:...")
 
 
-def _faulty(spec: str) -> FaultyDevice:
-    opts = {}
+def check_device_spec(kind: str) -> None:
+    """Validate a device spec without opening a device (config time)."""
+    base, _, opts = kind.partition(":")
+    if base in ("faulty", "emulated-cuda"):
+        _device_options(base, opts)
+    elif kind not in DEVICE_KINDS:
+        raise ConfigError(f"device: {kind!r} is not one of {', '.join(DEVICE_KINDS)} "
+                          "(or faulty:fail_every=N,delay=S)")
+
+
+def _device_options(name: str, spec: str) -> dict:
+    """``fail_every=N,delay=S`` → keyword arguments of the faulty and emulated devices."""
+    opts: dict[str, float] = {}
     for part in filter(None, spec.split(",")):
-        name, _, value = part.partition("=")
-        if name not in ("fail_every", "delay"):
-            raise ConfigError(f"faulty device: unknown option {name!r}")
+        key, _, value = part.partition("=")
+        if key not in ("fail_every", "delay"):
+            raise ConfigError(f"{name} device: unknown option {key!r}")
         try:
-            opts[name] = float(value)
+            opts[key] = float(value)
         except ValueError as err:
-            raise ConfigError(f"faulty device: {name}={value!r} is not a number") from err
-    every = int(opts.get("fail_every", 0))
-    fail = (lambda n: (n + 1) % every == 0) if every > 0 else None
-    return FaultyDevice(delay=opts.get("delay", 0.0), fail=fail)
+            raise ConfigError(f"{name} device: {key}={value!r} is not a number") from err
+        if opts[key] < 0:
+            raise ConfigError(f"{name} device: {key} must not be negative")
+    every = int(opts.pop("fail_every", 0))
+    out: dict = {"fail": (lambda n: (n + 1) % every == 0) if every > 0 else None}
+    if "delay" in opts:
+        out["delay"] = opts["delay"]
+    return out

@@ -73,15 +73,16 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-run-"))
     model = tinymodel.build_named(Path(args.model_dir or work / f"model-{args.geometry}"), args.geometry)
     workload = e2e.Workload.standard(vocab=tinymodel.GEOMETRIES[args.geometry].vocab)
-    print(f"model {args.geometry} at {model}; {len(workload.requests)} requests; work dir {work}", flush=True)
+    print(f"model {args.geometry} at {model}; {len(workload.requests)} requests; work dir {work}; "
+          f"copy device {args.device or 'auto'}", flush=True)
     reference = e2e.run_engine(model, None, workload, timeout_s=args.timeout)
     print(f"reference (no connector): TTFT p50 "
           f"{e2e.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
     ssd = None if args.no_ssd else work / "ssd"
     extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
-                               ("redis_url", args.redis_url)) if v}
+                               ("redis_url", args.redis_url), ("device", args.device)) if v}
     tiers = ", ".join([*(["SSD directory"] if ssd else []), *(f"{k}={v}" for k, v in extra.items()
-                                                              if k != "store_token")])
+                                                              if k not in ("store_token", "device"))])
     if not tiers:
         raise SystemExit("connector.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
     ok = True
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-token", help="bearer token for the store process")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
+    p.add_argument("--device", help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "
+                                    "(CUDA's stream semantics on the CPU: copies land later, nothing calls back)")
     return run(p.parse_args(argv))
 
 

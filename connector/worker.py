@@ -7,11 +7,20 @@ ON_DEVICE (every layer's scatter event completed) → CONSUMABLE (the compute wa
 it) → RELEASED (reported; the scheduler drops its reference).  A chunk that fails makes it
 and every later chunk of its job "failed blocks": vLLM recomputes them.
 
-Saves gather finished chunks into their reserved slots after the forward and seal the
-header (checksum); blocks of a finished request stay allocated (``delay_free``) until its
-gathers completed, and preemption drains in-flight gathers before blocks are reused.
-Every step drains its own load copies before it returns, so a failed or timed-out load
-never writes into blocks the engine is already recomputing.
+Saves gather finished chunks into their reserved slots after the forward; the header
+(and its checksum of the payload) is sealed only once the gather's event has completed,
+never over bytes a ``non_blocking`` copy may still be writing.  Blocks of a finished
+request stay allocated (``delay_free``) until its gathers completed, and preemption drains
+in-flight gathers before blocks are reused.  Every step drains its own load copies before
+it returns, so a failed or timed-out load never writes into blocks the engine is already
+recomputing.
+
+Completion is never assumed from ``submit`` returning: on CUDA (and ``emulated-cuda``)
+events complete only when observed, so the worker polls its save events in every hook
+vLLM calls each step (``bind``, ``get_finished``, the report and stats), drains every load
+event in ``finish_loads``, and checks each layer's event for errors, not only the last.
+A completion callback that raises (a lifecycle error, a failed seal) fails its chunk and is
+counted; it never kills the thread that observed it.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ class _Load:
     job: LoadJob
     tickets: list[Ticket]
     events: list[CopyEvent] = field(default_factory=list)  # one per layer
+    verify: CopyEvent | None = None  # the slot check, ordered before the layers' copies
     failed_from: int | None = None  # index of the first chunk that must be recomputed
     started: float = 0.0
 
@@ -69,6 +79,7 @@ class WorkerHalf:
         self._save_oks: dict[int, list[bool]] = {}
         self._save_left: dict[int, int] = {}
         self._interval = _zero_interval()  # guarded by _lock
+        self._save_events: list[CopyEvent] = []  # gathers not yet seen complete (worker thread only)
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -80,6 +91,7 @@ class WorkerHalf:
             raise ConfigError(f"scheduler plans {plan.page_bytes}-byte pages, this worker's KV pages "
                               f"are {self.kv.layout.page_bytes} bytes ({self.kv.layout})")
         self._plan = plan
+        self.poll()
         if self._pool is None or self._pool.path != plan.pool_path:
             self._attach(plan.pool_path, plan.pool_size)
 
@@ -107,11 +119,11 @@ class WorkerHalf:
         for t in tickets:
             t.advance(LoadState.READABLE)  # the scheduler pinned the slot before planning
             t.begin_copy()
-        verify = self.device.submit(lambda: self._verify(load, pages_per_chunk))
-        verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
+        load.verify = self.device.submit(lambda: self._verify(load, pages_per_chunk))
+        load.verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
         for layer in range(self.kv.layout.num_layers):
             load.events.append(self.device.submit(lambda layer=layer: self._scatter(load, layer, pages_per_chunk)))
-        load.events[-1].on_complete(lambda ev: self._on_device(load, ev))
+        load.events[-1].on_complete(lambda ev: self._guarded_on_device(load, ev))
         return load
 
     def _verify(self, load: _Load, pages: int) -> None:
@@ -147,15 +159,22 @@ class WorkerHalf:
             payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
             self.kv.scatter_layer(layer, chunk.block_ids, payload[:, chunk.page_offset:])
 
+    def _guarded_on_device(self, load: _Load, event: CopyEvent) -> None:
+        try:
+            self._on_device(load, event)
+        except Exception as err:  # noqa: BLE001 - e.g. an illegal transition: fail, don't die
+            self._count("load_callback_error")
+            load.fail(0, f"completion: {err!r}")
+
     def _on_device(self, load: _Load, event: CopyEvent) -> None:
         for t in load.tickets:
             t.end_copy()
+        for t in load.tickets:
             if event.error is not None:
                 t.fail(f"copy: {event.error}")
             elif t.state is LoadState.IN_BUFFER:
                 t.advance(LoadState.ON_DEVICE)
         if event.error is not None:
-            self._count("load_copy_error")
             load.fail(0, f"copy: {event.error}")
 
     def wait_layer(self, layer_name: str) -> None:
@@ -175,9 +194,14 @@ class WorkerHalf:
     def finish_loads(self) -> None:
         """Drain this step's load copies, then record outcomes and failed blocks."""
         for load in self._loads:
-            for ev in load.events:
+            for ev in (load.verify, *load.events):
                 if not ev.wait(DRAIN_LIMIT_S):
                     raise RuntimeError("a KV load copy is wedged; refusing to continue with unknown KV")
+            failed = next((ev for ev in load.events if not ev.ok), None)
+            if failed is not None:  # any layer, not only the last one the callback saw
+                if failed.error is not None:
+                    self._count("load_copy_error")  # once per load, however many layers failed
+                load.fail(0, f"copy: {failed.error or failed.callback_error}")
             self._settle(load)
         self._loads = []
 
@@ -223,22 +247,34 @@ class WorkerHalf:
                 self._save_oks[job.job_id] = [False] * len(job.chunks)
                 self._save_left[job.job_id] = len(job.chunks)
             for i, chunk in enumerate(job.chunks):
-                ev = self.device.submit(lambda c=chunk: self._gather(c, geometry, plan.pages_per_chunk))
-                ev.on_complete(lambda e, j=job, i=i: self._saved(j, i, e))
+                ev = self.device.submit(lambda c=chunk: self._gather(c, plan.pages_per_chunk))
+                ev.on_complete(lambda e, j=job, i=i: self._saved(j, i, e, geometry))
+                self._save_events.append(ev)
 
-    def _gather(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry, pages: int) -> None:
+    def _gather(self, chunk: ChunkCopy, pages: int) -> None:
+        """Only enqueues the copy on a stream device: the header is sealed in ``_saved``."""
         payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
         self.kv.gather(chunk.block_ids, payload)
+
+    def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
         view = self._pool.buffer[chunk.slot:chunk.slot + codec.object_size(geometry)]
         codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent)
 
-    def _saved(self, job: SaveJob, i: int, event: CopyEvent) -> None:
-        """Copy-thread callback: the gather of chunk i finished (SNAPSHOT_DONE) or failed."""
+    def _saved(self, job: SaveJob, i: int, event: CopyEvent, geometry: codec.ObjectGeometry) -> None:
+        """Completion of the gather of chunk i (SNAPSHOT_DONE), on whichever thread observed
+        it: seal the header over the landed bytes, then report."""
         ok = event.error is None
         if not ok:
             log.warning("kvstore: save of %s chunk %d failed: %s", job.req_id, i, event.error)
             self._count("save_copy_error")
+        else:
+            try:
+                self._seal(job.chunks[i], geometry)
+            except Exception as err:  # noqa: BLE001 - fail the chunk, keep the thread
+                ok = False
+                log.warning("kvstore: sealing %s chunk %d failed: %r", job.req_id, i, err)
+                self._count("save_seal_error")
         with self._lock:
             self._save_oks[job.job_id][i] = ok
             self._save_left[job.job_id] -= 1
@@ -253,13 +289,20 @@ class WorkerHalf:
                 del self._save_left[job.job_id]
                 self._report.saves[job.job_id] = self._save_oks.pop(job.job_id)
 
+    def poll(self) -> None:
+        """Observe the save gathers that completed (a stream device calls nothing back)."""
+        if self._save_events:
+            self._save_events = [ev for ev in self._save_events if not ev.query()]
+
     def drain_saves(self) -> None:
         """Preemption: blocks may be reused next; every gather must have finished."""
         if not self.device.synchronize(DRAIN_LIMIT_S):
             raise RuntimeError("a KV save copy is wedged; refusing to reuse its blocks")
+        self.poll()
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose saves are done: their blocks may now be freed."""
+        self.poll()
         with self._lock:
             self._finished |= finished_req_ids & self._had_saves
             done = {r for r in self._finished if self._saving.get(r, 0) == 0}
@@ -278,17 +321,20 @@ class WorkerHalf:
 
     def take_interval(self) -> dict[str, int]:
         """Counters since the last call, for vLLM's periodic connector-stats log."""
+        self.poll()
         with self._lock:
             data, self._interval = self._interval, _zero_interval()
         return {k: v for k, v in data.items() if v}
 
     def take_report(self) -> WorkerReport | None:
+        self.poll()
         with self._lock:
             report, self._report = self._report, WorkerReport()
         return None if report.empty() else report
 
     def close(self) -> None:
         self.device.close()
+        self.poll()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -6,102 +6,41 @@ Per step: scheduler ``matched_tokens`` → ``after_alloc`` → ``build_plan``; w
 ``start_loads`` → per layer ``wait_layer`` → ``finish_loads`` + ``submit_saves``
 (wait_for_save) → ``finished_sending`` → ``load_errors`` → ``take_report``; scheduler
 ``on_report``; at the end ``request_finished``.
+
+Every story runs on two copy devices: the host device (its events complete through a
+callback on the copy thread right after the copy ran) and ``emulated-cuda`` (CUDA's
+side-stream semantics: tensor writes land later on a stream thread, and nothing calls back
+until the worker observes an event), so that no story depends on the kind device.
 """
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from connector.config import ConnectorConfig
 from connector.device import FaultyDevice, HostDevice
-from connector.scheduler import RequestView, SchedulerHalf, StepInput
-from connector.transfer import PagedKV
-from connector.worker import WorkerHalf
+from connector.emulated_cuda import EmulatedCudaDevice
+from connector.scheduler import RequestView
 from kvstore import codec
-from kvstore.keys import Identity
+from tests.halves import VLLM_CPU, Engine, fill, finish, prompt, run_request
 
-LAYERS, BLOCKS, HEADS, BS, D = 2, 32, 2, 128, 16
+LAYERS, BLOCKS, HEADS, BS, D = (VLLM_CPU.layers, VLLM_CPU.blocks, VLLM_CPU.heads, VLLM_CPU.block_size,
+                                VLLM_CPU.head_dim)
 CHUNK = 256
-IDENT = Identity("test-model", "r1", "bfloat16", "cpu:bs128:h2x16", LAYERS, HEADS, D)
-PAGE_BYTES = HEADS * BS * 2 * D * 2
 
 
-class Engine:
-    """One engine's connector pair plus its KV cache."""
-
-    def __init__(self, tmp_path, device=None, **cfg):
-        cfg.setdefault("host_capacity", "32MiB")
-        cfg.setdefault("ssd_dir", str(tmp_path / "ssd"))
-        self.cfg = ConnectorConfig.from_extra_config(cfg, env={})
-        self.sched = SchedulerHalf(self.cfg, IDENT, PAGE_BYTES, BS)
-        self.buf = torch.zeros(LAYERS, BLOCKS, HEADS, BS, 2 * D, dtype=torch.bfloat16)
-        self.kv = {f"layer.{i}": self.buf[i] for i in range(LAYERS)}
-        self.worker = WorkerHalf(device or HostDevice(), self.cfg.verify_loads, self.cfg.load_timeout_s)
-        self.worker.register(PagedKV(self.kv, list(self.kv), BLOCKS))
-        self.errors: set[int] = set()
-        self.sent: set[str] = set()
-
-    def step(self, new=(), cached=(), scheduled=None, finished=frozenset(), preempted=frozenset(),
-             compute=None):
-        plan = self.sched.build_plan(StepInput(list(new), list(cached), dict(scheduled or {}), set(preempted)))
-        w = self.worker
-        w.bind(plan)
-        if plan.preempted:
-            w.drain_saves()
-        w.start_loads()
-        for name in self.kv:
-            w.wait_layer(name)
-        if compute is not None:
-            compute()
-        w.finish_loads()
-        w.submit_saves()
-        self.sent |= w.finished_sending(set(finished))
-        self.errors |= w.load_errors()
-        self.sched.on_report(w.take_report())
-        return plan
-
-    def settle(self):
-        """Let in-flight gathers finish and deliver their report (an empty engine step)."""
-        self.worker.device.synchronize()
-        return self.step()
-
-    def close(self):
-        self.worker.close()
-        self.sched.close()
-
-
-def fill(engine, blocks, seed):
-    """'Compute' KV into blocks: values depend only on (seed, position in the prompt)."""
-    for pos, b in enumerate(blocks):
-        g = torch.Generator().manual_seed(seed * 1000 + pos)
-        engine.buf[:, b] = torch.randn(LAYERS, HEADS, BS, 2 * D, generator=g).to(torch.bfloat16)
-
-
-def prompt(n, seed=0):
-    return np.random.default_rng(seed).integers(0, 30000, n).tolist()
-
-
-def run_request(engine, req_id, tokens, blocks, salt="", seed=0):
-    """Schedule a whole prompt in one step; returns tokens loaded from the store."""
-    view = RequestView(req_id, tokens, salt)
-    n = engine.sched.matched_tokens(view, 0)
-    while n is None:  # a prefetch from SSD is running: the engine asks again later
-        time.sleep(0.01)
-        n = engine.sched.matched_tokens(view, 0)
-    engine.sched.after_alloc(req_id, blocks, n)
-    computed = list(range(n // BS, (len(tokens) + BS - 1) // BS))
-    engine.step(new=[(req_id, blocks, n)], scheduled={req_id: len(tokens) - n},
-                compute=lambda: fill(engine, [blocks[i] for i in computed], seed) if computed else None)
-    return n
-
-
-def finish(engine, req_id):
-    delay = engine.sched.request_finished(req_id)
-    engine.step(finished={req_id})
-    return delay
+@pytest.fixture(params=["host", "emulated-cuda"])
+def dev(request):
+    """A factory of copy devices of the parametrized kind: ``dev(delay=S, fail=f)``."""
+    def make(delay: float | None = None, fail=None):
+        if request.param == "host":
+            if delay is None and fail is None:
+                return HostDevice()
+            return FaultyDevice(delay=delay or 0.0, fail=fail)
+        return EmulatedCudaDevice(**({} if delay is None else {"delay": delay}), fail=fail)
+    return make
 
 
 @pytest.fixture
@@ -109,8 +48,8 @@ def tokens():
     return prompt(600)
 
 
-def test_save_then_load_from_host_gives_identical_pages(tmp_path, tokens):
-    e = Engine(tmp_path)
+def test_save_then_load_from_host_gives_identical_pages(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
     a_blocks, b_blocks = [0, 1, 2, 3, 4], [10, 11, 12, 13, 14]
     assert run_request(e, "a", tokens, a_blocks) == 0
     e.settle()
@@ -125,22 +64,22 @@ def test_save_then_load_from_host_gives_identical_pages(tmp_path, tokens):
     e.close()
 
 
-def test_full_prompt_hit_leaves_one_block_to_compute(tmp_path):
+def test_full_prompt_hit_leaves_one_block_to_compute(tmp_path, dev):
     toks = prompt(512)
-    e = Engine(tmp_path)
+    e = Engine(tmp_path, dev())
     run_request(e, "a", toks, [0, 1, 2, 3])
     e.settle()
     assert run_request(e, "b", toks, [4, 5, 6, 7]) == 384   # not 512: the last block is computed
     e.close()
 
 
-def test_restart_loads_from_ssd_after_prefetch(tmp_path, tokens):
-    e = Engine(tmp_path)
+def test_restart_loads_from_ssd_after_prefetch(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.settle()
     reference = e.buf[:, :4].clone()
     e.close()
-    e2 = Engine(tmp_path)                                 # a new engine: empty host pool
+    e2 = Engine(tmp_path, dev())                                 # a new engine: empty host pool
     view = RequestView("b", tokens)
     assert e2.sched.matched_tokens(view, 0) is None       # prefetch SSD → host started
     assert run_request(e2, "b", tokens, [20, 21, 22, 23, 24], seed=5) == 512
@@ -149,14 +88,14 @@ def test_restart_loads_from_ssd_after_prefetch(tmp_path, tokens):
     e2.close()
 
 
-def test_ssd_file_removed_after_lookup_is_a_miss_not_a_failure(tmp_path, tokens):
-    e = Engine(tmp_path)
+def test_ssd_file_removed_after_lookup_is_a_miss_not_a_failure(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.settle()
     ssd = e.sched.store.lower[0]
     second = e.sched._state(RequestView("x", tokens)).keys[1]
     e.close()
-    e2 = Engine(tmp_path)
+    e2 = Engine(tmp_path, dev())
     view = RequestView("b", tokens)
     assert e2.sched.matched_tokens(view, 0) is None       # looked up: both chunks on SSD
     ssd_path = ssd.path_of(second)
@@ -168,8 +107,8 @@ def test_ssd_file_removed_after_lookup_is_a_miss_not_a_failure(tmp_path, tokens)
     e2.close()
 
 
-def test_corrupted_slot_is_reported_as_failed_blocks(tmp_path, tokens):
-    e = Engine(tmp_path)
+def test_corrupted_slot_is_reported_as_failed_blocks(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.settle()
     view = RequestView("b", tokens)
@@ -186,11 +125,11 @@ def test_corrupted_slot_is_reported_as_failed_blocks(tmp_path, tokens):
     e.close()
 
 
-def test_copy_failure_reports_failed_blocks(tmp_path, tokens):
-    e = Engine(tmp_path)
+def test_copy_failure_reports_failed_blocks(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.settle()
-    faulty = FaultyDevice(fail=lambda n: True)
+    faulty = dev(fail=lambda n: True)
     e.worker.device.close()
     e.worker.device = faulty
     assert run_request(e, "b", tokens, [10, 11, 12, 13, 14]) == 512
@@ -199,12 +138,12 @@ def test_copy_failure_reports_failed_blocks(tmp_path, tokens):
     e.close()
 
 
-def test_timed_out_load_drains_before_the_step_ends(tmp_path, tokens):
+def test_timed_out_load_drains_before_the_step_ends(tmp_path, tokens, dev):
     e = Engine(tmp_path, load_timeout_s=0.01)
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.settle()
     e.worker.device.close()
-    e.worker.device = slow = FaultyDevice(delay=0.05)
+    e.worker.device = slow = dev(delay=0.05)
     run_request(e, "b", tokens, [10, 11, 12, 13, 14])
     assert e.errors == {10, 11, 12, 13}                   # counted as failed: recomputed
     assert slow.synchronize(0)                            # and no copy is still running
@@ -214,8 +153,8 @@ def test_timed_out_load_drains_before_the_step_ends(tmp_path, tokens):
     e.close()
 
 
-def test_delayed_free_waits_for_the_snapshot(tmp_path, tokens):
-    e = Engine(tmp_path, device=FaultyDevice(delay=0.2))
+def test_delayed_free_waits_for_the_snapshot(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev(delay=0.2))
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     assert finish(e, "a") is True
     assert "a" not in e.sent                              # gathers still running: keep blocks
@@ -225,16 +164,16 @@ def test_delayed_free_waits_for_the_snapshot(tmp_path, tokens):
     e.close()
 
 
-def test_preemption_drains_in_flight_saves(tmp_path, tokens):
-    e = Engine(tmp_path, device=FaultyDevice(delay=0.1))
+def test_preemption_drains_in_flight_saves(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev(delay=0.1))
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.step(preempted={"a"})
     assert e.worker.device.synchronize(0)                 # drained before blocks are reused
     e.close()
 
 
-def test_salt_isolates_tenants(tmp_path, tokens):
-    e = Engine(tmp_path)
+def test_salt_isolates_tenants(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
     run_request(e, "a", tokens, [0, 1, 2, 3, 4], salt="tenant-a")
     e.settle()
     assert run_request(e, "b", tokens, [10, 11, 12, 13, 14], salt="tenant-b") == 0
@@ -242,7 +181,7 @@ def test_salt_isolates_tenants(tmp_path, tokens):
     e.close()
 
 
-def test_bad_config_is_rejected(tmp_path):
+def test_bad_config_is_rejected(tmp_path, dev):
     with pytest.raises(Exception, match="chunk_size 200"):
         ConnectorConfig.from_extra_config({"chunk_size": 200}, env={}).check_block_size(128)
     with pytest.raises(Exception, match="unknown key"):
@@ -252,11 +191,11 @@ def test_bad_config_is_rejected(tmp_path):
     blocker = tmp_path / "f"
     blocker.write_text("x")
     with pytest.raises(Exception, match="f/ssd"):
-        Engine(tmp_path, ssd_dir=str(blocker / "ssd"))
+        Engine(tmp_path, dev(), ssd_dir=str(blocker / "ssd"))
 
 
-def test_a_repeat_waits_for_the_save_in_flight_instead_of_missing(tmp_path, tokens):
-    e = Engine(tmp_path, device=FaultyDevice(delay=0.1))
+def test_a_repeat_waits_for_the_save_in_flight_instead_of_missing(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev(delay=0.1))
     view = RequestView("a", tokens)
     assert e.sched.matched_tokens(view, 0) == 0
     e.sched.after_alloc("a", [0, 1, 2, 3, 4], 0)
@@ -266,4 +205,61 @@ def test_a_repeat_waits_for_the_save_in_flight_instead_of_missing(tmp_path, toke
     assert e.sched.matched_tokens(repeat, 0) is None              # not a miss: ask again
     e.settle()                                                     # the saves commit
     assert e.sched.matched_tokens(repeat, 0) == 512
+    e.close()
+
+
+def test_saves_are_observed_and_blocks_freed_in_steady_state_without_a_drain(tmp_path, tokens, dev):
+    """No synchronize, no preemption: the worker's per-step hooks alone must see the
+    gathers complete (a CUDA event never calls back), report them, and free the blocks."""
+    e = Engine(tmp_path, dev(delay=0.02))
+    run_request(e, "a", tokens, [0, 1, 2, 3, 4])
+    assert e.sched.request_finished("a") is True
+    for _ in range(200):                                  # empty engine steps, as vLLM runs them
+        e.step(finished={"a"})
+        if "a" in e.sent and e.sched.stats.saves_committed == 2:
+            break
+        time.sleep(0.01)
+    assert "a" in e.sent and e.sched.stats.saves_committed == 2
+    assert run_request(e, "b", tokens, [10, 11, 12, 13, 14], seed=9) == 512
+    assert not e.errors and torch.equal(e.buf[:, 10:14], e.buf[:, 0:4])
+    e.close()
+
+
+def test_a_failing_completion_callback_fails_its_chunk_and_the_device_keeps_going(tmp_path, tokens, dev):
+    e = Engine(tmp_path, dev())
+    seal, calls = e.worker._seal, []
+
+    def broken_seal(chunk, geometry):                      # fault injection: the first seal raises
+        calls.append(chunk)
+        if len(calls) == 1:
+            raise RuntimeError("illegal transition SNAPSHOT_DONE -> SNAPSHOT_DONE")
+        seal(chunk, geometry)
+
+    e.worker._seal = broken_seal
+    run_request(e, "a", tokens, [0, 1, 2, 3, 4])
+    e.settle()
+    assert e.sched.stats.saves_committed == 1              # chunk 0 failed, chunk 1 saved
+    e.sched.on_report(e.worker.take_report())
+    e.worker._seal = seal
+    run_request(e, "c", prompt(600, seed=4), [20, 21, 22, 23, 24], seed=4)
+    e.settle()
+    assert e.sched.stats.saves_committed == 3              # the copy thread is alive
+    assert run_request(e, "b", tokens, [10, 11, 12, 13, 14], seed=9) == 0   # no orphan chunk 1 hit
+    e.close()
+
+
+def test_a_failed_copy_of_a_middle_layer_fails_the_load(tmp_path, tokens, dev):
+    """Only the last layer's event carries the completion callback: an error on an earlier
+    layer must still fail the load, whatever device reports it."""
+    target = [-1]
+    device = dev(fail=lambda n: n == target[0])
+    e = Engine(tmp_path, device)
+    run_request(e, "a", tokens, [0, 1, 2, 3, 4])
+    e.settle()
+    target[0] = device._count + 1                          # job order: verify, layer 0, layer 1
+    assert run_request(e, "b", tokens, [10, 11, 12, 13, 14], seed=9) == 512
+    assert e.errors == {10, 11, 12, 13}
+    assert device.failures == 1
+    assert e.sched.stats.failures.get("load_copy_error") == 1   # the copy, not a damaged slot
+    assert not any(k.startswith("load_") and k != "load_copy_error" for k in e.sched.stats.failures)
     e.close()

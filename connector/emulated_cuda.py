@@ -1,0 +1,169 @@
+"""A copy device with CUDA's side-stream semantics, on the CPU (``device: emulated-cuda``).
+
+``HostDevice`` is kind: its events complete through a callback right after the copy ran.
+A real CUDA side stream is not, and code that was only ever run against the kind device
+hides every bug of the CUDA path.  This device is at least as unforgiving as the GPU:
+
+* ``submit(job)`` runs the job's Python code at once on the caller's thread, as
+  ``CudaDevice`` does, but every tensor write the job issues (``copy_``, ``index_copy_``,
+  ``index_select(out=)``, any op that mutates a tensor) is only *enqueued*.  A stream
+  thread performs the writes later, in submission order, after ``delay`` seconds per job.
+  So when ``submit`` returns, a "device-to-host" copy has not landed: host code that reads
+  the destination (a checksum, say) sees the old bytes, exactly as with a ``non_blocking``
+  D2H copy on a GPU.  Blocking copies are deferred too (stricter than CUDA).
+* An event is reached when the stream gets to it, and **nothing calls back**: completion,
+  and the callbacks, happen only on the thread that observes it through ``query()``,
+  ``wait()`` or ``synchronize()``, as with ``torch.cuda.Event``.
+* ``make_compute_wait`` blocks the caller until the stream reached the event, which
+  stands in for the compute stream's wait; like ``wait_event`` it observes nothing, so a
+  copy's error is learnt only by a later ``query``/``wait``/``synchronize``.
+* ``fail(n)`` makes the n-th job's copies fail on the stream (a stream error, reported
+  through its event when observed).
+
+Tensor reads inside a job run eagerly (``index_select`` into a temporary, say); that is
+what CUDA does for inputs the compute stream has finished writing.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from connector.device import CopyEvent, Job, StreamCopyEvent
+
+Op = tuple[object, tuple, dict]
+
+
+class _DeferWrites(TorchDispatchMode):
+    """Record every tensor-mutating op instead of running it; reads run as usual.
+    Dispatch modes are per thread: other threads' tensor work is untouched."""
+
+    def __init__(self, ops: list[Op]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if not schema.is_mutable:
+            return func(*args, **kwargs)
+        written = _written(schema, args, kwargs)
+        if len(written) != len(schema.returns):
+            raise NotImplementedError(f"emulated-cuda: cannot defer {func} (its results are not its outputs)")
+        self.ops.append((func, args, kwargs))
+        return written[0] if len(written) == 1 else tuple(written)
+
+
+def _written(schema, args: tuple, kwargs: dict) -> list:
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(args[i] if i < len(args) else kwargs[arg.name])
+    return out
+
+
+class EmulatedCudaEvent(StreamCopyEvent):
+    __slots__ = ("_reach", "_err")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._reach = threading.Event()
+        self._err: BaseException | None = None
+
+    def _reached(self) -> bool:
+        return self._reach.is_set()
+
+    def _wait_reached(self, timeout: float | None) -> bool:
+        return self._reach.wait(timeout)
+
+    def _stream_error(self) -> BaseException | None:
+        return self._err
+
+
+class EmulatedCudaDevice:
+    name = "emulated-cuda"
+
+    def __init__(self, delay: float = 0.002, fail: Callable[[int], bool] | None = None) -> None:
+        self.delay, self.fail = delay, fail
+        self.failures = 0          # jobs whose copies failed on the stream (injected)
+        self.deferred_writes = 0   # tensor writes that ran on the stream
+        self._count = 0
+        self._queue: queue.SimpleQueue[tuple[int, list[Op], EmulatedCudaEvent] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _events
+        self._events: list[EmulatedCudaEvent] = []  # submitted, not yet observed
+        self._inflight = 0
+        self._idle = threading.Condition()  # guards _inflight
+        self._closed = False
+        self._thread = threading.Thread(target=self._stream, name="kvstore-emulated-stream", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> CopyEvent:
+        if self._closed:
+            raise RuntimeError("copy device is closed")
+        n, self._count = self._count, self._count + 1
+        ops: list[Op] = []
+        error = None
+        with _DeferWrites(ops):
+            try:
+                job()
+            except Exception as err:  # noqa: BLE001 - reported through the event
+                error = err
+        event = EmulatedCudaEvent()
+        with self._idle:
+            self._inflight += 1
+        with self._lock:
+            self._events = [e for e in self._events if not e.done]
+            self._events.append(event)
+        self._queue.put((n, ops, event))
+        if error is not None:
+            # The writes the job enqueued before it raised may still touch its buffers.
+            event._reach.wait()
+            event.complete(error)
+        return event
+
+    def _stream(self) -> None:
+        while (item := self._queue.get()) is not None:
+            n, ops, event = item
+            if self.delay:
+                time.sleep(self.delay)
+            try:
+                if self.fail is not None and self.fail(n):
+                    self.failures += 1
+                    raise OSError(f"injected stream failure in job {n}")
+                for func, args, kwargs in ops:
+                    func(*args, **kwargs)
+                    self.deferred_writes += 1
+            except BaseException as err:  # noqa: BLE001 - a stream error, seen via the event
+                event._err = err
+            event._reach.set()  # reached; nothing calls back
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def make_compute_wait(self, event: CopyEvent, timeout: float | None = None) -> bool:
+        if isinstance(event, EmulatedCudaEvent):
+            return event._reach.wait(timeout)
+        return event.wait(timeout)
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        """Wait until the stream ran everything, then complete every event (oldest first)."""
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
+                return False
+        with self._lock:
+            events, self._events = self._events, []
+        for e in events:
+            e.query()
+        return True
+
+    def close(self, timeout: float = 60.0) -> None:
+        if self._closed:
+            return
+        if not self.synchronize(timeout):
+            raise RuntimeError(f"copy jobs still running after {timeout}s; not closing under them")
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout=10)

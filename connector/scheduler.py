@@ -27,6 +27,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ from tiers.host import HostTier
 log = logging.getLogger("kvstore.connector")
 PREFETCH_POLL_S = 0.005  # how long one lookup may block on a running prefetch
 MAX_SAVE_WAITS = 50  # engine steps a request may wait for a chunk another request is saving
+NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently used dropped first:
+                        # a salt per user must not grow the scheduler without bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,7 @@ class SchedulerHalf:
         self.writer = WriteDown(self.host, self.store.lower, self.io, cfg.write_policy, self._bytes, self._fail)
         self.cost = CostModel(cfg.prefill_tokens_per_s)
         self._reqs: dict[str, _Req] = {}
-        self._namespaces: dict[tuple[str, str], Namespace] = {}
+        self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
         self._saves: dict[int, list[tuple[PutHandle, ObjectKey]]] = {}
@@ -120,10 +123,15 @@ class SchedulerHalf:
     # --- keys ------------------------------------------------------------------------------
 
     def _namespace(self, salt: str, lora: str) -> Namespace:
-        ns = self._namespaces.get((salt, lora))
-        if ns is None:
-            ident = Identity(**{**_fields(self.identity), "scope": salt, "adapter": lora})
-            ns = self._namespaces[(salt, lora)] = ident.namespace()
+        """The namespace of one (cache_salt, LoRA) scope; a dropped entry is only recomputed."""
+        key = (salt, lora)
+        ns = self._namespaces.get(key)
+        if ns is not None:
+            self._namespaces.move_to_end(key)
+            return ns
+        ns = self._namespaces[key] = Identity(**{**_fields(self.identity), "scope": salt, "adapter": lora}).namespace()
+        if len(self._namespaces) > NAMESPACE_CACHE:
+            self._namespaces.popitem(last=False)
         return ns
 
     def _state(self, view: RequestView) -> _Req:

@@ -13,9 +13,7 @@ They talk only through the picklable ``StepPlan`` / ``WorkerReport`` carried by 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -28,12 +26,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.config import ConnectorConfig
 from connector.device import make_device
+from connector.identity import engine_identity
 from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV
 from connector.worker import WorkerHalf
 from kvstore.errors import ConfigError
-from kvstore.keys import Identity
 
 log = logging.getLogger("kvstore.connector")
 
@@ -180,36 +178,3 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
         raise ConfigError("KVStoreConnector: tensor/pipeline parallelism is not supported yet (rank-sharded chunks)")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         raise ConfigError("KVStoreConnector: models with several KV cache groups (hybrid attention) are not supported yet")
-
-
-def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
-    """The computation identity of this engine's KV (DESIGN §3) and its page size."""
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    mc = vllm_config.model_config
-    device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
-    layout = f"{device}:bs{spec.block_size}:h{spec.num_kv_heads}x{spec.head_size}:{vllm_config.cache_config.cache_dtype}"
-    identity = Identity(
-        model=str(mc.model), revision=mc.revision or model_fingerprint(mc.model),
-        kv_dtype=str(spec.dtype).removeprefix("torch."), layout_id=layout,
-        num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size,
-    )
-    return identity, spec.page_size_bytes
-
-
-def model_fingerprint(model: str) -> str:
-    """For a local model directory: a digest of its config and weight files (size and the
-    first and last MiB of each), so two different checkpoints at one path never share KV."""
-    root = Path(model)
-    if not root.is_dir():
-        return "unversioned"
-    h = hashlib.sha256()
-    for path in sorted(root.glob("*.json")) + sorted(root.glob("*.safetensors")):
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(1 << 20))
-            if size > 2 << 20:
-                f.seek(-(1 << 20), 2)
-                h.update(f.read(1 << 20))
-    return h.hexdigest()[:32]

@@ -95,6 +95,9 @@ class Identity:
 
     ``layout_id`` names backend, page shape, physical layout and block size
     (e.g. ``"cpu:LBHNC:bs128"``); ``scope`` is the tenant or ``cache_salt`` ("" = global).
+    ``revision`` is the hub commit (or the revision given), ``weights`` a digest of every
+    byte of the config and weight files, ``engine_config`` a digest of the engine settings
+    that change KV bytes (``connector.identity``; "" where a caller has none).
     """
 
     model: str
@@ -110,6 +113,8 @@ class Identity:
     pp_rank: int = 0
     pp_size: int = 1
     scope: str = ""
+    weights: str = ""
+    engine_config: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model", "kv_dtype", "layout_id"):

@@ -94,6 +94,8 @@ IDENTITY_CHANGES = {
     "pp_size": {"pp_size": 2},
     "pp_rank": {"pp_rank": 1, "pp_size": 2},
     "scope": {"scope": "cache-salt-1"},
+    "weights": {"weights": "0f" * 16},
+    "engine_config": {"engine_config": "e1" * 16},
 }
 
 
@@ -278,10 +280,11 @@ def test_token_id_range_boundaries_are_accepted():
 
 def test_chunk_hashes_match_a_hand_computation_of_the_documented_layout():
     ident = Identity(model="m", revision="r1", kv_dtype="bf16", layout_id="L", num_layers=2,
-                     num_kv_heads=1, head_dim=8, adapter="a", scope="s")
+                     num_kv_heads=1, head_dim=8, adapter="a", scope="s", weights="w", engine_config="e")
     fields = {"model": "m", "revision": "r1", "kv_dtype": "bf16", "layout_id": "L",
               "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "adapter": "a",
-              "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "scope": "s"}
+              "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "scope": "s",
+              "weights": "w", "engine_config": "e"}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     ns = hashlib.sha256(b"kvstore/ns/v1\x00" + canonical).digest()
     assert ident.canonical() == canonical and ident.namespace() == ns

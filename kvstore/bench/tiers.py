@@ -2,8 +2,9 @@
 
 Limits: a copy of the same bytes into a reused buffer (``numpy.copyto``) for the host tier;
 plain ``write`` + ``fsync`` of a new file and a plain ``readinto`` of a file dropped from
-the page cache for the SSD tier.  Objects of 32 MiB and 28 MiB are both measured (glibc
-treats fresh allocations of these sizes differently; a pooled tier must not care).
+the page cache for the SSD tier, and the same ``readinto``, cold and warm, for the engine
+identity's weight digest of a 1 GiB file.  Objects of 32 MiB and 28 MiB are both measured
+(glibc treats fresh allocations of these sizes differently; a pooled tier must not care).
 """
 from __future__ import annotations
 
@@ -160,6 +161,46 @@ async def _ssd_rows(size: int, repeat: int, root: Path) -> list[Row]:
                 gbps(size, statistics.median(rlim)), target=0.8)]
 
 
+def _digest_rows(repeat: int, root: Path, size: int = 1 << 30) -> list[Row]:
+    """The engine identity's weight digest (``connector.weights``: xxh3-128 over 64 MiB
+    pieces on a thread pool) of one file, cold and warm, beside a plain ``readinto`` of the
+    same file into a reused buffer (cold: dropped from the page cache first)."""
+    from connector.weights import default_threads, hash_files
+
+    path = root / "weights.safetensors"
+    rng = np.random.default_rng(7)
+    with open(path, "wb") as f:
+        for _ in range(size // (64 * MiB)):
+            f.write(rng.integers(0, 256, 64 * MiB, dtype=np.uint8).tobytes())
+    threads, buf = default_threads(), np.empty(8 * MiB, np.uint8)
+    samples: dict[str, list[float]] = {k: [] for k in ("cold", "cold_lim", "warm", "warm_lim")}
+    for _ in range(repeat):
+        for kind, fn in (("cold", lambda: hash_files([path], threads)), ("cold_lim", lambda: _stream(path, buf))):
+            drop_page_cache(path)
+            t0 = time.perf_counter()
+            fn()
+            _timed(samples[kind], t0)
+        for kind, fn in (("warm", lambda: hash_files([path], threads)), ("warm_lim", lambda: _stream(path, buf))):
+            t0 = time.perf_counter()
+            fn()
+            _timed(samples[kind], t0)
+    path.unlink()
+    rate = {k: gbps(size, statistics.median(v)) for k, v in samples.items()}
+    gib = size // (1 << 30)
+    return [Row(f"weight digest {gib} GiB cold, {threads} thr", rate["cold"], "GB/s", "plain readinto, cold",
+                rate["cold_lim"], target=0.8),
+            Row(f"weight digest {gib} GiB warm, {threads} thr", rate["warm"], "GB/s", "plain readinto, warm",
+                rate["warm_lim"], target=0.8)]
+
+
+def _stream(path: Path, buf: np.ndarray) -> None:
+    """Read the whole file through one reused buffer (the sequential read limit)."""
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+
+
 async def _hash_rows(repeat: int) -> list[Row]:
     ns = IDENT.namespace()
     tokens = np.random.default_rng(1).integers(0, 128000, 512 * 256)
@@ -217,6 +258,7 @@ async def _run(args) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.dir) as tmp:
         for size in (32 * MiB, 28 * MiB):
             rows += await _ssd_rows(size, args.repeat, Path(tmp))
+        rows += _digest_rows(args.repeat, Path(tmp))
     rows += await _hash_rows(args.repeat)
     return rows
 

@@ -40,6 +40,8 @@ def test_bench_tiers_rows_carry_limits(tmp_path):
     for expected in ("host put 32 MiB", "host get 28 MiB", "ssd write 32 MiB", "ssd cold read 28 MiB",
                      "chained hash per 256-token chunk", "host index bytes per object"):
         assert expected in names
+    digest = {n.split(",")[0] for n in names if n.startswith("weight digest")}
+    assert digest == {"weight digest 1 GiB cold", "weight digest 1 GiB warm"}
     for r in rows:
         assert {"name", "value", "unit", "limit_name", "limit_value", "ratio"} <= set(r)
         assert r["limit_value"] > 0 and r["value"] > 0

@@ -21,7 +21,9 @@ hides every bug of the CUDA path.  This device is at least as unforgiving as the
   through its event when observed).
 
 Tensor reads inside a job run eagerly (``index_select`` into a temporary, say); that is
-what CUDA does for inputs the compute stream has finished writing.
+what CUDA does for inputs the compute stream has finished writing.  The deferred writes run
+under the grad and inference modes of their ``submit`` (a CUDA kernel is dispatched at
+submit time, under the caller's modes; vLLM's forward runs in ``torch.inference_mode``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from connector.device import CopyEvent, Job, StreamCopyEvent
@@ -91,7 +94,8 @@ class EmulatedCudaDevice:
         self.failures = 0          # jobs whose copies failed on the stream (injected)
         self.deferred_writes = 0   # tensor writes that ran on the stream
         self._count = 0
-        self._queue: queue.SimpleQueue[tuple[int, list[Op], EmulatedCudaEvent] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, list[Op], tuple[bool, bool], EmulatedCudaEvent] | None] = \
+            queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _events
         self._events: list[EmulatedCudaEvent] = []  # submitted, not yet observed
         self._inflight = 0
@@ -117,7 +121,8 @@ class EmulatedCudaDevice:
         with self._lock:
             self._events = [e for e in self._events if not e.done]
             self._events.append(event)
-        self._queue.put((n, ops, event))
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self._queue.put((n, ops, modes, event))
         if error is not None:
             # The writes the job enqueued before it raised may still touch its buffers.
             event._reach.wait()
@@ -126,16 +131,17 @@ class EmulatedCudaDevice:
 
     def _stream(self) -> None:
         while (item := self._queue.get()) is not None:
-            n, ops, event = item
+            n, ops, (inference, grad), event = item
             if self.delay:
                 time.sleep(self.delay)
             try:
                 if self.fail is not None and self.fail(n):
                     self.failures += 1
                     raise OSError(f"injected stream failure in job {n}")
-                for func, args, kwargs in ops:
-                    func(*args, **kwargs)
-                    self.deferred_writes += 1
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    for func, args, kwargs in ops:
+                        func(*args, **kwargs)
+                        self.deferred_writes += 1
             except BaseException as err:  # noqa: BLE001 - a stream error, seen via the event
                 event._err = err
             event._reach.set()  # reached; nothing calls back

@@ -3,6 +3,11 @@
 The oracle is recompute: every run's outputs (greedy tokens and chosen-token logprobs) must
 equal those of the same workload run without a connector.  Engines run in child processes
 (``connector.e2e.run_engine``), so "restart" really is a new process with a cold host pool.
+
+Each story runs on two copy devices: ``host`` and ``emulated-cuda``, which gives the worker
+CUDA's side-stream semantics (tensor writes land later, on a stream thread, and no event
+calls back until the worker observes it), so the engine path is proven against the GPU's
+rules, not only against the kind host device.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from kvstore import codec
 # float32 "tiny-f32" is the sharp oracle (recompute noise ~5e-6, tolerance 1e-4); bf16
 # "tiny2" is a second KV layout (tolerance 0.1: bf16 recompute noise alone reaches 0.03).
 GEOMETRIES = ["tiny-f32", "tiny2"]
+DEVICES = ["host", "emulated-cuda"]
+FAULTY = {"host": "faulty:", "emulated-cuda": "emulated-cuda:"}  # + fail_every=N
 
 
 def workload(vocab: int) -> e2e.Workload:
@@ -45,19 +52,26 @@ def read_stats(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-class Runs:
+class Reference:
+    """A geometry's model and its recompute reference, shared by the devices."""
+
     def __init__(self, root: Path, geometry: str) -> None:
-        self.root = root
         self.model = tinymodel.build_named(root / f"model-{geometry}", geometry)
         self.workload = workload(tinymodel.GEOMETRIES[geometry].vocab)
         self.reference = e2e.run_engine(self.model, None, self.workload)
+
+
+class Runs:
+    def __init__(self, root: Path, ref: Reference, device: str) -> None:
+        self.root, self.device = root, device
+        self.model, self.workload, self.reference = ref.model, ref.workload, ref.reference
         self.ssd = root / "ssd"
         self.first = self.run("first")
         self.second = self.run("second")
 
     def run(self, name: str, ssd: Path | None = None, **kw) -> tuple[e2e.EngineResult, dict]:
         stats = self.root / f"stats-{name}.json"
-        extra = kw.pop("extra", {})
+        extra = {"device": self.device, **kw.pop("extra", {})}
         conn = connector_config(ssd or self.ssd, stats, **extra)
         conn.update(kw.pop("connector", {}))
         result = e2e.run_engine(self.model, conn, self.workload, **kw)
@@ -66,24 +80,28 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """Runs per geometry, made once per module and shared by the tests below."""
-    cache: dict[str, Runs] = {}
+    """Runs per geometry and device, made once per module and shared by the tests below."""
+    refs: dict[str, Reference] = {}
+    cache: dict[tuple[str, str], Runs] = {}
 
-    def get(geometry: str) -> Runs:
-        if geometry not in cache:
-            cache[geometry] = Runs(tmp_path_factory.mktemp(f"vllm-{geometry}"), geometry)
-        return cache[geometry]
+    def get(geometry: str, device: str) -> Runs:
+        if geometry not in refs:
+            refs[geometry] = Reference(tmp_path_factory.mktemp(f"model-{geometry}"), geometry)
+        if (geometry, device) not in cache:
+            root = tmp_path_factory.mktemp(f"vllm-{geometry}-{device}")
+            cache[geometry, device] = Runs(root, refs[geometry], device)
+        return cache[geometry, device]
     return get
 
 
-@pytest.fixture(params=GEOMETRIES)
+@pytest.fixture(params=[(g, d) for g in GEOMETRIES for d in DEVICES], ids=lambda p: "-".join(p))
 def runs(request, built) -> Runs:
-    return built(request.param)
+    return built(*request.param)
 
 
-@pytest.fixture
-def tiny(built) -> Runs:
-    return built("tiny-f32")
+@pytest.fixture(params=DEVICES)
+def tiny(request, built) -> Runs:
+    return built("tiny-f32", request.param)
 
 
 def test_host_hits_match_recompute(runs):
@@ -135,7 +153,7 @@ def test_copy_failures_are_recomputed(runs, policy):
     """A copy that fails after the promise: reported as failed blocks, vLLM recomputes."""
     ssd = runs.root / f"ssd-faulty-{policy}"
     shutil.copytree(runs.ssd, ssd, ignore=shutil.ignore_patterns("LOCK"))
-    result, stats = runs.run(f"faulty-{policy}", ssd=ssd, extra={"device": "faulty:fail_every=2"},
+    result, stats = runs.run(f"faulty-{policy}", ssd=ssd, extra={"device": FAULTY[runs.device] + "fail_every=2"},
                              connector={"kv_load_failure_policy": policy})
     cmp = e2e.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
@@ -164,7 +182,8 @@ def test_multiprocess_engine_matches(tiny, tmp_path):
     ({"ssd_dri": "/tmp/x"}, "unknown key"),
     ({"chunk_size": 200}, "multiple of block_size 128"),
     ({"host_capacity": "-1GiB"}, "host_capacity"),
+    ({"device": "emulated-cuda:speed=3"}, "unknown option 'speed'"),
 ])
-def test_bad_config_fails_at_engine_start(tiny, tmp_path, extra, needle):
+def test_bad_config_fails_at_engine_start(built, tmp_path, extra, needle):
     with pytest.raises(e2e.EngineRunError, match=needle):
-        tiny.run("bad", ssd=tmp_path / "ssd", extra=extra, warmup=False)
+        built("tiny-f32", "host").run("bad", ssd=tmp_path / "ssd", extra=extra, warmup=False)

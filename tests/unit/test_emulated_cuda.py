@@ -200,3 +200,13 @@ def test_make_device_and_config_accept_emulated_cuda_with_options():
     for bad in ("emulated-cuda:speed=2", "emulated-cuda:delay=-1", "emulated-cuda:delay=x", "gpu"):
         with pytest.raises(ConfigError):
             ConnectorConfig.from_extra_config({"device": bad}, env={})
+
+
+def test_deferred_writes_run_under_the_inference_mode_of_their_submit(stream):
+    """vLLM runs the forward, and so the connector's hooks, in ``torch.inference_mode``;
+    a KV cache made there is an inference tensor that only inference mode may write."""
+    with torch.inference_mode():
+        pages = torch.zeros(4, 8)
+        event = stream.submit(lambda: pages[1:3].copy_(torch.ones(2, 8)))
+    assert event.wait(WAIT) and event.ok, event.error
+    assert torch.equal(pages[1:3], torch.ones(2, 8))

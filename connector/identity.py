@@ -6,7 +6,7 @@ processes on the same files and settings must always share one (or every restart
 ``engine_identity`` composes ``kvstore.keys.Identity`` from:
 
 * ``weights``: a digest of every byte of the model directory's config and weight files
-  (``connector.weights``), cached in a sidecar so a restart does not rehash;
+  (``kvstore.weights``), cached in a sidecar so a restart does not rehash;
 * ``revision``: the hub commit, from an HF cache snapshot path, from the HF cache's refs
   for a hub id, or the ``revision`` given;
 * ``engine_config``: a digest of the canonical JSON of ``engine_settings``, every engine
@@ -31,7 +31,7 @@ import re
 import uuid
 from pathlib import Path
 
-from connector.weights import digest_dir
+from kvstore.weights import digest_dir
 from kvstore.keys import Identity
 
 log = logging.getLogger("kvstore.connector")

@@ -3,7 +3,7 @@
 Runs in the engine's scheduler process, on the connector's I/O loop.
 
 Tiers, fastest first: the SSD directory (``ssd_dir``), the host's store process
-(``store_target``, ``tiers.remote``) and Redis (``redis_url``, ``tiers.redis``).  An
+(``store_target``, ``kvstore.client.tier``) and Redis (``redis_url``, ``tiers.redis``).  An
 unreachable store process or Redis at start is a ``TierUnavailableError`` unless
 ``lower_tiers_required`` is false; then the tier is left out (logged and counted) and the
 engine runs without it.
@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
+from kvstore.config import WritePolicy
 from kvstore.errors import TierError
 from kvstore.keys import ObjectKey
 from tiers.base import PutResult, Tier, put_bytes
@@ -61,7 +62,7 @@ async def open_lower_tiers(cfg: ConnectorConfig, on_fail: Callable[[str, str], N
 
 
 async def _open_remote(cfg: ConnectorConfig) -> Tier:
-    from tiers.remote import RemoteTier
+    from kvstore.client.tier import RemoteTier
 
     return await RemoteTier.open(cfg.store_target, token=cfg.store_token or None,
                                  tls_ca=cfg.store_tls_ca, transport=cfg.store_transport)
@@ -77,7 +78,7 @@ async def _open_redis(cfg: ConnectorConfig) -> Tier:
 class WriteDown:
     """Copies committed host objects to the lower tiers under the configured policy."""
 
-    def __init__(self, host: HostTier, lower: list[Tier], io: IOLoop, policy: str,
+    def __init__(self, host: HostTier, lower: list[Tier], io: IOLoop, policy: WritePolicy,
                  on_bytes: Callable[[str, str, int], None], on_fail: Callable[[str, str], None]) -> None:
         self.host, self.lower, self.io, self.policy = host, lower, io, policy
         self._on_bytes, self._on_fail = on_bytes, on_fail
@@ -95,12 +96,12 @@ class WriteDown:
 
     def committed(self, key: ObjectKey, parent: ObjectKey | None) -> None:
         """``key`` was just published in the host tier (scheduler thread)."""
-        if not self.lower:
+        if not self.lower or self.policy is WritePolicy.HOST_ONLY:
             return
         view = self.host.acquire(key)  # the reference keeps the slot alive while it is copied
         if view is None:
             return
-        if self.policy == "write_through":
+        if self.policy is WritePolicy.WRITE_THROUGH:
             self.io.spawn(self._write(key, view, parent))
             return
         with self._lock:
@@ -148,5 +149,5 @@ class WriteDown:
 
     def flush_all(self) -> None:
         """Write every dirty object down (shutdown); blocks until done."""
-        if self.policy == "write_back" and self.lower:
+        if self.policy is WritePolicy.WRITE_BACK and self.lower:
             self.io.run(self._flush(0))

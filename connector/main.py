@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from connector import e2e, tinymodel
+from connector import kit, tinymodel
 from kvstore.layout import format_bytes
 
 CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm",
@@ -42,15 +42,15 @@ def lower_hit_tokens(stats: dict) -> dict[str, int]:
     return {t: n for t, n in stats["tokens_hit_by_tier"].items() if t in LOWER and n > 0}
 
 
-def hit_labels(result: e2e.EngineResult, stats: dict) -> set[str]:
+def hit_labels(result: kit.EngineResult, stats: dict) -> set[str]:
     """Labels of requests the connector actually served from the store (its own log)."""
     log = stats["recent"][-len(result.requests):]
     return {r.label for r, entry in zip(result.requests, log) if entry["hit_tokens"] > 0}
 
 
-def format_engine(name: str, result: e2e.EngineResult, stats: dict, cmp: e2e.Comparison) -> str:
+def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Comparison) -> str:
     hits = hit_labels(result, stats)
-    ttft = e2e.summarize(result.requests, hits)
+    ttft = kit.summarize(result.requests, hits)
     ms = lambda v: "   -  " if v is None else f"{v * 1e3:6.1f}"  # noqa: E731
     lines = [f"== {name}  (startup {result.startup_s:.1f} s)"]
     for kind, p in (("misses", ttft.misses), ("hits", ttft.hits)):
@@ -72,12 +72,12 @@ def format_engine(name: str, result: e2e.EngineResult, stats: dict, cmp: e2e.Com
 def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-run-"))
     model = tinymodel.build_named(Path(args.model_dir or work / f"model-{args.geometry}"), args.geometry)
-    workload = e2e.Workload.standard(vocab=tinymodel.GEOMETRIES[args.geometry].vocab)
+    workload = kit.Workload.standard(vocab=tinymodel.GEOMETRIES[args.geometry].vocab)
     print(f"model {args.geometry} at {model}; {len(workload.requests)} requests; work dir {work}; "
           f"copy device {args.device or 'auto'}", flush=True)
-    reference = e2e.run_engine(model, None, workload, timeout_s=args.timeout)
+    reference = kit.run_engine(model, None, workload, timeout_s=args.timeout)
     print(f"reference (no connector): TTFT p50 "
-          f"{e2e.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
+          f"{kit.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
     ssd = None if args.no_ssd else work / "ssd"
     extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
                                ("redis_url", args.redis_url), ("device", args.device)) if v}
@@ -89,10 +89,10 @@ def run(args: argparse.Namespace) -> int:
     for i, name in ((1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
                     (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
         stats_path = work / f"stats-{i}.json"
-        result = e2e.run_engine(model, connector_config(ssd, stats_path, **extra), workload,
+        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra), workload,
                                 timeout_s=args.timeout)
         stats = json.loads(stats_path.read_text())
-        cmp = e2e.compare_outputs(reference, result)
+        cmp = kit.compare_outputs(reference, result)
         print(format_engine(name, result, stats, cmp), flush=True)
         ok = ok and bool(cmp)
         if i == 2:

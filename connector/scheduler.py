@@ -40,7 +40,7 @@ from kvstore import codec
 from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from connector.lower import WriteDown, open_lower_tiers
 from tiers.base import PutHandle
 from tiers.host import HostTier

@@ -54,7 +54,11 @@ def merge_settings(cls: type, values: Mapping[str, object], env: Mapping[str, st
 
 
 class WritePolicy(Enum):
-    WRITE_THROUGH = "write_through"  # every put also goes to the lower tiers before it returns
+    """How objects published in host DRAM reach the lower tiers (one vocabulary for the
+    embedded store, the store process and the connector)."""
+
+    WRITE_THROUGH = "write_through"  # each committed object is copied to every lower tier
+    WRITE_BACK = "write_back"        # kept in host DRAM (never evicted unwritten), written later
     HOST_ONLY = "host_only"          # lower tiers are read (and promoted from), never written
 
 

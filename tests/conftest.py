@@ -21,14 +21,14 @@ def tiny2_model(tmp_path_factory) -> Path:
 
 
 # --------------------------------------------------------------- real redis-server processes
-# kvstore.redis_proc is imported inside the fixtures, so test packages that never touch Redis
+# kvstore.testing.redis_proc is imported inside the fixtures, so test packages that never touch Redis
 # do not import redis-py.
 
 
 @pytest.fixture(scope="session")
 def tls_files(tmp_path_factory):
     """A CA, a server certificate (127.0.0.1/localhost) and a client certificate."""
-    from kvstore.redis_proc import make_tls_files
+    from kvstore.testing.redis_proc import make_tls_files
 
     return make_tls_files(tmp_path_factory.mktemp("tls"))
 
@@ -37,7 +37,7 @@ def tls_files(tmp_path_factory):
 def redis_factory(tmp_path):
     """``make(**RedisServer kwargs)`` -> a started server in its own directory under
     ``tmp_path``; every server made is stopped at teardown."""
-    from kvstore.redis_proc import RedisServer
+    from kvstore.testing.redis_proc import RedisServer
 
     servers = []
 
@@ -62,7 +62,7 @@ def redis_server(redis_factory):
 def redis_cluster_factory(tmp_path):
     """``make(n=3, **RedisServer kwargs)`` -> a started RedisClusterProcs; for tests that
     kill or restart nodes.  Every cluster made is stopped at teardown."""
-    from kvstore.redis_proc import RedisClusterProcs
+    from kvstore.testing.redis_proc import RedisClusterProcs
 
     clusters = []
 
@@ -79,7 +79,7 @@ def redis_cluster_factory(tmp_path):
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory):
     """A started 3-node cluster shared by a module's tests; do not kill its nodes."""
-    from kvstore.redis_proc import RedisClusterProcs
+    from kvstore.testing.redis_proc import RedisClusterProcs
 
     with RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster")).start() as cluster:
         yield cluster

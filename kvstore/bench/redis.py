@@ -6,7 +6,7 @@ and beside a loopback TCP transfer of the same size (``kvstore.bench.loopback``,
 for a Python client).  Then a batch lookup of 512 chunk keys: its round trips (the tier's
 count and the server's ``total_commands_processed``) and its latency beside one plain
 redis-py ``GET`` round trip.  Without ``--redis`` a redis-server is started on a free port
-in a temporary directory (``kvstore.redis_proc``) and stopped at the end.
+in a temporary directory (``kvstore.testing.redis_proc``) and stopped at the end.
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def run(args) -> int:
         rows = asyncio.run(_run(args.redis, args.repeat))
         where = RedisConfig.from_url(args.redis).redacted_url
     else:
-        from kvstore.redis_proc import RedisServer
+        from kvstore.testing.redis_proc import RedisServer
 
         with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as tmp:
             with RedisServer(Path(tmp)).start() as server:

@@ -33,7 +33,7 @@ from kvstore import codec
 from kvstore.bench.common import Row, gbps, print_rows, write_json
 from kvstore.bench.loopback import measure_loopback
 from kvstore.bench.store_peers import RawGrpcPeer, run_clients
-from kvstore.client import StoreClient
+from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
 from tiers.base import PutResult
@@ -231,7 +231,7 @@ def run(args) -> int:
         rows = asyncio.run(_run_against(args.target, args))
         where = f"store at {args.target}"
     else:
-        from kvstore.serve_proc import StoreProcess  # only when we start the store ourselves
+        from kvstore.testing.serve_proc import StoreProcess  # only when we start the store ourselves
 
         capacity = max(args.host_capacity or 0, _capacity_needed(args))
         with tempfile.TemporaryDirectory(prefix="kvstore-bench-store-") as tmp:

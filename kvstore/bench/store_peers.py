@@ -108,7 +108,7 @@ def _client_main(i: int, target: str, token: str | None, keys: list[bytes], size
 
 async def _client_run(i: int, target: str, token: str | None, keys: list[bytes], size: int,
                       gets: int, barrier) -> tuple[float, float, list[float]]:
-    from kvstore.client import StoreClient
+    from kvstore.client.store_client import StoreClient
     from kvstore.keys import ObjectKey
 
     objs = [ObjectKey.from_bytes(k) for k in keys]

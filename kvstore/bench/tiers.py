@@ -23,7 +23,7 @@ import numpy as np
 from kvstore import codec
 from kvstore.bench.common import Row, gbps, print_rows, write_json
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from tiers.base import put_bytes
 from tiers.host import HostTier
 from tiers.ssd import SSDTier, drop_page_cache
@@ -162,10 +162,10 @@ async def _ssd_rows(size: int, repeat: int, root: Path) -> list[Row]:
 
 
 def _digest_rows(repeat: int, root: Path, size: int = 1 << 30) -> list[Row]:
-    """The engine identity's weight digest (``connector.weights``: xxh3-128 over 64 MiB
+    """The engine identity's weight digest (``kvstore.weights``: xxh3-128 over 64 MiB
     pieces on a thread pool) of one file, cold and warm, beside a plain ``readinto`` of the
     same file into a reused buffer (cold: dropped from the page cache first)."""
-    from connector.weights import default_threads, hash_files
+    from kvstore.weights import default_threads, hash_files
 
     path = root / "weights.safetensors"
     rng = np.random.default_rng(7)

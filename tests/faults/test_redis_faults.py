@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from kvstore.redis_proc import free_port
+from kvstore.testing.redis_proc import free_port
 import kvobjects as kv
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier

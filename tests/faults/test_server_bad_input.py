@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import _TAG_RE
-from kvstore.serve_proc import StoreProcess
+from kvstore.testing.serve_proc import StoreProcess
 from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT

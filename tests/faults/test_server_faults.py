@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.serve_proc import StoreProcess
+from kvstore.testing.serve_proc import StoreProcess
 from tests.store_helpers import (KiB, MiB, Objects, StoreClient, chain_keys, key_fields, random_key, rpc_code,
                                  wait_until)
 
@@ -242,7 +242,7 @@ QUEUED = """
 import asyncio, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from kvstore.client import StoreClient
+from kvstore.client.store_client import StoreClient
 from kvstore.keys import ObjectKey
 
 async def main():

@@ -10,23 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from connector import e2e
-from kvstore.bench import e2e as bench
+from connector import kit
+from connector import bench_e2e as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("ours host hit TTFT / miss TTFT", "ours SSD hit TTFT / miss TTFT",
            "ours hit vs ExampleConnector hit", "connector overhead on a miss")
 
 
-def _req(label: str, logprob: float, ttft: float = 0.1, token: int = 7) -> e2e.RequestResult:
-    return e2e.RequestResult(label, 300, None, (token,), (logprob,), ({token: logprob},), ttft, ttft, ttft)
+def _req(label: str, logprob: float, ttft: float = 0.1, token: int = 7) -> kit.RequestResult:
+    return kit.RequestResult(label, 300, None, (token,), (logprob,), ({token: logprob},), ttft, ttft, ttft)
 
 
-def _run(*reqs: e2e.RequestResult) -> e2e.EngineResult:
-    return e2e.EngineResult(tuple(reqs), 1.0, None, e2e.TTFT_METHOD, "test")
+def _run(*reqs: kit.RequestResult) -> kit.EngineResult:
+    return kit.EngineResult(tuple(reqs), 1.0, None, kit.TTFT_METHOD, "test")
 
 
-def _outcome(key: str, *reqs: e2e.RequestResult) -> bench.Outcome:
+def _outcome(key: str, *reqs: kit.RequestResult) -> bench.Outcome:
     return bench.Outcome(key, _run(*reqs))
 
 
@@ -84,7 +84,7 @@ def test_workload_sends_each_long_prompt_twice_in_a_row():
     assert labels == ["long-0-first", "long-0-repeat", "short-0", "long-1-first", "long-1-repeat",
                       "short-1", "long-2-first", "long-2-repeat"]
     assert wl.requests[0].tokens == wl.requests[1].tokens != wl.requests[3].tokens
-    assert len(wl.requests[2].tokens) == bench.SHORT_LEN < e2e.BLOCK_SIZE
+    assert len(wl.requests[2].tokens) == bench.SHORT_LEN < kit.BLOCK_SIZE
 
 
 # ------------------------------------------------------------------ the command

@@ -11,13 +11,13 @@ import yaml
 
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client import StoreClient
-from kvstore.client_info import ClientCounters
-from kvstore.client_io import decode_get_frame, encode_data_frame, lookup_requests
-from kvstore.client_leases import LeaseWindow
+from kvstore.client.store_client import StoreClient
+from kvstore.client.info import ClientCounters
+from kvstore.client.dataplane import decode_get_frame, encode_data_frame, lookup_requests
+from kvstore.client.leases import LeaseWindow
 from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
 from kvstore.keys import ROOT, Identity, object_keys
-from kvstore.serve_proc import StoreProcess
+from kvstore.testing.serve_proc import StoreProcess
 import kvobjects as kv
 from tiers.base import PutResult
 
@@ -496,7 +496,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
 
 
 async def test_tls_with_client_certificates(tmp_path):
-    from kvstore.tls_files import make_tls_files
+    from kvstore.testing.tls_files import make_tls_files
 
     tls = make_tls_files(tmp_path / "tls")
     proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--tls-cert", str(tls.cert),

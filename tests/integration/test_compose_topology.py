@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from kvstore.redis_proc import free_port
+from kvstore.testing.redis_proc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -16,21 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from connector import e2e, tinymodel
+from connector import kit, tinymodel
 from connector.main import connector_config
 
 GEOMETRY = "tiny-f32"
 PROMPT_TOKENS = 300  # one full 256-token chunk each
 
 
-def distinct_workload(vocab: int) -> e2e.Workload:
+def distinct_workload(vocab: int) -> kit.Workload:
     """Prompts sharing no block: inside one engine nothing can hit, so every hit comes from
     an earlier engine's SSD objects."""
-    g = e2e.TokenSource(11, vocab)
-    return e2e.Workload(tuple(e2e.Request(f"p{i}", g.take(PROMPT_TOKENS)) for i in range(3)))
+    g = kit.TokenSource(11, vocab)
+    return kit.Workload(tuple(kit.Request(f"p{i}", g.take(PROMPT_TOKENS)) for i in range(3)))
 
 
-def hits(result: e2e.EngineResult, stats: dict) -> dict[str, int]:
+def hits(result: kit.EngineResult, stats: dict) -> dict[str, int]:
     """Hit tokens per label, from the connector's own per-request log."""
     log = stats["recent"][-len(result.requests):]
     return {r.label: entry["hit_tokens"] for r, entry in zip(result.requests, log)}
@@ -64,9 +64,9 @@ def test_weights_changed_in_place_share_no_kv_and_unchanged_files_share_all(tmp_
     env = {"KVSTORE_IDENTITY_CACHE": str(tmp_path / "identity")}
     ssd = tmp_path / "ssd"
 
-    def run(name: str, **kw) -> tuple[e2e.EngineResult, dict]:
+    def run(name: str, **kw) -> tuple[kit.EngineResult, dict]:
         stats = tmp_path / f"stats-{name}.json"
-        result = e2e.run_engine(model, connector_config(ssd, stats), workload, extra_env=env, **kw)
+        result = kit.run_engine(model, connector_config(ssd, stats), workload, extra_env=env, **kw)
         return result, json.loads(stats.read_text())
 
     old, stats = run("old")
@@ -75,7 +75,7 @@ def test_weights_changed_in_place_share_no_kv_and_unchanged_files_share_all(tmp_
     assert list((tmp_path / "identity").glob("*.json")), "the engine recorded its weight digest"
 
     same, stats = run("same", single_process=False)     # another process, the other mode
-    cmp = e2e.compare_outputs(old, same)
+    cmp = kit.compare_outputs(old, same)
     assert cmp, cmp.mismatches
     assert all(n >= 256 for n in hits(same, stats).values()), hits(same, stats)
 
@@ -84,7 +84,7 @@ def test_weights_changed_in_place_share_no_kv_and_unchanged_files_share_all(tmp_
     assert set(hits(changed, stats).values()) == {0}, hits(changed, stats)
     assert stats["tokens_hit_by_tier"].get("ssd", 0) == 0
 
-    fresh = e2e.run_engine(model, None, workload)        # recompute of the changed model
-    cmp = e2e.compare_outputs(fresh, changed)
+    fresh = kit.run_engine(model, None, workload)        # recompute of the changed model
+    cmp = kit.compare_outputs(fresh, changed)
     assert cmp, cmp.mismatches
-    assert not e2e.compare_outputs(old, changed), "the overwritten tensor must change the outputs"
+    assert not kit.compare_outputs(old, changed), "the overwritten tensor must change the outputs"

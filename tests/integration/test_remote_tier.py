@@ -8,13 +8,13 @@ import time
 import numpy as np
 import pytest
 
-from kvstore.client import StoreClient
+from kvstore.client.store_client import StoreClient
 from kvstore.errors import TierUnavailableError
 from kvstore.keys import ROOT
-from kvstore.serve_proc import StoreProcess
+from kvstore.testing.serve_proc import StoreProcess
 import kvobjects as kv
 from tiers.base import PutResult, Tier, put_bytes
-from tiers.remote import RemoteTier
+from kvstore.client.tier import RemoteTier
 
 MiB = 1 << 20
 NS = kv.namespace("remote-test")

@@ -14,9 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-from connector import e2e, tinymodel
+from connector import kit, tinymodel
 from connector.main import connector_config
-from kvstore.serve_proc import StoreProcess
+from kvstore.testing.serve_proc import StoreProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,12 +35,12 @@ def test_two_engines_share_one_redis(redis_server, tmp_path):
 
 def test_store_killed_mid_run_engine_recomputes_and_stays_correct(tmp_path):
     model = tinymodel.build_named(tmp_path / "model", "tiny-f32")
-    workload = e2e.Workload.standard(vocab=tinymodel.GEOMETRIES["tiny-f32"].vocab)
-    reference = e2e.run_engine(model, None, workload)
+    workload = kit.Workload.standard(vocab=tinymodel.GEOMETRIES["tiny-f32"].vocab)
+    reference = kit.run_engine(model, None, workload)
     with StoreProcess(tmp_path / "store", "--host-capacity", "512MiB").start() as store:
         first = tmp_path / "stats-1.json"
-        result = e2e.run_engine(model, connector_config(None, first, store_target=store.target), workload)
-        assert e2e.compare_outputs(reference, result)
+        result = kit.run_engine(model, connector_config(None, first, store_target=store.target), workload)
+        assert kit.compare_outputs(reference, result)
         second = tmp_path / "stats-2.json"
         killed = threading.Event()
 
@@ -58,10 +58,10 @@ def test_store_killed_mid_run_engine_recomputes_and_stays_correct(tmp_path):
 
         killer = threading.Thread(target=kill_after_first_request, daemon=True)
         killer.start()
-        result = e2e.run_engine(model, connector_config(None, second, store_target=store.target), workload)
+        result = kit.run_engine(model, connector_config(None, second, store_target=store.target), workload)
         killed.set()
         killer.join(5)
-    cmp = e2e.compare_outputs(reference, result)
+    cmp = kit.compare_outputs(reference, result)
     assert cmp, cmp.mismatches
     stats = json.loads(second.read_text())
     remote = stats["tiers"]["remote"]

@@ -7,7 +7,7 @@ from kvstore import codec
 from kvstore.config import StoreConfig
 from kvstore.errors import CapacityError, ConfigError
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult
 
 GEOM = codec.ObjectGeometry(num_layers=2, pages_per_layer=2, page_bytes=2048)

@@ -2,7 +2,7 @@
 
 The oracle is recompute: every run's outputs (greedy tokens and chosen-token logprobs) must
 equal those of the same workload run without a connector.  Engines run in child processes
-(``connector.e2e.run_engine``), so "restart" really is a new process with a cold host pool.
+(``connector.kit.run_engine``), so "restart" really is a new process with a cold host pool.
 
 Each story runs on two copy devices: ``host`` and ``emulated-cuda``, which gives the worker
 CUDA's side-stream semantics (tensor writes land later, on a stream thread, and no event
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from connector import e2e, tinymodel
+from connector import kit, tinymodel
 from connector.main import connector_config
 from kvstore import codec
 
@@ -28,21 +28,21 @@ DEVICES = ["host", "emulated-cuda"]
 FAULTY = {"host": "faulty:", "emulated-cuda": "emulated-cuda:"}  # + fail_every=N
 
 
-def workload(vocab: int) -> e2e.Workload:
+def workload(vocab: int) -> kit.Workload:
     """Shared prefixes, a chat turn, and two salted repeats of one prompt."""
-    g = e2e._TokenSource(3, vocab)
-    prefix, q = g.take(3 * e2e.BLOCK_SIZE), g.take(40)
+    g = kit._TokenSource(3, vocab)
+    prefix, q = g.take(3 * kit.BLOCK_SIZE), g.take(40)
     reqs = (
-        e2e.Request("a", prefix + q),
-        e2e.Request("b", prefix + g.take(40)),             # shares one full 256-token chunk
-        e2e.Request("a-turn-2", g.take(30), extends="a"),
-        e2e.Request("a-salt-x", prefix + q, cache_salt="tenant-x"),
-        e2e.Request("a-salt-x-again", prefix + q, cache_salt="tenant-x"),
+        kit.Request("a", prefix + q),
+        kit.Request("b", prefix + g.take(40)),             # shares one full 256-token chunk
+        kit.Request("a-turn-2", g.take(30), extends="a"),
+        kit.Request("a-salt-x", prefix + q, cache_salt="tenant-x"),
+        kit.Request("a-salt-x-again", prefix + q, cache_salt="tenant-x"),
     )
-    return e2e.Workload(reqs)
+    return kit.Workload(reqs)
 
 
-def hits(result: e2e.EngineResult, stats: dict) -> dict[str, int]:
+def hits(result: kit.EngineResult, stats: dict) -> dict[str, int]:
     """Hit tokens per label, from the connector's own per-request log."""
     log = stats["recent"][-len(result.requests):]
     return {r.label: entry["hit_tokens"] for r, entry in zip(result.requests, log)}
@@ -58,7 +58,7 @@ class Reference:
     def __init__(self, root: Path, geometry: str) -> None:
         self.model = tinymodel.build_named(root / f"model-{geometry}", geometry)
         self.workload = workload(tinymodel.GEOMETRIES[geometry].vocab)
-        self.reference = e2e.run_engine(self.model, None, self.workload)
+        self.reference = kit.run_engine(self.model, None, self.workload)
 
 
 class Runs:
@@ -69,12 +69,12 @@ class Runs:
         self.first = self.run("first")
         self.second = self.run("second")
 
-    def run(self, name: str, ssd: Path | None = None, **kw) -> tuple[e2e.EngineResult, dict]:
+    def run(self, name: str, ssd: Path | None = None, **kw) -> tuple[kit.EngineResult, dict]:
         stats = self.root / f"stats-{name}.json"
         extra = {"device": self.device, **kw.pop("extra", {})}
         conn = connector_config(ssd or self.ssd, stats, **extra)
         conn.update(kw.pop("connector", {}))
-        result = e2e.run_engine(self.model, conn, self.workload, **kw)
+        result = kit.run_engine(self.model, conn, self.workload, **kw)
         return result, read_stats(stats)
 
 
@@ -106,7 +106,7 @@ def tiny(request, built) -> Runs:
 
 def test_host_hits_match_recompute(runs):
     result, stats = runs.first
-    cmp = e2e.compare_outputs(runs.reference, result)
+    cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
     h = hits(result, stats)
     assert h["a"] == 0 and h["b"] >= 256 and h["a-turn-2"] >= 256
@@ -116,7 +116,7 @@ def test_host_hits_match_recompute(runs):
 
 def test_ssd_hits_after_restart_match_recompute(runs):
     result, stats = runs.second
-    cmp = e2e.compare_outputs(runs.reference, result)
+    cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
     assert hits(result, stats)["a"] >= 256                # the new process loads what the first saved
     assert stats["tokens_hit_by_tier"].get("ssd", 0) > 0
@@ -142,7 +142,7 @@ def test_corrupted_ssd_objects_are_misses_and_outputs_stay_correct(runs):
             f.seek(codec.HEADER_SIZE + 1000)
             f.write(bytes([byte[0] ^ 0xFF]))
     result, stats = runs.run("damaged", ssd=damaged)
-    cmp = e2e.compare_outputs(runs.reference, result)
+    cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
     assert stats["tiers"]["ssd"]["corrupt"] > 0           # detected, deleted, counted
     assert stats["tokens_hit_by_tier"].get("ssd", 0) == 0
@@ -155,7 +155,7 @@ def test_copy_failures_are_recomputed(runs, policy):
     shutil.copytree(runs.ssd, ssd, ignore=shutil.ignore_patterns("LOCK"))
     result, stats = runs.run(f"faulty-{policy}", ssd=ssd, extra={"device": FAULTY[runs.device] + "fail_every=2"},
                              connector={"kv_load_failure_policy": policy})
-    cmp = e2e.compare_outputs(runs.reference, result)
+    cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
     assert stats["failures"].get("load_copy_error", 0) > 0
 
@@ -167,14 +167,14 @@ def test_multiprocess_engine_matches(tiny, tmp_path):
     thread count), and inside the run: "a-salt-x-again" (loaded) must equal "a-salt-x"
     (the identical prompt, recomputed by the same engine just before)."""
     result, stats = tiny.run("mp", ssd=tmp_path / "ssd", single_process=False)
-    cmp = e2e.compare_outputs(tiny.reference, result)    # same threads as the reference
+    cmp = kit.compare_outputs(tiny.reference, result)    # same threads as the reference
     assert cmp, cmp.mismatches
     by = result.by_label()
     computed, loaded = by["a-salt-x"], by["a-salt-x-again"]
     assert hits(result, stats)["a-salt-x-again"] >= 256
     assert loaded.token_ids == computed.token_ids
     diffs = [abs(x - y) for x, y in zip(loaded.logprobs, computed.logprobs)]
-    assert max(diffs) <= e2e.LOGPROB_TOL["float32"], diffs
+    assert max(diffs) <= kit.LOGPROB_TOL["float32"], diffs
     assert stats["tiers"]["ssd"]["objects"] > 0
 
 
@@ -185,5 +185,5 @@ def test_multiprocess_engine_matches(tiny, tmp_path):
     ({"device": "emulated-cuda:speed=3"}, "unknown option 'speed'"),
 ])
 def test_bad_config_fails_at_engine_start(built, tmp_path, extra, needle):
-    with pytest.raises(e2e.EngineRunError, match=needle):
+    with pytest.raises(kit.EngineRunError, match=needle):
         built("tiny-f32", "host").run("bad", ssd=tmp_path / "ssd", extra=extra, warmup=False)

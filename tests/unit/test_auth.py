@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.auth import (ALL_PERMISSIONS, ANONYMOUS, Authenticator, Permission, PermissionDeniedError,
+from kvstore.server.auth import (ALL_PERMISSIONS, ANONYMOUS, Authenticator, Permission, PermissionDeniedError,
                           Principal, TokenTable, UnauthenticatedError, bearer_token)
 from kvstore.errors import ConfigError
 

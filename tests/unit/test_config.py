@@ -65,7 +65,7 @@ def test_connector_shared_tier_keys_convert():
          "redis_url": "redis://r:6379/0", "write_policy": "write_back", "lower_tiers_required": "no"},
         env={"KVSTORE_STORE_TOKEN": "t0k"})
     assert (cfg.store_target, cfg.store_token, str(cfg.store_tls_ca)) == ("kvstore:50051", "t0k", "/etc/ca.pem")
-    assert (cfg.store_transport, cfg.write_policy, cfg.lower_tiers_required) == ("stream", "write_back", False)
+    assert (cfg.store_transport, cfg.write_policy, cfg.lower_tiers_required) == ("stream", WritePolicy.WRITE_BACK, False)
     assert cfg.has_lower_tiers
     assert not ConnectorConfig.from_extra_config({}, env={}).has_lower_tiers
 

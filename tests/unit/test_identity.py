@@ -18,7 +18,7 @@ import pytest
 from connector import identity
 from connector.identity import (canonical_json, plain, resolve_hub, settings_digest,
                                 snapshot_commit, weights_identity)
-from connector.weights import digest_dir
+from kvstore.weights import digest_dir
 
 COMMIT_A = "a" * 40
 COMMIT_B = "0123456789abcdef0123456789abcdef01234567"

@@ -8,10 +8,11 @@ import pytest
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
 from connector.lower import DIRTY_FRACTION, WriteDown, open_lower_tiers
+from kvstore.config import WritePolicy
 from kvstore.errors import TierUnavailableError
 from kvstore.keys import Identity, chunk_hashes, object_keys
-from kvstore.redis_proc import free_port
-from kvstore.store import TieredStore
+from kvstore.testing.redis_proc import free_port
+from kvstore.store.tiered import TieredStore
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
 
@@ -33,7 +34,7 @@ class Rig:
         self.ssd = SSDTier(tmp_path / "ssd", ssd_capacity)
         self.failures: list[tuple[str, str]] = []
         self.bytes: list[tuple[str, str, int]] = []
-        self.writer = WriteDown(self.host, [self.ssd], self.io, policy,
+        self.writer = WriteDown(self.host, [self.ssd], self.io, WritePolicy(policy),
                                 lambda *a: self.bytes.append(a), lambda *a: self.failures.append(a))
 
     def commit(self, key, parent=None) -> None:

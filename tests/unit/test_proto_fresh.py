@@ -1,12 +1,12 @@
 """The committed gRPC code matches ``proto/`` (``make proto`` regenerates it), and the server's
-hand-written frame codec (``kvstore.server_wire``) matches protobuf byte for byte."""
+hand-written frame codec (``kvstore.server.wire``) matches protobuf byte for byte."""
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvstore._proto import generate, kvstore_pb2 as pb
-from kvstore.server_wire import InFrame, Malformed, OutFrame, decode_put_frame, encode_get_frame, generic_handler
+from kvstore.server.wire import InFrame, Malformed, OutFrame, decode_put_frame, encode_get_frame, generic_handler
 
 
 def test_generated_code_is_fresh(tmp_path):

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import WritePolicy
 from kvstore.errors import ConfigError
-from kvstore.server_config import ServerConfig, split_listen
+from kvstore.server.config import ServerConfig, split_listen
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -45,10 +46,10 @@ def test_config_flag_beats_env_config(tmp_path):
 
 
 def test_env_conversions():
-    env = {"KVSTORE_SERVE_METRICS_PORT": "0", "KVSTORE_SERVE_WRITE_THROUGH": "off",
+    env = {"KVSTORE_SERVE_METRICS_PORT": "0", "KVSTORE_SERVE_WRITE_POLICY": "host_only",
            "KVSTORE_SERVE_PUT_TTL": "2.5", "KVSTORE_SERVE_MAX_OBJECT_BYTES": "1MiB"}
     cfg = ServerConfig.from_sources({}, env=env)
-    assert cfg.metrics_port == 0 and cfg.write_through is False
+    assert cfg.metrics_port == 0 and cfg.write_policy is WritePolicy.HOST_ONLY
     assert cfg.put_ttl_s == 2.5 and cfg.max_object_bytes == MiB
 
 
@@ -68,7 +69,8 @@ def test_env_conversions():
     ({"max_object_bytes": "100"}, {}, "max_object_bytes must hold at least a 256-byte header"),
     ({"max_keys_per_call": "0"}, {}, "max_keys_per_call must be positive"),
     ({"bogus": "1"}, {}, "command line: unknown key 'bogus'"),
-    ({}, {"KVSTORE_SERVE_WRITE_THROUGH": "maybe"}, "KVSTORE_SERVE_WRITE_THROUGH: expected true or false"),
+    ({}, {"KVSTORE_SERVE_WRITE_POLICY": "maybe"}, "KVSTORE_SERVE_WRITE_POLICY: 'maybe' is not one of"),
+    ({"write_policy": "write_back"}, {}, "write_back: the store process writes through or not at all"),
 ])
 def test_bad_values_are_named(flags, env, needle):
     with pytest.raises(ConfigError) as info:

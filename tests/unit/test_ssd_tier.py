@@ -416,7 +416,7 @@ async def test_random_concurrent_ops_match_the_disk(tmp_path, seed):
 
 async def test_batch_sizes_match_size_of(tmp_path):
     """``sizes`` answers a whole batch like ``size_of`` per key (used by batched lookups)."""
-    from kvstore.store import present_in
+    from kvstore.store.tiered import present_in
 
     tier = SSDTier(tmp_path / "batch", 1 << 20)
     ks = chain(4, seed=77)

@@ -1,4 +1,4 @@
-"""The weight digest (connector.weights): every byte counts, and the sidecar is trusted only
+"""The weight digest (kvstore.weights): every byte counts, and the sidecar is trusted only
 while a file's path, device, inode, size, mtime and ctime are all unchanged.
 
 The story: an engine restarted on updated weights at the same path, with the same sizes,
@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connector import weights
-from connector.weights import COUNTERS, PIECE_BYTES, digest_dir, model_files
+from kvstore import weights
+from kvstore.weights import COUNTERS, PIECE_BYTES, digest_dir, model_files
 
 MiB = 1 << 20
 WEIGHTS = "model.safetensors"
@@ -212,7 +212,7 @@ def test_the_cache_location_follows_the_environment(monkeypatch, tmp_path):
 
 # ---- across processes -------------------------------------------------------------------------
 
-_CHILD = ("import sys; from connector.weights import digest_dir; "
+_CHILD = ("import sys; from kvstore.weights import digest_dir; "
           "print(hash('kvstore-seed-probe')); print(digest_dir(sys.argv[1], cache_dir=sys.argv[2]))")
 
 

@@ -37,15 +37,15 @@ from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, LeaseError, TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from kvstore.server_config import ServerConfig
-from kvstore.server_metrics import ServerMetrics, Snapshot
-from kvstore.server_puts import PutPath
-from kvstore.server_state import LeaseBook
-from kvstore.store import sizes_in
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import ServerMetrics, Snapshot
+from kvstore.server.reservations import PutPath
+from kvstore.server.leases import LeaseBook
+from kvstore.store.tiered import sizes_in
 from tiers.base import Tier
 from tiers.host import HostTier
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.server.servicer")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from kvstore.config import parse_size
+from kvstore.config import WritePolicy, parse_size
 from kvstore.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -50,7 +50,7 @@ class ServerConfig:
     max_message_bytes: int = 8 * MiB        # grpc receive limit (≥ frame_bytes + 64 KiB)
     frame_bytes: int = 1 * MiB              # GetStream frame size
     shutdown_grace: float = 10.0            # seconds in-flight calls get at SIGTERM
-    write_through: bool = True              # copy committed puts to the lower tiers
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # how committed puts reach the lower tiers
 
     def __post_init__(self) -> None:
         split_listen(self.listen)
@@ -63,6 +63,9 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.put_ttl is not None and not 0 < self.put_ttl < 1e7:
             raise ConfigError(f"put_ttl must be a positive number of seconds, got {self.put_ttl}")
+        if self.write_policy is WritePolicy.WRITE_BACK:
+            raise ConfigError("write_policy write_back: the store process writes through or not at all "
+                              "(write_through or host_only)")
         if self.max_lease_ttl < self.lease_ttl:
             raise ConfigError(f"max_lease_ttl ({self.max_lease_ttl}) is below lease_ttl ({self.lease_ttl})")
         if self.max_object_bytes < 256:
@@ -119,8 +122,8 @@ _PATHS = {"ssd_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca", "rea
 _FLOATS = {"lease_ttl", "max_lease_ttl", "put_ttl", "shutdown_grace"}
 _INTS = {"metrics_port", "max_keys_per_call"}
 _STRINGS = {"listen", "redis", "metrics_host"}
-_BOOLS = {"write_through"}
-assert set(_FIELD_NAMES) == _SIZES | _PATHS | _FLOATS | _INTS | _STRINGS | _BOOLS
+_POLICIES = {"write_policy"}
+assert set(_FIELD_NAMES) == _SIZES | _PATHS | _FLOATS | _INTS | _STRINGS | _POLICIES
 
 
 def _check_known(key: str, where: str) -> None:
@@ -161,8 +164,12 @@ def _convert(key: str, value: object, where: str) -> object:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
-    if key in _BOOLS:
-        return _bool(value, where)
+    if key in _POLICIES:
+        try:
+            return value if isinstance(value, WritePolicy) else WritePolicy(str(value))
+        except ValueError as err:
+            raise ConfigError(f"{where}: {value!r} is not one of "
+                              f"{', '.join(p.value for p in WritePolicy)}") from err
     try:
         if isinstance(value, bool):
             raise ValueError(value)
@@ -172,17 +179,6 @@ def _convert(key: str, value: object, where: str) -> object:
     except (TypeError, ValueError) as err:
         kind = "an integer" if key in _INTS else "a number of seconds"
         raise ConfigError(f"{where}: expected {kind}, got {value!r}") from err
-
-
-def _bool(value: object, where: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{where}: expected true or false, got {value!r}")
 
 
 def split_listen(listen: str) -> tuple[str, int]:

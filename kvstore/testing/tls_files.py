@@ -2,7 +2,7 @@
 signed (SAN 127.0.0.1 and localhost) and a client certificate for mutual TLS.
 
 Made with the ``openssl`` command (a clear ``TierError`` when it is missing or fails); used by
-the Redis fixtures (``kvstore.redis_proc``) and the store process's TLS tests.
+the Redis fixtures (``kvstore.testing.redis_proc``) and the store process's TLS tests.
 """
 from __future__ import annotations
 

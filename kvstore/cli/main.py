@@ -8,29 +8,15 @@ from collections.abc import Sequence
 from kvstore.errors import KVStoreError
 
 
-def size_arg(flag: str):
-    """An argparse ``type`` for sizes such as ``512MiB``, with our message on bad input."""
-    from kvstore.config import parse_size
-
-    def parse(value: str) -> int:
-        try:
-            return parse_size(value, flag)
-        except KVStoreError as err:
-            raise argparse.ArgumentTypeError(str(err)) from err
-
-    parse.__name__ = "size"
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvstore import cli_capacity, cli_bench, cli_demo, cli_serve
+    from kvstore.cli import bench, capacity, demo, serve
 
-    cli_capacity.register(sub)
-    cli_bench.register(sub)
-    cli_demo.register(sub)
-    cli_serve.register(sub)
+    capacity.register(sub)
+    bench.register(sub)
+    demo.register(sub)
+    serve.register(sub)
     return parser
 
 

@@ -1,11 +1,11 @@
 """Remote tier: the store process (``kvstore serve``) behind the ``tiers.base.Tier`` contract.
 
-Runs in the engine's processes, over one ``kvstore.client.StoreClient``.
+Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClient``.
 
 * **Reads** land verified in the caller's buffer (``read_into``), rekeyed to the caller's
   key; ``lookup`` is the store's contiguous prefix (one ``Lookup`` per 4096 keys).  A
   same-host read is one round trip: its lease is released later, in a batch
-  (``kvstore.client_leases``; ``aclose`` sends what is queued).
+  (``kvstore.client.leases``; ``aclose`` sends what is queued).
   ``present(keys)`` is the batch form for ``TieredStore.lookup``: one round trip; key i is
   True for i below the store's contiguous hit and False from its first miss on (the store
   answers prefixes, and a chunk after a missing one is useless anyway), so pass the keys
@@ -32,8 +32,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvstore.client import StoreClient
-from kvstore.client_info import Reservation
+from kvstore.client.store_client import StoreClient
+from kvstore.client.info import Reservation
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from tiers.base import PutHandle, PutResult, TierStats

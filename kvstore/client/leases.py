@@ -32,11 +32,11 @@ import grpc
 import numpy as np
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client_io import INLINE_BYTES, Copier, payload_digest
+from kvstore.client.dataplane import INLINE_BYTES, Copier, payload_digest
 from kvstore.errors import ConfigError, KVStoreError, TierError
 from kvstore.keys import ObjectKey
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 RELEASE_DELAY_S = 0.02     # queued releases wait this long for company (pins last that much longer)
 _MARGIN_S = 0.001          # the window ends this much, plus _MARGIN_FRACTION of the TTL, early

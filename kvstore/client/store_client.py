@@ -1,4 +1,4 @@
-"""``StoreClient``: the store process's client (grpc.aio), used by ``tiers.remote``.
+"""``StoreClient``: the store process's client (grpc.aio), used by ``kvstore.client.tier``.
 
 Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, DESIGN §7):
 
@@ -44,17 +44,17 @@ import xxhash
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client_info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport,
+from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport,
                                  local_boot_id, open_channel)
-from kvstore.client_io import Copier, check_object, decode_get_frame, lookup_requests, prefault
-from kvstore.client_leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
-from kvstore.client_put import PutMixin
+from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests, prefault
+from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
+from kvstore.client.put import PutMixin
 from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
                             TierUnavailableError)
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
 from tiers.host_shm import SharedPoolView, attach_shared
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 _TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED})
 _STREAM_BYTES_PER_S = 100e6   # deadline allowance for streamed bytes (far below the real rate)

@@ -24,15 +24,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvstore import codec
+from kvstore.config import WritePolicy
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, ObjectFormatError, TierError
 from kvstore.keys import ObjectKey
-from kvstore.server_config import ServerConfig
-from kvstore.server_metrics import ServerMetrics
-from kvstore.server_state import ExpiredPutError, PendingPut, PutTable
+from kvstore.server.config import ServerConfig
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.leases import ExpiredPutError, PendingPut, PutTable
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.server.servicer")
 _VERIFY_INLINE = 1 << 20  # smaller objects are hashed on the loop (a thread hop costs more)
 _WRITE_SLOTS = 2          # concurrent write-throughs (the disk is the bottleneck anyway)
 
@@ -129,7 +130,7 @@ class PutPath:
     # --- background write-through -------------------------------------------------------
 
     def _write_through(self, key: ObjectKey, parent: ObjectKey | None) -> None:
-        if not self.cfg.write_through or not self.lower:
+        if self.cfg.write_policy is not WritePolicy.WRITE_THROUGH or not self.lower:
             return
         view = self.host.acquire(key)  # a reference: neither evicted nor freed while copied
         if view is None:

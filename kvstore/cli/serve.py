@@ -2,12 +2,13 @@
 
 Flags are not given defaults here: a flag left out falls through to ``KVSTORE_SERVE_*``
 environment variables, then the ``--config`` YAML file, then the defaults of
-``kvstore.server_config.ServerConfig``.  Nothing heavy is imported at parse time, so
+``kvstore.server.config.ServerConfig``.  Nothing heavy is imported at parse time, so
 ``kvstore serve`` starts in well under a second (no torch, no vLLM).
 """
 from __future__ import annotations
 
 import json
+from kvstore.config import WritePolicy
 
 _SERVE_FLAGS: tuple[tuple[str, str], ...] = (
     ("--listen", "HOST:PORT to serve on (port 0: a free port; default 127.0.0.1:50051)"),
@@ -38,8 +39,11 @@ def register(sub) -> None:
     for flag, text in _SERVE_FLAGS:
         serve.add_argument(flag, help=text)
     serve.add_argument("--config", help="YAML file of settings (flags and KVSTORE_SERVE_* win)")
-    serve.add_argument("--no-write-through", dest="write_through", action="store_const", const=False,
-                       help="do not copy committed puts to the lower tiers")
+    serve.add_argument("--write-policy", choices=[p.value for p in WritePolicy if p is not WritePolicy.WRITE_BACK],
+                       help="write_through (default: copy committed puts to the lower tiers) or "
+                            "host_only (lower tiers are read and promoted from, never written)")
+    serve.add_argument("--no-write-through", dest="write_policy", action="store_const", const="host_only",
+                       help="the same as --write-policy host_only")
     serve.set_defaults(func=_serve)
 
     stats = sub.add_parser("stats", help="print a store process's counters")
@@ -54,8 +58,8 @@ def register(sub) -> None:
 
 
 def _serve(args) -> int:
-    from kvstore.server_config import ServerConfig
-    from kvstore.server_main import run
+    from kvstore.server.config import ServerConfig
+    from kvstore.server.main import run
 
     flags = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     return run(ServerConfig.from_sources(flags))

@@ -1,4 +1,4 @@
-"""Byte movement for ``kvstore.client``: frame codecs, the copy engine, object checks.
+"""Byte movement for ``kvstore.client.store_client``: frame codecs, the copy engine, object checks.
 
 Client side only; no gRPC calls here.
 

@@ -1,9 +1,9 @@
-"""``kvstore demo``: the store-level main job (see ``kvstore.demo``)."""
+"""``kvstore demo``: the store-level main job (see ``kvstore.cli.demo_run``)."""
 from __future__ import annotations
 
 import argparse
 
-from kvstore.cli import size_arg
+from kvstore.cli.args import size_arg
 
 
 def register(sub) -> None:
@@ -17,6 +17,6 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from kvstore import demo
+    from kvstore.cli import demo_run as demo
 
     return demo.run(args)

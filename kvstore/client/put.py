@@ -21,13 +21,13 @@ import numpy as np
 
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client_info import Reservation
-from kvstore.client_io import INLINE_BYTES, Copier, encode_data_frame
+from kvstore.client.info import Reservation
+from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
 from kvstore.errors import CapacityError, ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from tiers.base import PutResult
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 _REFUSED_PUT = frozenset({Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION, Code.NOT_FOUND})
 _OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,

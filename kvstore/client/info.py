@@ -1,4 +1,4 @@
-"""Value objects and settings of ``kvstore.client``: the transport choice, what ``Hello``
+"""Value objects and settings of ``kvstore.client.store_client``: the transport choice, what ``Hello``
 said, lookup answers, a put reservation, counters, and the channel's options.
 
 Client side.  ``ServerInfo.shm_refusal`` holds the one rule deciding whether this process

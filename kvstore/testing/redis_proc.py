@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from kvstore.tls_files import TLSFiles, make_tls_files
+from kvstore.testing.tls_files import TLSFiles, make_tls_files
 
 __all__ = ["HOST", "RedisClusterProcs", "RedisServer", "TLSFiles", "free_cluster_port", "free_port", "make_tls_files"]
 

@@ -26,7 +26,7 @@ from kvstore import codec
 from kvstore.config import StoreConfig
 from kvstore.layout import format_bytes as format_size
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
-from kvstore.store import TieredStore
+from kvstore.store.tiered import TieredStore
 
 CHUNK = 256
 BLOCK = 16

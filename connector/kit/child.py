@@ -1,0 +1,97 @@
+"""The child side of the engine kit: ``python -m connector.kit.child engine SPEC OUT``
+starts the engine (vLLM's ``LLM``), runs the workload one request at a time (greedy, with
+logprobs) and writes the result JSON.  TTFT is vLLM's own per-request
+``first_token_latency`` (we start the engine with ``disable_log_stats=False``)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from connector.kit.runner import TTFT_METHOD
+from connector.kit.workload import BLOCK_SIZE, TokenSource
+
+def _engine_main(spec_path: str, out_path: str) -> None:
+    """Child entry point: start the engine, run the workload, write the result JSON."""
+    import vllm
+
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    llm = _make_llm(spec)
+    startup = time.perf_counter() - t0
+    warm = _warmup(llm, spec) if spec["warmup"] else None
+    results = _run_requests(llm, spec)
+    dtype = str(llm.model_config.dtype).removeprefix("torch.")
+    out = {"requests": results, "startup_s": startup, "warmup_ttft_s": warm,
+           "ttft_method": TTFT_METHOD, "vllm_version": vllm.__version__, "dtype": dtype}
+    tmp = Path(out_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, out_path)
+
+
+def _make_llm(spec: dict):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw = {"distributed_executor_backend": "uni"} if spec["single_process"] else {}
+    if spec["connector"]:
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    return LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False,
+               enable_prefix_caching=spec["enable_prefix_caching"], seed=0,
+               dtype=spec.get("dtype", "auto"), **kw)
+
+
+def _sampling(spec: dict, max_tokens: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens or spec["max_tokens"], temperature=0.0,
+                          logprobs=spec["logprobs"], ignore_eos=True)
+
+
+def _warmup(llm, spec: dict) -> float:
+    """One prompt sharing no block with any workload prompt (different seed, own salt)."""
+    tokens = list(TokenSource(10_007, 64).take(3 * BLOCK_SIZE))
+    return _generate(llm, tokens, "kvstore-e2e-warmup", _sampling(spec, 2))["ttft_s"]
+
+
+def _run_requests(llm, spec: dict) -> list[dict]:
+    done: dict[str, tuple[list[int], list[int]]] = {}  # label -> (prompt, output)
+    results = []
+    for d in spec["workload"]:
+        prompt = list(d["tokens"])
+        if d.get("extends"):
+            parent_prompt, parent_out = done[d["extends"]]
+            prompt = parent_prompt + parent_out + prompt
+        r = _generate(llm, prompt, d.get("cache_salt"), _sampling(spec))
+        done[d["label"]] = (prompt, r["token_ids"])
+        results.append({"label": d["label"], "cache_salt": d.get("cache_salt"), **r})
+    return results
+
+
+def _generate(llm, prompt: list[int], salt: str | None, params) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    inp = TokensPrompt(prompt_token_ids=prompt)
+    if salt is not None:
+        inp["cache_salt"] = salt
+    t0 = time.perf_counter()
+    (out,) = llm.generate([inp], params, use_tqdm=False)
+    e2e = time.perf_counter() - t0
+    m, comp = out.metrics, out.outputs[0]
+    if m is None or not m.first_token_latency:
+        raise RuntimeError("vLLM filled no request metrics; TTFT cannot be measured")
+    toks = list(comp.token_ids)
+    tops = [{int(t): float(lp.logprob) for t, lp in comp.logprobs[i].items()}
+            for i in range(len(toks))]
+    return {"prompt_len": len(prompt), "token_ids": toks, "top_logprobs": tops,
+            "logprobs": [tops[i][t] for i, t in enumerate(toks)], "e2e_s": e2e,
+            "ttft_s": m.first_token_latency, "prefill_s": m.first_token_ts - m.scheduled_ts}
+
+
+if __name__ == "__main__":  # spawn-safe: the engine only starts from this guard
+    if len(sys.argv) == 4 and sys.argv[1] == "engine":
+        _engine_main(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: python -m connector.kit.child engine SPEC_JSON OUT_JSON")

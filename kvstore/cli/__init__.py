@@ -1,0 +1,1 @@
+"""The ``kvstore`` command line: one module per sub-command (``main`` builds the parser)."""

@@ -21,8 +21,8 @@ def tiny2_model(tmp_path_factory) -> Path:
 
 
 # --------------------------------------------------------------- real redis-server processes
-# kvstore.testing.redis_proc is imported inside the fixtures, so test packages that never touch Redis
-# do not import redis-py.
+# kvstore.testing.redis_proc and .redis_cluster are imported inside the fixtures, so test
+# packages that never touch Redis do not import redis-py.
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +62,7 @@ def redis_server(redis_factory):
 def redis_cluster_factory(tmp_path):
     """``make(n=3, **RedisServer kwargs)`` -> a started RedisClusterProcs; for tests that
     kill or restart nodes.  Every cluster made is stopped at teardown."""
-    from kvstore.testing.redis_proc import RedisClusterProcs
+    from kvstore.testing.redis_cluster import RedisClusterProcs
 
     clusters = []
 
@@ -79,7 +79,7 @@ def redis_cluster_factory(tmp_path):
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory):
     """A started 3-node cluster shared by a module's tests; do not kill its nodes."""
-    from kvstore.testing.redis_proc import RedisClusterProcs
+    from kvstore.testing.redis_cluster import RedisClusterProcs
 
     with RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster")).start() as cluster:
         yield cluster

@@ -1,4 +1,4 @@
-"""Real ``redis-server`` processes on free ports: one server, TLS, or an n-node cluster.
+"""A real ``redis-server`` process on a free port: plain, with a password or ACL user, TLS.
 
 Used by the Redis tier's tests (fixtures in ``tests/conftest.py``) and by ``kvstore bench
 redis``; it runs in the test or benchmark process and starts its own children.
@@ -16,10 +16,9 @@ Contract:
   * ``kill()`` is SIGKILL, ``stop()`` is SIGTERM (Redis's graceful shutdown), each followed by
     a wait, so the port refuses connections when they return.  A server not stopped by its
     owner is killed when it is garbage-collected or at interpreter exit (``weakref.finalize``).
-  * ``RedisClusterProcs`` starts n masters without replicas (``redis-cli --cluster create``)
-    and returns once every node reports ``cluster_state:ok`` with all 16384 slots assigned
-    and all n nodes known.  ``cluster-require-full-coverage no`` keeps the surviving nodes
-    serving their own slots when one dies.
+  * ``free_port()`` and ``free_cluster_port()`` (a port whose cluster bus port, +10000, is free
+    too) pick ports on 127.0.0.1; ``RedisServer(..., cluster=True)`` is one node of a
+    ``kvstore.testing.redis_cluster.RedisClusterProcs``.
   * ``make_tls_files`` builds a CA, a server certificate (SAN IP:127.0.0.1, DNS:localhost) and
     a client certificate with the ``openssl`` command.
 """
@@ -38,16 +37,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from kvstore.testing.tls_files import TLSFiles, make_tls_files
-
-__all__ = ["HOST", "RedisClusterProcs", "RedisServer", "TLSFiles", "free_cluster_port", "free_port", "make_tls_files"]
-
 import redis
-import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.errors import ConfigError, TierError
+from kvstore.testing.tls_files import TLSFiles, make_tls_files
+
+__all__ = ["HOST", "RedisServer", "TLSFiles", "free_cluster_port", "free_port", "make_tls_files"]
 
 HOST = "127.0.0.1"
 _CONF, _LOG, _OUT = "redis.conf", "redis.log", "redis.out"
@@ -298,123 +295,3 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-# --------------------------------------------------------------------------- a cluster
-
-class RedisClusterProcs:
-    """n cluster-enabled masters (no replicas) in ``directory/node<i>``; options as for
-    ``RedisServer`` (password, username, tls, ...) apply to every node."""
-
-    def __init__(self, directory: Path, n: int = 3, **server_kw: Any) -> None:
-        if n < 3:
-            raise ConfigError(f"a Redis cluster needs at least 3 masters, got n={n}")
-        if "port" in server_kw or "cluster" in server_kw:
-            raise ConfigError("RedisClusterProcs picks each node's port and sets cluster=True")
-        self.directory = Path(directory).resolve()
-        self.nodes: list[RedisServer] = [
-            RedisServer(self.directory / f"node{i}", cluster=True, **server_kw) for i in range(n)]
-
-    @property
-    def url(self) -> str:
-        return f"redis+cluster://{HOST}:{self.nodes[0].port}"
-
-    def start(self, timeout: float = 30.0) -> RedisClusterProcs:
-        """Start every node, create the cluster, wait until every node sees it whole."""
-        deadline = time.monotonic() + timeout
-        try:
-            for node in self.nodes:
-                node.start(timeout=max(deadline - time.monotonic(), 1.0))
-            self._create(deadline)
-            self._await_ok(deadline, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def client(self, **kw: Any) -> redis.cluster.RedisCluster:
-        """A cluster client bootstrapped from every node still running."""
-        live = [n for n in self.nodes if n.running] or self.nodes[:1]
-        opts: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0,
-                                **self.nodes[0].connection_kwargs(), **kw}
-        return redis.cluster.RedisCluster(
-            startup_nodes=[redis.cluster.ClusterNode(HOST, n.port) for n in live], **opts)
-
-    def node_of(self, key: bytes | str) -> int:
-        """Index in ``nodes`` of the node that owns ``key``'s slot, per a live node's view."""
-        node = next((n for n in self.nodes if n.running), None)
-        if node is None:
-            raise TierError("no node of the cluster is running")
-        with node.client() as c:
-            slot = int(c.execute_command("CLUSTER KEYSLOT", key))
-            ranges = c.execute_command("CLUSTER SLOTS")
-        ports = {n.port: i for i, n in enumerate(self.nodes)}
-        for entry in ranges:
-            lo, hi, master = int(entry[0]), int(entry[1]), entry[2]
-            if lo <= slot <= hi:
-                return ports[int(master[1])]
-        raise TierError(f"slot {slot} of key {key!r} is not assigned to any node")
-
-    def kill(self, i: int) -> None:
-        self.nodes[i].kill()
-
-    def restart(self, i: int, timeout: float = 30.0) -> None:
-        """Restart node i on its port (it rejoins from its nodes-PORT.conf); wait until every
-        running node reports the cluster whole again."""
-        self.nodes[i].restart(timeout)
-        self._await_ok(time.monotonic() + timeout, timeout)
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()
-
-    def __enter__(self) -> RedisClusterProcs:
-        return self if any(n.running for n in self.nodes) else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _create(self, deadline: float) -> None:
-        exe = shutil.which("redis-cli")
-        if exe is None:
-            raise TierError("the 'redis-cli' command is not on PATH")
-        first, env = self.nodes[0], dict(os.environ)
-        args = [exe, "--cluster", "create", *(f"{HOST}:{n.port}" for n in self.nodes),
-                "--cluster-replicas", "0", "--cluster-yes"]
-        if first.password is not None:
-            env["REDISCLI_AUTH"] = first.password  # not on the command line
-        if first.username is not None:
-            args += ["--user", first.username]
-        if first.tls is not None:
-            args += ["--tls", "--cacert", str(first.tls.ca_cert)]
-            if first.tls_auth_clients:
-                args += ["--cert", str(first.tls.client_cert), "--key", str(first.tls.client_key)]
-        try:
-            done = subprocess.run(args, env=env, capture_output=True, text=True,
-                                  stdin=subprocess.DEVNULL,
-                                  timeout=max(deadline - time.monotonic(), 1.0))
-        except subprocess.TimeoutExpired as err:
-            raise TierError(f"redis-cli --cluster create timed out: {err.stdout!r}") from err
-        if done.returncode != 0 or "[OK] All 16384 slots covered" not in done.stdout:
-            raise TierError(f"redis-cli --cluster create exited {done.returncode}:\n"
-                            f"{(done.stdout + done.stderr).strip()[-1500:]}")
-
-    def _await_ok(self, deadline: float, timeout: float) -> None:
-        want = {"cluster_state": "ok", "cluster_slots_assigned": "16384",
-                "cluster_known_nodes": str(len(self.nodes))}
-        pending = [n for n in self.nodes if n.running]
-        last: dict[str, str] = {}
-        while pending:
-            try:
-                with pending[0].client(socket_timeout=1.0, decode_responses=True) as c:
-                    last = {k: str(v) for k, v in c.cluster("INFO").items()}
-                if all(last.get(k) == v for k, v in want.items()):
-                    pending.pop(0)
-                    continue
-            except (redis.ConnectionError, redis.TimeoutError) as err:
-                last = {"error": str(err)}
-            if time.monotonic() >= deadline:
-                node = pending[0]
-                raise TierError(f"cluster node {node.host}:{node.port} not ready within "
-                                f"{timeout:g} s: {last}; last log lines:\n{node.log_tail()}")
-            time.sleep(0.05)

@@ -1,5 +1,6 @@
-"""Real redis-server processes from kvstore.testing.redis_proc: plain, password/ACL, TLS, mutual TLS,
-memory limits, kill/restart, start-up failures, and a 3-node cluster that survives a dead node."""
+"""Real redis-server processes from kvstore.testing.redis_proc and .redis_cluster: plain,
+password/ACL, TLS, mutual TLS, memory limits, kill/restart, start-up failures, and a 3-node
+cluster that survives a dead node."""
 from __future__ import annotations
 
 import gc
@@ -11,7 +12,8 @@ import pytest
 import redis
 
 from kvstore.errors import ConfigError, TierError
-from kvstore.testing.redis_proc import HOST, RedisClusterProcs, RedisServer
+from kvstore.testing.redis_cluster import RedisClusterProcs
+from kvstore.testing.redis_proc import HOST, RedisServer
 
 
 def _refused(port: int) -> bool:

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from connector import kit
-from connector import bench_e2e as bench
+from connector.bench_e2e import oracle, report, setups
+
+pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("ours host hit TTFT / miss TTFT", "ours SSD hit TTFT / miss TTFT",
@@ -26,8 +28,8 @@ def _run(*reqs: kit.RequestResult) -> kit.EngineResult:
     return kit.EngineResult(tuple(reqs), 1.0, None, kit.TTFT_METHOD, "test")
 
 
-def _outcome(key: str, *reqs: kit.RequestResult) -> bench.Outcome:
-    return bench.Outcome(key, _run(*reqs))
+def _outcome(key: str, *reqs: kit.RequestResult) -> setups.Outcome:
+    return setups.Outcome(key, _run(*reqs))
 
 
 # ------------------------------------------------------------------ the oracle
@@ -36,7 +38,7 @@ def _outcome(key: str, *reqs: kit.RequestResult) -> bench.Outcome:
 def _references() -> list:
     recompute = _outcome("none", _req("long-0-first", -1.00), _req("long-0-repeat", -1.00))
     local_hit = _outcome("none-pc", _req("long-0-first", -1.00), _req("long-0-repeat", -1.03))
-    return bench.references({"none": recompute, "none-pc": local_hit})
+    return oracle.references({"none": recompute, "none-pc": local_hit})
 
 
 @pytest.mark.parametrize("first,repeat,ok,cached", [
@@ -47,7 +49,7 @@ def _references() -> list:
 ])
 def test_outputs_match_recompute_or_vllms_own_hit(first, repeat, ok, cached):
     out = _run(_req("long-0-first", first), _req("long-0-repeat", repeat))
-    cmp, loaded = bench.check_outputs(out, _references())
+    cmp, loaded = oracle.check_outputs(out, _references())
     assert bool(cmp) is ok
     assert loaded == cached
     if not ok:
@@ -56,7 +58,7 @@ def test_outputs_match_recompute_or_vllms_own_hit(first, repeat, ok, cached):
 
 def test_a_different_token_is_a_mismatch():
     out = _run(_req("long-0-first", -1.00, token=8), _req("long-0-repeat", -1.00))
-    cmp, _ = bench.check_outputs(out, _references())
+    cmp, _ = oracle.check_outputs(out, _references())
     assert not cmp and "token 0 differs" in cmp.mismatches[0]
 
 
@@ -67,24 +69,24 @@ def test_rows_are_ratios_to_the_same_run_miss():
     def setup(key, first, repeat):
         return _outcome(key, _req("long-0-first", -1, first), _req("long-0-repeat", -1, repeat))
 
-    rows = {r.name: r for r in bench.build_rows([{
+    rows = {r.name: r for r in report.build_rows([{
         "none": setup("none", 1.0, 1.2), "ours-1": setup("ours-1", 1.05, 0.2),
         "ours-2": setup("ours-2", 0.4, 0.2), "example": setup("example", 1.3, 0.25)}])}
     host = rows["ours host hit TTFT / miss TTFT"]
     assert (host.value, host.limit_value, host.target) == (200.0, 1100.0, 0.25)
     assert rows["ours hit vs ExampleConnector hit"].ratio == pytest.approx(0.8)
     assert rows["connector overhead on a miss"].meets_target is True  # 1050/1100
-    assert rows["ours SSD hit TTFT / miss TTFT"].limit_name == bench.MISS
+    assert rows["ours SSD hit TTFT / miss TTFT"].limit_name == report.MISS
     assert "ours hit vs LMCache hit" not in rows  # LMCache did not run: no row, no crash
 
 
 def test_workload_sends_each_long_prompt_twice_in_a_row():
-    wl = bench.build_workload(3, 300, 2, 1024)
+    wl = setups.build_workload(3, 300, 2, 1024)
     labels = [r.label for r in wl.requests]
     assert labels == ["long-0-first", "long-0-repeat", "short-0", "long-1-first", "long-1-repeat",
                       "short-1", "long-2-first", "long-2-repeat"]
     assert wl.requests[0].tokens == wl.requests[1].tokens != wl.requests[3].tokens
-    assert len(wl.requests[2].tokens) == bench.SHORT_LEN < kit.BLOCK_SIZE
+    assert len(wl.requests[2].tokens) == setups.SHORT_LEN < kit.BLOCK_SIZE
 
 
 # ------------------------------------------------------------------ the command
@@ -106,8 +108,8 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
         assert r["ratio"] == pytest.approx(r["value"] / r["limit_value"], abs=1e-3)
     targets = {r["name"]: r for r in doc["rows"] if r["target"] is not None}
     assert set(TARGETS) <= set(targets)
-    (setups,) = doc["passes"]
+    (by_setup,) = doc["passes"]
     for key in ("ours-1", "ours-2", "example"):
-        assert setups[key]["ran"] and setups[key]["outputs_match"] is True, setups[key]
-    assert setups["ours-2"]["served_from_store"]["first"] > 0  # engine 2 read engine 1's SSD files
-    assert "rates" in setups["ours-1"] and "tokens_hit_by_tier" in setups["ours-2"]
+        assert by_setup[key]["ran"] and by_setup[key]["outputs_match"] is True, by_setup[key]
+    assert by_setup["ours-2"]["served_from_store"]["first"] > 0  # engine 2 read engine 1's SSD files
+    assert "rates" in by_setup["ours-1"] and "tokens_hit_by_tier" in by_setup["ours-2"]

@@ -1,0 +1,116 @@
+"""``kvstore bench e2e``: time to first token on a real vLLM engine, ours beside its peers.
+
+Runs on the host and never imports vLLM: every setup runs the same workload in a fresh
+engine process (`connector.kit.run_engine`: one request at a time, vLLM prefix caching off,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, vLLM's default multi-process mode unless
+``--single-process``), so only the connector differs between setups:
+
+  none     no connector: the miss reference and the correctness reference
+  none-pc  no connector, vLLM prefix caching on: repeats are local hits (KV never left the
+           engine), the second correctness reference (see `oracle.check_outputs`)
+  ours-1   our connector, engine 1 on an empty SSD dir: first sends miss (and save),
+           repeats hit the host tier
+  ours-2   our connector, engine 2 (a new process) on the same SSD dir, its files dropped
+           from the page cache: first sends are SSD hits (prefetched to host, then
+           loaded), repeats host hits
+  example  vLLM's ExampleConnector on an empty dir: first sends save, repeats hit
+  lmcache  LMCache 0.5.6 in multiprocess mode, its server started here; installed into this
+           interpreter's venv on first use. A failure to install, start or run it is
+           printed with the error tail and the bench goes on without it.
+
+Workload: N distinct long prompts, each sent twice in a row, with short unrelated prompts
+in between. Every ratio is to the no-connector miss TTFT of the same long prompts (all of
+its sends, first and repeat, are misses), measured in the same run.
+
+Here: the command (``run``, and ``register`` for the ``kvstore.bench`` entry point).  The
+setups and the workload are in ``setups``, one pass over them in ``passes``, the
+correctness oracle in ``oracle``, the LMCache peer in ``lmcache_peer``, the rows and
+summaries in ``report``.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from connector import tinymodel
+from connector.bench_e2e.passes import run_pass
+from connector.bench_e2e.report import build_rows, format_summary, summary
+from connector.bench_e2e.setups import build_workload
+from kvstore.bench.common import print_rows
+
+
+def run(args) -> int:
+    t0 = time.perf_counter()
+    geo = tinymodel.GEOMETRIES[args.geometry]
+    model_dir = Path(args.model_dir or Path.home() / ".cache/kvstore/models" / args.geometry)
+    model = tinymodel.build_named(model_dir.expanduser(), args.geometry)
+    wl = build_workload(args.prompts, args.prompt_len, args.shorts, geo.vocab)
+    print(f"kvstore bench e2e: model {args.geometry} at {model}; {args.prompts} prompts of "
+          f"{args.prompt_len} tokens sent twice, {min(args.shorts, args.prompts)} short; "
+          f"{args.repeats} pass(es)", flush=True)
+    passes, summaries = [], []
+    for i in range(args.repeats):
+        print(f"\npass {i + 1}/{args.repeats}", flush=True)
+        with _workdir(args.workdir, i) as work:
+            outs = run_pass(model, wl, work, args)
+        passes.append(outs)
+        summaries.append({k: summary(o, args.prompts) for k, o in outs.items()})
+        for key, d in summaries[-1].items():
+            print(format_summary(key, d), flush=True)
+    rows = build_rows(passes)
+    elapsed = time.perf_counter() - t0
+    print_rows(f"kvstore bench e2e ({args.geometry}; TTFT p50 over {args.prompts} prompts x "
+               f"{args.repeats} pass(es); limits measured in this run; {elapsed:.0f} s)", rows)
+    if args.json:
+        doc = {"rows": [r.as_dict() for r in rows], "passes": summaries, "elapsed_s": elapsed,
+               "workload": {"geometry": args.geometry, "prompts": args.prompts,
+                            "prompt_len": args.prompt_len, "shorts": args.shorts}}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    return 0 if _ours_ok(summaries) else 1
+
+
+def _ours_ok(summaries: list[dict]) -> bool:
+    """The reference and both of our engines ran, and ours matched the reference."""
+    return all(s.get(k, {}).get("ran") and s[k].get("outputs_match", True)
+               for s in summaries for k in ("none", "ours-1", "ours-2"))
+
+
+@contextmanager
+def _workdir(root: str | None, i: int) -> Iterator[Path]:
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix="kvstore-bench-e2e-") as tmp:
+            yield Path(tmp)
+        return
+    work = Path(root) / f"pass-{i + 1}"
+    if work.exists():  # engine 1 must start on an empty SSD dir
+        from kvstore.errors import ConfigError
+
+        raise ConfigError(f"--workdir: {work} exists; give an empty or new directory")
+    work.mkdir(parents=True)
+    yield work
+
+
+def register(suites) -> None:
+    """``kvstore bench e2e`` (a ``kvstore.bench`` entry point)."""
+    from connector.tinymodel import GEOMETRIES  # no torch/vLLM import at parse time
+    from kvstore.cli.bench import positive
+
+    p = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")
+    p.add_argument("--json", help="write rows and per-setup results as JSON to this file")
+    p.add_argument("--geometry", default="bench", choices=sorted(GEOMETRIES), help="model shape")
+    p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
+    p.add_argument("--repeats", type=positive, default=1, help="whole comparisons; samples pooled")
+    p.add_argument("--prompts", type=positive, default=8, help="distinct long prompts")
+    p.add_argument("--prompt-len", type=positive, default=2080, help="tokens per long prompt")
+    p.add_argument("--shorts", type=int, default=3, help="short unrelated prompts in between")
+    p.add_argument("--max-tokens", type=positive, default=8, help="generated tokens per request")
+    p.add_argument("--skip-lmcache", action="store_true", help="leave out the LMCache setup")
+    p.add_argument("--single-process", action="store_true",
+                     help="engines in single-process mode: faster start, no LMCache")
+    p.add_argument("--workdir", help="keep SSD files, stats and logs here (default: a temp dir)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
+    p.set_defaults(func=run)

@@ -19,9 +19,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvstore.testing.redis_proc import free_port
+
+pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

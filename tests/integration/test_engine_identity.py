@@ -15,9 +15,12 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from connector import kit, tinymodel
 from connector.main import connector_config
+
+pytestmark = pytest.mark.engine
 
 GEOMETRY = "tiny-f32"
 PROMPT_TOKENS = 300  # one full 256-token chunk each

@@ -14,6 +14,8 @@ import pytest
 
 from connector import kit, tinymodel
 
+pytestmark = pytest.mark.engine
+
 MAX_TOKENS = 8
 
 

@@ -14,9 +14,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from connector import kit, tinymodel
 from connector.main import connector_config
 from kvstore.testing.serve_proc import StoreProcess
+
+pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

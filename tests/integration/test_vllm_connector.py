@@ -21,6 +21,8 @@ from connector import kit, tinymodel
 from connector.main import connector_config
 from kvstore import codec
 
+pytestmark = pytest.mark.engine
+
 # float32 "tiny-f32" is the sharp oracle (recompute noise ~5e-6, tolerance 1e-4); bf16
 # "tiny2" is a second KV layout (tolerance 0.1: bf16 recompute noise alone reaches 0.03).
 GEOMETRIES = ["tiny-f32", "tiny2"]

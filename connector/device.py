@@ -27,13 +27,14 @@ that observed the completion.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
 
+from connector.copy_thread import CopyThread
 from connector.events import CopyEvent, Device, Job, StreamCopyEvent
 from kvstore.errors import ConfigError
+
 
 class HostDevice:
     """Runs copy jobs in order on one dedicated thread."""
@@ -41,54 +42,37 @@ class HostDevice:
     name = "host"
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Job, CopyEvent] | None] = queue.SimpleQueue()
-        self._pending = 0
-        self._idle = threading.Condition()  # guards _pending
-        self._thread = threading.Thread(target=self._loop, name="kvstore-copy", daemon=True)
-        self._closed = False
-        self._thread.start()
+        self._copies: CopyThread[tuple[Job, CopyEvent]] = CopyThread("kvstore-copy", self._copy)
 
     def submit(self, job: Job) -> CopyEvent:
-        if self._closed:
-            raise RuntimeError("copy device is closed")
+        self._copies.check_open()
         event = CopyEvent()
-        with self._idle:
-            self._pending += 1
-        self._queue.put((job, event))
+        self._copies.begin()
+        self._copies.put((job, event))
         return event
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            job, event = item
-            error = None
-            try:
-                job()
-            except BaseException as err:  # noqa: BLE001 - reported through the event
-                error = err
-            self._finish(event, error)
+    def _copy(self, item: tuple[Job, CopyEvent]) -> None:
+        job, event = item
+        error = None
+        try:
+            job()
+        except BaseException as err:  # noqa: BLE001 - reported through the event
+            error = err
+        self._finish(event, error)
 
     def _finish(self, event: CopyEvent, error: BaseException | None) -> None:
         event.complete(error)
-        with self._idle:
-            self._pending -= 1
-            self._idle.notify_all()
+        self._copies.finished()
 
     def make_compute_wait(self, event: CopyEvent, timeout: float | None = None) -> bool:
         """Host compute is the calling thread: it simply waits for the copy."""
         return event.wait(timeout)
 
     def synchronize(self, timeout: float | None = None) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        return self._copies.wait_idle(timeout)
 
     def close(self, timeout: float = 60.0) -> None:
-        if self._closed:
-            return
-        if not self.synchronize(timeout):
-            raise RuntimeError(f"copy jobs still running after {timeout}s; not closing under them")
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._copies.close(timeout)
 
 
 class FaultyDevice(HostDevice):
@@ -126,7 +110,7 @@ class FaultyDevice(HostDevice):
             self._held = None
             super()._finish(event, error)
             super()._finish(*held)
-        elif self._queue.empty():  # nothing to swap with: do not hold it forever
+        elif self._copies.empty():  # nothing to swap with: do not hold it forever
             self._held = None
             super()._finish(event, error)
 

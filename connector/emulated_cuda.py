@@ -27,7 +27,6 @@ submit time, under the caller's modes; vLLM's forward runs in ``torch.inference_
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from connector.copy_thread import CopyThread
 from connector.events import CopyEvent, Job, StreamCopyEvent
 
 Op = tuple[object, tuple, dict]
@@ -86,6 +86,9 @@ class EmulatedCudaEvent(StreamCopyEvent):
         return self._err
 
 
+Pending = tuple[int, list[Op], tuple[bool, bool], EmulatedCudaEvent]  # job number, writes, modes, event
+
+
 class EmulatedCudaDevice:
     name = "emulated-cuda"
 
@@ -94,19 +97,12 @@ class EmulatedCudaDevice:
         self.failures = 0          # jobs whose copies failed on the stream (injected)
         self.deferred_writes = 0   # tensor writes that ran on the stream
         self._count = 0
-        self._queue: queue.SimpleQueue[tuple[int, list[Op], tuple[bool, bool], EmulatedCudaEvent] | None] = \
-            queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _events
         self._events: list[EmulatedCudaEvent] = []  # submitted, not yet observed
-        self._inflight = 0
-        self._idle = threading.Condition()  # guards _inflight
-        self._closed = False
-        self._thread = threading.Thread(target=self._stream, name="kvstore-emulated-stream", daemon=True)
-        self._thread.start()
+        self._stream: CopyThread[Pending] = CopyThread("kvstore-emulated-stream", self._run)
 
     def submit(self, job: Job) -> CopyEvent:
-        if self._closed:
-            raise RuntimeError("copy device is closed")
+        self._stream.check_open()
         n, self._count = self._count, self._count + 1
         ops: list[Op] = []
         error = None
@@ -116,38 +112,35 @@ class EmulatedCudaDevice:
             except Exception as err:  # noqa: BLE001 - reported through the event
                 error = err
         event = EmulatedCudaEvent()
-        with self._idle:
-            self._inflight += 1
+        self._stream.begin()
         with self._lock:
             self._events = [e for e in self._events if not e.done]
             self._events.append(event)
         modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        self._queue.put((n, ops, modes, event))
+        self._stream.put((n, ops, modes, event))
         if error is not None:
             # The writes the job enqueued before it raised may still touch its buffers.
             event._reach.wait()
             event.complete(error)
         return event
 
-    def _stream(self) -> None:
-        while (item := self._queue.get()) is not None:
-            n, ops, (inference, grad), event = item
-            if self.delay:
-                time.sleep(self.delay)
-            try:
-                if self.fail is not None and self.fail(n):
-                    self.failures += 1
-                    raise OSError(f"injected stream failure in job {n}")
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    for func, args, kwargs in ops:
-                        func(*args, **kwargs)
-                        self.deferred_writes += 1
-            except BaseException as err:  # noqa: BLE001 - a stream error, seen via the event
-                event._err = err
-            event._reach.set()  # reached; nothing calls back
-            with self._idle:
-                self._inflight -= 1
-                self._idle.notify_all()
+    def _run(self, item: Pending) -> None:
+        """One job's deferred writes, on the stream thread."""
+        n, ops, (inference, grad), event = item
+        if self.delay:
+            time.sleep(self.delay)
+        try:
+            if self.fail is not None and self.fail(n):
+                self.failures += 1
+                raise OSError(f"injected stream failure in job {n}")
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                for func, args, kwargs in ops:
+                    func(*args, **kwargs)
+                    self.deferred_writes += 1
+        except BaseException as err:  # noqa: BLE001 - a stream error, seen via the event
+            event._err = err
+        event._reach.set()  # reached; nothing calls back
+        self._stream.finished()
 
     def make_compute_wait(self, event: CopyEvent, timeout: float | None = None) -> bool:
         if isinstance(event, EmulatedCudaEvent):
@@ -156,9 +149,8 @@ class EmulatedCudaDevice:
 
     def synchronize(self, timeout: float | None = None) -> bool:
         """Wait until the stream ran everything, then complete every event (oldest first)."""
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._inflight == 0, timeout):
-                return False
+        if not self._stream.wait_idle(timeout):
+            return False
         with self._lock:
             events, self._events = self._events, []
         for e in events:
@@ -166,10 +158,4 @@ class EmulatedCudaDevice:
         return True
 
     def close(self, timeout: float = 60.0) -> None:
-        if self._closed:
-            return
-        if not self.synchronize(timeout):
-            raise RuntimeError(f"copy jobs still running after {timeout}s; not closing under them")
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        self._stream.close(timeout, drain=self.synchronize)  # every event completed first

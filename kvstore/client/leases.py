@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -63,17 +64,33 @@ class LeaseWindow:
         self.start, self.ttl_s = sent_at, ttl_ms / 1000
 
 
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timers(Protocol):
+    """Where the queue's delay is measured: the running event loop by default, or a test's
+    fake clock (same ``call_later`` signature; the callback must run on the loop)."""
+
+    def call_later(self, delay: float, callback: Callable[[], object], /) -> Cancellable: ...
+
+
 class ReleaseQueue:
     """Lease ids whose copies are already known good, released in the background in
-    batches of at most ``limit()`` ids (one ``send`` each).  Event-loop only."""
+    batches of at most ``limit()`` ids (one ``send`` each).  Event-loop only.
+
+    ``limit`` is read at every ``add`` and send (a client learns it from ``Hello``): a
+    call's worth goes at once; fewer ids go together once the first of them has waited
+    ``delay_s`` (on ``timers``)."""
 
     def __init__(self, send: Callable[[list[int]], Awaitable[object]], limit: Callable[[], int],
-                 delay_s: float = RELEASE_DELAY_S) -> None:
+                 delay_s: float = RELEASE_DELAY_S, timers: Timers | None = None) -> None:
         self._send = send
         self._limit = limit
         self._delay_s = delay_s
+        self._timers = timers
         self._ids: list[int] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Cancellable | None = None
         self._sending: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
@@ -84,7 +101,8 @@ class ReleaseQueue:
         if len(self._ids) >= self._limit():
             self._start_sends()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._delay_s, self._start_sends)
+            timers = self._timers if self._timers is not None else asyncio.get_running_loop()
+            self._timer = timers.call_later(self._delay_s, self._start_sends)
 
     async def flush(self) -> None:
         """Send everything queued now; return once every send in flight has finished."""
@@ -196,4 +214,4 @@ class LeasedGetMixin:
         await self._releases.flush()
 
 
-__all__ = ["LeaseWindow", "LeasedGetMixin", "RELEASE_DELAY_S", "ReleaseQueue"]
+__all__ = ["LeaseWindow", "LeasedGetMixin", "RELEASE_DELAY_S", "ReleaseQueue", "Timers"]

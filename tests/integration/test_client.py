@@ -237,14 +237,15 @@ async def test_refused_put_streams_get_their_real_status(tenant_store):
 
 @pytest.mark.parametrize("size", [KiB, 4 * MiB])
 async def test_expired_lease_at_completion_is_a_miss(tmp_path, size):
-    """``_after_copy`` (a test hook) pauses between the copy and the lease release."""
+    """``_after_copy`` (a test hook) pauses between the copy and the lease release, longer
+    than the server's TTL (the server's clock is real: this needs a real pause)."""
     proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--lease-ttl", "0.2").start()
     _, keys = chain(1, seed=17)
     obj = sealed(keys[0], size, 9)
     buf = np.zeros(size, np.uint8)
     try:
         async with await StoreClient.connect(proc.target, transport="shm",
-                                             _after_copy=lambda: asyncio.sleep(0.5)) as slow, \
+                                             _after_copy=lambda: asyncio.sleep(0.3)) as slow, \
                 await StoreClient.connect(proc.target, transport="shm") as fast:
             assert await fast.put(keys[0], obj) is PutResult.STORED
             assert await slow.get_into(keys[0], memoryview(buf)) is None
@@ -548,6 +549,9 @@ async def test_long_copies_renew_their_lease(tmp_path):
 
 
 async def test_renewed_lease_outlives_its_ttl(tmp_path):
+    """Two 300 ms leases, one renewed at once: when the other has expired (the server says
+    so), the renewed one has outlived its first TTL.  The renewal rules themselves are
+    stories on a fake clock in tests/unit/test_server_core.py."""
     proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--lease-ttl", "0.3").start()
     _, keys = chain(2, seed=23)
     try:
@@ -558,9 +562,10 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
                 got = await client._stub.Get(pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64],
                                                            tag=key.tag), timeout=5)
                 leases.append(got.lease_id)
-            for _ in range(4):                       # 0.6 s: twice the TTL
-                await asyncio.sleep(0.15)
-                assert await client._renew(leases[0], 300) == 300
+            assert await client._renew(leases[0], 5000) == 5000
+            async with asyncio.timeout(10):
+                while (await _server_counters(client))["leases_held"] != 1:
+                    await asyncio.sleep(0.02)
             assert await client._release(leases[0]) is True      # renewed: still valid
             assert await client._release(leases[1]) is False     # not renewed: expired
             assert await client._renew(leases[1], 300) is None   # unknown now: NOT_FOUND

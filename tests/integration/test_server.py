@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -172,15 +171,15 @@ def test_lease_expiry_renewal_and_release(tmp_path, objects):
         def release(lease_id: int) -> bool:
             return list(c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[lease_id])).valid) == [True]
 
-        short = get(200)
-        time.sleep(0.5)
+        # The rules are stories in tests/unit/test_server_core.py (fake clock); here the
+        # process's own clock and the RPCs: two 200 ms leases, one renewed at once; once the
+        # other has expired, the renewed one has outlived its first TTL.
+        renewed, short = get(200), get(200)
+        assert c.call("RenewLease", pb.RenewLeaseRequest(lease_id=renewed, lease_ms=5000)).lease_ms == 5000
+        assert wait_until(lambda: c.stats()[1]["leases_held"] == 1, timeout=5, interval=0.02)
         assert not release(short)                                    # expired: the copy is a miss
         assert rpc_code(lambda: c.call("RenewLease", pb.RenewLeaseRequest(lease_id=short))) == \
             grpc.StatusCode.NOT_FOUND
-        renewed = get(400)
-        time.sleep(0.2)
-        assert c.call("RenewLease", pb.RenewLeaseRequest(lease_id=renewed, lease_ms=2000)).lease_ms == 2000
-        time.sleep(0.4)                                              # past the first TTL
         assert release(renewed)
         assert not release(renewed)                                  # released twice: not valid
         deleted = get(5000)

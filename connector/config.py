@@ -1,86 +1,105 @@
-"""Connector configuration: vLLM's ``kv_connector_extra_config`` plus ``KVSTORE_*`` env vars.
+"""Connector configuration (scheduler and worker sides): vLLM's ``kv_connector_extra_config``,
+then ``KVSTORE_<KEY>`` environment variables, then the defaults below.
 
-Keys (each also read from ``KVSTORE_<KEY>`` when absent from the mapping):
+``ConnectorConfig`` is the tier settings every store has (``kvstore.config.TierSettings``: host
+pool, SSD tier, write policy), ``lease_ttl`` (``LeaseSettings``, shared with the store
+process) and the connector's own settings.  Each field's doc says
+what it means; the README's connector table lists the same keys (a test keeps them equal).
+Values convert by field type (``kvstore.config.convert``).  Unknown keys, impossible values
+and unwritable directories fail at engine start with a ``ConfigError`` naming the key.
 
-  host_capacity   bytes or "512MiB"; the host DRAM pool (shared by scheduler and worker)
-  ssd_dir         a directory for the SSD tier; "" or absent = no SSD tier
-  ssd_capacity    bytes or "16GiB"
-  chunk_size      tokens per chunk object; a multiple of the engine block size
-  device          auto | host | cuda | emulated-cuda: the copy engine on the worker.
-                  emulated-cuda gives CUDA's side-stream semantics on the CPU (writes land
-                  later, nothing calls back); options emulated-cuda:delay=S,fail_every=N.
-                  Tests also use faulty:fail_every=N,delay=S to inject copy failures
-  verify_loads    true/false: checksum every object before it reaches the engine
-  prefill_tokens_per_s  seed of the cost model's recompute rate (refined online)
-  load_timeout_s  how long a layer waits for its load before the load counts as failed
-  stats_path      a JSON file the scheduler keeps updated with hit rates and bytes
-  lease_ttl       seconds a lease protects an object chosen for loading
-  redis_url       a Redis (or Redis Cluster) tier below host DRAM: redis://, rediss://,
-                  redis+cluster://...; tier options as URL query parameters (key_prefix,
-                  ttl_s, part_size, tls_ca, ...; see tiers/redis_config.py); "" = none
-  store_target    HOST:PORT of a `kvstore serve` store process shared by the engines on a
-                  host (a tier below host DRAM); "" = none
-  store_token     bearer token for the store process (its tenant and permissions)
-  store_tls_ca    CA certificate file when the store process serves TLS
-  store_transport auto | shm | stream: how bytes move to and from the store process
-  write_policy    write_through (lower tiers get each chunk when it is saved),
-                  write_back (chunks stay in host DRAM only and go down in LRU order when
-                  unflushed chunks exceed half the pool, and at shutdown) or host_only
-                  (lower tiers are read and promoted from, never written)
-  lower_tiers_required  true/false: whether an unreachable Redis or store process at engine
-                  start is an error (true) or starts the tier as down (false: misses and a
-                  background retry, see the circuit breaker)
-
-Unknown keys, impossible sizes and unwritable directories fail at engine start with a
-``ConfigError`` naming the key.
+The copy device is a ``DeviceSpec``: a ``DeviceKind`` plus, for ``emulated-cuda`` and
+``faulty``, options (``emulated-cuda:delay=S,fail_every=N``; tests inject copy failures with
+``faulty:fail_every=N,delay=S``).  It stays a ``str``, so ``connector.device.make_device``
+takes it as it is.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from connector.device import check_device_spec
-from kvstore.config import StoreConfig, WritePolicy, merge_settings, parse_size
+from kvstore.client.info import Transport
+from kvstore.config import LeaseSettings, Seconds, TierSettings, check_seconds, from_env, given, load, setting
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-TRANSPORTS = ("auto", "shm", "stream")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
+class DeviceKind(Enum):
+    """The copy engine on the worker."""
+
+    AUTO = "auto"                     # CUDA when available, else host
+    HOST = "host"                     # a copy thread
+    CUDA = "cuda"                     # a side CUDA stream
+    EMULATED_CUDA = "emulated-cuda"   # CUDA's side-stream semantics on the CPU (writes land later)
+    FAULTY = "faulty"                 # fault tests: every N-th copy job fails
+
+
+_WITH_OPTIONS = {DeviceKind.EMULATED_CUDA: False, DeviceKind.FAULTY: True}  # kind -> options required
+
+
+class DeviceSpec(str):
+    """A device spec such as ``host`` or ``emulated-cuda:delay=0.01``: ``kind`` and ``options``."""
+
+    __slots__ = ()
+
+    @property
+    def kind(self) -> DeviceKind:
+        return DeviceKind(self.partition(":")[0])
+
+    @property
+    def options(self) -> str:
+        return self.partition(":")[2]
+
+    @classmethod
+    def parse(cls, value: object, where: str) -> DeviceSpec:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a device such as 'auto', got {value!r}")
+        name, sep, _ = value.partition(":")
+        kind = next((k for k in DeviceKind if k.value == name), None)
+        if kind is None or (sep and kind not in _WITH_OPTIONS) or (not sep and _WITH_OPTIONS.get(kind)):
+            raise ConfigError(f"{where}: {value!r} is not one of auto, host, cuda, emulated-cuda[:OPTIONS] "
+                              "or faulty:OPTIONS (OPTIONS: delay=S,fail_every=N)")
+        try:
+            check_device_spec(value)
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {err}") from err
+        return cls(value)
+
+
 @dataclass(frozen=True, slots=True)
-class ConnectorConfig:
-    host_capacity: int = 1 << 30
-    ssd_dir: Path | None = None
-    ssd_capacity: int = 16 << 30
-    chunk_size: int = 256
-    device: str = "auto"
-    verify_loads: bool = True
-    prefill_tokens_per_s: float = 5000.0
-    load_timeout_s: float = 30.0
-    stats_path: Path | None = None
-    lease_ttl: float = 60.0
-    redis_url: str = ""
-    store_target: str = ""
-    store_token: str = ""
-    store_tls_ca: Path | None = None
-    store_transport: str = "auto"
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
-    lower_tiers_required: bool = True
+class ConnectorConfig(LeaseSettings, TierSettings):
+    chunk_size: int = setting(256, "tokens per chunk; a multiple of the engine block size")
+    device: DeviceSpec = setting(DeviceSpec("auto"), "the copy engine on the worker: `auto`, `host`, `cuda`, "
+                                 "`emulated-cuda[:delay=S,fail_every=N]` (CUDA's stream semantics on the CPU)")
+    verify_loads: bool = setting(True, "checksum every object before the engine sees it")
+    prefill_tokens_per_s: float = setting(5000.0, "the cost model's starting recompute rate (it learns online)")
+    load_timeout_s: Seconds = setting(30.0, "how long a layer waits for its load before it counts as failed")
+    stats_path: Path | None = setting(None, "a JSON file kept up to date with hit rates, bytes per tier and "
+                                      "failures")
+    redis_url: str = setting("", "a Redis tier: `redis://`, `rediss://` (TLS), `redis+cluster://`; tier "
+                             "options as query parameters; empty: none")
+    store_target: str = setting("", "`HOST:PORT` of a `kvstore serve` store process (a tier below host DRAM); "
+                                "empty: none")
+    store_token: str = setting("", "bearer token for the store process (its tenant and permissions)")
+    store_tls_ca: Path | None = setting(None, "CA certificate when the store process serves TLS")
+    store_transport: Transport = setting(Transport.AUTO, "`auto` (shared memory when allowed, else gRPC "
+                                         "streams), `shm` or `stream`")
+    lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
+                                         "is an error (true) or leaves that tier out, counted (false)")
 
     def __post_init__(self) -> None:
-        check_device_spec(self.device)
-        for name in ("prefill_tokens_per_s", "load_timeout_s", "lease_ttl"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        TierSettings.__post_init__(self)
+        LeaseSettings.__post_init__(self)
         validate_chunk_size(self.chunk_size, 1)
-        if self.store_transport not in TRANSPORTS:
-            raise ConfigError(f"store_transport: {self.store_transport!r} is not one of {', '.join(TRANSPORTS)}")
-        if not isinstance(self.write_policy, WritePolicy):
-            raise ConfigError(f"write_policy: {self.write_policy!r} is not a WritePolicy")
+        check_seconds("load_timeout_s", self.load_timeout_s)
+        if not self.prefill_tokens_per_s > 0:
+            raise ConfigError(f"prefill_tokens_per_s must be positive, got {self.prefill_tokens_per_s}")
         if self.store_target and not _HOSTPORT.match(self.store_target):
             raise ConfigError(f"store_target: expected HOST:PORT, got {self.store_target!r}")
 
@@ -90,44 +109,11 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None,
-                          env: Mapping[str, str] | None = None) -> "ConnectorConfig":
-        merged = merge_settings(cls, dict(extra or {}), env, "kv_connector_extra_config")
-        return cls(**{k: _convert(k, v) for k, v in merged.items()})
+                          env: Mapping[str, str] | None = None) -> ConnectorConfig:
+        """``extra`` over ``KVSTORE_<KEY>`` variables of ``env`` (``os.environ`` when None)
+        over the defaults."""
+        return load(cls, given(cls, extra, "kv_connector_extra_config"), from_env(cls, env, "KVSTORE_"))
 
     def check_block_size(self, block_size: int) -> None:
         """The chunk must cover whole engine blocks."""
         validate_chunk_size(self.chunk_size, block_size)
-
-    def store_config(self) -> StoreConfig:
-        return StoreConfig(host_capacity=self.host_capacity, ssd_dir=self.ssd_dir,
-                           ssd_capacity=self.ssd_capacity, chunk_size=self.chunk_size,
-                           lease_ttl=self.lease_ttl)
-
-
-def _write_policy(value: object) -> WritePolicy:
-    try:
-        return value if isinstance(value, WritePolicy) else WritePolicy(str(value))
-    except ValueError as err:
-        choices = ", ".join(p.value for p in WritePolicy)
-        raise ConfigError(f"write_policy: {value!r} is not one of {choices}") from err
-
-
-def _convert(key: str, value: object) -> object:
-    try:
-        if key in ("host_capacity", "ssd_capacity"):
-            return parse_size(value, key)  # type: ignore[arg-type]
-        if key in ("ssd_dir", "stats_path", "store_tls_ca"):
-            return None if value in (None, "") else Path(str(value))
-        if key == "chunk_size":
-            return value if isinstance(value, int) and not isinstance(value, bool) else int(str(value), 10)
-        if key in ("verify_loads", "lower_tiers_required"):
-            return value if isinstance(value, bool) else _BOOL[str(value).lower()]
-        if key in ("prefill_tokens_per_s", "load_timeout_s", "lease_ttl"):
-            return float(value)  # type: ignore[arg-type]
-        if key == "write_policy":
-            return _write_policy(value)
-        return str(value)
-    except (KeyError, TypeError, ValueError) as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"kv_connector_extra_config: bad value {value!r} for {key}") from err

@@ -8,12 +8,13 @@
     rediss+cluster://...    Redis Cluster over TLS
 
 ``cluster=true`` (an option or a query parameter) selects cluster mode with a plain scheme.
-Options may come from the query string or from keyword arguments (keywords win); the
-username and password may come from the URL or the options.  Every mistake — a malformed
-URL, an unknown scheme or option, a missing host, a bad port, a key prefix with spaces, a
-part size above Redis' 512 MiB bulk limit — raises ``ConfigError`` naming the value.  The
-password never appears in ``repr``/``str``/``redacted_url``.  Parsing touches neither the
-network nor the file system.
+Options may come from the query string or from keyword arguments (keywords win), and
+convert by field type (``kvstore.config.convert``: sizes such as ``2MiB``, seconds,
+``true``/``false``); the username and password may come from the URL or the options.
+Every mistake — a malformed URL, an unknown scheme or option, a missing host, a bad port,
+a key prefix with spaces, a part size above Redis' 512 MiB bulk limit — raises
+``ConfigError`` naming the value.  The password never appears in ``repr``/``str``/
+``redacted_url``.  Parsing touches neither the network nor the file system.
 
 ``connect(cfg)`` turns a config into a connected redis-py asyncio client (a
 ``BlockingConnectionPool`` of ``pool_size`` + 2 connections, or a ``RedisCluster``), PINGs
@@ -41,7 +42,7 @@ from redis.asyncio.connection import BlockingConnectionPool, Connection, SSLConn
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvstore.config import parse_size
+from kvstore.config import Seconds, Size, convert, field_types
 from kvstore.errors import ConfigError, TierUnavailableError
 
 MiB = 1 << 20
@@ -53,7 +54,6 @@ MIN_PART_SIZE = 4096
 DEFAULT_PART_SIZE = 1 * MiB
 _SCHEMES = {"redis": (False, False), "rediss": (True, False),
             "redis+cluster": (False, True), "rediss+cluster": (True, True)}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,15 +68,15 @@ class RedisConfig:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     key_prefix: str = "kvstore:"
-    ttl_s: float = 0.0                 # 0: objects never expire
+    ttl_s: Seconds = 0.0               # 0: objects never expire
     pool_size: int = 16                # connections per server (per node in a cluster)
-    connect_timeout_s: float = 1.0
-    op_timeout_s: float = 2.0
-    part_size: int = DEFAULT_PART_SIZE
-    max_object_bytes: int = 1 << 30
+    connect_timeout_s: Seconds = 1.0
+    op_timeout_s: Seconds = 2.0
+    part_size: Size = DEFAULT_PART_SIZE
+    max_object_bytes: Size = 1 << 30
     max_inflight_parts: int = 4        # concurrent part transfers of one object (measured)
-    retry_s: float = 1.0               # circuit-breaker probe interval
-    orphan_ttl_s: float = 600.0        # lifetime of parts of a put never committed
+    retry_s: Seconds = 1.0             # circuit-breaker probe interval
+    orphan_ttl_s: Seconds = 600.0      # lifetime of parts of a put never committed
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -136,8 +136,9 @@ class RedisConfig:
         if unknown:
             raise ConfigError(f"unknown redis option(s) {', '.join(unknown)} in {_redact(url)}; "
                               f"known: {', '.join(sorted(_OPTION_FIELDS))}")
+        types = field_types(cls)
         for name, value in merged.items():
-            values[name] = _convert(name, value)
+            values[name] = convert(types[name], value, name)
         scheme_cluster = values.pop("scheme_cluster")
         if scheme_cluster and values.get("cluster") is False:
             raise ConfigError(f"{_redact(url)} is a cluster URL but the options say cluster=false")
@@ -147,10 +148,6 @@ class RedisConfig:
 
 _URL_FIELDS = {"host", "port", "db", "tls", "username", "password"}
 _OPTION_FIELDS = {f.name for f in dataclasses.fields(RedisConfig)} - {"host", "port", "db", "tls"}
-_FLOATS = {"ttl_s", "connect_timeout_s", "op_timeout_s", "retry_s", "orphan_ttl_s"}
-_INTS = {"pool_size", "max_inflight_parts"}
-_SIZES = {"part_size", "max_object_bytes"}
-_STRS = {"username", "password", "key_prefix", "tls_ca", "tls_cert", "tls_key"}
 
 
 def _redact(url: str) -> str:
@@ -205,46 +202,6 @@ def _db(path: str, shown: str) -> int:
     if not text.isdigit():
         raise ConfigError(f"redis URL {shown}: the path must be a database number, got {path!r}")
     return int(text)
-
-
-def _convert(name: str, value: object) -> object:
-    if name in _SIZES:
-        return parse_size(value, name)  # type: ignore[arg-type]
-    if name in _FLOATS:
-        try:
-            out = float(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{name}: expected seconds, got {value!r}") from err
-        if not math.isfinite(out):
-            raise ConfigError(f"{name}: expected finite seconds, got {value!r}")
-        return out
-    if name in _INTS:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError as err:
-            raise ConfigError(f"{name}: expected an integer, got {value!r}") from err
-    if name == "cluster":
-        return _bool(name, value)
-    if name in _STRS:
-        if value is None:
-            return None
-        if not isinstance(value, str):
-            raise ConfigError(f"{name}: expected a string, got {type(value).__name__}")
-        return value if value or name == "key_prefix" else None
-    raise AssertionError(name)
-
-
-def _bool(name: str, value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"{name}: expected true or false, got {value!r}")
 
 
 def _check_prefix(prefix: str) -> None:

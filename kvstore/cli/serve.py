@@ -1,49 +1,31 @@
 """``kvstore serve`` (the store process) and ``kvstore stats`` (a readable summary of one).
 
-Flags are not given defaults here: a flag left out falls through to ``KVSTORE_SERVE_*``
-environment variables, then the ``--config`` YAML file, then the defaults of
-``kvstore.server.config.ServerConfig``.  Nothing heavy is imported at parse time, so
+The flags are the fields of ``kvstore.server.config.ServerConfig`` (``lease_ttl`` is
+``--lease-ttl``), with their docs as help.  Flags are not given defaults here: a flag left
+out falls through to ``KVSTORE_SERVE_*`` environment variables, then the ``--config`` YAML
+file, then the defaults of ``ServerConfig``.  Nothing heavy is imported at parse time, so
 ``kvstore serve`` starts in well under a second (no torch, no vLLM).
 """
 from __future__ import annotations
 
 import json
-from kvstore.config import WritePolicy
+from dataclasses import MISSING, Field, fields
+from enum import Enum
+from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin
 
-_SERVE_FLAGS: tuple[tuple[str, str], ...] = (
-    ("--listen", "HOST:PORT to serve on (port 0: a free port; default 127.0.0.1:50051)"),
-    ("--host-capacity", "size of the shared host DRAM pool (e.g. 8GiB; default 1GiB)"),
-    ("--ssd-dir", "directory of the SSD tier (off when not given)"),
-    ("--ssd-capacity", "size limit of the SSD tier (default 16GiB)"),
-    ("--redis", "URL of the Redis tier, the lowest tier (redis://host:port/db)"),
-    ("--auth-tokens", "YAML tokens file; without it every call is tenant 'default'"),
-    ("--tls-cert", "server certificate (PEM)"),
-    ("--tls-key", "server private key (PEM)"),
-    ("--tls-client-ca", "require client certificates signed by this CA (PEM)"),
-    ("--metrics-port", "serve Prometheus /metrics on this port (0: a free port)"),
-    ("--metrics-host", "address of /metrics (default: the --listen host)"),
-    ("--lease-ttl", "default lease TTL in seconds (default 30)"),
-    ("--max-lease-ttl", "longest lease a client may ask for, seconds (default 300)"),
-    ("--put-ttl", "seconds an uncommitted PutStart reservation lives (default: --lease-ttl)"),
-    ("--ready-file", "write the bound HOST:PORT here once serving"),
-    ("--max-object-bytes", "largest object accepted (default 256MiB)"),
-    ("--max-keys-per-call", "most keys in one Lookup / lease ids in one ReleaseLease (default 4096)"),
-    ("--max-message-bytes", "gRPC receive limit (default 8MiB; at least frame bytes + 64KiB)"),
-    ("--frame-bytes", "GetStream frame size (default 1MiB)"),
-    ("--shutdown-grace", "seconds in-flight calls get at SIGTERM (default 10)"),
-)
+from kvstore.config import Seconds, Size, field_types
+from kvstore.server.config import ServerConfig, flag_name
 
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="run the store process (gRPC, shared memory, tiers)")
-    for flag, text in _SERVE_FLAGS:
-        serve.add_argument(flag, help=text)
+    types = field_types(ServerConfig)
+    for f in fields(ServerConfig):  # one flag per setting, its help from the setting's doc
+        serve.add_argument(flag_name(f.name), metavar=_metavar(f.name, types[f.name]),
+                           help=_help(f, types[f.name]))
     serve.add_argument("--config", help="YAML file of settings (flags and KVSTORE_SERVE_* win)")
-    serve.add_argument("--write-policy", choices=[p.value for p in WritePolicy if p is not WritePolicy.WRITE_BACK],
-                       help="write_through (default: copy committed puts to the lower tiers) or "
-                            "host_only (lower tiers are read and promoted from, never written)")
-    serve.add_argument("--no-write-through", dest="write_policy", action="store_const", const="host_only",
-                       help="the same as --write-policy host_only")
     serve.set_defaults(func=_serve)
 
     stats = sub.add_parser("stats", help="print a store process's counters")
@@ -57,8 +39,32 @@ def register(sub) -> None:
     stats.set_defaults(func=_stats)
 
 
+def _metavar(name: str, tp: object) -> str:
+    inner = next((a for a in get_args(tp) if a is not type(None)), tp) if get_origin(tp) in (Union, UnionType) else tp
+    return {Size: "SIZE", Seconds: "SECONDS", int: "N", Path: "PATH"}.get(inner, name.upper())
+
+
+def _help(f: Field, tp: object) -> str:
+    """The setting's doc and its default (``%`` doubled: argparse formats help text)."""
+    text, default = f.metadata["doc"].replace("`", ""), f.default
+    if default in (None, MISSING):
+        return text.replace("%", "%%")
+    if isinstance(default, Enum):
+        default = default.value
+    elif isinstance(default, float):
+        default = f"{default:g}"
+    elif tp == Size:
+        default = _exact_size(default)
+    return f"{text} (default {default})".replace("%", "%%")
+
+
+def _exact_size(n: int) -> str:
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n % s == 0),
+                       ("", 1))
+    return f"{n // scale}{unit}"
+
+
 def _serve(args) -> int:
-    from kvstore.server.config import ServerConfig
     from kvstore.server.main import run
 
     flags = {k: v for k, v in vars(args).items() if k not in ("func", "command")}

@@ -1,6 +1,6 @@
 """Configuration of the store process (``kvstore serve``), server side.
 
-``ServerConfig.from_sources(flags, env, file)`` merges four layers, highest first:
+``ServerConfig.from_sources(flags, env, config_file)`` merges four layers, highest first:
 
 1. command-line flags (only those given: ``None`` means "not given");
 2. ``KVSTORE_SERVE_<KEY>`` environment variables (``KVSTORE_SERVE_HOST_CAPACITY=8GiB``);
@@ -8,19 +8,20 @@
    (``host_capacity`` or ``host-capacity``);
 4. the defaults below.
 
-Sizes go through ``kvstore.config.parse_size`` (``512MiB``, ``8GiB``, ``4096``).  Unknown keys,
-unparsable or impossible values raise ``ConfigError`` naming the key and where it came from.
+The fields are ``kvstore.config.TierSettings`` and ``LeaseSettings`` (shared with the
+connector) plus the store process's own; each converts by its type (``kvstore.config.convert``)
+and its doc is the ``--help`` of its flag.  Unknown keys, unparsable or impossible values
+raise ``ConfigError`` naming the key and where it came from.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from kvstore.config import WritePolicy, parse_size
+from kvstore.config import (LeaseSettings, Seconds, Size, TierSettings, WritePolicy, check_seconds, from_env,
+                            from_yaml, given, load, setting)
 from kvstore.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -29,45 +30,44 @@ STREAM_HEADROOM = 64 * KiB  # a stream frame's protobuf framing stays well insid
 
 
 @dataclass(frozen=True, slots=True)
-class ServerConfig:
-    listen: str = "127.0.0.1:50051"
-    host_capacity: int = 1 * GiB
-    ssd_dir: Path | None = None
-    ssd_capacity: int = 16 * GiB
-    redis: str | None = None                # URL of the Redis tier (lowest tier)
-    auth_tokens: Path | None = None         # YAML tokens file; None: no auth (tenant "default")
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    tls_client_ca: Path | None = None       # require client certificates signed by this CA
-    metrics_port: int | None = None         # Prometheus /metrics; 0 picks a free port
-    metrics_host: str | None = None         # default: the host of ``listen``
-    lease_ttl: float = 30.0                 # default lease TTL, seconds
-    max_lease_ttl: float = 300.0            # longest lease a client may ask for
-    put_ttl: float | None = None            # uncommitted PutStart lifetime; default lease_ttl
-    ready_file: Path | None = None
-    max_object_bytes: int = 256 * MiB
-    max_keys_per_call: int = 4096
-    max_message_bytes: int = 8 * MiB        # grpc receive limit (≥ frame_bytes + 64 KiB)
-    frame_bytes: int = 1 * MiB              # GetStream frame size
-    shutdown_grace: float = 10.0            # seconds in-flight calls get at SIGTERM
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # how committed puts reach the lower tiers
+class ServerConfig(LeaseSettings, TierSettings):
+    listen: str = setting("127.0.0.1:50051", "HOST:PORT to serve on (port 0: a free port)")
+    redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db)")
+    auth_tokens: Path | None = setting(None, "YAML tokens file; without it every call is tenant 'default'")
+    tls_cert: Path | None = setting(None, "server certificate (PEM)")
+    tls_key: Path | None = setting(None, "server private key (PEM)")
+    tls_client_ca: Path | None = setting(None, "require client certificates signed by this CA (PEM)")
+    metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: a free port)")
+    metrics_host: str | None = setting(None, "address of /metrics (default: the host of listen)")
+    max_lease_ttl: Seconds = setting(300.0, "longest lease a client may ask for, seconds")
+    put_ttl: Seconds | None = setting(None, "seconds an uncommitted PutStart reservation lives "
+                                      "(default: lease_ttl)")
+    ready_file: Path | None = setting(None, "write the bound HOST:PORT here once serving")
+    max_object_bytes: Size = setting(256 * MiB, "largest object accepted")
+    max_keys_per_call: int = setting(4096, "most keys in one Lookup / lease ids in one ReleaseLease")
+    max_message_bytes: Size = setting(8 * MiB, "gRPC receive limit (at least frame_bytes + 64KiB)")
+    frame_bytes: Size = setting(1 * MiB, "GetStream frame size")
+    shutdown_grace: Seconds = setting(10.0, "seconds in-flight calls get at SIGTERM")
 
     def __post_init__(self) -> None:
+        TierSettings.__post_init__(self)
+        LeaseSettings.__post_init__(self)
         split_listen(self.listen)
-        for name in ("host_capacity", "ssd_capacity", "max_object_bytes", "max_keys_per_call",
-                     "max_message_bytes", "frame_bytes"):
+        for name in ("max_object_bytes", "max_keys_per_call", "max_message_bytes", "frame_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("lease_ttl", "max_lease_ttl", "shutdown_grace"):
-            if not 0 < getattr(self, name) < 1e7:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if self.put_ttl is not None and not 0 < self.put_ttl < 1e7:
-            raise ConfigError(f"put_ttl must be a positive number of seconds, got {self.put_ttl}")
+        for name in ("max_lease_ttl", "shutdown_grace"):
+            check_seconds(name, getattr(self, name))
+        if self.put_ttl is not None:
+            check_seconds("put_ttl", self.put_ttl)
         if self.write_policy is WritePolicy.WRITE_BACK:
             raise ConfigError("write_policy write_back: the store process writes through or not at all "
                               "(write_through or host_only)")
         if self.max_lease_ttl < self.lease_ttl:
             raise ConfigError(f"max_lease_ttl ({self.max_lease_ttl}) is below lease_ttl ({self.lease_ttl})")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
         if self.max_object_bytes < 256:
             raise ConfigError(f"max_object_bytes must hold at least a 256-byte header, got {self.max_object_bytes}")
         if self.frame_bytes < 4 * KiB:
@@ -97,88 +97,20 @@ class ServerConfig:
     @classmethod
     def from_sources(cls, flags: Mapping[str, object] | None = None,
                      env: Mapping[str, str] | None = None,
-                     config_file: str | Path | None = None) -> "ServerConfig":
+                     config_file: str | Path | None = None) -> ServerConfig:
         """Merge flags > environment > YAML file > defaults (see the module docstring)."""
         env = os.environ if env is None else env
         flags = {k: v for k, v in (flags or {}).items() if v is not None}
         config_file = flags.pop("config", None) or config_file or env.get(ENV_PREFIX + "CONFIG")
-        merged: dict[str, tuple[object, str]] = {}
+        sources = [given(cls, flags, "command line", flag_name), from_env(cls, env, ENV_PREFIX)]
         if config_file:
-            for key, value in _read_yaml(Path(str(config_file))).items():
-                merged[key] = (value, f"{config_file}: {key}")
-        for name in _FIELD_NAMES:
-            var = ENV_PREFIX + name.upper()
-            if var in env:
-                merged[name] = (env[var], var)
-        for key, value in flags.items():
-            _check_known(key, "command line")
-            merged[key] = (value, "--" + key.replace("_", "-"))
-        return cls(**{k: _convert(k, v, where) for k, (v, where) in merged.items()})
+            sources.append(from_yaml(cls, str(config_file)))
+        return load(cls, *sources)
 
 
-_FIELD_NAMES = tuple(f.name for f in fields(ServerConfig))
-_SIZES = {"host_capacity", "ssd_capacity", "max_object_bytes", "max_message_bytes", "frame_bytes"}
-_PATHS = {"ssd_dir", "auth_tokens", "tls_cert", "tls_key", "tls_client_ca", "ready_file"}
-_FLOATS = {"lease_ttl", "max_lease_ttl", "put_ttl", "shutdown_grace"}
-_INTS = {"metrics_port", "max_keys_per_call"}
-_STRINGS = {"listen", "redis", "metrics_host"}
-_POLICIES = {"write_policy"}
-assert set(_FIELD_NAMES) == _SIZES | _PATHS | _FLOATS | _INTS | _STRINGS | _POLICIES
-
-
-def _check_known(key: str, where: str) -> None:
-    if key not in _FIELD_NAMES:
-        raise ConfigError(f"{where}: unknown key {key!r}; known: {', '.join(_FIELD_NAMES)}")
-
-
-def _read_yaml(path: Path) -> dict[str, object]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError as err:
-        raise ConfigError(f"config file {path} does not exist") from err
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path} is not readable: {err}") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of settings, got {type(doc).__name__}")
-    out = {}
-    for key, value in doc.items():
-        name = str(key).replace("-", "_")
-        _check_known(name, f"config file {path}")
-        out[name] = value
-    return out
-
-
-def _convert(key: str, value: object, where: str) -> object:
-    """The typed value of one setting; ``ConfigError`` naming ``where`` otherwise."""
-    if key in _SIZES:
-        return parse_size(value, where)  # type: ignore[arg-type]
-    if key in _PATHS:
-        return None if value in (None, "") else Path(str(value))
-    if key in _STRINGS:
-        if value in (None, "") and key != "listen":
-            return None
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if key in _POLICIES:
-        try:
-            return value if isinstance(value, WritePolicy) else WritePolicy(str(value))
-        except ValueError as err:
-            raise ConfigError(f"{where}: {value!r} is not one of "
-                              f"{', '.join(p.value for p in WritePolicy)}") from err
-    try:
-        if isinstance(value, bool):
-            raise ValueError(value)
-        if key in _INTS:
-            return value if isinstance(value, int) else int(str(value), 10)
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError) as err:
-        kind = "an integer" if key in _INTS else "a number of seconds"
-        raise ConfigError(f"{where}: expected {kind}, got {value!r}") from err
+def flag_name(key: str) -> str:
+    """The ``kvstore serve`` flag of setting ``key``: ``lease_ttl`` → ``--lease-ttl``."""
+    return "--" + key.replace("_", "-")
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -191,4 +123,4 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-__all__ = ["ENV_PREFIX", "STREAM_HEADROOM", "ServerConfig", "split_listen"]
+__all__ = ["ENV_PREFIX", "STREAM_HEADROOM", "ServerConfig", "flag_name", "split_listen"]

@@ -117,3 +117,65 @@ def test_split_listen(text, expected):
 def test_split_listen_rejects(bad):
     with pytest.raises(ConfigError, match="listen address"):
         split_listen(bad)
+
+
+def test_yaml_values_of_every_type(tmp_path):
+    conf = tmp_path / "serve.yaml"
+    conf.write_text("host-capacity: 2GiB\nssd_dir: null\nlease_ttl: 12\nput_ttl: 1.5\nmetrics_port: 0\n"
+                    "write_policy: host_only\nredis: ''\nready_file: ready.txt\nmax_object_bytes: 1048576\n")
+    cfg = ServerConfig.from_sources({"config": str(conf)}, env={})
+    assert (cfg.host_capacity, cfg.ssd_dir, cfg.lease_ttl) == (2 * GiB, None, 12.0)
+    assert (cfg.put_ttl, cfg.metrics_port) == (1.5, 0)
+    assert (cfg.write_policy, cfg.redis, cfg.ready_file, cfg.max_object_bytes) == \
+        (WritePolicy.HOST_ONLY, None, Path("ready.txt"), MiB)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("lease_ttl: soon\n", ": lease_ttl: expected a number of seconds, got 'soon'"),
+    ("metrics_port: 1.5\n", ": metrics_port: expected an integer, got 1.5"),
+    ("write_policy: sometimes\n", ": write_policy: 'sometimes' is not one of write_through"),
+    ("ssd_dir: [a]\n", ": ssd_dir: expected a path, got ['a']"),
+    ("lease_ttl: 9\nlease-ttl: 8\n", "'lease-ttl' repeats the setting 'lease_ttl'"),
+    ("lease_ttl: 400\n", "max_lease_ttl (300.0) is below lease_ttl (400.0) (from "),
+])
+def test_bad_yaml_values_name_the_file_and_key(tmp_path, text, needle):
+    conf = tmp_path / "serve.yaml"
+    conf.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        ServerConfig.from_sources({"config": str(conf)}, env={})
+    assert needle in str(info.value) and str(conf) in str(info.value)
+
+
+def test_each_prefix_is_read_by_its_own_side():
+    """``KVSTORE_<KEY>`` is the connector's, ``KVSTORE_SERVE_<KEY>`` the store process's."""
+    from connector.config import ConnectorConfig
+
+    env = {"KVSTORE_LEASE_TTL": "5", "KVSTORE_SERVE_LEASE_TTL": "9", "KVSTORE_SERVE_HOST_CAPACITY": "2GiB"}
+    assert ServerConfig.from_sources({}, env=env).lease_ttl == 9.0
+    connector = ConnectorConfig.from_extra_config({}, env=env)
+    assert (connector.lease_ttl, connector.host_capacity) == (5.0, GiB)
+
+
+def test_a_refused_value_names_its_flag_or_variable():
+    origins = r"below lease_ttl \(60.0\) \(from KVSTORE_SERVE_MAX_LEASE_TTL, --lease-ttl\)$"
+    with pytest.raises(ConfigError, match=origins):
+        ServerConfig.from_sources({"lease_ttl": "60"}, env={"KVSTORE_SERVE_MAX_LEASE_TTL": "30"})
+
+
+def test_serve_flags_are_the_settings():
+    """``kvstore serve`` has one flag per ServerConfig field, help from its doc, no defaults
+    of its own (a flag left out falls through to the environment, the file, the default)."""
+    from dataclasses import fields
+
+    from kvstore.cli.main import build_parser
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest: a for a in serve._actions if a.option_strings and a.dest not in ("help", "config")}
+    assert set(flags) == {f.name for f in fields(ServerConfig)}
+    assert all(a.default is None and a.help for a in flags.values())
+    assert "(default 1GiB)" in flags["host_capacity"].help and "(default 30)" in flags["lease_ttl"].help
+    args = parser.parse_args(["serve", "--host-capacity", "2GiB", "--put-ttl", "4", "--write-policy", "host_only"])
+    flag_values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    cfg = ServerConfig.from_sources(flag_values, env={"KVSTORE_SERVE_HOST_CAPACITY": "3GiB"})
+    assert (cfg.host_capacity, cfg.put_ttl_s, cfg.write_policy) == (2 * GiB, 4.0, WritePolicy.HOST_ONLY)

@@ -136,7 +136,8 @@ class LeasedGetMixin:
     async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
         segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
-        resp = await self._unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag))
+        resp = await self._unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
+                                                      lease_ms=self.lease_ms))
         if not resp.found:
             return None
         n, off = resp.length, resp.offset

@@ -65,8 +65,10 @@ class StoreClient(LeasedGetMixin, PutMixin):
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
                  transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None,
-                 release_delay_s: float = RELEASE_DELAY_S) -> None:
+                 release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None) -> None:
         self.target = target
+        # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
+        self.lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
         self.timeout_s = timeout_s
         self.transport = transport
         self.counters = ClientCounters()
@@ -100,19 +102,24 @@ class StoreClient(LeasedGetMixin, PutMixin):
                       tls_cert: str | None = None, tls_key: str | None = None,
                       tls_server_name: str | None = None, transport: Transport | str = "auto",
                       timeout_s: float = 2.0, release_delay_s: float = RELEASE_DELAY_S,
+                      lease_ttl_s: float | None = None,
                       _after_copy: Callable[[], Awaitable[object]] | None = None) -> StoreClient:
         """Open a channel, ``Hello`` (waiting up to ``timeout_s`` for the server), choose
         the data plane.  ``TierUnavailableError`` when the store cannot be reached.
-        ``release_delay_s``: how long finished reads' lease releases wait to be batched."""
+        ``release_delay_s``: how long finished reads' lease releases wait to be batched.
+        ``lease_ttl_s``: the lease each Get asks for (None: the server's default; the server
+        caps it at its ``max_lease_ttl``)."""
         mode = Transport.parse(transport)
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be positive, got {timeout_s}")
         if not 0 <= release_delay_s <= 60:
             raise ConfigError(f"release_delay_s must lie in [0, 60] seconds, got {release_delay_s}")
+        if lease_ttl_s is not None and not 0 < lease_ttl_s < 1e7:
+            raise ConfigError(f"lease_ttl_s must be a positive number of seconds, got {lease_ttl_s}")
         if not target or ":" not in target:
             raise ConfigError(f"store target must be HOST:PORT, got {target!r}")
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
-        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s)
+        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s)
         try:
             await client.refresh(wait_for_ready=True)
         except BaseException:
@@ -188,7 +195,7 @@ class StoreClient(LeasedGetMixin, PutMixin):
         return n
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
-        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag)
+        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
         call = self._get_stream(req, timeout=self._deadline(len(dst)), metadata=self._metadata)
         view = memoryview(dst)
         try:

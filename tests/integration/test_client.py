@@ -571,3 +571,24 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
             assert await client._renew(leases[1], 300) is None   # unknown now: NOT_FOUND
     finally:
         assert proc.terminate(30) == 0
+
+
+async def test_the_clients_lease_ttl_is_what_the_server_grants(store):
+    """``lease_ttl_s`` (the connector's ``lease_ttl``) is asked for on every Get: a 1 s
+    lease on a store whose default is 30 s lapses by itself, while the read's release is
+    still queued (60 s batching delay)."""
+    _, keys = chain(1, seed=29)
+    buf = np.zeros(8192, np.uint8)
+    async with await StoreClient.connect(store.target, transport="shm", lease_ttl_s=1.0,
+                                         release_delay_s=60) as client, \
+            await StoreClient.connect(store.target, transport="stream") as watcher:
+        assert client.lease_ms == 1000
+        assert await client.put(keys[0], sealed(keys[0], 4096, 7)) is PutResult.STORED
+        before = (await _server_counters(watcher))["leases_held"]
+        assert await client.get_into(keys[0], memoryview(buf)) == 4096
+        assert (await _server_counters(watcher))["leases_held"] == before + 1
+        async with asyncio.timeout(10):                  # the server's reaper drops it
+            while (await _server_counters(watcher))["leases_held"] != before:
+                await asyncio.sleep(0.05)
+    with pytest.raises(ConfigError, match="lease_ttl_s"):
+        await StoreClient.connect(store.target, lease_ttl_s=0)

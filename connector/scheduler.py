@@ -1,9 +1,9 @@
 """Scheduler half of the connector: keys, lookup, the load-or-recompute decision, slot
 bookkeeping and the per-step plan.  Runs in the engine's scheduler process.
 
-It owns the embedded ``TieredStore``: a host pool in shared memory, then the lower tiers of
-``connector.lower`` (SSD, the store process, Redis).  Workers only
-copy bytes into and out of the slots chosen here (``connector.plan``).
+It owns the store core (``kvstore.store.TieredStore``, opened by ``connector.lower``): a host
+pool in shared memory, then SSD, the store process, Redis.  Workers only copy bytes into and
+out of the slots chosen here (``connector.plan``).
 
 Loads.  A request's prompt is hashed into chunk keys (namespace: the model identity plus
 ``cache_salt`` and LoRA); the contiguous hit is looked up across tiers and the cost model
@@ -16,8 +16,8 @@ the copy finished.
 
 Saves.  When a step completes a full prompt chunk that no tier holds, a host slot is
 reserved (incomplete, invisible) and the worker gathers the pages into it after the
-forward; the worker's report commits it (visible), then ``connector.lower.WriteDown``
-copies it to the lower tiers (write-through, or write-back under pressure and at shutdown).
+forward; the worker's report commits it (visible), then the core's write-down copies it to
+the lower tiers (write-through, or write-back under pressure and at shutdown).
 A finished request whose saves were planned keeps its blocks
 (``delay_free``) until the worker says the gathers are done.
 """
@@ -28,20 +28,19 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
+from connector.requests import ReqState, RequestView, StepInput, count_request, identity_fields
 from kvstore import codec
-from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel
 from kvstore.store.tiered import TieredStore
-from connector.lower import WriteDown, open_lower_tiers
+from connector.lower import open_store
 from tiers.base import PutHandle
 from tiers.host import HostTier
 
@@ -50,39 +49,6 @@ PREFETCH_POLL_S = 0.005  # how long one lookup may block on a running prefetch
 MAX_SAVE_WAITS = 50  # engine steps a request may wait for a chunk another request is saving
 NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently used dropped first:
                         # a salt per user must not grow the scheduler without bound
-
-
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    req_id: str
-    prompt: Sequence[int]
-    salt: str = ""
-    lora: str = ""
-
-
-@dataclass(slots=True)
-class StepInput:
-    new: list[tuple[str, list[int], int]] = field(default_factory=list)              # id, blocks, computed
-    cached: list[tuple[str, list[int] | None, int, bool]] = field(default_factory=list)  # id, new blocks, computed, resumed
-    scheduled: dict[str, int] = field(default_factory=dict)
-    preempted: set[str] = field(default_factory=set)
-
-
-@dataclass
-class _Req:
-    view: RequestView
-    keys: list[ObjectKey]
-    hashes: list[ChunkHash]
-    blocks: list[int] = field(default_factory=list)
-    saved_upto: int = 0                      # chunks already saved or skipped
-    pins: dict[ObjectKey, int] = field(default_factory=dict)  # pinned key -> slot offset
-    window: tuple[int, int] = (0, 0)         # token range promised to the engine
-    prefetch: object = None                  # concurrent.futures.Future while SSD→host runs
-    fetched: bool = False
-    counted: bool = False
-    save_waits: int = 0
-    tiers: tuple[str, ...] = ()
-    had_saves: bool = False
 
 
 class SchedulerHalf:
@@ -99,18 +65,15 @@ class SchedulerHalf:
         self.stats = HitStats()
         self._prom = prometheus()
         if store is None:
-            host = HostTier(cfg.host_capacity, shared=True, pin=False)
             try:
-                store = TieredStore(host, self.io.run(open_lower_tiers(cfg, self._fail)))
+                store = self.io.run(open_store(cfg, self._bytes, self._fail))
             except BaseException:
-                host.close()
                 self.io.close()
                 raise
         self.store = store
         self.host: HostTier = self.store.host
-        self.writer = WriteDown(self.host, self.store.lower, self.io, cfg.write_policy, self._bytes, self._fail)
         self.cost = CostModel(cfg.prefill_tokens_per_s)
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, ReqState] = {}
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
@@ -129,17 +92,17 @@ class SchedulerHalf:
         if ns is not None:
             self._namespaces.move_to_end(key)
             return ns
-        ns = self._namespaces[key] = Identity(**{**_fields(self.identity), "scope": salt, "adapter": lora}).namespace()
+        ns = self._namespaces[key] = Identity(**{**identity_fields(self.identity), "scope": salt, "adapter": lora}).namespace()
         if len(self._namespaces) > NAMESPACE_CACHE:
             self._namespaces.popitem(last=False)
         return ns
 
-    def _state(self, view: RequestView) -> _Req:
+    def _state(self, view: RequestView) -> ReqState:
         st = self._reqs.get(view.req_id)
         if st is None:
             ns = self._namespace(view.salt, view.lora)
             hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), self.cfg.chunk_size)
-            st = self._reqs[view.req_id] = _Req(view, object_keys(ns, hashes), hashes)
+            st = self._reqs[view.req_id] = ReqState(view, object_keys(ns, hashes), hashes)
         return st
 
     # --- lookup and load decision ------------------------------------------------------------
@@ -156,7 +119,7 @@ class SchedulerHalf:
             if not st.prefetch.done():
                 return None
             self._finish_prefetch(st)
-        found = self.io.run(self.store.lookup(st.keys))
+        found = self.io.run(self.store.lookup(st.keys, sized=False))
         if self._save_pending(st, found.hits):
             return None  # the next chunk is being saved by an earlier request: ask again soon
         if not st.tiers:  # where the hit was first found (before any prefetch moved it)
@@ -171,7 +134,7 @@ class SchedulerHalf:
         self._count_lookup(st, n)
         return n
 
-    def _save_pending(self, st: _Req, hits: int) -> bool:
+    def _save_pending(self, st: ReqState, hits: int) -> bool:
         """True when chunk ``hits`` (the first miss) is reserved by an in-flight save; a
         request waits for it a bounded number of steps instead of recomputing it."""
         if hits >= len(st.keys) or st.keys[hits] not in self._saving or st.save_waits >= MAX_SAVE_WAITS:
@@ -182,7 +145,7 @@ class SchedulerHalf:
     async def _prefetch(self, keys: list[ObjectKey]) -> int:
         done, t0, by_tier = 0, time.perf_counter(), {}
         for key in keys:
-            tier = await self.store.promote_from(key)
+            tier = await self.store.promote(key)
             if tier is None:
                 break
             done += 1
@@ -195,7 +158,7 @@ class SchedulerHalf:
                 self._bytes(tier, "read", n * self.object_size)
         return done
 
-    def _finish_prefetch(self, st: _Req) -> None:
+    def _finish_prefetch(self, st: ReqState) -> None:
         fut, st.prefetch, st.fetched = st.prefetch, None, True
         try:
             fut.result()
@@ -203,7 +166,7 @@ class SchedulerHalf:
             self._fail("lower", f"prefetch:{type(err).__name__}")
             log.warning("kvstore: prefetch for %s failed: %s", st.view.req_id, err)
 
-    def _pin_prefix(self, st: _Req, chunks: int, num_computed: int) -> int:
+    def _pin_prefix(self, st: ReqState, chunks: int, num_computed: int) -> int:
         """Pin the host-resident prefix (≤ chunks) and return the tokens to promise."""
         prompt_len, c = len(st.view.prompt), self.cfg.chunk_size
         for key in st.keys[:chunks]:
@@ -222,39 +185,16 @@ class SchedulerHalf:
         st.window = (num_computed, end)
         return end - num_computed
 
-    def _unpin(self, st: _Req) -> None:
+    def _unpin(self, st: ReqState) -> None:
         for key in st.pins:
             self.host.release(key)
         st.pins.clear()
         st.window = (0, 0)
 
-    def _count_lookup(self, st: _Req, n: int) -> None:
-        if st.counted:
-            return
-        st.counted = True
-        s, p, c = self.stats, self._prom, self.cfg.chunk_size
-        full = len(st.view.prompt) // c
-        s.requests += 1
-        s.tokens_looked_up += len(st.view.prompt)
-        s.chunks_looked_up += full
-        p["requests"].inc()
-        p["looked_up_tokens"].inc(len(st.view.prompt))
-        p["chunks"].inc(full)
-        by_tier: dict[str, int] = {}
-        if n > 0:
-            start, end = st.window
-            s.requests_hit += 1
-            s.tokens_hit += n
-            p["request_hits"].inc()
-            for i in range(start // c, (end + c - 1) // c):
-                tier = st.tiers[i] if i < len(st.tiers) else self.host.name
-                by_tier[tier] = by_tier.get(tier, 0) + min(end, (i + 1) * c) - max(start, i * c)
-            for tier, tokens in by_tier.items():
-                s.add("tokens_hit_by_tier", tier, tokens)
-                p["hit_tokens"].labels(tier).inc(tokens)
-            s.chunks_hit += len(st.pins)
-            p["chunk_hits"].inc(len(st.pins))
-        s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt))
+    def _count_lookup(self, st: ReqState, n: int) -> None:
+        if not st.counted:
+            st.counted = True
+            count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name)
 
     # --- after allocation: the load job --------------------------------------------------------
 
@@ -274,7 +214,7 @@ class SchedulerHalf:
         st.pins.clear()
         self._queued_loads.append(job)
 
-    def _load_chunks(self, st: _Req, start: int, end: int) -> list[ChunkCopy]:
+    def _load_chunks(self, st: ReqState, start: int, end: int) -> list[ChunkCopy]:
         c, bs = self.cfg.chunk_size, self.block_size
         out = []
         for i, key in enumerate(st.keys):
@@ -347,10 +287,10 @@ class SchedulerHalf:
         st.had_saves = True
         return job
 
-    def _chunk_blocks(self, st: _Req, i: int) -> list[int]:
+    def _chunk_blocks(self, st: ReqState, i: int) -> list[int]:
         return st.blocks[i * self.pages_per_chunk:(i + 1) * self.pages_per_chunk]
 
-    def _reserve(self, st: _Req, i: int) -> PutHandle | None:
+    def _reserve(self, st: ReqState, i: int) -> PutHandle | None:
         parent = st.keys[i - 1] if i else None
         try:
             return self.host.put_start_sync(st.keys[i], self.object_size, parent)
@@ -398,7 +338,7 @@ class SchedulerHalf:
             self._fail("host", "save")
             return
         self.stats.saves_committed += 1
-        self.writer.committed(key, handle.parent)
+        self.store.written(key, handle.parent)
 
     def _bytes(self, tier: str, direction: str, n: int) -> None:
         with self._stats_lock:
@@ -427,16 +367,22 @@ class SchedulerHalf:
             with self._stats_lock:
                 self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
 
+    def drain(self) -> None:
+        """Wait for prefetches and write-downs in flight (a write-back flush excepted)."""
+        self.io.drain()
+        self.io.run(self.store.drain())
+
     def close(self) -> None:
-        """Finish write-throughs, then close the tiers (the pool's file is unlinked)."""
+        """Finish prefetches, write everything down (write-back included), then close the
+        tiers (the pool's file is unlinked)."""
         for st in self._reqs.values():
             self._unpin(st)
         self.io.drain()
-        self.writer.flush_all()
+        self.io.run(self.store.settle(), timeout=None)
         self.write_stats()
         self.io.run(self.store.aclose())
         self.io.close()
 
 
-def _fields(identity: Identity) -> dict[str, object]:
-    return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
+
+__all__ = ["NAMESPACE_CACHE", "RequestView", "SchedulerHalf", "StepInput"]

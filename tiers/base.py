@@ -11,8 +11,10 @@ Contract (DESIGN §6):
 * Expected shortfalls are return values: a miss is ``None``, no room is ``None`` from
   ``put_start`` / ``PutResult.NO_ROOM`` from ``put``.  An object that can never fit raises
   ``CapacityError``; I/O failure raises ``TierError``.
-* ``lookup`` answers the *contiguous prefix* of ``keys`` present: chunk i+1 without chunk
-  i is useless.
+* Lookups: ``size_of``/``contains`` for one key; ``sizes``/``present`` answer *per key*
+  for a batch; ``lookup`` answers the *contiguous prefix* of ``keys`` present (chunk i+1
+  without chunk i is useless).  A lookup that cannot reach its backend raises ``TierError``
+  or answers a miss; it never answers a key present that is not.
 * ``parent`` (on put) names the previous chunk's key so eviction can drop chain tails
   before their parents.
 """
@@ -72,15 +74,27 @@ class TierStats:
 
 @runtime_checkable
 class Tier(Protocol):
+    """Everything the store core (``kvstore.store``) asks of a tier.  ``TierBase`` gives
+    the batch questions defaults for a backend with nothing better."""
+
     name: str
-
-    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
-        """How many of ``keys``, from the first, are present (contiguous prefix)."""
-
-    async def contains(self, key: ObjectKey) -> bool: ...
 
     async def size_of(self, key: ObjectKey) -> int | None:
         """Total object bytes (header + payload), or None when absent."""
+
+    async def contains(self, key: ObjectKey) -> bool: ...
+
+    async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        """``size_of`` of each key (None: absent), answered as a batch where the backend can
+        (one lock, one round trip)."""
+
+    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Whether each key is present, *per key* (a key after a missing one is still
+        answered)."""
+
+    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
+        """How many of ``keys``, from the first, are present (the contiguous prefix).  The
+        cheapest question for a backend that answers prefixes (the store process)."""
 
     async def read_into(self, key: ObjectKey, buf: memoryview) -> int | None:
         """Copy the verified object into ``buf``; its length, or None on a miss."""
@@ -101,6 +115,30 @@ class Tier(Protocol):
     async def aclose(self) -> None: ...
 
 
+class TierBase:
+    """Defaults for the questions a backend may answer better: ``contains`` and ``sizes``
+    from ``size_of``, ``present`` from ``sizes``, ``lookup`` from ``present``.  A backend
+    overrides the ones it can batch; it must define ``size_of``."""
+
+    name: str
+
+    async def size_of(self, key: ObjectKey) -> int | None:
+        raise NotImplementedError
+
+    async def contains(self, key: ObjectKey) -> bool:
+        return await self.size_of(key) is not None
+
+    async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        return [await self.size_of(key) for key in keys]
+
+    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        return [size is not None for size in await self.sizes(keys)]
+
+    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
+        flags = await self.present(keys)
+        return flags.index(False) if False in flags else len(flags)
+
+
 async def put_bytes(tier: Tier, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
     """Two-phase put of a complete object held in ``obj``, through any tier."""
     if await tier.contains(key):
@@ -119,13 +157,3 @@ async def put_bytes(tier: Tier, key: ObjectKey, obj: memoryview, parent: ObjectK
     finally:
         published = await tier.put_commit(handle, ok)
     return PutResult.STORED if published else PutResult.FAILED
-
-
-async def lookup_prefix(tier: Tier, keys: Sequence[ObjectKey]) -> int:
-    """Contiguous-prefix lookup by ``contains`` for tiers without a batch index."""
-    n = 0
-    for key in keys:
-        if not await tier.contains(key):
-            break
-        n += 1
-    return n

@@ -36,65 +36,21 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
-
-import numpy as np
 
 from kvstore.codec import decode_header
 from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
-from tiers.base import PutHandle, TierStats
+from tiers.base import PutHandle, TierBase, TierStats
 from tiers.eviction import pick_victim
+from tiers.host_slots import Entry, SlotState, allocate, transition
 from tiers.host_shm import SharedPoolView, attach_shared, create_shared, remove_stale_pools
 
 EvictCallback = Callable[[ObjectKey, memoryview], None]
 
 
-class SlotState(Enum):
-    PENDING = "pending"  # reserved and being written: invisible, never evicted
-    LIVE = "live"        # complete and in the index
-    DOOMED = "doomed"    # deleted while referenced: invisible, freed at the last release
-    FREED = "freed"
-
-
-_LEGAL = {
-    SlotState.PENDING: frozenset({SlotState.LIVE, SlotState.FREED}),
-    SlotState.LIVE: frozenset({SlotState.DOOMED, SlotState.FREED}),
-    SlotState.DOOMED: frozenset({SlotState.FREED}),
-    SlotState.FREED: frozenset(),
-}
-
-
-@dataclass(slots=True)
-class _Entry:
-    """One slot.  Its requested size lives in the allocator (keeps this object small)."""
-
-    offset: int
-    state: SlotState = SlotState.PENDING
-    refs: int = 0
-    children: int = 0                 # LIVE objects naming this one as parent
-    parent: _Entry | None = None      # the parent's entry when it was LIVE at our commit
-
-
-def _allocate(capacity: int, pin: bool | None) -> tuple[np.ndarray, object]:
-    """The tier's one buffer: pinned (resident) with CUDA, else prefaulted numpy memory."""
-    if pin is not False:
-        import torch  # lazily: only the CUDA probe and the pinned path need it
-
-        if torch.cuda.is_available():
-            tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-            return tensor.numpy(), tensor
-        if pin:
-            raise ConfigError("pin=True needs CUDA: pinned host memory is a CUDA-only path")
-    array = np.empty(capacity, dtype=np.uint8)
-    array.fill(0)  # fault every page in now, so later copies run at memcpy speed
-    return array, None
-
-
-class HostTier:
+class HostTier(TierBase):
     """Host DRAM tier over one buffer; see the module docstring for the contract."""
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 4096, pin: bool | None = None,
@@ -109,18 +65,18 @@ class HostTier:
             self._shm = create_shared(capacity_bytes, pin=pin)
             self.array, self.tensor = self._shm.array, self._shm.tensor
         else:
-            self.array, self.tensor = _allocate(capacity_bytes, pin)
+            self.array, self.tensor = allocate(capacity_bytes, pin)
         self.shm_path: str | None = None if self._shm is None else self._shm.path
         # Writable, 1-D, uint8.  None (with array and tensor) once a shared pool is released.
         self.buffer: memoryview | None = memoryview(self.array)
         self._on_evict = on_evict  # called under _lock: must be quick, must not call the tier
         # _lock guards _index, _pending, _doomed, _alloc, _leases, _stats, _refs, _closed, _shm,
-        # array/buffer/tensor and every _Entry field.  Copies of slot bytes happen outside it,
+        # array/buffer/tensor and every Entry field.  Copies of slot bytes happen outside it,
         # under a reference.
         self._lock = threading.Lock()
-        self._index: dict[ObjectKey, _Entry] = {}    # LIVE; insertion order = LRU, oldest first
-        self._pending: dict[ObjectKey, _Entry] = {}  # PENDING
-        self._doomed: dict[ObjectKey, _Entry] = {}   # DOOMED
+        self._index: dict[ObjectKey, Entry] = {}    # LIVE; insertion order = LRU, oldest first
+        self._pending: dict[ObjectKey, Entry] = {}  # PENDING
+        self._doomed: dict[ObjectKey, Entry] = {}   # DOOMED
         self._leases = LeaseTable(clock=clock)
         self._stats = TierStats(name, capacity_bytes=self._alloc.capacity)
         self._refs = 0
@@ -218,7 +174,7 @@ class HostTier:
             offset = self._make_room(size)
             if offset is None:
                 return None
-            entry = self._pending[key] = _Entry(offset)
+            entry = self._pending[key] = Entry(offset)
             return PutHandle(key, size, parent, self.buffer[offset : offset + size], entry, offset)
 
     def put_write_sync(self, handle: PutHandle, offset: int, data) -> None:
@@ -253,7 +209,7 @@ class HostTier:
             self._leases.drop_all(key)
             self._unlink(entry)
             if entry.refs:
-                self._transition(entry, SlotState.DOOMED)
+                transition(entry, SlotState.DOOMED)
                 self._doomed[key] = entry
             else:
                 self._free(entry)
@@ -310,9 +266,6 @@ class HostTier:
     async def lookup(self, keys: Sequence[ObjectKey]) -> int:
         return self.lookup_sync(keys)
 
-    async def contains(self, key: ObjectKey) -> bool:
-        return self.contains_sync(key)
-
     async def size_of(self, key: ObjectKey) -> int | None:
         return self.size_of_sync(key)
 
@@ -359,26 +312,21 @@ class HostTier:
 
     # --- internals: caller holds _lock -----------------------------------------------
 
-    def _view(self, entry: _Entry) -> memoryview:
+    def _view(self, entry: Entry) -> memoryview:
         if self.buffer is None:
             raise TierUnavailableError(f"host tier {self.name!r} is closed: its shared pool is released")
         return self.buffer[entry.offset : entry.offset + self._alloc.size_of(entry.offset)]
 
-    def _transition(self, entry: _Entry, dst: SlotState) -> None:
-        if dst not in _LEGAL[entry.state]:
-            raise RuntimeError(f"slot at {entry.offset}: illegal {entry.state.name} -> {dst.name}")
-        entry.state = dst
-
-    def _touch(self, key: ObjectKey, entry: _Entry) -> None:
+    def _touch(self, key: ObjectKey, entry: Entry) -> None:
         del self._index[key]
         self._index[key] = entry  # re-insert: most recently used
 
-    def _hold(self, key: ObjectKey, entry: _Entry) -> None:
+    def _hold(self, key: ObjectKey, entry: Entry) -> None:
         entry.refs += 1
         self._refs += 1
         self._touch(key, entry)
 
-    def _unhold(self, key: ObjectKey, entry: _Entry) -> None:
+    def _unhold(self, key: ObjectKey, entry: Entry) -> None:
         if entry.refs <= 0:
             raise RuntimeError(f"release of {key!r}, which holds no reference")
         entry.refs -= 1
@@ -387,18 +335,18 @@ class HostTier:
             del self._doomed[key]
             self._free(entry)
 
-    def _free(self, entry: _Entry) -> None:
-        self._transition(entry, SlotState.FREED)
+    def _free(self, entry: Entry) -> None:
+        transition(entry, SlotState.FREED)
         self._alloc.free(entry.offset)
 
-    def _unlink(self, entry: _Entry) -> None:
+    def _unlink(self, entry: Entry) -> None:
         """Leave the chain: the parent (if it was counted) loses a child."""
         if entry.parent is not None:
             entry.parent.children -= 1
             entry.parent = None
 
-    def _publish(self, handle: PutHandle, entry: _Entry) -> None:
-        self._transition(entry, SlotState.LIVE)
+    def _publish(self, handle: PutHandle, entry: Entry) -> None:
+        transition(entry, SlotState.LIVE)
         parent = self._index.get(handle.parent) if handle.parent is not None else None
         if parent is not None:
             parent.children += 1

@@ -2,7 +2,8 @@
 
 Implements ``tiers.base.Tier`` on ``redis.asyncio`` (hiredis parser); it runs wherever the
 store runs and is used from the event loop that opened it.  ``RedisTier.open(cfg)`` connects
-and checks limits (``tiers.redis_config.connect``); ``present(keys)`` is the batch lookup.
+and checks limits (``tiers.redis_config.connect``); ``sizes(keys)`` is the batch lookup (one MGET
+of the manifests), and ``TierBase`` answers ``present`` and ``lookup`` over it.
 
 Layout (``tiers.redis_manifest``): parts first, the manifest LAST, so a reader never sees half
 an object; it reads the manifest, then the parts it names, pipelined straight into the caller's
@@ -31,33 +32,25 @@ task touches the caller's buffer after it returns or raises.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import suppress
 from enum import Enum
 from typing import Any
 
 from redis import exceptions as rx
-from redis.asyncio.cluster import RedisCluster
 
 from kvstore import codec
 from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, TierStats
-from tiers.breaker import CircuitBreaker
+from tiers.base import PutHandle, TierBase, TierStats
 from tiers.redis_bulk import BulkReader, Outcome
-from tiers.redis_config import TRANSPORT_ERRORS, RedisConfig, connect
+from tiers.redis_config import RedisConfig, connect
 from tiers.redis_manifest import (
     DELETE_IF_SAME, NONCE_SIZE, Manifest, covered, manifest_key, parse, part_keys, pieces,
 )
-
-_CLUSTER = "cluster"        # the breaker for "no node known" in cluster mode
-_DOWN = object()            # a reply that never came: the node is down or its breaker open
-_NO_BREAKER = {k: 0.0 for k in ("breaker_open", "breaker_opened", "breaker_closed", "breaker_rejected",
-                                 "breaker_probes", "breaker_failures")}
+from tiers.redis_nodes import CLUSTER, DOWN, Down, RedisNodes, gather_all
 
 
 class _Fetch(Enum):
@@ -65,10 +58,6 @@ class _Fetch(Enum):
     LOST = "lost"          # a part is gone: the object is dead, clean it up
     CORRUPT = "corrupt"    # a part has the wrong length or the object fails verification
     FAILED = "failed"      # no answer or an error reply: a miss, the object may be fine
-
-
-class _Down(Exception):
-    """A command did not reach its server (its breaker has recorded the failure)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,23 +70,19 @@ class _Put:
     failed: str = ""      # why this put can no longer be published
 
 
-class RedisTier:
+class RedisTier(RedisNodes, TierBase):
     """The Redis tier (see the module docstring).  Build with ``await RedisTier.open(cfg)``."""
 
     name = "redis"
 
     def __init__(self, cfg: RedisConfig, client: Any, bulk_limit: int) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, client)
         self.bulk_limit = bulk_limit
-        self._client = client
-        self._slots = asyncio.Semaphore(cfg.pool_size)  # commands in flight <= pool connections
-        self._breakers: dict[str, CircuitBreaker] = {}
         self._stats = TierStats(self.name)
-        self._lost = self._round_trips = 0
+        self._lost = 0
         self._puts: dict[int, _Put] = {}  # puts between put_start and put_commit
         self._ttl_ms = int(cfg.ttl_s * 1000) or None
         self._orphan_ms = int(cfg.orphan_ttl_s * 1000)
-        self._closed = False
         self._bulk = BulkReader(cfg, lambda node, err: self._breaker(node).failure(err))
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -119,8 +104,7 @@ class RedisTier:
             return
         self._closed = True
         await self._bulk.aclose()
-        for breaker in self._breakers.values():
-            await breaker.aclose()
+        await self._close_breakers()
         with suppress(Exception):
             await self._client.aclose()
 
@@ -128,117 +112,26 @@ class RedisTier:
         """Counters; ``extra``: lost, round_trips and the breakers' counters summed over
         servers (``breaker_open`` = how many are open now), and the bulk reader's ``bulk_*``."""
         bulk = self._bulk.stats()
-        extra: dict[str, float] = {"lost": self._lost, **_NO_BREAKER, **bulk,
+        extra: dict[str, float] = {"lost": self._lost, **self.breaker_stats(), **bulk,
                                    "round_trips": self._round_trips + bulk["bulk_round_trips"]}
-        for breaker in list(self._breakers.values()):
-            for k, v in breaker.stats().items():
-                extra[k] += v
         return dataclasses.replace(self._stats, extra=extra)
-
-    # --- plumbing: nodes, breakers, one counted command ----------------------------------
-
-    def _node(self, key: str) -> str:
-        """The server holding ``key``: its breaker's name."""
-        if not self.cfg.cluster:
-            return self.cfg.address
-        try:
-            return self._client.get_node_from_key(key).name
-        except (rx.RedisClusterException, rx.RedisError):
-            return _CLUSTER
-
-    def _breaker(self, node: str) -> CircuitBreaker:
-        breaker = self._breakers.get(node)
-        if breaker is None:
-            breaker = CircuitBreaker(f"redis {node}", lambda: self._probe(node), retry_s=self.cfg.retry_s)
-            self._breakers[node] = breaker
-        return breaker
-
-    def _allow(self, node: str) -> bool:
-        if self._closed:
-            raise TierUnavailableError(f"redis tier {self.cfg.redacted_url} is closed")
-        return self._breaker(node).allow()
-
-    async def _probe(self, node: str) -> None:
-        async with asyncio.timeout(self.cfg.connect_timeout_s + self.cfg.op_timeout_s):
-            if not self.cfg.cluster:
-                await self._client.ping()
-            elif node == _CLUSTER:
-                await self._client.ping(target_nodes=RedisCluster.RANDOM)
-            else:
-                target = self._client.get_node(node_name=node)
-                if target is None:
-                    raise LookupError(f"{node} is no longer a cluster node")
-                await self._client.ping(target_nodes=target)
-
-    async def _call(self, node: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any:
-        """One command or pipeline: counted, within the pool; transport failures trip the
-        node's breaker and raise ``_Down``, error replies raise as they are."""
-        task = asyncio.current_task()
-        cancels = task.cancelling() if task is not None else 0
-        async with self._slots:
-            self._round_trips += 1
-            try:
-                result = await fn(*args, **kw)
-            except TRANSPORT_ERRORS as err:
-                self._breaker(node).failure(err)
-                raise _Down(node) from err
-        if task is not None and task.cancelling() > cancels:
-            # redis-py's asyncio.wait_for (Python 3.11) can swallow a cancellation that
-            # arrives just as a send completes: honour it here.
-            raise asyncio.CancelledError()
-        return result
-
-    def _pipeline(self) -> Any:
-        """A non-transactional pipeline (a cluster one groups its commands by node)."""
-        return self._client.pipeline() if self.cfg.cluster else self._client.pipeline(transaction=False)
-
-    async def _per_node(self, keys: Sequence[str], command: str, *args: Any) -> list[Any]:
-        """``command key *args`` for every key: one pipeline per node, nodes concurrently.
-        Each key's reply, an exception (error reply), or ``_DOWN``."""
-        out: list[Any] = [_DOWN] * len(keys)
-        groups: dict[str, list[int]] = defaultdict(list)
-        for i, key in enumerate(keys):
-            groups[self._node(key)].append(i)
-
-        async def run(node: str, idx: list[int]) -> None:
-            if not self._allow(node):
-                return
-            pipe = self._pipeline()
-            for i in idx:
-                pipe.execute_command(command, keys[i], *args)
-            try:
-                replies = await self._call(node, pipe.execute, raise_on_error=False)
-            except _Down:
-                return
-            except rx.RedisError as err:
-                replies = [err] * len(idx)
-            for i, reply in zip(idx, replies):
-                out[i] = reply
-
-        await _gather([run(node, idx) for node, idx in groups.items()])
-        return out
 
     # --- lookups --------------------------------------------------------------------------
 
-    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Which keys have a sound published manifest: one round trip per server."""
+    async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        """The size in each key's sound published manifest (None: absent, unreachable or
+        unparsable): one round trip per server (MGET, or a pipeline per cluster node)."""
         if not keys:
             return []
         mkeys = [manifest_key(self.cfg.key_prefix, k) for k in keys]
-        replies: list[Any] = [_DOWN] * len(mkeys)
+        replies: list[Any] = [DOWN] * len(mkeys)
         if self.cfg.cluster:
             replies = await self._per_node(mkeys, "GET")
         elif self._allow(self.cfg.address):
-            with suppress(_Down, rx.RedisError):
+            with suppress(Down, rx.RedisError):
                 replies = await self._call(self.cfg.address, self._client.mget, mkeys)
-        return [isinstance(r, bytes) and parse(r) is not None for r in replies]
-
-    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
-        flags = await self.present(keys)
-        return flags.index(False) if False in flags else len(flags)
-
-    async def contains(self, key: ObjectKey) -> bool:
-        return (await self.present([key]))[0]
+        manifests = [parse(r) if isinstance(r, bytes) else None for r in replies]
+        return [None if m is None else m.size for m in manifests]
 
     async def size_of(self, key: ObjectKey) -> int | None:
         found = await self._manifest(key)
@@ -253,7 +146,7 @@ class RedisTier:
             return None
         try:
             raw = await self._call(node, self._client.get, mkey)
-        except (_Down, rx.RedisError):
+        except (Down, rx.RedisError):
             return None
         if raw is None:
             return None
@@ -303,7 +196,7 @@ class RedisTier:
         nodes = [self._node(k) for k in keys]
         if not all([self._allow(n) for n in set(nodes)]):
             return _Fetch.FAILED
-        bulk = _CLUSTER not in nodes  # else: no node known for some key, let redis-py find it
+        bulk = CLUSTER not in nodes  # else: no node known for some key, let redis-py find it
         outcome = await self._bulk.fetch(nodes, keys, manifest, view) if bulk else Outcome.FALLBACK
         if outcome is not Outcome.FALLBACK:
             return _Fetch(outcome.value)
@@ -316,7 +209,7 @@ class RedisTier:
                     return
                 try:
                     data = await self._call(nodes[i], self._client.get, keys[i])
-                except (_Down, rx.RedisError):
+                except (Down, rx.RedisError):
                     state[0] = _Fetch.FAILED
                     return
                 start, end = manifest.part_range(i)
@@ -325,14 +218,14 @@ class RedisTier:
                     return
                 view[start:end] = data
 
-        await _gather([worker() for _ in range(min(self.cfg.max_inflight_parts, len(keys)))])
+        await gather_all([worker() for _ in range(min(self.cfg.max_inflight_parts, len(keys)))])
         return state[0]
 
     async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None) -> None:
         """Remove a dead object: its manifest if it still is ``raw``, then its parts."""
         mkey = manifest_key(self.cfg.key_prefix, key)
         node = self._node(mkey)
-        with suppress(_Down, rx.RedisError):
+        with suppress(Down, rx.RedisError):
             if self._allow(node):
                 await self._call(node, self._client.eval, DELETE_IF_SAME, 1, mkey, raw)
         if manifest is not None:
@@ -385,7 +278,7 @@ class RedisTier:
                 state.failed = await self._write_piece(state, i, at, view[lo:hi])
 
         n = min(self.cfg.max_inflight_parts, state.manifest.count)
-        await _gather([worker() for _ in range(n)])
+        await gather_all([worker() for _ in range(n)])
 
     async def _write_piece(self, state: _Put, i: int, at: int, piece: memoryview) -> str:
         """Write ``piece`` at ``at`` inside part ``i``; why it failed, or ""."""
@@ -400,7 +293,7 @@ class RedisTier:
                 pipe = self._pipeline()
                 pipe.setrange(key, at, piece).pexpire(key, self._orphan_ms)
                 await self._call(node, pipe.execute)
-        except _Down:
+        except Down:
             return f"{node} is unavailable"
         except rx.RedisError as err:
             return f"{node} refused a part: {err}"
@@ -433,7 +326,7 @@ class RedisTier:
             if not await self._call(node, self._client.set, mkey, raw, nx=True, px=self._ttl_ms):
                 state.failed = "exists"  # another writer published this key first: a success
                 return True
-        except (_Down, rx.RedisError):
+        except (Down, rx.RedisError):
             return False
         if self._ttl_ms:
             replies = await self._per_node(state.keys, "PEXPIRE", self._ttl_ms)
@@ -443,18 +336,6 @@ class RedisTier:
             return True
         await self._drop(key, raw, None)  # a part vanished (eviction): withdraw the manifest
         return False
-
-
-# --- helpers -------------------------------------------------------------------------------
-
-async def _gather(coros: list[Awaitable[None]]) -> None:
-    """Run ``coros`` to completion; a cancelled caller still waits for all of them."""
-    if len(coros) == 1:
-        await coros[0]
-        return
-    async with asyncio.TaskGroup() as group:
-        for coro in coros:
-            group.create_task(coro)  # type: ignore[arg-type]
 
 
 __all__ = ["RedisTier", "RedisConfig"]

@@ -1,6 +1,7 @@
 """SSD tier: one file per object, published by fsync + rename, index rebuilt by scanning.
 
-Runs wherever a local disk is (worker or store-server side) and implements ``tiers.base.Tier``.
+Runs wherever a local disk is (worker or store-server side) and implements ``tiers.base.Tier``
+(``contains``, ``present`` and ``lookup`` are ``TierBase``'s, over ``sizes``: one lock).
 
 Layout::
 
@@ -42,7 +43,7 @@ from pathlib import Path
 from kvstore import codec
 from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, TierStats
+from tiers.base import PutHandle, TierBase, TierStats
 from tiers.ssd_files import (
     SUFFIX, TMP, ReadOutcome, check_written, claim_directory, drop_page_cache, fsync_dir,
     object_path, parent_key, pwrite_all, scan_file, unlink_quiet,
@@ -64,7 +65,7 @@ class _PutState:
     reserved: int = 0                # capacity held for this put until published or failed
 
 
-class SSDTier:
+class SSDTier(TierBase):
     """A directory of object files with a byte capacity (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, *,
@@ -138,17 +139,6 @@ class SSDTier:
             log.warning("ssd %s: removed %d torn temp files, %d corrupt objects", self._dir, torn, corrupt)
 
     # --- index queries ------------------------------------------------------------------
-
-    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
-        with self._lock:
-            self._check_open()
-            n = 0
-            while n < len(keys) and keys[n] in self._index.entries:
-                n += 1
-            return n
-
-    async def contains(self, key: ObjectKey) -> bool:
-        return await self.size_of(key) is not None
 
     async def size_of(self, key: ObjectKey) -> int | None:
         with self._lock:

@@ -84,7 +84,7 @@ async def play(cfg: StoreConfig, name: str) -> PhaseReport:
     buf = np.empty(size, dtype=np.uint8)           # one reused load buffer
     expect = np.empty(GEOMETRY.payload_bytes, np.uint8)
     t0 = time.perf_counter()
-    async with TieredStore.from_config(cfg) as store:
+    async with await TieredStore.from_config(cfg) as store:
         for _label, tokens in workload():
             hashes = chunk_hashes(ns, tokens, CHUNK)
             keys = object_keys(ns, hashes)

@@ -6,10 +6,9 @@ Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClie
   key; ``lookup`` is the store's contiguous prefix (one ``Lookup`` per 4096 keys).  A
   same-host read is one round trip: its lease is released later, in a batch
   (``kvstore.client.leases``; ``aclose`` sends what is queued).
-  ``present(keys)`` is the batch form for ``TieredStore.lookup``: one round trip; key i is
-  True for i below the store's contiguous hit and False from its first miss on (the store
-  answers prefixes, and a chunk after a missing one is useless anyway), so pass the keys
-  from the first one the faster tiers miss.
+  The store answers prefixes, so ``lookup`` is the cheap batch question (one round trip).
+  ``sizes``/``present`` answer per key: one ``Lookup`` for the batch, then one per key
+  after its first miss (at most ``PROBES`` at a time), so ask them about few keys.
 * **Puts** are two-phase.  With shared memory ``put_start`` reserves a region of the
   server's segment and ``handle.buffer`` *is* that region (producers write in place);
   ``put_commit`` asks the server to verify and publish it.  Over streams ``handle.buffer``
@@ -27,6 +26,7 @@ Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClie
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,12 +36,13 @@ from kvstore.client.store_client import StoreClient
 from kvstore.client.info import Reservation
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, PutResult, TierStats
+from tiers.base import PutHandle, PutResult, TierBase, TierStats
 from tiers.breaker import CircuitBreaker
 
 log = logging.getLogger("kvstore.remote")
 T = TypeVar("T")
 _DONE = (PutResult.STORED, PutResult.EXISTS)
+PROBES = 16  # single-key Lookups in flight when ``sizes`` asks about keys after a miss
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ class _Exists:
     """Token of a put whose key the store already holds: writes dropped, commit True."""
 
 
-class RemoteTier:
+class RemoteTier(TierBase):
     """The store process as a tier (see the module docstring)."""
 
     def __init__(self, client: StoreClient, *, name: str = "remote", retry_s: float = 1.0) -> None:
@@ -106,9 +107,23 @@ class RemoteTier:
         found = await self._guard("lookup", lambda: self.client.lookup(keys), None)
         return 0 if found is None else found.hits
 
-    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        hits = await self.lookup(keys)
-        return [i < hits for i in range(len(keys))]
+    async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]:
+        """Per key (see the module docstring): the batch's contiguous hit in one round trip,
+        then each key after the first miss on its own."""
+        if not keys:
+            return []
+        found = await self._guard("lookup", lambda: self.client.lookup(keys), None)
+        if found is None:
+            return [None] * len(keys)
+        out: list[int | None] = [*found.sizes, *[None] * (len(keys) - found.hits)]
+        probes = asyncio.Semaphore(PROBES)
+
+        async def probe(i: int) -> None:
+            async with probes:
+                out[i] = await self.size_of(keys[i])
+
+        await asyncio.gather(*(probe(i) for i in range(found.hits + 1, len(keys))))
+        return out
 
     async def contains(self, key: ObjectKey) -> bool:
         return await self.lookup([key]) == 1

@@ -1,13 +1,16 @@
-"""The store process's core: tiers, lookups, leased and streamed reads, deletes, stats.
+"""The store process's own part: tenancy-scoped reads under leases, the reaper, and stats,
+over the one store core (``kvstore.store.TieredStore``).
 
 Server side, one event loop (host-tier calls are synchronous and never awaited between a
 check and the action it guards).  Every key here is already tenant-scoped by the servicer:
 this module never sees protobufs or tokens.
 
-* Tiers: a shared host pool (``HostTier(shared=True)``, a 0600 file in /dev/shm that
-  same-host clients map), then SSD (``--ssd-dir``), then Redis (``--redis``), fastest first.
-* ``lookup`` answers the contiguous prefix of keys present in some tier, with the fastest
-  tier and the object size of each hit.  A lower tier that fails is a miss for that tier.
+* Tiers (opened through ``kvstore.store.registry``): a shared host pool (``host:`` with
+  ``shared=True``, a 0600 file in /dev/shm that same-host clients map), then SSD
+  (``--ssd-dir``), then Redis (``--redis``), fastest first.
+* The core does lookups (tier and size of each key of the contiguous hit; a failing tier is
+  a miss), promotion, deletes and the write-down of committed puts; ``ServerObserver`` feeds
+  what it reports into the server's counters (``kvstore.server.metrics``).
 * ``get_leased`` finds an object (promoting it from a lower tier into the host pool: read,
   verified by that tier, straight into a reserved slot) and grants a lease that also *pins*
   the slot (a host buffer reference, ``HostTier.pin``): until the lease is released or
@@ -21,28 +24,29 @@ this module never sees protobufs or tokens.
 * A reaper task aborts expired reservations and forgets expired leases (dropping their
   pins) periodically, so memory comes back even when no client asks (a client killed with
   queued releases, say).
-* ``aclose`` (graceful shutdown): abort uncommitted puts, release leases and their pins,
-  finish write-throughs, close the tiers (the shm file is unlinked).
+* ``aclose`` (graceful shutdown): abort uncommitted puts, finish promotions and
+  write-throughs, release leases and their pins, close the tiers (the shm file is unlinked).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 
-from kvstore.errors import CapacityError, LeaseError, TierError, TierUnavailableError
+from kvstore.errors import LeaseError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.server.config import ServerConfig
+from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
-from kvstore.server.leases import LeaseBook
-from kvstore.store.tiered import sizes_in
-from tiers.base import Tier
+from kvstore.store.events import StoreObserver
+from kvstore.store.lookup import trusted_key
+from kvstore.store.registry import open_tiers
+from kvstore.store.tiered import TieredStore
+from tiers.base import PutResult, Tier
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.server.servicer")
@@ -59,19 +63,52 @@ class Granted:
     tier: str
 
 
+class ServerObserver(StoreObserver):
+    """The core's events as the server's counters (names in ``kvstore.server.metrics``)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def tier_failed(self, tier: Tier, op: str, err: BaseException) -> None:
+        self.metrics.counters.fail(f"{tier.name}_{op}_error")
+        log.warning("%s %s failed: %s", tier.name, op, err)
+
+    def promoted(self, tier: Tier, size: int, seconds: float) -> None:
+        c = self.metrics.counters
+        c.bump(c.promotions, tier.name)
+        c.bump(c.bytes, (tier.name, "read"), size)
+        self.metrics.observe("promote", seconds)
+
+    def promote_no_room(self) -> None:
+        self.metrics.counters.fail("promote_no_room")
+
+    def written(self, tier: Tier, result: PutResult, size: int, err: BaseException | None) -> None:
+        c = self.metrics.counters
+        c.bump(c.write_through, (tier.name, result.value))
+        if result is PutResult.STORED:
+            c.bump(c.bytes, (tier.name, "write"), size)
+        elif result in (PutResult.FAILED, PutResult.NO_ROOM):
+            c.fail(f"write_through_{tier.name}_{result.value}")
+
+    def write_down_done(self, seconds: float) -> None:
+        self.metrics.observe("write_through", seconds)
+
+    def write_down_dropped(self) -> None:
+        self.metrics.counters.fail("write_down_dropped")
+
+
 class ServerStore:
     """Tiers and bookkeeping of one store process (see the module docstring)."""
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], cfg: ServerConfig,
                  metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
-        self.host = host
-        self.lower = list(lower)
+        self.core = TieredStore(host, lower, cfg.write_policy, observer=ServerObserver(metrics))
+        self.host, self.lower = host, self.core.lower
         self.cfg = cfg
         self.metrics = metrics
         self.leases = LeaseBook()
-        self.puts = PutPath(host, self.lower, cfg, metrics, clock)
+        self.puts = PutPath(self.core, cfg, metrics, clock)
         self._clock = clock
-        self._promoting: dict[ObjectKey, asyncio.Task] = {}
         self._reaper: asyncio.Task | None = None
         self._closing = False
         self.started = time.time()
@@ -79,26 +116,16 @@ class ServerStore:
 
     @classmethod
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics) -> "ServerStore":
-        """Create the shared host pool and open the lower tiers; start the reaper."""
-        redis_cfg = _redis_config(cfg.redis) if cfg.redis else None  # a bad URL fails first
-        host = HostTier(cfg.host_capacity, shared=True, pin=False)  # pin=False: no torch here
-        lower: list[Tier] = []
-        try:
-            if cfg.ssd_dir is not None:
-                from tiers.ssd import SSDTier
-
-                lower.append(await SSDTier.open(cfg.ssd_dir, cfg.ssd_capacity))
-            if redis_cfg is not None:
-                from tiers.redis import RedisTier  # lazily: redis-py only with --redis
-
-                lower.append(await RedisTier.open(redis_cfg))
-        except BaseException:
-            for tier in lower:
-                with suppress(Exception):
-                    await tier.aclose()
-            host.close()
-            raise
-        store = cls(host, lower, cfg, metrics)
+        """Create the shared host pool and open the lower tiers; start the reaper.  Every
+        spec is checked before anything is opened (a bad URL fails first)."""
+        specs: list[tuple[str, dict[str, object]]] = [
+            ("host:", {"capacity": cfg.host_capacity, "shared": True, "pin": False})]  # pin=False: no torch
+        if cfg.ssd_dir is not None:
+            specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity}))
+        if cfg.redis:
+            specs.append((cfg.redis, {}))
+        tiers = await open_tiers(specs)
+        store = cls(tiers[0], tiers[1:], cfg, metrics)  # type: ignore[arg-type]
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
 
@@ -120,72 +147,16 @@ class ServerStore:
     async def lookup(self, keys: Sequence[bytes]) -> tuple[list[str], list[int]]:
         """Tier name and object size of each key of the contiguous hit (parallel lists).
         ``keys`` are scoped ``ObjectKey``s or their canonical bytes (the servicer's fast
-        path).  The host pool answers the whole batch under one lock; only when it misses
-        some key is each lower tier asked once, in a batch, about the keys no faster tier
-        holds (a tier with a batch ``present``, like Redis, is then asked for the sizes of
-        its hits inside the contiguous prefix only, concurrently).  A failing tier holds
-        nothing."""
+        path); the core (``kvstore.store.lookup``) asks the host pool under one lock, and the
+        lower tiers only about what it misses.  A failing tier holds nothing."""
         with self.metrics.timer("lookup"):
-            sizes = self.host.sizes_sync(keys)
-            n = _prefix(sizes)
-            if n < len(keys) and self.lower:
-                tiers = await self._lookup_lower(keys, sizes)
-                counts = {name: tiers.count(name) for name in set(tiers)}
-            else:
-                tiers, counts = [self.host.name] * n, {self.host.name: n} if n else {}
+            found = await self.core.lookup(keys)
         c = self.metrics.counters
         c.lookups += 1
         c.lookup_keys += len(keys)
-        for name, hits in counts.items():
+        for name, hits in found.by_tier.items():
             c.bump(c.lookup_hits, name, hits)
-        return tiers, sizes[:len(tiers)]  # type: ignore[return-value]
-
-    async def _lookup_lower(self, raw: Sequence[bytes], sizes: list[int | None]) -> list[str]:
-        """Complete ``sizes`` (the host's answer) from the lower tiers; the tier name of each
-        key of the contiguous hit."""
-        keys = [k if type(k) is ObjectKey else trusted_key(k) for k in raw]
-        where: list[Tier | None] = [None if s is None else self.host for s in sizes]
-        for tier in self.lower:
-            todo = [i for i, w in enumerate(where) if w is None]
-            if not todo:
-                break
-            found = await self._find_in(tier, [keys[i] for i in todo])
-            for i, (there, size) in zip(todo, found):
-                if there:
-                    where[i], sizes[i] = tier, size
-        n = await self._fill_sizes(keys, where, sizes, _prefix(where))
-        return [t.name for t in where[:n]]  # type: ignore[union-attr]
-
-    async def _find_in(self, tier: Tier, keys: Sequence[ObjectKey]) -> list[tuple[bool, int | None]]:
-        """(present, size or None if not known yet) of each key in ``tier``: a network
-        tier's batch ``present`` (sizes follow for the prefix only), else ``sizes_in``."""
-        try:
-            present = getattr(tier, "present", None)
-            if present is not None:
-                return [(bool(there), None) for there in await present(keys)]
-            return [(size is not None, size) for size in await sizes_in(tier, keys)]
-        except TierError as err:
-            self._tier_failed(tier, "lookup", err)
-            return [(False, None)] * len(keys)
-
-    async def _fill_sizes(self, keys: Sequence[ObjectKey], where: list[Tier | None],
-                          sizes: list[int | None], n: int) -> int:
-        """Ask for the unknown sizes among the first ``n`` hits; the prefix that survives
-        (an object gone meanwhile ends it)."""
-        todo = [i for i in range(n) if sizes[i] is None]
-        if not todo:
-            return n
-
-        async def size(i: int) -> int | None:
-            try:
-                return await where[i].size_of(keys[i])  # type: ignore[union-attr]
-            except TierError as err:
-                self._tier_failed(where[i], "lookup", err)  # type: ignore[arg-type]
-                return None
-
-        for i, found in zip(todo, await asyncio.gather(*(size(i) for i in todo))):
-            sizes[i] = found
-        return next((i for i in range(n) if sizes[i] is None), n)
+        return found.tiers, found.sizes  # type: ignore[return-value]
 
     # --- reads --------------------------------------------------------------------------
 
@@ -237,44 +208,7 @@ class ServerStore:
     async def promote(self, key: ObjectKey) -> str | None:
         """Bring ``key`` into the host pool from the first lower tier holding it; the tier's
         name, or None (miss, or no room).  Concurrent callers share one promotion."""
-        task = self._promoting.get(key)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._promote(key))
-            self._promoting[key] = task
-            task.add_done_callback(
-                lambda t, k=key: self._promoting.pop(k, None) if self._promoting.get(k) is t else None)
-        return await asyncio.shield(task)
-
-    async def _promote(self, key: ObjectKey) -> str | None:
-        c = self.metrics.counters
-        with self.metrics.timer("promote"):
-            for tier in self.lower:
-                try:
-                    size = await tier.size_of(key)
-                except TierError as err:
-                    self._tier_failed(tier, "promote", err)
-                    continue
-                if size is None:
-                    continue
-                try:
-                    handle = self.host.put_start_sync(key, size)
-                except CapacityError:
-                    handle = None
-                if handle is None:
-                    c.fail("promote_no_room")
-                    return None
-                n = None
-                try:
-                    n = await tier.read_into(key, handle.buffer)
-                except TierError as err:
-                    self._tier_failed(tier, "promote", err)
-                finally:
-                    published = self.host.put_commit_sync(handle, n == size)
-                if published and n == size:
-                    c.bump(c.promotions, tier.name)
-                    c.bump(c.bytes, (tier.name, "read"), size)
-                    return tier.name
-            return None
+        return await self.core.promote(key)
 
     # --- leases -------------------------------------------------------------------------
 
@@ -320,17 +254,7 @@ class ServerStore:
     async def delete(self, key: ObjectKey) -> bool:
         """Remove ``key`` from every tier (a write-through or promotion of it first settles,
         so neither can bring it back)."""
-        await self.puts.settle_key(key)
-        task = self._promoting.get(key)
-        if task is not None:
-            await asyncio.wait([task])
-        deleted = self.host.delete_sync(key)
-        for tier in self.lower:
-            try:
-                deleted = await tier.delete(key) or deleted
-            except TierError as err:
-                self._tier_failed(tier, "delete", err)
-        return deleted
+        return await self.core.delete(key)
 
     # --- reaper, stats, shutdown --------------------------------------------------------
 
@@ -371,7 +295,7 @@ class ServerStore:
                        "released": self.metrics.counters.leases_released,
                        "release_calls": self.metrics.counters.release_calls},
             "puts_in_flight": snap.puts_in_flight,
-            "write_throughs_in_flight": self.puts.writes_in_flight,
+            "write_throughs_in_flight": self.core.writer.in_flight,
             "breakers": breakers,
         }
 
@@ -383,41 +307,12 @@ class ServerStore:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.wait([self._reaper])
-        if self._promoting:
-            await asyncio.wait(list(self._promoting.values()), timeout=timeout)
+        await self.core.promoter.drain(timeout)
         await self.puts.aclose(timeout)
         for lease_id in self.leases.ids():
             self.host.release_lease(lease_id)
             self._unpin(self.leases.forget(lease_id))
-        for tier in self.lower:
-            try:
-                await tier.aclose()
-            except Exception as err:  # noqa: BLE001 - closing the rest matters more
-                log.warning("closing %s failed: %s", tier.name, err)
-        self.host.close()
-
-    def _tier_failed(self, tier: Tier, op: str, err: BaseException) -> None:
-        self.metrics.counters.fail(f"{tier.name}_{op}_error")
-        log.warning("%s %s failed: %s", tier.name, op, err)
+        await self.core.aclose(timeout)
 
 
-def _prefix(found: list) -> int:
-    """Length of the run before the first None (one C-level scan)."""
-    try:
-        return found.index(None)
-    except ValueError:
-        return len(found)
-
-
-trusted_key = functools.partial(bytes.__new__, ObjectKey)
-"""``ObjectKey`` from canonical bytes whose parts were already validated (no checks: ~5x
-faster than ``ObjectKey(namespace, hash, tag)``)."""
-
-
-def _redis_config(url: str):
-    from tiers.redis_config import RedisConfig
-
-    return RedisConfig.from_url(url)
-
-
-__all__ = ["Granted", "ServerStore", "trusted_key"]
+__all__ = ["Granted", "ServerObserver", "ServerStore", "trusted_key"]

@@ -1,32 +1,50 @@
-"""TieredStore: the embedded default store (host DRAM + optional lower tiers such as SSD).
+"""TieredStore: the one store core, a host DRAM pool over lower tiers (fastest first).
 
-Runs wherever the caller runs (the connector's scheduler/worker, the store process).
+Used by the embedded store (``kvstore demo``, ``kvstore bench tiers``), the store process
+(``kvstore.server.core``: tenancy, leases and reservations on top) and the connector's
+scheduler.  It runs on one event loop (the one its lower tiers were opened on); the host
+pool's sync methods may be called from other threads, and so may ``written``.
 
-* ``lookup`` answers the contiguous prefix of keys found in any tier, with the tier of each
-  hit (the fastest that has it).  A key missing everywhere ends the hit.
-* ``get_into`` copies a verified object into a caller buffer: from the host tier, or from
-  the first lower tier that has it, promoting it into the host tier on the way.
-* ``put`` publishes into the host tier and, under write-through, into every lower tier
-  before it returns; ``put_payload`` encodes straight into the host slot (no staging copy).
-* Every object is whole and verified wherever it comes from (``tiers.base`` contract).
+* ``lookup``: tier name and object size of each key of the contiguous hit
+  (``kvstore.store.lookup``: the host pool answers under one lock, each lower tier is asked
+  once about the keys no faster tier holds, sizes only for hits inside the prefix).
+* ``promote``/``get_into``: a lower-tier object read, verified, straight into a reserved
+  host slot, once per key however many callers ask (``kvstore.store.promote``).
+* ``put``/``put_payload`` publish into the host pool; ``written(key, parent)`` is the entry
+  for objects published by someone else (the store process's reservations, the connector's
+  saves).  Either way ``kvstore.store.writedown`` takes it down per the ``WritePolicy``.
+* Tier errors (``TierError``) are misses everywhere, counted in ``counters.tier_errors`` and
+  reported to the ``StoreObserver``.  Every object is whole and verified wherever it comes
+  from (``tiers.base`` contract).
 """
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from kvstore import codec
 from kvstore.config import StoreConfig, WritePolicy
+from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
+from kvstore.store.events import StoreCounters, StoreObserver
+from kvstore.store.lookup import present_many, sized_lookup
+from kvstore.store.promote import Promoter
+from kvstore.store.registry import open_tiers
+from kvstore.store.writedown import Offer, WriteDown
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
+
+log = logging.getLogger("kvstore.store")
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     looked_up: int
-    tiers: tuple[str, ...]  # tier name of each hit, for the contiguous prefix
+    tiers: list[str]         # tier name of each hit, for the contiguous prefix
+    sizes: list[int | None]  # object bytes of each hit (None for lower hits when not sized)
+    by_tier: dict[str, int]  # hits per tier
 
     @property
     def hits(self) -> int:
@@ -40,176 +58,151 @@ class GetResult:
     seconds: float
 
 
-@dataclass(slots=True)
-class StoreCounters:
-    lookups: int = 0
-    keys_looked_up: int = 0
-    keys_hit: dict[str, int] = field(default_factory=dict)
-    gets: dict[str, int] = field(default_factory=dict)
-    get_misses: int = 0
-    bytes_read: dict[str, int] = field(default_factory=dict)
-    read_seconds: dict[str, float] = field(default_factory=dict)
-    promotions: int = 0
-    puts: dict[str, int] = field(default_factory=dict)
-    put_failures: dict[str, int] = field(default_factory=dict)
-
-    def add(self, table: str, tier: str, n: float = 1) -> None:
-        d = getattr(self, table)
-        d[tier] = d.get(tier, 0) + n
-
-
 class TieredStore:
-    """Host DRAM on top, then ``lower`` tiers in order (fastest first)."""
+    """Host DRAM on top, then ``lower`` tiers in order (see the module docstring).  Keyword
+    options: ``observer``, and the write-down's ``max_writes_in_flight``,
+    ``write_queue_bytes`` and ``dirty_fraction`` (``kvstore.store.writedown``)."""
 
     def __init__(self, host: HostTier, lower: Sequence[Tier] = (),
-                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> None:
+                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *,
+                 observer: StoreObserver | None = None, max_writes_in_flight: int = 2,
+                 write_queue_bytes: int | None = None, dirty_fraction: float = 0.5) -> None:
         self.host = host
         self.lower = list(lower)
         self.write_policy = write_policy
         self.counters = StoreCounters()
+        self.observer = observer or StoreObserver()
+        self.promoter = Promoter(host, self.lower, self.counters, self.observer)
+        self.writer = WriteDown(host, self.lower, write_policy, self.counters, self.observer,
+                                max_in_flight=max_writes_in_flight, queue_bytes=write_queue_bytes,
+                                dirty_fraction=dirty_fraction)
+        self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: StoreConfig) -> "TieredStore":
-        lower: list[Tier] = []
-        if cfg.ssd_dir is not None:
-            from tiers.ssd import SSDTier
+    async def open(cls, specs: Sequence[tuple[str, Mapping[str, object]]], write_policy: WritePolicy
+                   = WritePolicy.WRITE_THROUGH, *, required: bool = True, on_left_out=None,
+                   **options) -> "TieredStore":
+        """Open ``specs`` (``kvstore.store.registry``: a ``host:`` spec first, then the lower
+        tiers, fastest first) and build the store over them."""
+        if not specs or not specs[0][0].startswith("host:"):
+            raise ConfigError(f"the first tier of a store must be host:, got {specs[0][0] if specs else None!r}")
+        tiers = await open_tiers(specs, required=required, on_left_out=on_left_out)
+        return cls(tiers[0], tiers[1:], write_policy, **options)  # type: ignore[arg-type]
 
-            lower.append(SSDTier(cfg.ssd_dir, cfg.ssd_capacity))
-        return cls(HostTier(cfg.host_capacity), lower, cfg.write_policy)
+    @classmethod
+    async def from_config(cls, cfg: StoreConfig, **options) -> "TieredStore":
+        """The embedded store of ``cfg``: a private host pool, then its SSD directory."""
+        specs: list[tuple[str, Mapping[str, object]]] = [("host:", {"capacity": cfg.host_capacity})]
+        if cfg.ssd_dir is not None:
+            specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity}))
+        return await cls.open(specs, cfg.write_policy, **options)
 
     @property
     def tiers(self) -> list[Tier]:
         return [self.host, *self.lower]
 
-    async def lookup(self, keys: Sequence[ObjectKey]) -> LookupResult:
-        """The contiguous prefix of ``keys`` present in some tier, with the fastest tier of
-        each hit.  Each tier is asked once, in a batch, about the keys no faster tier has
-        (one round trip for network tiers)."""
-        where = await self._where_many(keys)
-        found: list[str] = []
-        for name in where:
-            if name is None:
-                break
-            found.append(name)
+    # --- lookups ----------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[bytes], *, sized: bool = True) -> LookupResult:
+        """The contiguous prefix of ``keys`` (``ObjectKey``s or their bytes) present in some
+        tier: the fastest tier and, when ``sized``, the object size of each hit."""
+        tiers, sizes = await sized_lookup(self.host, self.lower, keys, sized, self._failed)
+        n = len(tiers)
+        if n and tiers.count(tiers[0]) == n:
+            by_tier = {tiers[0]: n}  # the usual answer: one tier
+        else:
+            by_tier = {name: tiers.count(name) for name in set(tiers)}
         c = self.counters
         c.lookups += 1
         c.keys_looked_up += len(keys)
-        for name in found:
-            c.add("keys_hit", name)
-        return LookupResult(len(keys), tuple(found))
+        for name, hits in by_tier.items():
+            c.add("keys_hit", name, hits)
+        return LookupResult(len(keys), tiers, sizes, by_tier)
 
-    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Whether each key is held by some tier (batched per tier; no counters touched)."""
-        return [name is not None for name in await self._where_many(keys)]
-
-    async def _where_many(self, keys: Sequence[ObjectKey]) -> list[str | None]:
-        where: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, name in enumerate(where) if name is None]
-            if not todo:
-                break
-            flags = await present_in(tier, [keys[i] for i in todo])
-            for i, there in zip(todo, flags):
-                if there:
-                    where[i] = tier.name
-        return where
+    async def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held by some tier, per key (batched per tier; not counted)."""
+        return await present_many(self.host, self.lower, keys, self._failed)
 
     async def contains(self, key: ObjectKey) -> bool:
-        """Whether any tier holds ``key`` (no counters touched)."""
-        return await self._where(key) is not None
+        """Whether any tier holds ``key`` (a failing tier holds nothing; not counted)."""
+        if self.host.contains_sync(key):
+            return True
+        for tier in self.lower:
+            try:
+                if await tier.contains(key):
+                    return True
+            except TierError as err:
+                self._failed(tier, "contains", err)
+        return False
 
-    async def _where(self, key: ObjectKey) -> Tier | None:  # one key: no batching needed
-        for tier in self.tiers:
-            if await tier.contains(key):
-                return tier
-        return None
+    # --- reads --------------------------------------------------------------------------------
+
+    async def promote(self, key: ObjectKey) -> str | None:
+        """Make ``key`` resident in the host pool (``kvstore.store.promote``); the tier it
+        came from ("host" when it already was), or None (a miss, or no room)."""
+        return await self.promoter.promote(key)
 
     async def get_into(self, key: ObjectKey, buf: memoryview) -> GetResult | None:
-        """The verified object in ``buf``, from the fastest tier holding it, or None."""
-        for tier in self.tiers:
-            t0 = time.perf_counter()
-            n = await tier.read_into(key, buf)
+        """The verified object in ``buf``, promoted first when it lives in a lower tier (read
+        straight from that tier when the pool has no room), or None."""
+        t0 = time.perf_counter()
+        n = self.host.read_into_sync(key, buf)
+        tier = self.host.name
+        if n is None and self.lower:
+            tier = await self.promote(key)
+            n = self.host.read_into_sync(key, buf) if tier is not None else None
             if n is None:
-                continue
-            seconds = time.perf_counter() - t0
-            self._count_read(tier.name, n, seconds)
-            if tier is not self.host:
-                await self._promote(key, memoryview(buf)[:n])
-            return GetResult(n, tier.name, seconds)
-        self.counters.get_misses += 1
-        return None
+                tier, n = await self._read_lower(key, buf)
+        if n is None:
+            self.counters.get_misses += 1
+            return None
+        seconds = time.perf_counter() - t0
+        if tier == self.host.name:
+            c = self.counters
+            c.add("gets", tier)
+            c.add("bytes_read", tier, n)
+            c.add("read_seconds", tier, seconds)
+        return GetResult(n, tier, seconds)  # type: ignore[arg-type]
 
-    async def promote(self, key: ObjectKey) -> bool:
-        """Make ``key`` resident in the host tier, reading it (verified) from the first lower
-        tier that has it straight into a host slot.  False on a miss or no room."""
-        return await self.promote_from(key) is not None
-
-    async def promote_from(self, key: ObjectKey) -> str | None:
-        """Like ``promote``; the name of the tier it came from ("host" when already
-        resident), or None on a miss or no room."""
-        if await self.host.contains(key):
-            return self.host.name
+    async def _read_lower(self, key: ObjectKey, buf: memoryview) -> tuple[str | None, int | None]:
         for tier in self.lower:
-            size = await tier.size_of(key)
-            if size is None:
-                continue
-            handle = await self.host.put_start(key, size)
-            if handle is None:
-                return None
-            t0 = time.perf_counter()
-            n = None
             try:
-                n = await tier.read_into(key, handle.buffer)
-            finally:
-                published = await self.host.put_commit(handle, n == size)
-            if n == size:
-                self._count_read(tier.name, n, time.perf_counter() - t0)
-                self.counters.promotions += published
-                return tier.name if published else None
-        return None
+                n = await tier.read_into(key, buf)
+            except TierError as err:
+                self._failed(tier, "read", err)
+                continue
+            if n is not None:
+                self.counters.add("gets", tier.name)
+                self.counters.add("bytes_read", tier.name, n)
+                return tier.name, n
+        return None, None
 
-    def _count_read(self, tier: str, n: int, seconds: float) -> None:
-        c = self.counters
-        c.add("gets", tier)
-        c.add("bytes_read", tier, n)
-        c.add("read_seconds", tier, seconds)
-
-    async def _promote(self, key: ObjectKey, obj: memoryview) -> None:
-        parent = codec.decode_header(obj).parent
-        if await put_bytes(self.host, key, obj, self._parent_key(key, parent)) is PutResult.STORED:
-            self.counters.promotions += 1
-
-    @staticmethod
-    def _parent_key(key: ObjectKey, parent: ChunkHash) -> ObjectKey | None:
-        return None if parent == ROOT else ObjectKey(key.namespace, parent, key.tag)
+    # --- puts ---------------------------------------------------------------------------------
 
     async def put(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
-        """Publish a complete encoded object; the host tier's result is returned."""
+        """Publish a complete encoded object in the host pool (its result is returned), then
+        write it down per the policy."""
         result = await put_bytes(self.host, key, obj, parent)
-        self._count_put(self.host.name, result)
-        await self._write_through(key, obj, parent)
+        self.counters.count_put(self.host.name, result)
+        if result is PutResult.STORED:
+            self.written(key, parent)
         return result
 
     async def put_payload(self, key: ObjectKey, geometry: codec.ObjectGeometry, payload,
                           parent_hash: ChunkHash = ROOT) -> PutResult:
-        """Encode ``payload`` straight into a host slot, then write through from that slot."""
-        parent = self._parent_key(key, parent_hash)
-        if await self.host.contains(key):
+        """Encode ``payload`` straight into a host slot (no staging copy), then write down."""
+        parent = None if parent_hash == ROOT else ObjectKey(key.namespace, parent_hash, key.tag)
+        if self.host.contains_sync(key):
             result = PutResult.EXISTS
         else:
-            result = await self._encode_into_host(key, geometry, payload, parent_hash, parent)
-        self._count_put(self.host.name, result)
-        view = self.host.acquire(key) if result is not PutResult.NO_ROOM else None
-        if view is None:
-            return result
-        try:
-            await self._write_through(key, view, parent)
-        finally:
-            self.host.release(key)
+            result = self._encode_into_host(key, geometry, payload, parent_hash, parent)
+        self.counters.count_put(self.host.name, result)
+        if result is PutResult.STORED:
+            self.written(key, parent)
         return result
 
-    async def _encode_into_host(self, key, geometry, payload, parent_hash, parent) -> PutResult:
-        handle = await self.host.put_start(key, codec.object_size(geometry), parent)
+    def _encode_into_host(self, key, geometry, payload, parent_hash, parent) -> PutResult:
+        handle = self.host.put_start_sync(key, codec.object_size(geometry), parent)
         if handle is None:
             return PutResult.NO_ROOM
         ok = False
@@ -217,31 +210,61 @@ class TieredStore:
             codec.encode_into(handle.buffer, key, geometry, payload, parent_hash)
             ok = True
         finally:
-            published = await self.host.put_commit(handle, ok)
+            published = self.host.put_commit_sync(handle, ok)
         return PutResult.STORED if published else PutResult.FAILED
 
-    async def _write_through(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None) -> None:
-        if self.write_policy is not WritePolicy.WRITE_THROUGH:
-            return
-        for tier in self.lower:
-            self._count_put(tier.name, await put_bytes(tier, key, obj, parent))
+    def written(self, key: ObjectKey, parent: ObjectKey | None) -> Offer:
+        """``key`` was just published in the host pool: hand it to the write-down (any
+        thread; never blocks: see ``kvstore.store.writedown`` for a full queue)."""
+        return self.writer.offer(key, parent)
 
-    def _count_put(self, tier: str, result: PutResult) -> None:
-        if result is PutResult.STORED:
-            self.counters.add("puts", tier)
-        elif result in (PutResult.NO_ROOM, PutResult.FAILED):
-            self.counters.add("put_failures", tier)
+    # --- delete, stats, shutdown ----------------------------------------------------------------
 
     async def delete(self, key: ObjectKey) -> bool:
-        deleted = [await tier.delete(key) for tier in self.tiers]
-        return any(deleted)
+        """Remove ``key`` from every tier; its write-down or promotion in flight settles first,
+        so neither can bring it back.  A failing tier is counted and skipped."""
+        await self.writer.settle_key(key)
+        await self.promoter.settle(key)
+        deleted = self.host.delete_sync(key)
+        for tier in self.lower:
+            try:
+                deleted = await tier.delete(key) or deleted
+            except TierError as err:
+                self._failed(tier, "delete", err)
+        return deleted
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Wait for promotions and write-downs in flight (not a write-back flush)."""
+        await self.promoter.drain(timeout)
+        return await self.writer.drain(timeout)
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Write everything dirty down (write-back) and wait for it."""
+        return await self.writer.flush(timeout)
 
     def stats(self) -> dict[str, object]:
-        return {"store": self.counters, "tiers": {t.name: t.stats() for t in self.tiers}}
+        return {"store": self.counters, "tiers": {t.name: t.stats() for t in self.tiers},
+                "write_down": {"in_flight": self.writer.in_flight, "dirty_bytes": self.writer.dirty_bytes,
+                               "written": self.writer.written}}
 
-    async def aclose(self) -> None:
-        for tier in self.tiers:
-            await tier.aclose()
+    async def settle(self, timeout: float = 30.0) -> None:
+        """Let promotions finish and write everything down (``timeout`` s each), refusing new
+        write-downs; the tiers stay open."""
+        await self.promoter.drain(timeout)
+        await self.writer.aclose(timeout)
+
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """``settle``, then close the lower tiers and the host pool.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.settle(timeout)
+        for tier in self.lower:
+            try:
+                await tier.aclose()
+            except Exception as err:  # noqa: BLE001 - closing the rest matters more
+                log.warning("closing %s failed: %s", tier.name, err)
+        self.host.close()
 
     async def __aenter__(self) -> "TieredStore":
         return self
@@ -249,29 +272,9 @@ class TieredStore:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-async def present_in(tier: Tier, keys: Sequence[ObjectKey]) -> list[bool]:
-    """Which of ``keys`` ``tier`` holds: its batch ``present`` when it has one (network
-    tiers: one round trip), else its batch ``sizes`` (the host pool: one lock), else
-    ``contains`` per key.  A failing tier holds nothing."""
-    from kvstore.errors import TierError
-
-    batch = getattr(tier, "present", None)
-    try:
-        if batch is not None:
-            return list(await batch(keys))
-        if getattr(tier, "sizes", None) is not None:
-            return [size is not None for size in await sizes_in(tier, keys)]
-        return [await tier.contains(k) for k in keys]
-    except TierError:
-        return [False] * len(keys)
+    def _failed(self, tier: Tier, op: str, err: BaseException) -> None:
+        self.counters.add("tier_errors", f"{tier.name}:{op}")
+        self.observer.tier_failed(tier, op, err)
 
 
-async def sizes_in(tier: Tier, keys: Sequence[ObjectKey]) -> list[int | None]:
-    """The object size of each of ``keys`` in ``tier`` (None: not there): its batch
-    ``sizes`` when it has one (the host pool answers under one lock), else ``size_of`` per
-    key.  ``TierError`` propagates: the caller decides what a failing tier means."""
-    batch = getattr(tier, "sizes", None)
-    if batch is not None:
-        return list(await batch(keys))
-    return [await tier.size_of(k) for k in keys]
+__all__ = ["GetResult", "LookupResult", "TieredStore"]

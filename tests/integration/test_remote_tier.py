@@ -207,3 +207,30 @@ async def test_refusals_do_not_trip_the_breaker(tmp_path):
             assert await rw.lookup(keys) == 1                             # nothing else stored
     finally:
         assert proc.terminate(30) == 0
+
+
+async def test_present_is_per_key_and_the_core_asks_the_lowest_tier_for_a_prefix(store):
+    """The store answers prefixes: ``present`` finds keys after a gap with one Lookup per key
+    past the first miss, while the core, for which the store process is the lowest tier,
+    asks one prefix Lookup and one for the sizes of the hits."""
+    from kvstore.store.registry import open_tier
+    from kvstore.store.tiered import TieredStore
+
+    hashes, keys = chain(6, seed=21)
+    tier = await open_tier(f"kvstore://{store.target}", transport="stream")
+    core = TieredStore(await open_tier("host:", capacity=8 * MiB, pin=False), [tier])
+    try:
+        objs = {i: sealed(keys[i], 4096 + i, 40 + i) for i in (0, 1, 3)}
+        for i, obj in objs.items():
+            assert await put_bytes(tier, keys[i], obj) is PutResult.STORED
+        c = tier.client.counters
+        assert await tier.present(keys) == [True, True, False, True, False, False]
+        assert await tier.sizes(keys) == [4096, 4097, None, 4099, None, None]
+        before = c.lookups
+        found = await core.lookup(keys)
+        assert found.tiers == ["remote", "remote"] and found.sizes == [4096, 4097]
+        assert c.lookups - before == 2
+        assert await core.promote(keys[3]) == "remote"
+        assert (await core.lookup(keys[3:4])).tiers == ["host"]
+    finally:
+        await core.aclose()

@@ -119,7 +119,7 @@ def test_corrupted_slot_is_reported_as_failed_blocks(tmp_path, tokens, dev):
     e.step(new=[("b", [10, 11, 12, 13, 14], n)], scheduled={"b": len(tokens) - n})
     assert e.errors == {12, 13}                           # chunk 1's blocks: vLLM recomputes them
     assert e.sched.stats.failures.get("host:load") == 1
-    e.sched.io.drain()                                    # write-throughs hold references too
+    e.sched.drain()                                       # write-throughs hold references too
     assert e.sched.host.stats().extra["refs_held"] == 0   # pins released after the drain
     assert not e.sched.host.contains_sync(e.sched._reqs["b"].keys[1])   # damaged: dropped
     e.close()
@@ -147,8 +147,8 @@ def test_timed_out_load_drains_before_the_step_ends(tmp_path, tokens, dev):
     run_request(e, "b", tokens, [10, 11, 12, 13, 14])
     assert e.errors == {10, 11, 12, 13}                   # counted as failed: recomputed
     assert slow.synchronize(0)                            # and no copy is still running
-    e.sched.io.drain()
-    e.sched.io.drain()
+    e.sched.drain()
+    e.sched.drain()
     assert e.sched.host.stats().extra["refs_held"] == 0
     e.close()
 

@@ -1,10 +1,10 @@
-"""SSD tier against real files in tmp_path: round trips, re-open, damage, eviction, failures."""
+"""SSD tier against real files in tmp_path: round trips, re-open, damage, failures.  Eviction
+and reads in flight: ``test_ssd_eviction.py``."""
 from __future__ import annotations
 
 import asyncio
 import os
 import random
-import threading
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,6 @@ import pytest
 from kvstore.codec import HEADER_SIZE, ObjectGeometry, encode_into, object_size, verify
 from kvstore.errors import CapacityError, ConfigError, TierUnavailableError
 from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
-from tiers import ssd as ssd_mod
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.ssd import SSDTier, drop_page_cache
 
@@ -191,99 +190,6 @@ async def test_vanished_file_is_a_miss_and_leaves_the_index(tmp_path):
     await tier.aclose()
 
 
-async def present(tier: SSDTier) -> set[ObjectKey]:
-    return {k for k in MADE if await tier.contains(k)}
-
-
-async def evicted_by(tier: SSDTier, key: ObjectKey) -> set[ObjectKey]:
-    before = await present(tier)
-    await store(tier, [key])
-    return before - await present(tier)
-
-
-async def test_eviction_takes_lru_chain_tails_before_parents(tmp_path):
-    a0, a1, a2 = chain(3, seed=1)
-    b0, c0, d0, e0 = (chain(1, seed=s)[0] for s in (2, 3, 4, 5))
-    tier = SSDTier(tmp_path, 4 * SIZE)
-    await store(tier, [a0, a1, a2])
-    await store(tier, [b0])
-    assert await evicted_by(tier, c0) == {a2}  # LRU is a0, but a2 is the oldest tail
-    assert await evicted_by(tier, d0) == {a1}  # a1 became a tail, older than b0
-    assert await read(tier, b0) is not None    # b0 is now most recently used
-    assert await evicted_by(tier, e0) == {a0}
-    assert await evicted_by(tier, a0) == {c0}
-    st = tier.stats()
-    assert st.evictions == 4 and st.objects == 4 and st.bytes_used == 4 * SIZE
-    assert len(kv_files(tmp_path)) == 4 and not tier.path_of(a2).exists()
-    await tier.aclose()
-
-
-@pytest.fixture
-def held_reads(monkeypatch):
-    """Reads block (inside the worker thread, file open) until ``release`` is set."""
-    release, started = threading.Event(), threading.Semaphore(0)
-    real = ssd_mod._read_file
-
-    def blocking(path, view, key):
-        started.release()
-        assert release.wait(10)
-        return real(path, view, key)
-
-    monkeypatch.setattr(ssd_mod, "_read_file", blocking)
-    return release, started
-
-
-async def start_read(tier: SSDTier, key: ObjectKey, started: threading.Semaphore) -> asyncio.Task:
-    task = asyncio.create_task(tier.read_into(key, memoryview(bytearray(SIZE))))
-    assert await asyncio.to_thread(started.acquire, True, 10)
-    return task
-
-
-async def test_an_object_being_read_is_not_evicted(tmp_path, held_reads):
-    release, started = held_reads
-    x0, y0, z0, w0 = (chain(1, seed=s)[0] for s in range(4))
-    tier = SSDTier(tmp_path, 2 * SIZE)
-    await store(tier, [x0, y0])
-    reading = await start_read(tier, x0, started)
-    assert await evicted_by(tier, z0) == {y0}  # x0 is LRU but pinned by the reader
-    handle = await tier.put_start(w0, SIZE)    # x0 pinned, z0 evictable: evicts z0
-    assert handle is not None and not await tier.contains(z0)
-    assert await tier.put_start(chain(1, seed=9)[0], SIZE) is None  # only x0 left, pinned
-    release.set()
-    assert await reading == SIZE and await tier.contains(x0)
-    assert not await tier.put_commit(handle, ok=False)
-    await tier.aclose()
-
-
-async def test_fallback_evicts_a_parent_when_no_tail_is_evictable(tmp_path, held_reads):
-    release, started = held_reads
-    p0, p1 = chain(2, seed=1)
-    tier = SSDTier(tmp_path, 2 * SIZE)
-    await store(tier, [p0, p1])
-    reading = await start_read(tier, p1, started)
-    assert await evicted_by(tier, chain(1, seed=2)[0]) == {p0}
-    release.set()
-    assert await reading == SIZE
-    await tier.aclose()
-
-
-async def test_a_cancelled_read_drains_before_it_unpins(tmp_path, held_reads):
-    release, started = held_reads
-    x0, y0 = chain(1, seed=1)[0], chain(1, seed=2)[0]
-    tier = SSDTier(tmp_path, SIZE)
-    await store(tier, [x0])
-    reading = await start_read(tier, x0, started)
-    reading.cancel()
-    await asyncio.sleep(0.05)
-    assert not reading.done()  # the worker thread still owns the buffer
-    assert await tier.put_start(y0, SIZE) is None  # and x0 is still pinned
-    release.set()
-    with pytest.raises(asyncio.CancelledError):
-        await reading
-    assert await evicted_by(tier, y0) == {x0}
-    await tier.aclose()
-
-
 async def test_abandoned_put_leaves_nothing(tmp_path):
     key = chain(1)[0]
     tier = SSDTier(tmp_path, 1 << 30)
@@ -415,9 +321,8 @@ async def test_random_concurrent_ops_match_the_disk(tmp_path, seed):
 
 
 async def test_batch_sizes_match_size_of(tmp_path):
-    """``sizes`` answers a whole batch like ``size_of`` per key (used by batched lookups)."""
-    from kvstore.store.tiered import present_in
-
+    """``sizes`` answers a whole batch like ``size_of`` per key (used by batched lookups);
+    ``present``, ``lookup`` and ``contains`` are ``TierBase``'s over it."""
     tier = SSDTier(tmp_path / "batch", 1 << 20)
     ks = chain(4, seed=77)
     await put_bytes(tier, ks[0], memoryview(make_obj(ks[0], 1000)))
@@ -425,5 +330,8 @@ async def test_batch_sizes_match_size_of(tmp_path):
     expected = [await tier.size_of(k) for k in ks]
     assert expected[1] is None and expected[3] is None and expected[0] < expected[2]
     assert await tier.sizes(ks) == expected
-    assert await present_in(tier, ks) == [True, False, True, False]
+    assert await tier.present(ks) == [True, False, True, False]
+    assert await tier.lookup(ks) == 1 and await tier.contains(ks[2]) and not await tier.contains(ks[3])
     await tier.aclose()
+    with pytest.raises(TierUnavailableError):  # a closed tier raises: the core counts a miss
+        await tier.sizes(ks)

@@ -1,0 +1,125 @@
+"""Promotion: bringing an object from a lower tier into a host slot, once per key.
+
+Runs on the core's event loop (``kvstore.store.tiered``).
+
+* The first lower tier that knows the object's size is read, verified by that tier, straight
+  into a reserved host slot (``put_start_sync``: invisible until committed); the slot is
+  published only when the whole object arrived, with its parent (from the header) so host
+  eviction still drops chain tails first.  A read that fails tries the next tier.
+* **Single flight.**  Concurrent callers for one key share one promotion task (each waits
+  for it under ``asyncio.shield``: a cancelled caller does not cancel the others).
+* **Errors are misses.**  A ``TierError`` from a tier (down, disk error) is counted
+  (``StoreCounters.tier_errors``, ``StoreObserver.tier_failed``) and the next tier is tried;
+  no room in the host pool is a counted miss.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from kvstore import codec
+from kvstore.errors import CapacityError, CorruptHeaderError, TierError
+from kvstore.keys import ROOT, ObjectKey
+from kvstore.store.events import StoreCounters, StoreObserver
+from tiers.base import Tier
+from tiers.host import HostTier
+
+
+class Promoter:
+    """Single-flight promotions into ``host`` from ``lower`` (see the module docstring)."""
+
+    def __init__(self, host: HostTier, lower: Sequence[Tier], counters: StoreCounters,
+                 observer: StoreObserver) -> None:
+        self.host, self.lower = host, list(lower)
+        self._counters, self._observer = counters, observer
+        self._running: dict[ObjectKey, asyncio.Task] = {}  # on the loop only
+
+    async def promote(self, key: ObjectKey) -> str | None:
+        """Make ``key`` resident in the host pool; the name of the tier it came from ("host"
+        when it already was), or None (a miss everywhere, or no room)."""
+        if self.host.contains_sync(key):
+            return self.host.name
+        task = self._running.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._promote(key))
+            self._running[key] = task
+            task.add_done_callback(lambda t, k=key: self._forget(k, t))
+        return await asyncio.shield(task)
+
+    def _forget(self, key: ObjectKey, task: asyncio.Task) -> None:
+        if self._running.get(key) is task:
+            del self._running[key]
+
+    async def settle(self, key: ObjectKey) -> None:
+        """Wait for a promotion of ``key`` in flight (before a delete: it cannot resurrect it)."""
+        task = self._running.get(key)
+        if task is not None:
+            await asyncio.wait([task])
+
+    async def drain(self, timeout: float | None = None) -> None:
+        if self._running:
+            await asyncio.wait(list(self._running.values()), timeout=timeout)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    async def _promote(self, key: ObjectKey) -> str | None:
+        for tier in self.lower:
+            try:
+                size = await tier.size_of(key)
+            except TierError as err:
+                self._failed(tier, err)
+                continue
+            if size is None:
+                continue
+            try:
+                handle = self.host.put_start_sync(key, size)
+            except CapacityError:
+                handle = None
+            if handle is None:
+                self._counters.promote_no_room += 1
+                self._observer.promote_no_room()
+                return None
+            if await self._read(tier, key, handle, size):
+                return tier.name
+        return None
+
+    async def _read(self, tier: Tier, key: ObjectKey, handle, size: int) -> bool:
+        """Read ``key`` from ``tier`` into the reserved slot; publish it when whole."""
+        t0, n = time.perf_counter(), None
+        try:
+            n = await tier.read_into(key, handle.buffer)
+            if n == size:
+                handle.parent = _parent(key, handle.buffer)
+        except TierError as err:
+            self._failed(tier, err)
+        finally:
+            published = self.host.put_commit_sync(handle, n == size)
+        if not (published and n == size):
+            return False
+        seconds = time.perf_counter() - t0
+        c = self._counters
+        c.promotions += 1
+        c.add("gets", tier.name)
+        c.add("bytes_read", tier.name, size)
+        c.add("read_seconds", tier.name, seconds)
+        self._observer.promoted(tier, size, seconds)
+        return True
+
+    def _failed(self, tier: Tier, err: TierError) -> None:
+        self._counters.add("tier_errors", f"{tier.name}:promote")
+        self._observer.tier_failed(tier, "promote", err)
+
+
+def _parent(key: ObjectKey, obj: memoryview) -> ObjectKey | None:
+    """The parent chunk's key named in the object's header (None for a chain's first)."""
+    try:
+        parent = codec.decode_header(obj).parent
+    except CorruptHeaderError:
+        return None  # the commit's own header check refuses the object
+    return None if parent == ROOT else ObjectKey(key.namespace, parent, key.tag)
+
+
+__all__ = ["Promoter"]

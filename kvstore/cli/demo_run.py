@@ -94,6 +94,7 @@ async def play(cfg: StoreConfig, name: str) -> PhaseReport:
                 parent = hashes[i - 1] if i else ROOT
                 await store.put_payload(keys[i], GEOMETRY, synth_payload(hashes[i], expect), parent)
             _count_request(report, len(tokens), len(keys), found.hits)
+        await store.drain()  # the write-throughs in flight land before the bytes are counted
         for tier in store.tiers:
             report.bytes_written[tier.name] = tier.stats().bytes_written
     report.seconds = time.perf_counter() - t0

@@ -10,9 +10,11 @@ pool's sync methods may be called from other threads, and so may ``written``.
   once about the keys no faster tier holds, sizes only for hits inside the prefix).
 * ``promote``/``get_into``: a lower-tier object read, verified, straight into a reserved
   host slot, once per key however many callers ask (``kvstore.store.promote``).
-* ``put``/``put_payload`` publish into the host pool; ``written(key, parent)`` is the entry
-  for objects published by someone else (the store process's reservations, the connector's
-  saves).  Either way ``kvstore.store.writedown`` takes it down per the ``WritePolicy``.
+* ``put``/``put_payload`` publish into the host pool and hand the object to the write-down
+  (``kvstore.store.writedown``, per the ``WritePolicy``), waiting a bounded time for room in
+  its queue; ``written(key, parent)`` is the never-blocking entry for objects published by
+  someone else (the store process's reservations, the connector's saves): a full queue
+  drops the write-through (counted).
 * Tier errors (``TierError``) are misses everywhere, counted in ``counters.tier_errors`` and
   reported to the ``StoreObserver``.  Every object is whole and verified wherever it comes
   from (``tiers.base`` contract).
@@ -60,14 +62,17 @@ class GetResult:
 
 class TieredStore:
     """Host DRAM on top, then ``lower`` tiers in order (see the module docstring).  Keyword
-    options: ``observer``, and the write-down's ``max_writes_in_flight``,
-    ``write_queue_bytes`` and ``dirty_fraction`` (``kvstore.store.writedown``)."""
+    options: ``observer``; the write-down's ``max_writes_in_flight``, ``write_queue_bytes``
+    and ``dirty_fraction`` (``kvstore.store.writedown``); ``put_wait_s``, how long ``put``
+    and ``put_payload`` wait for room in a full write-through queue before dropping."""
 
     def __init__(self, host: HostTier, lower: Sequence[Tier] = (),
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *,
                  observer: StoreObserver | None = None, max_writes_in_flight: int = 2,
-                 write_queue_bytes: int | None = None, dirty_fraction: float = 0.5) -> None:
+                 write_queue_bytes: int | None = None, dirty_fraction: float = 0.5,
+                 put_wait_s: float = 10.0) -> None:
         self.host = host
+        self.put_wait_s = put_wait_s
         self.lower = list(lower)
         self.write_policy = write_policy
         self.counters = StoreCounters()
@@ -181,16 +186,17 @@ class TieredStore:
 
     async def put(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
         """Publish a complete encoded object in the host pool (its result is returned), then
-        write it down per the policy."""
+        hand it to the write-down (waiting up to ``put_wait_s`` for room in its queue)."""
         result = await put_bytes(self.host, key, obj, parent)
         self.counters.count_put(self.host.name, result)
         if result is PutResult.STORED:
-            self.written(key, parent)
+            await self.writer.submit(key, parent, self.put_wait_s)
         return result
 
     async def put_payload(self, key: ObjectKey, geometry: codec.ObjectGeometry, payload,
                           parent_hash: ChunkHash = ROOT) -> PutResult:
-        """Encode ``payload`` straight into a host slot (no staging copy), then write down."""
+        """Encode ``payload`` straight into a host slot (no staging copy), then write down
+        (as ``put``)."""
         parent = None if parent_hash == ROOT else ObjectKey(key.namespace, parent_hash, key.tag)
         if self.host.contains_sync(key):
             result = PutResult.EXISTS
@@ -198,7 +204,7 @@ class TieredStore:
             result = self._encode_into_host(key, geometry, payload, parent_hash, parent)
         self.counters.count_put(self.host.name, result)
         if result is PutResult.STORED:
-            self.written(key, parent)
+            await self.writer.submit(key, parent, self.put_wait_s)
         return result
 
     def _encode_into_host(self, key, geometry, payload, parent_hash, parent) -> PutResult:

@@ -23,8 +23,10 @@ Bounds and backpressure:
   that is still taken when the queue is empty).  **An offer that finds the queue full is
   dropped**: its reference is released at once and it is counted (``write_down_dropped``,
   ``StoreObserver.write_down_dropped``).  The object stays in host memory only, so a drop is
-  a future lower-tier miss, never wrong data.  Offers never block: neither the engine's
-  scheduler thread nor the store process's commits wait for a disk or a network.
+  a future lower-tier miss, never wrong data.  ``offer`` never blocks: neither the engine's
+  scheduler thread nor the store process's commits wait for a disk or a network.  An async
+  producer on the loop that prefers to slow down (the embedded store's ``put``) calls
+  ``submit(..., wait_s)`` instead: it waits up to ``wait_s`` for room, then is dropped.
 * Write-back objects are not queued: they wait as dirty objects, bounded by the pool itself
   (a pool full of dirty objects answers NO_ROOM to new puts: write-back's backpressure).
 * A lower tier that fails (raises, has no room, refuses) is counted per tier (``written``
@@ -144,6 +146,27 @@ class WriteDown:
         if wake:
             self._wake()
         return outcome
+
+    async def submit(self, key: ObjectKey, parent: ObjectKey | None, wait_s: float) -> Offer:
+        """``offer`` from the loop, waiting up to ``wait_s`` for room in a full queue first."""
+        loop = asyncio.get_running_loop()
+        self._loop = self._loop or loop
+        changed = self._changed = self._changed or asyncio.Event()
+        deadline = loop.time() + wait_s
+        while self._full_for(key) and (remaining := deadline - loop.time()) > 0:
+            changed.clear()
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                break
+        return self.offer(key, parent)
+
+    def _full_for(self, key: ObjectKey) -> bool:
+        """Whether an offer of ``key`` now would find the write-through queue full."""
+        size = self.host.size_of_sync(key)
+        with self._lock:
+            return (self.policy is WritePolicy.WRITE_THROUGH and size is not None and not self._closed
+                    and bool(self._queue) and self._queued + size > self.queue_bytes)
 
     def _admit(self, key: ObjectKey, item: _Item) -> tuple[Offer, bool]:
         """Under ``_lock``: where the offered object goes, and whether a copy may start."""

@@ -122,6 +122,22 @@ async def test_a_full_queue_drops_the_write_counts_it_and_keeps_no_reference(rig
     assert r.commit(keys(1, seed=3)[0]) is Offer.QUEUED  # room again once the queue drained
 
 
+async def test_submit_waits_a_bounded_time_for_room_instead_of_dropping(rigs):
+    size = len(make_obj(keys(1)[0], 1))
+    r = rigs("write_through", max_in_flight=1, queue_bytes=size)
+    ks = keys(4, seed=15)
+    assert [r.commit(k) for k in ks[:2]] == [Offer.QUEUED] * 2  # one copying, one queued: full
+    for k in ks[2:]:
+        obj = make_obj(k, 1)
+        handle = r.host.put_start_sync(k, len(obj))
+        handle.buffer[:] = obj
+        assert r.host.put_commit_sync(handle)
+    assert await r.writer.submit(ks[2], None, wait_s=0) is Offer.DROPPED     # no wait: dropped
+    assert await r.writer.submit(ks[3], None, wait_s=10) is Offer.QUEUED     # waited for room
+    assert await r.writer.drain(5)
+    assert await r.on_ssd(ks) == [True, True, False, True] and r.refs() == 0
+
+
 async def test_an_object_larger_than_the_queue_is_taken_when_the_queue_is_empty(rigs):
     r = rigs("write_through", max_in_flight=1, queue_bytes=10)
     ks = keys(3, seed=4)

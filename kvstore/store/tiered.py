@@ -84,15 +84,20 @@ class TieredStore:
         self._closed = False
 
     @classmethod
-    async def open(cls, specs: Sequence[tuple[str, Mapping[str, object]]], write_policy: WritePolicy
-                   = WritePolicy.WRITE_THROUGH, *, required: bool = True, on_left_out=None,
-                   **options) -> "TieredStore":
+    async def open(cls, specs: Sequence[tuple[str, Mapping[str, object]]],
+                   write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *, required: bool = True,
+                   on_left_out=None, **options) -> "TieredStore":
         """Open ``specs`` (``kvstore.store.registry``: a ``host:`` spec first, then the lower
         tiers, fastest first) and build the store over them."""
         if not specs or not specs[0][0].startswith("host:"):
             raise ConfigError(f"the first tier of a store must be host:, got {specs[0][0] if specs else None!r}")
         tiers = await open_tiers(specs, required=required, on_left_out=on_left_out)
-        return cls(tiers[0], tiers[1:], write_policy, **options)  # type: ignore[arg-type]
+        try:
+            return cls(tiers[0], tiers[1:], write_policy, **options)  # type: ignore[arg-type]
+        except BaseException:
+            for tier in reversed(tiers):
+                await tier.aclose()
+            raise
 
     @classmethod
     async def from_config(cls, cfg: StoreConfig, **options) -> "TieredStore":

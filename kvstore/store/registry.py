@@ -9,7 +9,7 @@ Specs, and the keyword options each takes:
     redis://HOST:PORT/DB     Redis; also rediss:// (TLS), redis+cluster://, rediss+cluster://:
                              ``tiers.redis_config.RedisConfig`` options (over the query string)
     kvstore://HOST:PORT      a store process (``kvstore serve``): token, tls_ca, tls_cert,
-                             tls_key, tls_server_name, transport, timeout_s, release_delay_s,
+                             tls_key, tls_server_name, transport, timeout_s, release_delay_s, lease_ttl_s,
                              name, retry_s
 
 Sizes may be strings (``512MiB``).  Backends are imported lazily: redis-py only for a Redis
@@ -43,7 +43,7 @@ _OPTIONS = {
     "host": {"capacity", "shared", "pin", "alignment", "name"},
     "ssd": {"capacity", "fsync", "name"},
     "remote": {"token", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "transport",
-               "timeout_s", "release_delay_s", "name", "retry_s"},
+               "timeout_s", "release_delay_s", "lease_ttl_s", "name", "retry_s"},
 }
 
 

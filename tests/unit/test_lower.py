@@ -38,6 +38,8 @@ def test_specs_follow_the_config_host_pool_first(tmp_path):
                                      "redis://127.0.0.1:6390/0"]
     assert specs[0][1] == {"capacity": 1 << 20, "shared": True, "pin": False}
     assert specs[2][1]["token"] == "t" and specs[2][1]["transport"] == cfg.store_transport
+    assert specs[2][1]["lease_ttl_s"] == cfg.lease_ttl == 30.0        # one default, and it is read
+    assert tier_specs(config(store_target="h:1", lease_ttl="2.5"))[1][1]["lease_ttl_s"] == 2.5
 
 
 async def test_unreachable_store_process_fails_start_or_is_left_out(tmp_path):

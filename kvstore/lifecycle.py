@@ -223,7 +223,7 @@ class LeaseTable:
             raise LeaseError(f"lease {lease_id} is unknown, released or expired")
         return lease
 
-    def release(self, lease_id: int) -> bool:
+    def release_lease(self, lease_id: int) -> bool:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
@@ -250,7 +250,7 @@ class LeaseTable:
 
     def drop_all(self, key: bytes) -> None:
         for lid in [lid for lid, lease in self._leases.items() if lease.key == key]:
-            self.release(lid)
+            self.release_lease(lid)
 
     def __len__(self) -> int:
         return len(self._leases)

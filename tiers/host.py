@@ -232,7 +232,7 @@ class HostTier(TierBase):
 
     def release_lease(self, lease_id: int) -> bool:
         with self._lock:
-            return self._leases.release(lease_id)
+            return self._leases.release_lease(lease_id)
 
     def check_lease(self, lease_id: int) -> Lease:
         """The lease if still valid; ``LeaseError`` if unknown, released, expired or deleted."""

@@ -197,7 +197,7 @@ class RedisTier(RedisNodes, TierBase):
         if not all([self._allow(n) for n in set(nodes)]):
             return _Fetch.FAILED
         bulk = CLUSTER not in nodes  # else: no node known for some key, let redis-py find it
-        outcome = await self._bulk.fetch(nodes, keys, manifest, view) if bulk else Outcome.FALLBACK
+        outcome = await self._bulk.read_into(nodes, keys, manifest, view) if bulk else Outcome.FALLBACK
         if outcome is not Outcome.FALLBACK:
             return _Fetch(outcome.value)
         todo = iter(range(len(keys)))

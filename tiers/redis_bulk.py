@@ -5,7 +5,7 @@ Runs on the event loop that owns the tier (``tiers.redis.RedisTier._fetch``).
 ``max_inflight_parts`` dedicated connections, opened lazily with the tier's settings (AUTH
 user/password, SELECT db, TLS from ``tls_ca``/``tls_cert``/``tls_key``, ``connect_timeout_s``)
 and reused; a connection carries one object read at a time, and a read waits for a free one.
-``await fetch(nodes, keys, manifest, view)`` pipelines a ``GET`` for every part a manifest
+``await read_into(nodes, keys, manifest, view)`` pipelines a ``GET`` for every part a manifest
 names (``max_inflight_parts`` in flight per node, nodes concurrently) and answers an ``Outcome``:
 
 * OK: every part had exactly its manifest length and now sits in ``view`` at its offset;
@@ -23,7 +23,7 @@ hands the kernel (or the TLS layer) the caller's buffer while a large payload is
 Cancellation, timeouts and failures: a read that ends any other way than by its last reply
 first detaches the caller's buffer from the connection (``get_buffer`` can then only hand out
 scratch or a private sink) and aborts the connection, so no byte lands in ``view`` after
-``fetch`` returns or raises and no connection is reused mid-reply.  An idle connection the
+``read_into`` returns or raises and no connection is reused mid-reply.  An idle connection the
 server closed meanwhile is retried once on a fresh one (as redis-py does).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ class BulkReader:
         self._idle.clear()
         self._busy.clear()
 
-    async def fetch(self, nodes: Sequence[str], keys: Sequence[str], manifest: Manifest,
+    async def read_into(self, nodes: Sequence[str], keys: Sequence[str], manifest: Manifest,
                     view: memoryview) -> Outcome:
         """Read part ``i`` (``keys[i]`` on server ``nodes[i]``) into ``view`` at its offset."""
         groups: dict[str, list[Request]] = defaultdict(list)

@@ -5,7 +5,7 @@ unless ``--target`` names one.  Rows, each a median of ``--repeat`` operations:
 
 * **Lookup** of 512 chained keys (one ``Lookup`` round trip) beside a plain small grpcio
   unary call (target ≤ 2×).
-* **Shared memory**: ``get_into`` / ``put`` of each ``--sizes`` object (RPCs, copy, lease
+* **Shared memory**: ``read_into`` / ``put`` of each ``--sizes`` object (RPCs, copy, lease
   release, checksum and rekey included) beside a copy of the same bytes into a reused
   buffer (target for a 32 MiB get: ≥ 0.6).
 * **Streams**: the same over ``GetStream`` / ``PutStream`` beside the loopback TCP transfer
@@ -120,7 +120,7 @@ async def _get_put_s(client: StoreClient, key: ObjectKey, obj: np.ndarray, repea
     put_s = await _median_s(put, repeat, delete)
 
     async def get() -> None:
-        if await client.get_into(key, view) != len(obj):
+        if await client.read_into(key, view) != len(obj):
             raise TierError(f"bench store: get of a {len(obj)}-byte object missed")
 
     get_s = await _median_s(get, repeat)

@@ -116,14 +116,14 @@ async def _client_run(i: int, target: str, token: str | None, keys: list[bytes],
     buf.fill(0)                             # prefaulted: reused for every get
     view = memoryview(buf)
     async with await StoreClient.connect(target, token=token, transport="shm", timeout_s=30) as client:
-        if await client.get_into(objs[i % len(objs)], view) != size:   # warm up
+        if await client.read_into(objs[i % len(objs)], view) != size:   # warm up
             raise RuntimeError("warm-up get missed")
         barrier.wait(timeout=_START_TIMEOUT_S)
         lats = []
         start = time.monotonic()
         for j in range(gets):
             t0 = time.perf_counter()
-            n = await client.get_into(objs[(i + j) % len(objs)], view)
+            n = await client.read_into(objs[(i + j) % len(objs)], view)
             lats.append(time.perf_counter() - t0)
             if n != size:
                 raise RuntimeError(f"get {j} answered {n}, expected {size} bytes")

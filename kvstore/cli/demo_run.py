@@ -103,7 +103,7 @@ async def play(cfg: StoreConfig, name: str) -> PhaseReport:
 
 async def _load(store, keys, hits, buf, expect, report) -> None:
     for key in keys[:hits]:
-        got = await store.get_into(key, memoryview(buf))
+        got = await store.read_into(key, memoryview(buf))
         if got is None:  # evicted or damaged since the lookup: the engine would recompute
             report.mismatched_chunks += 1
             continue

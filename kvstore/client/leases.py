@@ -10,7 +10,7 @@ that deadline.  After the copy and its checksum:
 * within the window, less a margin (``LeaseWindow.holds``): the copy is good without
   asking.  The lease id goes to a ``ReleaseQueue``, which sends the queued ids as ONE
   ``ReleaseLease`` ~20 ms later (``RELEASE_DELAY_S``; at once when a call's worth is
-  queued) and never blocks ``get_into``; its answer is ignored.
+  queued) and never blocks ``read_into``; its answer is ignored.
 * past the window (a slow copy, a paused process): a synchronous ``ReleaseLease``, whose
   ``valid`` flag decides whether the copy counts.
 * a renewal the server refused (the lease expired, or its object was deleted): a miss.

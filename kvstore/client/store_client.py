@@ -10,12 +10,12 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, D
   (another ``Hello``) remaps it when the server came back with a new segment.
 * Keys are the caller's own ``ObjectKey``; the server scopes them to the token's tenant.
   Objects arrive carrying the scoped key: they are checked against it (header, length,
-  key, payload checksum) and rekeyed to the caller's key before ``get_into`` returns.  A
+  key, payload checksum) and rekeyed to the caller's key before ``read_into`` returns.  A
   miss, an expired lease or a damaged object is ``None`` and counted; a damaged object is
   also deleted on the server (after a ``refresh`` rules out a remapped segment).
 * Reads land in the caller's buffer: one copy from the segment (on a copy thread for
   large objects, checksummed on a second thread meanwhile) or one copy per received frame.
-  A buffer is never written after ``get_into`` returns or raises.  A same-host read is one
+  A buffer is never written after ``read_into`` returns or raises.  A same-host read is one
   round trip: the lease is released later, in batches (``client_leases``), unless the copy
   outran the lease's window, when the server is asked whether it still held.
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
@@ -181,7 +181,7 @@ class StoreClient(LeasedGetMixin, PutMixin):
 
     # --- reads -------------------------------------------------------------------------
 
-    async def get_into(self, key: ObjectKey, buf) -> int | None:
+    async def read_into(self, key: ObjectKey, buf) -> int | None:
         """Copy the verified object into ``buf`` (rekeyed to ``key``); its length or None."""
         dst = _writable(buf)
         self.counters.gets += 1
@@ -350,7 +350,7 @@ class StoreClient(LeasedGetMixin, PutMixin):
 def _writable(buf) -> np.ndarray:
     view = memoryview(buf)
     if view.readonly:
-        raise ConfigError("get_into needs a writable buffer")
+        raise ConfigError("read_into needs a writable buffer")
     return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8)
 
 

@@ -136,7 +136,7 @@ class RemoteTier(TierBase):
 
     async def read_into(self, key: ObjectKey, buf: memoryview) -> int | None:
         sentinel = -1
-        n = await self._guard("get", lambda: self.client.get_into(key, buf), sentinel)
+        n = await self._guard("get", lambda: self.client.read_into(key, buf), sentinel)
         if n == sentinel:
             self._failed_reads += 1
             return None

@@ -11,7 +11,7 @@ this module never sees protobufs or tokens.
 * The core does lookups (tier and size of each key of the contiguous hit; a failing tier is
   a miss), promotion, deletes and the write-down of committed puts; ``ServerObserver`` feeds
   what it reports into the server's counters (``kvstore.server.metrics``).
-* ``get_leased`` finds an object (promoting it from a lower tier into the host pool: read,
+* ``lease`` finds an object (promoting it from a lower tier into the host pool: read,
   verified by that tier, straight into a reserved slot) and grants a lease that also *pins*
   the slot (a host buffer reference, ``HostTier.pin``): until the lease is released or
   expires, the slot is neither evicted, freed nor reused, even if the object is deleted
@@ -20,7 +20,7 @@ this module never sees protobufs or tokens.
   copy in time needs no answer from us (see the proto).  ``LeaseBook`` binds each lease to
   its tenant and its pinned key; ``release_leases`` (one call may carry many ids) drops the
   pins and re-checks validity for clients that ask.
-* ``open_read``/``close_read`` hold a buffer reference (not a lease) for a stream.
+* ``acquire``/``release`` hold a buffer reference (not a lease) for a stream.
 * A reaper task aborts expired reservations and forgets expired leases (dropping their
   pins) periodically, so memory comes back even when no client asks (a client killed with
   queued releases, say).
@@ -164,7 +164,7 @@ class ServerStore:
         """Seconds for a requested TTL: 0 is the default; capped at ``max_lease_ttl``."""
         return self.cfg.lease_ttl if lease_ms <= 0 else min(lease_ms / 1000.0, self.cfg.max_lease_ttl)
 
-    async def get_leased(self, key: ObjectKey, tenant: str, ttl: float) -> Granted | None:
+    async def lease(self, key: ObjectKey, tenant: str, ttl: float) -> Granted | None:
         with self.metrics.timer("get"):
             tier = self.host.name
             lease = self.host.lease(key, ttl)
@@ -187,8 +187,8 @@ class ServerStore:
         c.bump(c.bytes, ("host", "read"), size)
         return Granted(lease.lease_id, offset, size, ttl, tier)
 
-    async def open_read(self, key: ObjectKey, path: str = "stream") -> tuple[memoryview, str] | None:
-        """A view of the object under a buffer reference (``close_read`` ends it)."""
+    async def acquire(self, key: ObjectKey, path: str = "stream") -> tuple[memoryview, str] | None:
+        """A view of the object under a buffer reference (``release`` ends it)."""
         tier = self.host.name
         view = self.host.acquire(key)
         if view is None:
@@ -201,7 +201,7 @@ class ServerStore:
         c.bump(c.gets, (path, tier))
         return view, tier
 
-    def close_read(self, key: ObjectKey, sent: int) -> None:
+    def release(self, key: ObjectKey, sent: int) -> None:
         self.host.release(key)
         self.metrics.counters.bump(self.metrics.counters.bytes, ("host", "read"), sent)
 

@@ -70,7 +70,7 @@ class PutTable:
             raise ExpiredPutError(pending)
         return pending
 
-    def release(self, pending: PendingPut) -> bool:
+    def forget(self, pending: PendingPut) -> bool:
         """Forget a stream's reservation (its handler frees the slot); False if gone."""
         return self._puts.pop(pending.put_id, None) is not None
 

@@ -83,12 +83,12 @@ class PutPath:
 
     def abort(self, pending: PendingPut) -> None:
         """Free an unpublished reservation (idempotent per reservation via the table)."""
-        self.table.release(pending)
+        self.table.forget(pending)
         self.host.put_commit_sync(pending.handle, False)
 
     async def finish(self, pending: PendingPut, path: str) -> PutResult:
         """Verify, rekey and publish the reservation's bytes (see the module docstring)."""
-        self.table.release(pending)
+        self.table.forget(pending)
         handle = pending.handle
         c = self.metrics.counters
         with self.metrics.timer("put_commit"):

@@ -227,7 +227,7 @@ class KVStoreServicer:
     @rpc(READ, SHM)
     async def Get(self, request, context, who: Principal) -> pb.GetResponse:
         _, key = self._keys(who, request.namespace, request.chunk_hash, request.tag)
-        granted = await self.store.get_leased(key, who.tenant, self.store.lease_ttl(request.lease_ms))
+        granted = await self.store.lease(key, who.tenant, self.store.lease_ttl(request.lease_ms))
         if granted is None:
             return pb.GetResponse(found=False)
         return pb.GetResponse(found=True, offset=granted.offset, length=granted.length,
@@ -237,7 +237,7 @@ class KVStoreServicer:
     @rpc(READ)
     async def GetStream(self, request, context, who: Principal) -> None:
         _, key = self._keys(who, request.namespace, request.chunk_hash, request.tag)
-        opened = await self.store.open_read(key)
+        opened = await self.store.acquire(key)
         if opened is None:
             await context.write(pb.GetFrame(found=False))
             return
@@ -252,7 +252,7 @@ class KVStoreServicer:
                                                  TIER_CODES.get(tier, 0) if first else 0))
                     sent += min(step, total - off)
         finally:
-            self.store.close_read(key, sent)
+            self.store.release(key, sent)
 
     @rpc(WRITE, SHM)
     async def PutStart(self, request, context, who: Principal) -> pb.PutStartResponse:

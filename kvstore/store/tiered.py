@@ -8,7 +8,7 @@ pool's sync methods may be called from other threads, and so may ``written``.
 * ``lookup``: tier name and object size of each key of the contiguous hit
   (``kvstore.store.lookup``: the host pool answers under one lock, each lower tier is asked
   once about the keys no faster tier holds, sizes only for hits inside the prefix).
-* ``promote``/``get_into``: a lower-tier object read, verified, straight into a reserved
+* ``promote``/``read_into``: a lower-tier object read, verified, straight into a reserved
   host slot, once per key however many callers ask (``kvstore.store.promote``).
 * ``put``/``put_payload`` publish into the host pool and hand the object to the write-down
   (``kvstore.store.writedown``, per the ``WritePolicy``), waiting a bounded time for room in
@@ -152,7 +152,7 @@ class TieredStore:
         came from ("host" when it already was), or None (a miss, or no room)."""
         return await self.promoter.promote(key)
 
-    async def get_into(self, key: ObjectKey, buf: memoryview) -> GetResult | None:
+    async def read_into(self, key: ObjectKey, buf: memoryview) -> GetResult | None:
         """The verified object in ``buf``, promoted first when it lives in a lower tier (read
         straight from that tier when the pool has no room), or None."""
         t0 = time.perf_counter()

@@ -252,7 +252,7 @@ async def main():
     client = await StoreClient.connect(sys.argv[2], transport="shm", release_delay_s=60)
     buf = np.empty(int(sys.argv[3]), np.uint8)
     for raw in sys.argv[4:]:
-        assert await client.get_into(ObjectKey.from_bytes(bytes.fromhex(raw)), memoryview(buf)) == len(buf)
+        assert await client.read_into(ObjectKey.from_bytes(bytes.fromhex(raw)), memoryview(buf)) == len(buf)
     assert client.counters.releases_deferred == len(sys.argv) - 4
     print("read", client.counters.releases_deferred, flush=True)
     await asyncio.sleep(3600)  # killed here: the releases are still queued

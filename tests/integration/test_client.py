@@ -63,12 +63,12 @@ async def test_round_trip(store, transport, size):
         assert await client.put(keys[0], obj) is PutResult.STORED
         assert await client.put(keys[0], obj) is PutResult.EXISTS
         assert tuple(await client.lookup(keys)) == (1, ("host",), (size,))
-        assert await client.get_into(keys[0], memoryview(buf)) == size
+        assert await client.read_into(keys[0], memoryview(buf)) == size
         assert np.array_equal(buf[:size], obj)           # header rekeyed back to our key
         assert not buf[size:].any()                     # nothing written past the object
         assert await client.delete(keys[0]) is True
         assert (await client.lookup(keys)).hits == 0
-        assert await client.get_into(keys[0], memoryview(buf)) is None
+        assert await client.read_into(keys[0], memoryview(buf)) is None
         c = client.counters
         assert (c.puts, c.put_exists, c.hits, c.misses, c.corrupt, c.bytes_read) == (1, 1, 1, 1, 0, size)
 
@@ -82,7 +82,7 @@ async def test_shm_put_is_read_by_a_stream_client_and_back(store):
         assert await stream.put(keys[1], objs[1], hashes[0]) is PutResult.STORED
         for reader, key, obj in ((stream, keys[0], objs[0]), (shm, keys[1], objs[1])):
             buf = np.empty(len(obj), np.uint8)
-            assert await reader.get_into(key, memoryview(buf)) == len(obj)
+            assert await reader.read_into(key, memoryview(buf)) == len(obj)
             assert np.array_equal(buf, obj)
         assert codec.decode_header(objs[1]).parent == hashes[0]
         for key in keys:
@@ -127,7 +127,7 @@ async def test_lookup_512_keys_reports_tiers_and_sizes(tmp_path):
             assert (await client.lookup(keys)).tiers == ("ssd",) * 300   # a cold host pool
             buf = np.empty(2000, np.uint8)
             for i in range(5):                          # promoted into the host pool on read
-                assert await client.get_into(keys[i], memoryview(buf)) == 1000 + i
+                assert await client.read_into(keys[i], memoryview(buf)) == 1000 + i
                 assert np.array_equal(buf[: 1000 + i], objs[i])
             assert (await client.lookup(keys)).tiers == ("host",) * 5 + ("ssd",) * 295
     finally:
@@ -158,10 +158,10 @@ async def test_tenants_are_isolated_and_permissions_enforced(tenant_store):
         assert (a.info.tenant, b.info.tenant) == ("a", "b")
         assert await a.put(keys[0], obj) is PutResult.STORED
         assert (await b.lookup(keys[:1])).hits == 0                 # B cannot detect it
-        assert await b.get_into(keys[0], memoryview(buf)) is None
+        assert await b.read_into(keys[0], memoryview(buf)) is None
         assert await b.delete(keys[0]) is False                     # nor delete it
         assert await b.put(keys[0], obj) is PutResult.STORED        # B's own copy
-        assert await reader.get_into(keys[0], memoryview(buf)) == len(obj)   # same tenant as A
+        assert await reader.read_into(keys[0], memoryview(buf)) == len(obj)   # same tenant as A
         assert np.array_equal(buf, obj)
         assert await reader.put(keys[1], sealed(keys[1], KiB, 7)) is PutResult.FAILED
         assert reader.counters.put_failures == 1
@@ -248,11 +248,11 @@ async def test_expired_lease_at_completion_is_a_miss(tmp_path, size):
                                              _after_copy=lambda: asyncio.sleep(0.3)) as slow, \
                 await StoreClient.connect(proc.target, transport="shm") as fast:
             assert await fast.put(keys[0], obj) is PutResult.STORED
-            assert await slow.get_into(keys[0], memoryview(buf)) is None
+            assert await slow.read_into(keys[0], memoryview(buf)) is None
             assert (slow.counters.lease_expired, slow.counters.misses, slow.counters.hits) == (1, 1, 0)
             # past its window the copy was not trusted: the server was asked, and said expired
             assert (slow.counters.releases_deferred, slow.counters.release_calls) == (0, 1)
-            assert await fast.get_into(keys[0], memoryview(buf)) == size
+            assert await fast.read_into(keys[0], memoryview(buf)) == size
             assert np.array_equal(buf, obj)
             assert (fast.counters.releases_deferred, fast.counters.lease_expired) == (1, 0)
     finally:
@@ -279,7 +279,7 @@ async def test_same_host_reads_release_their_leases_in_batches(tmp_path):
             base = await _server_counters(watcher)
             for i in range(20):
                 obj = objs[i % 2]
-                assert await c.get_into(keys[i % 2], memoryview(buf)) == len(obj)
+                assert await c.read_into(keys[i % 2], memoryview(buf)) == len(obj)
                 assert np.array_equal(buf[:len(obj)], obj)
             now = await _server_counters(watcher)
             assert now["store.release_calls"] - base["store.release_calls"] == 2      # 8 + 8
@@ -305,7 +305,7 @@ async def test_queued_releases_go_by_themselves(store):
             await StoreClient.connect(store.target, transport="stream") as watcher:
         assert await c.put(keys[0], obj) is PutResult.STORED
         base = await _server_counters(watcher)
-        got = await asyncio.gather(*(c.get_into(keys[0], memoryview(np.zeros(len(obj), np.uint8)))
+        got = await asyncio.gather(*(c.read_into(keys[0], memoryview(np.zeros(len(obj), np.uint8)))
                                      for _ in range(10)))
         assert got == [len(obj)] * 10 and c.counters.releases_deferred == 10
         for _ in range(100):
@@ -316,7 +316,7 @@ async def test_queued_releases_go_by_themselves(store):
         assert now["store.leases_released"] - base["store.leases_released"] == 10
         assert (now["leases_held"], now["host.refs_held"]) == (0, 0)
         assert now["store.release_calls"] - base["store.release_calls"] == c.counters.release_calls
-        assert await c.get_into(keys[0], memoryview(buf)) == len(obj) and np.array_equal(buf, obj)
+        assert await c.read_into(keys[0], memoryview(buf)) == len(obj) and np.array_equal(buf, obj)
         assert await c.delete(keys[0])
 
 
@@ -338,7 +338,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
             before = c._segment.array[held.offset:held.offset + MiB].copy()
             assert await c.delete(keys[0]) is True
             assert (await c.lookup(keys[:1])).hits == 0                     # hidden at once
-            assert await c.get_into(keys[0], memoryview(buf)) is None       # new reads miss
+            assert await c.read_into(keys[0], memoryview(buf)) is None       # new reads miss
             counters = await _server_counters(c)
             assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
                 (2 * MiB, 1, 2)
@@ -350,7 +350,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
                 (MiB, 0, 1)
             assert await c.put(keys[2], objs[2]) is PutResult.STORED        # now it fits
             assert await c._release(leases[1].lease_id) is True
-            assert await c.get_into(keys[2], memoryview(buf)) == MiB and np.array_equal(buf, objs[2])
+            assert await c.read_into(keys[2], memoryview(buf)) == MiB and np.array_equal(buf, objs[2])
             counters = await _server_counters(c)
             assert (counters["leases_held"], counters["host.refs_held"]) == (0, 0)
     finally:
@@ -367,7 +367,7 @@ async def test_damaged_object_is_a_counted_miss_and_deleted(store):
                                                    tag=keys[0].tag), timeout=5)
         client._segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
         await client._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5)
-        assert await client.get_into(keys[0], memoryview(buf)) is None
+        assert await client.read_into(keys[0], memoryview(buf)) is None
         assert client.counters.corrupt == 1
         assert (await client.lookup(keys)).hits == 0           # deleted on the server
 
@@ -378,9 +378,9 @@ async def test_bad_arguments_raise_clear_errors(store):
     async with await StoreClient.connect(store.target) as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
         with pytest.raises(ConfigError, match="cannot hold"):
-            await client.get_into(keys[0], memoryview(np.empty(MiB, np.uint8)))
+            await client.read_into(keys[0], memoryview(np.empty(MiB, np.uint8)))
         with pytest.raises(ConfigError, match="writable"):
-            await client.get_into(keys[0], memoryview(bytes(4 * MiB)))
+            await client.read_into(keys[0], memoryview(bytes(4 * MiB)))
         with pytest.raises(CapacityError, match="exceeds"):
             await client.put(keys[0], np.zeros(client.info.max_object_bytes + 1, np.uint8))
         assert client.counters.hits == 0
@@ -485,7 +485,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
             proc.start()
             for client in (getter, putter):
                 await asyncio.wait_for(client._channel.channel_ready(), 10)
-            assert await getter.get_into(keys[1], memoryview(buf)) == 2 * MiB   # promoted to offset 0
+            assert await getter.read_into(keys[1], memoryview(buf)) == 2 * MiB   # promoted to offset 0
             assert np.array_equal(buf, objs[1])
             assert await putter.put(keys[2], objs[2]) is PutResult.STORED
             for client in (getter, putter):
@@ -510,7 +510,7 @@ async def test_tls_with_client_certificates(tmp_path):
         for transport in ("shm", "stream"):
             async with await StoreClient.connect(proc.target, transport=transport, **mtls) as client:
                 assert await client.put(keys[0], obj) in (PutResult.STORED, PutResult.EXISTS)
-                assert await client.get_into(keys[0], memoryview(buf)) == len(obj)
+                assert await client.read_into(keys[0], memoryview(buf)) == len(obj)
                 assert np.array_equal(buf, obj)
         for opts in ({}, {"tls_ca": str(tls.ca_cert)}):           # plaintext; no client certificate
             with pytest.raises(TierUnavailableError):
@@ -537,7 +537,7 @@ async def test_long_copies_renew_their_lease(tmp_path):
     try:
         async with await StoreClient.connect(proc.target, transport="shm") as client:
             assert await client.put(keys[0], obj) is PutResult.STORED
-            got = await client.get_into(keys[0], memoryview(buf))
+            got = await client.read_into(keys[0], memoryview(buf))
             c = client.counters
             assert c.renewals >= 1
             if got is None:
@@ -585,7 +585,7 @@ async def test_the_clients_lease_ttl_is_what_the_server_grants(store):
         assert client.lease_ms == 1000
         assert await client.put(keys[0], sealed(keys[0], 4096, 7)) is PutResult.STORED
         before = (await _server_counters(watcher))["leases_held"]
-        assert await client.get_into(keys[0], memoryview(buf)) == 4096
+        assert await client.read_into(keys[0], memoryview(buf)) == 4096
         assert (await _server_counters(watcher))["leases_held"] == before + 1
         async with asyncio.timeout(10):                  # the server's reaper drops it
             while (await _server_counters(watcher))["leases_held"] != before:

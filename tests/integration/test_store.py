@@ -45,7 +45,7 @@ async def test_put_lookup_get_from_host(tmp_path):
         found = await store.lookup(keys)
         assert (found.looked_up, found.hits, found.tiers) == (4, 3, ["host"] * 3)
         assert found.sizes == [SIZE] * 3 and found.by_tier == {"host": 3}
-        got = await store.get_into(keys[1], memoryview(buf))
+        got = await store.read_into(keys[1], memoryview(buf))
         assert (got.length, got.tier) == (SIZE, "host")
         assert np.array_equal(buf[codec.HEADER_SIZE:], payload(1))
         assert await store.put_payload(keys[1], GEOM, payload(1), hashes[0]) is PutResult.EXISTS
@@ -61,7 +61,7 @@ async def test_restart_reads_from_ssd_and_promotes(tmp_path):
     async with await make_store(tmp_path) as store:                   # a cold host tier
         found = await store.lookup(keys)
         assert found.tiers == ["ssd"] * 3 and found.sizes == [SIZE] * 3
-        got = await store.get_into(keys[0], memoryview(buf))
+        got = await store.read_into(keys[0], memoryview(buf))
         assert got.tier == "ssd" and np.array_equal(buf[codec.HEADER_SIZE:], payload(0))
         assert (await store.lookup(keys)).tiers == ["host", "ssd", "ssd"]
         assert store.counters.promotions == 1
@@ -92,11 +92,11 @@ async def test_corrupt_ssd_object_is_a_counted_miss(tmp_path):
     path.write_bytes(bytes(raw))
     buf = np.empty(SIZE, np.uint8)
     async with await make_store(tmp_path) as store:
-        assert await store.get_into(keys[1], memoryview(buf)) is None
+        assert await store.read_into(keys[1], memoryview(buf)) is None
         assert store.stats()["tiers"]["ssd"].corrupt == 1
         assert not path.exists()
         assert (await store.lookup(keys)).hits == 1
-        assert await store.get_into(keys[0], memoryview(buf)) is not None   # the rest survives
+        assert await store.read_into(keys[0], memoryview(buf)) is not None   # the rest survives
 
 
 async def test_object_larger_than_host_is_a_capacity_error(tmp_path):

@@ -44,7 +44,7 @@ def test_claim_hands_a_reservation_to_exactly_one_caller():
     assert table.claim(pending.put_id, "a", now=9.999) is pending
     with pytest.raises(LeaseError):
         table.claim(pending.put_id, "a", now=9.999)
-    assert table.claim_expired(now=100.0) == [] and table.release(pending) is False
+    assert table.claim_expired(now=100.0) == [] and table.forget(pending) is False
 
 
 def test_claim_of_an_expired_reservation_removes_it_and_hands_it_back_in_the_error():
@@ -63,7 +63,7 @@ def test_claim_expired_takes_only_put_starts_past_their_ttl():
     assert table.claim_expired(now=4.9) == []
     assert table.claim_expired(now=5.0) == [early]
     assert table.claim_expired(now=1e9) == [late]
-    assert len(table) == 1 and table.release(stream) is True and len(table) == 0
+    assert len(table) == 1 and table.forget(stream) is True and len(table) == 0
 
 
 def test_claim_all_leaves_the_streams_to_their_handlers():
@@ -71,7 +71,7 @@ def test_claim_all_leaves_the_streams_to_their_handlers():
     starts = [table.add("a", k, k, handle(k), 5.0) for k in (A, B)]
     stream = table.add("b", C, C, handle(C), None)
     assert table.claim_all() == starts
-    assert len(table) == 1 and table.release(stream)
+    assert len(table) == 1 and table.forget(stream)
 
 
 # --- LeaseBook --------------------------------------------------------------------------------

@@ -256,10 +256,10 @@ def test_grant_check_release():
     assert lease.expires_at == 1010.0 and lease.key == KEY_A
     assert leases.check(lease.lease_id) is lease
     assert leases.held(KEY_A) and not leases.held(KEY_B) and len(leases) == 1
-    assert leases.release(lease.lease_id) is True
+    assert leases.release_lease(lease.lease_id) is True
     assert lease.released and not lease.valid(clock())
     assert not leases.held(KEY_A) and len(leases) == 0
-    assert leases.release(lease.lease_id) is False
+    assert leases.release_lease(lease.lease_id) is False
     with pytest.raises(LeaseError):
         leases.check(lease.lease_id)
     assert leases.expired_total == 0
@@ -278,7 +278,7 @@ def test_a_lease_expires_exactly_at_its_ttl():
     assert not leases.held(KEY_A) and len(leases) == 0
     assert leases.expired_total == 1
     assert leases.sweep() == 0 and leases.expired_total == 1  # counted once
-    assert leases.release(lease.lease_id) is False
+    assert leases.release_lease(lease.lease_id) is False
 
 
 def test_renew_extends_from_now():
@@ -316,7 +316,7 @@ def test_per_key_counts_keep_an_object_held_until_its_last_lease_goes():
     assert len({short.lease_id, long.lease_id, other.lease_id}) == 3
     clock.advance(1.0)
     assert leases.held(KEY_A) and leases.expired_total == 1
-    leases.release(long.lease_id)
+    leases.release_lease(long.lease_id)
     assert not leases.held(KEY_A) and leases.held(KEY_B)
     leases.drop_all(KEY_B)
     assert not leases.held(KEY_B) and len(leases) == 0

@@ -69,7 +69,7 @@ class Server:
         ids = []
         for key in keys(n):
             assert await put(self.store, key) is PutResult.STORED
-            ids.append((await self.store.get_leased(scoped(key), "a", LEASE_TTL)).lease_id)
+            ids.append((await self.store.lease(scoped(key), "a", LEASE_TTL)).lease_id)
         return ids
 
     async def send(self, ids: list[int]) -> list[bool]:

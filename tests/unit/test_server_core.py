@@ -52,15 +52,15 @@ async def test_delete_hides_a_leased_object_but_its_bytes_stay_until_the_release
     a, b, c, d, e = keys(5)
     for i, key in enumerate((a, b, c, d)):
         assert await put(store, key, seed=i) is PutResult.STORED
-    granted = await store.get_leased(scoped(a), "a", LEASE_TTL)
+    granted = await store.lease(scoped(a), "a", LEASE_TTL)
     assert (granted.length, granted.tier) == (SLOT, "host")
     before = slot_bytes(host, granted)
     for key in (b, c, d):  # leased too: nothing in the pool is evictable
-        assert await store.get_leased(scoped(key), "a", LEASE_TTL) is not None
+        assert await store.lease(scoped(key), "a", LEASE_TTL) is not None
 
     assert await store.delete(scoped(a)) is True
     assert await store.lookup([scoped(a)]) == ([], [])                 # hidden at once
-    assert await store.get_leased(scoped(a), "a", LEASE_TTL) is None   # new reads miss
+    assert await store.lease(scoped(a), "a", LEASE_TTL) is None   # new reads miss
     assert gauges(store) | {"leases": 0} == {"leases": 0, "puts": 0, "bytes": 4 * SLOT, "refs": 4,
                                              "doomed": 1, "objects": 3}
     assert await put(store, e) is PutResult.NO_ROOM                    # its room stays taken
@@ -75,7 +75,7 @@ async def test_a_lease_keeps_its_object_from_eviction(pool):
     store, _ = pool
     leased, *rest = keys(9)
     assert await put(store, leased) is PutResult.STORED
-    granted = await store.get_leased(scoped(leased), "a", LEASE_TTL)
+    granted = await store.lease(scoped(leased), "a", LEASE_TTL)
     for key in rest:  # two pool-fulls of churn
         assert await put(store, key) is PutResult.STORED
     assert await store.lookup([scoped(leased)]) == (["host"], [SLOT])
@@ -89,7 +89,7 @@ async def test_a_pool_of_leased_objects_refuses_puts_until_one_is_released(pool)
     leases = []
     for key in leased:
         assert await put(store, key) is PutResult.STORED
-        leases.append((await store.get_leased(scoped(key), "a", LEASE_TTL)).lease_id)
+        leases.append((await store.lease(scoped(key), "a", LEASE_TTL)).lease_id)
     assert await put(store, extra) is PutResult.NO_ROOM
     assert store.release_leases(leases[:1], "a") == [True]
     assert await put(store, extra) is PutResult.STORED                 # the released one went
@@ -100,12 +100,12 @@ async def test_a_stream_read_holds_a_reference_not_a_lease(pool):
     store, _ = pool
     (key,) = keys(1)
     assert await put(store, key, seed=3) is PutResult.STORED
-    view, tier = await store.open_read(scoped(key))
+    view, tier = await store.acquire(scoped(key))
     assert tier == "host" and bytes(view[256:]) == bytes(sealed(key, seed=3)[256:])
     assert (gauges(store)["refs"], gauges(store)["leases"]) == (1, 0)
     assert await store.delete(scoped(key))
     assert gauges(store)["doomed"] == 1
-    store.close_read(scoped(key), len(view))
+    store.release(scoped(key), len(view))
     assert gauges(store) == {"leases": 0, "puts": 0, "bytes": 0, "refs": 0, "doomed": 0, "objects": 0}
 
 
@@ -116,8 +116,8 @@ async def test_a_renewal_outlives_the_first_ttl_and_an_unrenewed_lease_expires(p
     a, b = keys(2)
     for key in (a, b):
         assert await put(store, key) is PutResult.STORED
-    renewed = (await store.get_leased(scoped(a), "a", LEASE_TTL)).lease_id
-    plain = (await store.get_leased(scoped(b), "a", LEASE_TTL)).lease_id
+    renewed = (await store.lease(scoped(a), "a", LEASE_TTL)).lease_id
+    plain = (await store.lease(scoped(b), "a", LEASE_TTL)).lease_id
     for _ in range(4):  # twice the TTL, renewing every half TTL
         clock.advance(LEASE_TTL / 2)
         assert store.renew_lease(renewed, "a", LEASE_TTL) == LEASE_TTL
@@ -133,7 +133,7 @@ async def test_an_expired_lease_still_pins_until_reaped_then_the_memory_comes_ba
     *held, extra = keys(5)
     for key in held:
         assert await put(store, key) is PutResult.STORED
-        assert await store.get_leased(scoped(key), "a", LEASE_TTL) is not None
+        assert await store.lease(scoped(key), "a", LEASE_TTL) is not None
     assert await store.delete(scoped(held[0]))                          # doomed, still pinned
     clock.advance(LEASE_TTL - 0.001)
     store.reap()
@@ -151,7 +151,7 @@ async def test_renewing_an_expired_lease_fails_and_drops_its_pin_at_once(pool, c
     store, _ = pool
     (key,) = keys(1)
     assert await put(store, key) is PutResult.STORED
-    lease = (await store.get_leased(scoped(key), "a", LEASE_TTL)).lease_id
+    lease = (await store.lease(scoped(key), "a", LEASE_TTL)).lease_id
     clock.advance(LEASE_TTL)
     with pytest.raises(LeaseError):
         store.renew_lease(lease, "a", LEASE_TTL)
@@ -163,7 +163,7 @@ async def test_renewing_a_deleted_objects_lease_fails_and_frees_its_slot(pool):
     store, _ = pool
     (key,) = keys(1)
     assert await put(store, key) is PutResult.STORED
-    lease = (await store.get_leased(scoped(key), "a", LEASE_TTL)).lease_id
+    lease = (await store.lease(scoped(key), "a", LEASE_TTL)).lease_id
     assert await store.delete(scoped(key))
     with pytest.raises(LeaseError):
         store.renew_lease(lease, "a", LEASE_TTL)
@@ -174,7 +174,7 @@ async def test_stats_doc_reaps_first(pool, clock):
     store, _ = pool
     (key,) = keys(1)
     assert await put(store, key) is PutResult.STORED
-    assert await store.get_leased(scoped(key), "a", LEASE_TTL) is not None
+    assert await store.lease(scoped(key), "a", LEASE_TTL) is not None
     clock.advance(LEASE_TTL)
     assert gauges(store)["leases"] == 1
     doc = store.stats_doc()
@@ -190,11 +190,11 @@ async def test_one_release_call_answers_validity_per_lease(pool, clock):
     for key in ks[:3]:
         assert await put(store, key) is PutResult.STORED
     assert await put(store, ks[3], tenant="b") is PutResult.STORED
-    expired = (await store.get_leased(scoped(ks[0]), "a", LEASE_TTL / 2)).lease_id
-    valid = (await store.get_leased(scoped(ks[0]), "a", LEASE_TTL)).lease_id
-    deleted = (await store.get_leased(scoped(ks[1]), "a", LEASE_TTL)).lease_id
-    twice = (await store.get_leased(scoped(ks[2]), "a", LEASE_TTL)).lease_id
-    theirs = (await store.get_leased(scoped(ks[3], "b"), "b", LEASE_TTL)).lease_id
+    expired = (await store.lease(scoped(ks[0]), "a", LEASE_TTL / 2)).lease_id
+    valid = (await store.lease(scoped(ks[0]), "a", LEASE_TTL)).lease_id
+    deleted = (await store.lease(scoped(ks[1]), "a", LEASE_TTL)).lease_id
+    twice = (await store.lease(scoped(ks[2]), "a", LEASE_TTL)).lease_id
+    theirs = (await store.lease(scoped(ks[3], "b"), "b", LEASE_TTL)).lease_id
     assert store.release_leases([twice], "a") == [True]
     assert await store.delete(scoped(ks[1]))
     clock.advance(LEASE_TTL / 2)
@@ -211,7 +211,7 @@ async def test_a_tenant_cannot_renew_or_release_another_tenants_lease(pool, cloc
     store, _ = pool
     (key,) = keys(1)
     assert await put(store, key, tenant="a") is PutResult.STORED
-    lease = (await store.get_leased(scoped(key), "a", LEASE_TTL)).lease_id
+    lease = (await store.lease(scoped(key), "a", LEASE_TTL)).lease_id
     with pytest.raises(LeaseError):
         store.renew_lease(lease, "b", 100.0)
     assert store.release_leases([lease], "b") == [False]
@@ -225,7 +225,7 @@ async def test_tenants_see_only_their_own_objects(pool):
     store, _ = pool
     (key,) = keys(1)
     assert await put(store, key, tenant="a", seed=1) is PutResult.STORED
-    assert await store.get_leased(scoped(key, "b"), "b", LEASE_TTL) is None
+    assert await store.lease(scoped(key, "b"), "b", LEASE_TTL) is None
     assert await store.lookup([scoped(key, "b")]) == ([], [])
     assert await put(store, key, tenant="b", seed=2) is PutResult.STORED  # a separate object
     assert gauges(store)["objects"] == 2
@@ -255,7 +255,7 @@ async def test_a_get_promotes_from_ssd_into_the_pool_and_leases_it(ssd_pool):
     (key,) = keys(1)
     await put_lower(ssd, key, 3000, seed=7)
     assert await store.lookup([scoped(key)]) == (["ssd"], [3000])
-    granted = await store.get_leased(scoped(key), "a", LEASE_TTL)
+    granted = await store.lease(scoped(key), "a", LEASE_TTL)
     assert (granted.tier, granted.length) == ("ssd", 3000)
     assert slot_bytes(host, granted) == bytes(sealed(scoped(key), 3000, seed=7))
     assert await store.lookup([scoped(key)]) == (["host"], [3000])
@@ -268,7 +268,7 @@ async def test_concurrent_gets_share_one_promotion(ssd_pool):
     store, _, ssd = ssd_pool
     (key,) = keys(1)
     await put_lower(ssd, key)
-    got = await asyncio.gather(*(store.get_leased(scoped(key), "a", LEASE_TTL) for _ in range(3)))
+    got = await asyncio.gather(*(store.lease(scoped(key), "a", LEASE_TTL) for _ in range(3)))
     assert {g.offset for g in got} == {got[0].offset} and {g.tier for g in got} == {"ssd"}
     assert store.metrics.counters.promotions == {"ssd": 1}
     assert store.release_leases([g.lease_id for g in got], "a") == [True] * 3
@@ -281,13 +281,13 @@ async def test_a_promotion_into_a_pool_of_leased_objects_is_a_miss(ssd_pool):
     leases = []
     for key in held:
         assert await put(store, key) is PutResult.STORED
-        leases.append((await store.get_leased(scoped(key), "a", LEASE_TTL)).lease_id)
+        leases.append((await store.lease(scoped(key), "a", LEASE_TTL)).lease_id)
     await put_lower(ssd, cold)
-    assert await store.get_leased(scoped(cold), "a", LEASE_TTL) is None
+    assert await store.lease(scoped(cold), "a", LEASE_TTL) is None
     c = store.metrics.counters
     assert (c.failures, c.get_misses) == ({"promote_no_room": 1}, {"shm": 1})
     assert store.release_leases(leases[:1], "a") == [True]
-    granted = await store.get_leased(scoped(cold), "a", LEASE_TTL)
+    granted = await store.lease(scoped(cold), "a", LEASE_TTL)
     assert granted is not None and granted.tier == "ssd"
 
 
@@ -295,7 +295,7 @@ async def test_a_stream_read_promotes_too(ssd_pool):
     store, _, ssd = ssd_pool
     (key,) = keys(1)
     await put_lower(ssd, key, 2000, seed=4)
-    view, tier = await store.open_read(scoped(key))
+    view, tier = await store.acquire(scoped(key))
     assert tier == "ssd" and np.array_equal(np.frombuffer(view, np.uint8), sealed(scoped(key), 2000, 4))
-    store.close_read(scoped(key), len(view))
+    store.release(scoped(key), len(view))
     assert gauges(store)["refs"] == 0 and store.metrics.counters.gets == {("stream", "ssd"): 1}

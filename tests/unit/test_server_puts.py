@@ -74,10 +74,10 @@ async def test_a_commit_in_time_publishes_under_the_scoped_key(store, clock):
     claimed = store.puts.claim(pending.put_id, "a")
     assert await store.puts.finish(claimed, "shm") is PutResult.STORED
     assert await store.lookup([scoped(key)]) == (["host"], [1000])
-    view, _ = await store.open_read(scoped(key))
+    view, _ = await store.acquire(scoped(key))
     assert bytes(view[256:]) == bytes(sealed(key, 1000, seed=5)[256:])  # payload as sent
     assert bytes(view) == bytes(sealed(scoped(key), 1000, seed=5))       # header rekeyed
-    store.close_read(scoped(key), len(view))
+    store.release(scoped(key), len(view))
     assert store.metrics.counters.puts == {("shm", "stored"): 1}
 
 

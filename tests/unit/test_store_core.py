@@ -160,14 +160,14 @@ async def test_get_into_promotes_and_falls_back_to_the_lower_tier_when_the_pool_
     await put_lower(store.lower[0], a)
     await put_lower(store.lower[0], b)
     buf = memoryview(bytearray(SIZE))
-    got = await store.get_into(a, buf)
+    got = await store.read_into(a, buf)
     assert (got.length, got.tier) == (SIZE, "ssd0") and store.host.contains_sync(a)
     store.host.acquire(a)                    # the one slot stays referenced
-    got = await store.get_into(b, buf)
+    got = await store.read_into(b, buf)
     assert (got.length, got.tier) == (SIZE, "ssd0") and not store.host.contains_sync(b)
     assert bytes(buf) == bytes(make_obj(b, 1))
     store.host.release(a)
-    assert await store.get_into(keys_of(NS, 1, seed=8)[0], buf) is None and store.counters.get_misses == 1
+    assert await store.read_into(keys_of(NS, 1, seed=8)[0], buf) is None and store.counters.get_misses == 1
 
 
 async def test_delete_settles_a_queued_write_down_so_the_object_stays_deleted(rig):

@@ -79,6 +79,8 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                                  "`emulated-cuda[:delay=S,fail_every=N]` (CUDA's stream semantics on the CPU)")
     verify_loads: bool = setting(True, "checksum every object before the engine sees it")
     prefill_tokens_per_s: float = setting(5000.0, "the cost model's starting recompute rate (it learns online)")
+    explore_after_s: Seconds = setting(30.0, "seconds after which a tier not measured since is re-measured "
+                                       "by one background read (a slow tier that recovered is chosen again)")
     load_timeout_s: Seconds = setting(30.0, "how long a layer waits for its load before it counts as failed")
     stats_path: Path | None = setting(None, "a JSON file kept up to date with hit rates, bytes per tier and "
                                       "failures")

@@ -7,12 +7,42 @@ caller until a coroutine finishes (with a timeout); ``spawn`` starts one and ret
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import logging
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("kvstore.connector")
+
+
+def call_before_exit(method) -> None:
+    """Call the bound ``method`` when the interpreter starts exiting, while threads and
+    ``concurrent.futures`` still take work: atexit handlers and ``weakref.finalize`` (vLLM's
+    engine shutdown) run only after ``concurrent.futures`` has started refusing new work, which
+    fails every tier read or write that needs a thread.  The object is held weakly: a closed
+    and dropped one is not kept alive, and is skipped."""
+    ref = weakref.WeakMethod(method)
+
+    def hook() -> None:
+        fn = ref()
+        if fn is None:
+            return
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - the process is exiting: log, never mask the exit
+            log.exception("kvstore: flush at exit failed")
+
+    register = getattr(threading, "_register_atexit", None)  # CPython >= 3.9: before the pools stop
+    try:
+        if register is None:
+            raise RuntimeError("no threading exit hooks")
+        register(hook)
+    except RuntimeError:  # already shutting down, or another interpreter
+        atexit.register(hook)
 
 
 class IOLoop:

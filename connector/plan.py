@@ -13,15 +13,18 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class ChunkCopy:
-    """One chunk object at byte offset ``slot`` of the pool, and the engine blocks of its
-    pages ``page_offset .. page_offset + len(block_ids)``.  ``key`` is the ObjectKey's bytes: the worker checks
-    the object's header names it before a load, and writes it into the header on a save."""
+    """One object of ``pages`` pages per layer at byte offset ``slot`` of the pool, and the
+    engine blocks of its pages ``page_offset .. page_offset + len(block_ids)``.  A full chunk
+    has the plan's ``pages_per_chunk`` pages; a tail object (the whole blocks of a prompt's
+    last, partial chunk) has fewer.  ``key`` is the ObjectKey's bytes: the worker checks the
+    object's header names it before a load, and writes it into the header on a save."""
 
     slot: int
     key: bytes
     block_ids: list[int]
-    page_offset: int = 0  # loads: the first page of the chunk that block_ids[0] receives
+    page_offset: int = 0  # loads: the first page of the object that block_ids[0] receives
     parent: bytes = b""   # saves: the parent chunk hash written into the header
+    pages: int = 0        # pages per layer of the object; 0: the plan's pages_per_chunk
 
 
 @dataclass(slots=True)

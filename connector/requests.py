@@ -29,6 +29,18 @@ class StepInput:
     preempted: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One object of a hit: prompt tokens ``start..end`` (a full chunk, or a *tail* of whole
+    blocks inside the chunk after the last full hit), ``nbytes`` big, found in ``tier``."""
+
+    key: ObjectKey
+    start: int
+    end: int
+    nbytes: int
+    tier: str
+
+
 @dataclass
 class ReqState:
     view: RequestView
@@ -36,19 +48,28 @@ class ReqState:
     hashes: list[ChunkHash]
     blocks: list[int] = field(default_factory=list)
     saved_upto: int = 0                      # chunks already saved or skipped
-    pins: dict[ObjectKey, int] = field(default_factory=dict)  # pinned key -> slot offset
+    save_stopped: bool = False               # a reservation found no room: later saves would be orphans
+    tail_done: bool = False                  # the prompt's tail object was saved or skipped
+    pins: dict[ObjectKey, Piece] = field(default_factory=dict)  # pinned (promised) pieces, in order
+    slots: dict[ObjectKey, int] = field(default_factory=dict)   # pinned key -> slot offset
     window: tuple[int, int] = (0, 0)         # token range promised to the engine
-    prefetch: object = None                  # concurrent.futures.Future while SSD→host runs
+    prefetch: object = None                  # concurrent.futures.Future while lower tier -> host runs
+    prefetch_deadline: float = 0.0           # perf_counter past which the request stops waiting for it
+    prefetch_plan: tuple[str, int, float] = ("", 0, 0.0)  # tier, bytes and start of the prefetch
     fetched: bool = False
     counted: bool = False
-    save_waits: int = 0
-    tiers: Sequence[str] = ()               # where each hit was first found
+    save_wait_until: float | None = None     # perf_counter deadline of a wait for a save in flight
+    origin: dict[ObjectKey, str] = field(default_factory=dict)  # where each hit was first found
+    tails: dict[int, list[ObjectKey]] = field(default_factory=dict)  # chunk index -> tail keys, longest first
     had_saves: bool = False
+    decision: dict | None = None             # the load-or-recompute decision counted
+    pins_end_found: int = 0                  # where the hit found by the counted lookup ended
 
 
 def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str) -> None:
-    """Count a request's lookup: ``n`` tokens promised (``st.window``), chunks of ``c``
-    tokens, each hit under the tier it was first found in (``default_tier`` past those)."""
+    """Count a request's lookup: ``n`` tokens promised (``st.window``) from the pinned pieces,
+    each hit under the tier it was first found in (``default_tier`` if unknown).  Chunks hit
+    count the full chunks among them; a tail counts in tokens only."""
     full = len(st.view.prompt) // c
     s.requests += 1
     s.tokens_looked_up += len(st.view.prompt)
@@ -62,15 +83,16 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
         s.requests_hit += 1
         s.tokens_hit += n
         p["request_hits"].inc()
-        for i in range(start // c, (end + c - 1) // c):
-            tier = st.tiers[i] if i < len(st.tiers) else default_tier
-            by_tier[tier] = by_tier.get(tier, 0) + min(end, (i + 1) * c) - max(start, i * c)
+        for piece in st.pins.values():
+            tier = st.origin.get(piece.key, default_tier)
+            by_tier[tier] = by_tier.get(tier, 0) + max(0, min(end, piece.end) - max(start, piece.start))
+        chunks = sum(1 for piece in st.pins.values() if piece.end - piece.start == c)
         for tier, tokens in by_tier.items():
             s.add("tokens_hit_by_tier", tier, tokens)
             p["hit_tokens"].labels(tier).inc(tokens)
-        s.chunks_hit += len(st.pins)
-        p["chunk_hits"].inc(len(st.pins))
-    s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt))
+        s.chunks_hit += chunks
+        p["chunk_hits"].inc(chunks)
+    s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision, st.view.req_id)
 
 
 def identity_fields(identity: Identity) -> dict[str, object]:
@@ -78,4 +100,4 @@ def identity_fields(identity: Identity) -> dict[str, object]:
     return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
 
 
-__all__ = ["ReqState", "RequestView", "StepInput", "count_request", "identity_fields"]
+__all__ = ["Piece", "ReqState", "RequestView", "StepInput", "count_request", "identity_fields"]

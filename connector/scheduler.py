@@ -14,16 +14,27 @@ memory are ever promised to the engine, so a slow, failing or dead tier costs a 
 never a failed request.  Promised chunks are pinned (a reference) until the worker reports
 the copy finished.
 
-Saves.  When a step completes a full prompt chunk that no tier holds, a host slot is
-reserved (incomplete, invisible) and the worker gathers the pages into it after the
-forward; the worker's report commits it (visible), then the core's write-down copies it to
-the lower tiers (write-through, or write-back under pressure and at shutdown).
-A finished request whose saves were planned keeps its blocks
-(``delay_free``) until the worker says the gathers are done.
+Hits are block-exact: after the last full chunk hit, a *tail* object (the whole blocks of
+another prompt's last, partial chunk, under its own key) extends the hit block by block,
+so an exact repeat hits every whole block but the one holding its last token.
+
+Waits are bounded in time, never in engine steps: a lookup that meets a save in flight of
+its next chunk waits at most what recomputing the rest would cost; a request waits for its
+prefetch at most twice its predicted time (never more than recomputing), then takes the
+part already in host memory (the prefetch goes on and is measured).  Only one lookup per
+step blocks (briefly) on a prefetch, so many requests sharing one load wait for it once.
+
+Saves (``connector.saves``).  When a step completes a full prompt chunk (or the whole
+prompt: its tail) that no tier holds, a host slot is reserved (incomplete, invisible) and
+the worker gathers the pages into it after the forward; the worker's report commits it
+(visible), then the core's write-down copies it to the lower tiers.  A finished request
+whose saves were planned keeps its blocks (``delay_free``) until the worker says the
+gathers are done.  When the process exits, or the engine shuts down, saves already sealed
+in their slots are committed and everything committed is written down before the tiers
+close (``flush_at_exit``).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -33,20 +44,21 @@ import numpy as np
 
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
-from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
-from connector.requests import ReqState, RequestView, StepInput, count_request, identity_fields
+from connector.ioloop import call_before_exit
+from connector.plan import ChunkCopy, LoadJob, StepPlan, WorkerReport
+from connector.prefetch import Prefetcher
+from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
+from connector.saves import SavePlanner
 from kvstore import codec
-from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import ROOT, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
-from kvstore.policy import CostModel
+from kvstore.policy import CostModel, Decision, Span
 from kvstore.store.tiered import TieredStore
 from connector.lower import open_store
-from tiers.base import PutHandle
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.connector")
-PREFETCH_POLL_S = 0.005  # how long one lookup may block on a running prefetch
-MAX_SAVE_WAITS = 50  # engine steps a request may wait for a chunk another request is saving
+EXIT_SAVE_WAIT_S = 5.0   # at shutdown, how long to wait for gathers in flight to seal
 NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently used dropped first:
                         # a salt per user must not grow the scheduler without bound
 
@@ -57,8 +69,8 @@ class SchedulerHalf:
         cfg.check_block_size(block_size)
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
         self.pages_per_chunk = cfg.chunk_size // block_size
-        self.geometry = codec.ObjectGeometry(identity.num_layers, self.pages_per_chunk, page_bytes,
-                                             "uint8", "planned", cfg.chunk_size)
+        self.page_bytes = page_bytes
+        self.geometry = self._geometry(self.pages_per_chunk)
         self.object_size = codec.object_size(self.geometry)
         self.io = IOLoop()
         self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
@@ -72,16 +84,27 @@ class SchedulerHalf:
                 raise
         self.store = store
         self.host: HostTier = self.store.host
-        self.cost = CostModel(cfg.prefill_tokens_per_s)
+        self.cost = CostModel(cfg.prefill_tokens_per_s, cfg.explore_after_s)
+        self.prefetch = Prefetcher(self.store, self.io, self.cost, self._bytes, self._fail)
+        self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
+                                 self._tail_keys, self._fail)
         self._reqs: dict[str, ReqState] = {}
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
-        self._saves: dict[int, list[tuple[PutHandle, ObjectKey]]] = {}
-        self._saving: dict[ObjectKey, int] = {}  # key -> save job reserving its slot
         self._next_job = 1
-        self._step: tuple[float, int] | None = None
+        self._steps = 0                # build_plan calls so far
+        self._step: tuple[float, list[tuple[int, int]]] | None = None
         self._computed: dict[str, int] = {}
+        self._closed = False
+        call_before_exit(self.flush_at_exit)
+
+    def _geometry(self, pages: int) -> codec.ObjectGeometry:
+        return codec.ObjectGeometry(self.identity.num_layers, pages, self.page_bytes, "uint8", "planned",
+                                    pages * self.block_size)
+
+    def _size_of(self, pages: int) -> int:
+        return self.object_size if pages == self.pages_per_chunk else codec.object_size(self._geometry(pages))
 
     # --- keys ------------------------------------------------------------------------------
 
@@ -105,83 +128,121 @@ class SchedulerHalf:
             st = self._reqs[view.req_id] = ReqState(view, object_keys(ns, hashes), hashes)
         return st
 
+    def _tail_keys(self, st: ReqState, index: int) -> list[ObjectKey]:
+        """Keys of the tail objects at chunk ``index``: its first k whole blocks, for k from
+        the most the prompt has there (at most a chunk less one block) down to 1."""
+        keys = st.tails.get(index)
+        if keys is None:
+            c, bs = self.cfg.chunk_size, self.block_size
+            most = min(self.pages_per_chunk - 1, (len(st.view.prompt) - index * c) // bs)
+            tokens = np.asarray(st.view.prompt[index * c:index * c + most * bs], dtype=np.int64)
+            parent = st.hashes[index - 1] if index else ROOT
+            ns = st.keys[0].namespace if st.keys else self._namespace(st.view.salt, st.view.lora)
+            keys = [object_keys(ns, chunk_hashes(ns, tokens[:k * bs], c, include_partial=True, parent=parent))[0]
+                    for k in range(most, 0, -1)]
+            st.tails[index] = keys
+        return keys
+
     # --- lookup and load decision ------------------------------------------------------------
 
     def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
-        """Tokens beyond ``num_computed`` to load now (all from host memory), or None when a
-        prefetch from a lower tier is still running."""
+        """Tokens beyond ``num_computed`` to load now (all from host memory), or None while a
+        prefetch from a lower tier, or a save of the next chunk, is still running."""
         st = self._state(view)
         self._unpin(st)
-        if st.prefetch is not None:
-            # A short blocking wait: it releases the GIL, which the engine's busy step loop
-            # would otherwise hold while the I/O thread needs it between reads.
-            concurrent.futures.wait([st.prefetch], timeout=PREFETCH_POLL_S)
-            if not st.prefetch.done():
-                return None
-            self._finish_prefetch(st)
-        found = self.io.run(self.store.lookup(st.keys, sized=False))
-        if self._save_pending(st, found.hits):
-            return None  # the next chunk is being saved by an earlier request: ask again soon
-        if not st.tiers:  # where the hit was first found (before any prefetch moved it)
-            st.tiers = found.tiers
-        worth = self.cost.plan(found.tiers, self.object_size, self.cfg.chunk_size)
-        lower = [st.keys[i] for i in range(worth) if found.tiers[i] != self.host.name]
-        if lower and not st.fetched:
-            st.prefetch = self.io.spawn(self._prefetch(lower))
-            self.stats.prefetches += 1
+        if st.prefetch is not None and not self.prefetch.settled(st, self._steps):
             return None
-        n = self._pin_prefix(st, worth, num_computed)
-        self._count_lookup(st, n)
+        pieces = self._find(st)
+        if self._save_pending(st, pieces):
+            return None  # the next chunk is being saved by an earlier request: ask again soon
+        decision = self.cost.plan([Span(p.tier, p.nbytes, p.start, p.end) for p in pieces], self.host.name)
+        if decision.probe is not None:
+            self.prefetch.probe(pieces[decision.load:], decision.probe)
+        chosen = pieces[:decision.load]
+        lower = [p for p in chosen if p.tier != self.host.name]
+        if lower and not st.fetched:
+            self.prefetch.start(st, lower, decision)
+            with self._stats_lock:
+                self.stats.prefetches += 1
+            return None
+        n = self._pin_prefix(st, chosen, num_computed)
+        st.pins_end_found = pieces[-1].end if pieces else 0
+        self._count_lookup(st, n, decision)
         return n
 
-    def _save_pending(self, st: ReqState, hits: int) -> bool:
-        """True when chunk ``hits`` (the first miss) is reserved by an in-flight save; a
-        request waits for it a bounded number of steps instead of recomputing it."""
-        if hits >= len(st.keys) or st.keys[hits] not in self._saving or st.save_waits >= MAX_SAVE_WAITS:
+    def _find(self, st: ReqState) -> list[Piece]:
+        """The contiguous hit: full chunks, then the longest tail found after them."""
+        found = self.io.run(self.store.lookup(st.keys, sized=False))
+        c = self.cfg.chunk_size
+        pieces = [Piece(key, i * c, (i + 1) * c, self.object_size, tier)
+                  for i, (key, tier) in enumerate(zip(st.keys, found.tiers))]
+        tail = self._find_tail(st, found.hits)
+        if tail is not None:
+            pieces.append(tail)
+        for p in pieces:
+            st.origin.setdefault(p.key, p.tier)
+        return pieces
+
+    def _find_tail(self, st: ReqState, index: int) -> Piece | None:
+        bs, c = self.block_size, self.cfg.chunk_size
+        usable = ((len(st.view.prompt) - 1) // bs * bs - index * c) // bs  # the last token is computed
+        if self.pages_per_chunk == 1 or usable < 1:
+            return None
+        keys = self._tail_keys(st, index)
+        keys = keys[max(0, len(keys) - usable):]  # at most `usable` blocks
+        present = self.io.run(self.store.present(keys))
+        for key, there in zip(keys, present):
+            if there:
+                found = self.io.run(self.store.lookup([key], sized=False))
+                if found.hits:
+                    k = len(keys) - keys.index(key)
+                    return Piece(key, index * c, index * c + k * bs, self._size_of(k), found.tiers[0])
+        return None
+
+    def _save_pending(self, st: ReqState, pieces: list[Piece]) -> bool:
+        """True while an object that would extend the hit is being saved by an earlier
+        request: wait for it, at most the predicted time to recompute the rest."""
+        end = pieces[-1].end if pieces else 0
+        if not any(k in self.saves.in_flight for k in self._extensions(st, end)):
+            st.save_wait_until = None
             return False
-        st.save_waits += 1
-        return True
+        now = time.perf_counter()
+        if st.save_wait_until is None:
+            st.save_wait_until = now + self.cost.recompute_seconds(len(st.view.prompt) - end, end)
+            self._prom["waits"].labels("save", "started").inc()
+        if now < st.save_wait_until:
+            return True
+        self._prom["waits"].labels("save", "gave_up").inc()
+        return False
 
-    async def _prefetch(self, keys: list[ObjectKey]) -> int:
-        done, t0, by_tier = 0, time.perf_counter(), {}
-        for key in keys:
-            tier = await self.store.promote(key)
-            if tier is None:
-                break
-            done += 1
-            by_tier[tier] = by_tier.get(tier, 0) + 1
-        seconds = time.perf_counter() - t0
-        self._prom["stage"].labels("PREFETCHED").observe(seconds)
-        for tier, n in by_tier.items():
-            if tier != self.host.name:
-                self.cost.observe_transfer(tier, n * self.object_size, seconds * n / done)
-                self._bytes(tier, "read", n * self.object_size)
-        return done
+    def _extensions(self, st: ReqState, end: int) -> list[ObjectKey]:
+        """Keys of the objects that could extend a hit ending at token ``end``: the next full
+        chunk and the tails at its place (none after a tail: a hit ends there)."""
+        c = self.cfg.chunk_size
+        if end % c or end >= len(st.view.prompt):
+            return []
+        index = end // c
+        nxt = st.keys[index:index + 1]
+        return nxt + (self._tail_keys(st, index) if self.pages_per_chunk > 1 else [])
 
-    def _finish_prefetch(self, st: ReqState) -> None:
-        fut, st.prefetch, st.fetched = st.prefetch, None, True
-        try:
-            fut.result()
-        except Exception as err:  # noqa: BLE001 - a failing tier is a miss
-            self._fail("lower", f"prefetch:{type(err).__name__}")
-            log.warning("kvstore: prefetch for %s failed: %s", st.view.req_id, err)
+    # --- pins ------------------------------------------------------------------------------------
 
-    def _pin_prefix(self, st: ReqState, chunks: int, num_computed: int) -> int:
-        """Pin the host-resident prefix (≤ chunks) and return the tokens to promise."""
-        prompt_len, c = len(st.view.prompt), self.cfg.chunk_size
-        for key in st.keys[:chunks]:
-            slot = self.host.pin(key)
+    def _pin_prefix(self, st: ReqState, pieces: list[Piece], num_computed: int) -> int:
+        """Pin the host-resident prefix of ``pieces`` and return the tokens to promise."""
+        for p in pieces:
+            slot = self.host.pin(p.key)
             if slot is None:
                 break
-            st.pins[key] = slot[0]
-        end = min(len(st.pins) * c, prompt_len - 1) // self.block_size * self.block_size
+            st.pins[p.key], st.slots[p.key] = p, slot[0]
+        last = next(reversed(st.pins.values()), None)
+        end = min(last.end if last else 0, len(st.view.prompt) - 1) // self.block_size * self.block_size
         if end <= num_computed:
             self._unpin(st)
             return 0
-        for i, key in enumerate(st.keys[:len(st.pins)]):
-            if (i + 1) * c <= num_computed or i * c >= end:  # not needed: release now
-                self.host.release(key)
-                del st.pins[key]
+        for p in list(st.pins.values()):
+            if p.end <= num_computed or p.start >= end:  # not needed: release now
+                self.host.release(p.key)
+                del st.pins[p.key], st.slots[p.key]
         st.window = (num_computed, end)
         return end - num_computed
 
@@ -189,12 +250,27 @@ class SchedulerHalf:
         for key in st.pins:
             self.host.release(key)
         st.pins.clear()
+        st.slots.clear()
         st.window = (0, 0)
 
-    def _count_lookup(self, st: ReqState, n: int) -> None:
-        if not st.counted:
-            st.counted = True
+    def _count_lookup(self, st: ReqState, n: int, decision: Decision) -> None:
+        """Count the request once, with its decision: ``miss`` (nothing found), ``load`` (the
+        whole usable hit promised), ``partial`` (a prefix of it) or ``recompute`` (none)."""
+        if st.counted:
+            return
+        st.counted = True
+        usable = (min(st.pins_end_found, len(st.view.prompt) - 1) // self.block_size * self.block_size
+                  if decision.hit else 0)
+        outcome = ("miss" if not decision.hit else "recompute" if n <= 0
+                   else "load" if st.window[1] >= usable else "partial")
+        st.decision = {**decision.as_dict(), "outcome": outcome}
+        with self._stats_lock:
+            self.stats.add("decisions", outcome)
             count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name)
+        self._prom["decisions"].labels(outcome).inc()
+        if decision.hit:
+            self._prom["decision_seconds"].labels("load").inc(decision.load_s)
+            self._prom["decision_seconds"].labels("recompute").inc(decision.hit_recompute_s)
 
     # --- after allocation: the load job --------------------------------------------------------
 
@@ -212,17 +288,18 @@ class SchedulerHalf:
         job = LoadJob(self._job_id(), req_id, self._load_chunks(st, start, start + num_external))
         self._load_pins[job.job_id] = list(st.pins)
         st.pins.clear()
+        st.slots.clear()
         self._queued_loads.append(job)
 
     def _load_chunks(self, st: ReqState, start: int, end: int) -> list[ChunkCopy]:
-        c, bs = self.cfg.chunk_size, self.block_size
-        out = []
-        for i, key in enumerate(st.keys):
-            lo, hi = max(start, i * c), min(end, (i + 1) * c)
+        bs, out = self.block_size, []
+        for key, p in st.pins.items():
+            lo, hi = max(start, p.start), min(end, p.end)
             if lo >= hi:
                 continue
             blocks = st.blocks[lo // bs:(hi + bs - 1) // bs]
-            out.append(ChunkCopy(st.pins[key], bytes(key), blocks, (lo - i * c) // bs))
+            out.append(ChunkCopy(st.slots[key], bytes(key), blocks, (lo - p.start) // bs,
+                                 pages=(p.end - p.start) // bs))
         return out
 
     def _job_id(self) -> int:
@@ -232,16 +309,22 @@ class SchedulerHalf:
     # --- the step plan -----------------------------------------------------------------------
 
     def build_plan(self, step: StepInput) -> StepPlan:
+        self._steps += 1
         self._track_blocks(step)
         plan = StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
                         self.cfg.chunk_size, self.geometry.page_bytes,
                         loads=self._queued_loads, preempted=sorted(step.preempted))
         self._queued_loads = []
         for req_id, n in step.scheduled.items():
-            job = self._plan_saves(req_id, n)
-            if job is not None:
-                plan.saves.append(job)
-        self._step = (time.perf_counter(), sum(step.scheduled.values()))
+            st = self._reqs.get(req_id)
+            if st is not None:
+                done = min(self._computed.get(req_id, 0) + n, len(st.view.prompt))
+                job = self.saves.plan(st, done, self._next_job)
+                if job is not None:
+                    self._next_job += 1
+                    plan.saves.append(job)
+        work = [(self._computed.get(r, 0), n) for r, n in step.scheduled.items()]
+        self._step = (time.perf_counter(), work)
         return plan
 
     def _track_blocks(self, step: StepInput) -> None:
@@ -258,46 +341,6 @@ class SchedulerHalf:
                 self._reqs[req_id].blocks = []
         self._computed = {r: n for r, _, n in step.new} | {r: n for r, _, n, _ in step.cached}
 
-    def _plan_saves(self, req_id: str, scheduled: int) -> SaveJob | None:
-        st = self._reqs.get(req_id)
-        if st is None:
-            return None
-        c = self.cfg.chunk_size
-        done = min(self._computed.get(req_id, 0) + scheduled, len(st.view.prompt))
-        todo = list(range(st.saved_upto, min(done // c, len(st.keys))))
-        if not todo:
-            return None
-        present = self.io.run(self.store.present([st.keys[i] for i in todo]))
-        chunks, handles = [], []
-        for i, there in zip(todo, present):
-            if not there:
-                handle = self._reserve(st, i)
-                if handle is None:  # no room: later chunks would be orphans, stop here
-                    st.saved_upto = len(st.keys)
-                    break
-                chunks.append(ChunkCopy(handle.offset, bytes(st.keys[i]), self._chunk_blocks(st, i),
-                                        parent=bytes(st.hashes[i - 1]) if i else b""))
-                handles.append((handle, st.keys[i]))
-            st.saved_upto = i + 1
-        if not chunks:
-            return None
-        job = SaveJob(self._job_id(), req_id, chunks, c)
-        self._saves[job.job_id] = handles
-        self._saving.update(dict.fromkeys((k for _, k in handles), job.job_id))
-        st.had_saves = True
-        return job
-
-    def _chunk_blocks(self, st: ReqState, i: int) -> list[int]:
-        return st.blocks[i * self.pages_per_chunk:(i + 1) * self.pages_per_chunk]
-
-    def _reserve(self, st: ReqState, i: int) -> PutHandle | None:
-        parent = st.keys[i - 1] if i else None
-        try:
-            return self.host.put_start_sync(st.keys[i], self.object_size, parent)
-        except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
-            self._fail("host", f"reserve:{type(err).__name__}")
-            return None
-
     # --- worker outcomes ---------------------------------------------------------------------
 
     def on_report(self, report: WorkerReport | None) -> None:
@@ -310,10 +353,9 @@ class SchedulerHalf:
             if not ok:
                 self._fail("host", "load")
         for job_id, oks in report.saves.items():
-            for (handle, key), ok in zip(self._saves.pop(job_id, []), oks):
-                self._saving.pop(key, None)
-                self._commit(handle, key, ok)
+            self.saves.report(job_id, oks)
         with self._stats_lock:
+            self.stats.saves_committed = self.saves.committed
             for reason, n in report.failures.items():
                 self.stats.add("failures", reason, n)
         for stage, seconds in report.stages:
@@ -328,17 +370,10 @@ class SchedulerHalf:
 
     def _observe_step(self) -> None:
         if self._step is not None:
-            t0, tokens = self._step
-            if tokens >= 64:  # prefill-dominated steps only
-                self.cost.observe_prefill(tokens, time.perf_counter() - t0)
+            t0, work = self._step
+            if sum(n for _, n in work) >= 64:  # prefill-dominated steps only
+                self.cost.observe_step(work, time.perf_counter() - t0)
             self._step = None
-
-    def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
-        if not self.host.put_commit_sync(handle, ok):
-            self._fail("host", "save")
-            return
-        self.stats.saves_committed += 1
-        self.store.written(key, handle.parent)
 
     def _bytes(self, tier: str, direction: str, n: int) -> None:
         with self._stats_lock:
@@ -365,6 +400,7 @@ class SchedulerHalf:
         if self.cfg.stats_path is not None:
             tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
             with self._stats_lock:
+                self.stats.saves_committed = self.saves.committed
                 self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
 
     def drain(self) -> None:
@@ -372,14 +408,27 @@ class SchedulerHalf:
         self.io.drain()
         self.io.run(self.store.drain())
 
-    def close(self) -> None:
-        """Finish prefetches, write everything down (write-back included), then close the
-        tiers (the pool's file is unlinked)."""
-        for st in self._reqs.values():
-            self._unpin(st)
+    def flush_at_exit(self) -> None:
+        """Commit the saves already sealed in their slots and write everything down (the
+        write-back included); the tiers stay open.  Runs when the interpreter starts exiting,
+        before ``concurrent.futures`` refuses new work (vLLM's own shutdown comes later, or
+        never, at the end of an ``LLM.generate`` script), and from ``close``."""
+        if self._closed:
+            return
+        self.saves.adopt(EXIT_SAVE_WAIT_S)
         self.io.drain()
         self.io.run(self.store.settle(), timeout=None)
         self.write_stats()
+
+    def close(self) -> None:
+        """Finish prefetches, commit sealed saves, write everything down, then close the
+        tiers (the pool's file is unlinked)."""
+        if self._closed:
+            return
+        for st in self._reqs.values():
+            self._unpin(st)
+        self.flush_at_exit()
+        self._closed = True
         self.io.run(self.store.aclose())
         self.io.close()
 

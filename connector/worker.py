@@ -149,6 +149,7 @@ class WorkerHalf:
                 raise codec.KeyMismatchError(f"slot holds {header.key!r}, expected {key!r}")
         g = header.geometry
         if (g.num_layers, g.page_bytes) != (self.kv.layout.num_layers, self.kv.layout.page_bytes) \
+                or g.pages_per_layer != (chunk.pages or pages) \
                 or g.pages_per_layer < chunk.page_offset + len(chunk.block_ids):
             raise codec.CorruptHeaderError(f"object geometry {g} does not fit this engine's KV layout")
 
@@ -156,7 +157,7 @@ class WorkerHalf:
         for i, chunk in enumerate(load.job.chunks):
             if load.failed_from is not None and i >= load.failed_from:
                 return
-            payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
+            payload = self.kv.payload_view(self._pool_t, chunk.slot, chunk.pages or pages)
             self.kv.scatter_layer(layer, chunk.block_ids, payload[:, chunk.page_offset:])
 
     def _guarded_on_device(self, load: _Load, event: CopyEvent) -> None:
@@ -239,7 +240,6 @@ class WorkerHalf:
         plan = self._plan
         if plan is None or not plan.saves:
             return
-        geometry = self.kv.layout.geometry(plan.pages_per_chunk, plan.chunk_tokens)
         for job in plan.saves:
             with self._lock:
                 self._had_saves.add(job.req_id)
@@ -247,8 +247,10 @@ class WorkerHalf:
                 self._save_oks[job.job_id] = [False] * len(job.chunks)
                 self._save_left[job.job_id] = len(job.chunks)
             for i, chunk in enumerate(job.chunks):
-                ev = self.device.submit(lambda c=chunk: self._gather(c, plan.pages_per_chunk))
-                ev.on_complete(lambda e, j=job, i=i: self._saved(j, i, e, geometry))
+                pages = chunk.pages or plan.pages_per_chunk
+                geometry = self.kv.layout.geometry(pages, plan.chunk_tokens * pages // plan.pages_per_chunk)
+                ev = self.device.submit(lambda c=chunk, p=pages: self._gather(c, p))
+                ev.on_complete(lambda e, j=job, i=i, g=geometry: self._saved(j, i, e, g))
                 self._save_events.append(ev)
 
     def _gather(self, chunk: ChunkCopy, pages: int) -> None:

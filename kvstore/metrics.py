@@ -30,12 +30,18 @@ class HitStats:
     failures: dict[str, int] = field(default_factory=dict)
     prefetches: int = 0
     saves_committed: int = 0
+    decisions: dict[str, int] = field(default_factory=dict)  # load-or-recompute outcome -> requests
     recent: list[dict[str, object]] = field(default_factory=list)  # last requests, in order
     RECENT_MAX = 1000
 
-    def log_request(self, prompt_tokens: int, hit_tokens: int, tiers: dict[str, int], salted: bool) -> None:
-        self.recent.append({"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens,
-                            "tiers": tiers, "salted": salted})
+    def log_request(self, prompt_tokens: int, hit_tokens: int, tiers: dict[str, int], salted: bool,
+                    decision: dict | None = None, req_id: str | None = None) -> None:
+        entry = {"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "tiers": tiers, "salted": salted}
+        if req_id is not None:
+            entry["req_id"] = req_id
+        if decision is not None:
+            entry["decision"] = decision
+        self.recent.append(entry)
         del self.recent[:-self.RECENT_MAX]
 
     def add(self, table: str, key: str, n: int = 1) -> None:
@@ -76,5 +82,13 @@ def prometheus() -> dict[str, object]:
                 bytes=Counter("kvstore_bytes", "Bytes moved", ["tier", "direction"]),
                 failures=Counter("kvstore_failures", "Failures by tier and reason", ["tier", "reason"]),
                 stage=Histogram("kvstore_stage_seconds", "Time to reach each lifecycle stage", ["stage"]),
+                decisions=Counter("kvstore_load_decisions", "Load-or-recompute decisions per request "
+                                  "(miss, load, partial, recompute)", ["outcome"]),
+                decision_seconds=Counter("kvstore_decision_seconds", "Predicted seconds of the decided "
+                                         "hits, to load (chosen prefix) and to recompute (whole hit)",
+                                         ["kind"]),
+                probes=Counter("kvstore_tier_probes", "Background reads that re-measure a stale tier", ["tier"]),
+                waits=Counter("kvstore_lookup_waits", "Lookups that waited, and how they ended",
+                              ["on", "outcome"]),
             )
         return _PROM

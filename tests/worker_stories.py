@@ -18,7 +18,9 @@ from tests.halves import FLASH_HND, Engine, prompt, run_request
 
 SHAPE = FLASH_HND
 CHUNK_TOKENS = 64                        # 4 blocks of 16 per chunk object
-TOKENS = 300                             # 4 full chunks + a 44-token tail
+TOKENS = 300                             # 4 full chunks + a 44-token tail (2 whole blocks)
+SAVED = 5                                # the 4 chunks and a tail object of 2 blocks
+HIT = 288                                # a repeat hits every whole block: 4 chunks + the tail
 A_BLOCKS = list(range(0, 19))
 B_BLOCKS = list(range(40, 59))
 STEP_LIMIT = 50                          # "a few steps": each engine step sleeps 10 ms
@@ -37,11 +39,11 @@ def saved_request(tmp_path, device, kv_device: str) -> tuple[Engine, list[int]]:
     assert e.sched.request_finished("a") is True          # saves planned: the free is delayed
     for steps in range(1, STEP_LIMIT + 1):
         e.step(finished={"a"})
-        if "a" in e.sent and e.sched.stats.saves_committed == 4:
+        if "a" in e.sent and e.sched.stats.saves_committed == SAVED:
             break
         time.sleep(0.01)
     assert "a" in e.sent, f"blocks of a finished request not released after {steps} steps"
-    assert e.sched.stats.saves_committed == 4
+    assert e.sched.stats.saves_committed == SAVED
     return e, tokens
 
 
@@ -71,9 +73,9 @@ def story_every_sealed_object_verifies_and_holds_the_pages(tmp_path, device, kv_
 def story_loads_reach_consumable_and_pages_equal_the_originals(tmp_path, device, kv_device):
     e, tokens = saved_request(tmp_path, device, kv_device)
     e.reports.clear()
-    assert run_request(e, "b", tokens, B_BLOCKS, seed=99) == 256
+    assert run_request(e, "b", tokens, B_BLOCKS, seed=99) == HIT
     assert not e.errors
-    n = 256 // SHAPE.block_size
+    n = HIT // SHAPE.block_size
     assert torch.equal(SHAPE.block(e.buf, B_BLOCKS[:n]), SHAPE.block(e.buf, A_BLOCKS[:n]))
     loads = [(ok, stages) for r in e.reports for ok in r.loads.values() for stages in [r.stages]]
     assert loads and all(ok for ok, _ in loads)
@@ -87,14 +89,15 @@ def story_a_stream_copy_failure_becomes_failed_blocks(tmp_path, make_device, kv_
     device = make_device(fail=lambda n: n == target[0])
     e, tokens = saved_request(tmp_path, device, kv_device)
     target[0] = device._count + 2                          # jobs: verify, layer 0, layer 1, ...
-    assert run_request(e, "b", tokens, B_BLOCKS, seed=99) == 256
-    assert e.errors == set(B_BLOCKS[:16])                  # vLLM recomputes them
+    assert run_request(e, "b", tokens, B_BLOCKS, seed=99) == HIT
+    assert e.errors == set(B_BLOCKS[:HIT // 16])           # vLLM recomputes them
     assert device.failures == 1
     assert e.sched.stats.failures.get("load_copy_error") == 1
     e.errors.clear()
-    assert run_request(e, "c", tokens, list(range(60, 79)), seed=7) == 256   # next load is fine
+    assert run_request(e, "c", tokens, list(range(60, 79)), seed=7) == HIT   # next load is fine
     assert not e.errors
-    assert torch.equal(SHAPE.block(e.buf, list(range(60, 76))), SHAPE.block(e.buf, A_BLOCKS[:16]))
+    n = HIT // 16
+    assert torch.equal(SHAPE.block(e.buf, list(range(60, 60 + n))), SHAPE.block(e.buf, A_BLOCKS[:n]))
     e.close()
 
 

@@ -95,6 +95,12 @@ class HostTier(TierBase):
         with self._lock:
             return key in self._index
 
+    def writing_sync(self, key: ObjectKey) -> bool:
+        """Whether a put of ``key`` is in progress (or a deleted copy is still referenced):
+        a new ``put_start`` of it would answer None although there may be room."""
+        with self._lock:
+            return key in self._pending or key in self._doomed
+
     def size_of_sync(self, key: ObjectKey) -> int | None:
         with self._lock:
             entry = self._index.get(key)

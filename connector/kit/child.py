@@ -53,39 +53,56 @@ def _sampling(spec: dict, max_tokens: int | None = None):
 def _warmup(llm, spec: dict) -> float:
     """One prompt sharing no block with any workload prompt (different seed, own salt)."""
     tokens = list(TokenSource(10_007, 64).take(3 * BLOCK_SIZE))
-    return _generate(llm, tokens, "kvstore-e2e-warmup", _sampling(spec, 2))["ttft_s"]
+    return _generate(llm, [tokens], ["kvstore-e2e-warmup"], _sampling(spec, 2))[0]["ttft_s"]
 
 
 def _run_requests(llm, spec: dict) -> list[dict]:
+    """Each request alone, in order, except runs of ``together`` ones: one call each."""
     done: dict[str, tuple[list[int], list[int]]] = {}  # label -> (prompt, output)
-    results = []
+    results, groups = [], []
     for d in spec["workload"]:
-        prompt = list(d["tokens"])
-        if d.get("extends"):
-            parent_prompt, parent_out = done[d["extends"]]
-            prompt = parent_prompt + parent_out + prompt
-        r = _generate(llm, prompt, d.get("cache_salt"), _sampling(spec))
-        done[d["label"]] = (prompt, r["token_ids"])
-        results.append({"label": d["label"], "cache_salt": d.get("cache_salt"), **r})
+        if d.get("together") and groups:
+            groups[-1].append(d)
+        else:
+            groups.append([d])
+    for group in groups:
+        prompts = []
+        for d in group:
+            prompt = list(d["tokens"])
+            if d.get("extends"):
+                parent_prompt, parent_out = done[d["extends"]]
+                prompt = parent_prompt + parent_out + prompt
+            prompts.append(prompt)
+        outs = _generate(llm, prompts, [d.get("cache_salt") for d in group], _sampling(spec))
+        for d, prompt, r in zip(group, prompts, outs):
+            done[d["label"]] = (prompt, r["token_ids"])
+            results.append({"label": d["label"], "cache_salt": d.get("cache_salt"), **r})
     return results
 
 
-def _generate(llm, prompt: list[int], salt: str | None, params) -> dict:
+def _generate(llm, prompts: list[list[int]], salts: list[str | None], params) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
-    inp = TokensPrompt(prompt_token_ids=prompt)
-    if salt is not None:
-        inp["cache_salt"] = salt
+    inputs = []
+    for prompt, salt in zip(prompts, salts):
+        inp = TokensPrompt(prompt_token_ids=prompt)
+        if salt is not None:
+            inp["cache_salt"] = salt
+        inputs.append(inp)
     t0 = time.perf_counter()
-    (out,) = llm.generate([inp], params, use_tqdm=False)
+    outs = llm.generate(inputs, params, use_tqdm=False)
     e2e = time.perf_counter() - t0
+    return [_result(out, prompt, e2e) for out, prompt in zip(outs, prompts)]
+
+
+def _result(out, prompt: list[int], e2e: float) -> dict:
     m, comp = out.metrics, out.outputs[0]
     if m is None or not m.first_token_latency:
         raise RuntimeError("vLLM filled no request metrics; TTFT cannot be measured")
     toks = list(comp.token_ids)
     tops = [{int(t): float(lp.logprob) for t, lp in comp.logprobs[i].items()}
             for i in range(len(toks))]
-    return {"prompt_len": len(prompt), "token_ids": toks, "top_logprobs": tops,
+    return {"request_id": out.request_id, "prompt_len": len(prompt), "token_ids": toks, "top_logprobs": tops,
             "logprobs": [tops[i][t] for i, t in enumerate(toks)], "e2e_s": e2e,
             "ttft_s": m.first_token_latency, "prefill_s": m.first_token_ts - m.scheduled_ts}
 

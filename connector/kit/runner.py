@@ -34,12 +34,14 @@ class RequestResult:
     ttft_s: float
     e2e_s: float
     prefill_s: float  # engine-core first token minus first scheduled (no frontend/queue)
+    request_id: str = ""  # vLLM's id of the request (the connector's stats log names it)
 
     @classmethod
     def from_json(cls, d: dict) -> RequestResult:
         tops = tuple({int(k): float(v) for k, v in t.items()} for t in d["top_logprobs"])
         return cls(d["label"], d["prompt_len"], d.get("cache_salt"), tuple(d["token_ids"]),
-                   tuple(d["logprobs"]), tops, d["ttft_s"], d["e2e_s"], d["prefill_s"])
+                   tuple(d["logprobs"]), tops, d["ttft_s"], d["e2e_s"], d["prefill_s"],
+                   d.get("request_id", ""))
 
 
 @dataclass(frozen=True, slots=True)

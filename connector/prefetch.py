@@ -1,0 +1,110 @@
+"""Prefetches for the scheduler half: lower tier -> host DRAM before a hit is promised.
+
+Scheduler side.  A prefetch runs on the I/O thread (``connector.ioloop``) while the
+request's lookups answer "ask me later"; only bytes already verified in host memory are
+ever promised to the engine.
+
+* **Bounded in time.**  A request waits for its prefetch at most twice the predicted load
+  time plus ``PREFETCH_SLACK_S``, and never longer than recomputing what it brings.  Past
+  that deadline it takes the part already promoted and recomputes the rest; the prefetch
+  goes on in the background, and the wait is recorded as an observation of the tier ("at
+  most this fast") so the next decision knows better at once.
+* **No convoys.**  Only the first lookup of an engine step blocks (``PREFETCH_POLL_S``, to
+  release the GIL to the I/O thread) on a running prefetch; the others only look.  Many
+  requests sharing one prefix share its promotions (the core's single flight), so they
+  wait for one load once, not one after another.
+* **Probes.**  A tier the cost model has not measured for a while is re-measured by one
+  background read (``probe``) that no request waits for.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+
+from connector.ioloop import IOLoop
+from connector.requests import Piece, ReqState
+from kvstore.keys import ObjectKey
+from kvstore.metrics import prometheus
+from kvstore.policy import CostModel, Decision
+from kvstore.store.tiered import TieredStore
+
+log = logging.getLogger("kvstore.connector")
+PREFETCH_POLL_S = 0.005  # how long the first lookup of a step may block on a running prefetch
+PREFETCH_SLACK_S = 0.02  # a prefetch may run this much past twice its predicted time
+
+
+class Prefetcher:
+    def __init__(self, store: TieredStore, io: IOLoop, cost: CostModel,
+                 on_bytes: Callable[[str, str, int], None], on_fail: Callable[[str, str], None]) -> None:
+        self.store, self.io, self.cost = store, io, cost
+        self.host_name = store.host.name
+        self._bytes, self._fail = on_bytes, on_fail
+        self._prom = prometheus()
+        self._polled_step = -1                # the step in which a lookup last blocked
+        self._probes: set[ObjectKey] = set()  # keys being read to re-measure a tier (I/O thread removes)
+
+    def start(self, st: ReqState, lower: list[Piece], decision: Decision) -> None:
+        """Promote ``lower`` (the chosen pieces not in host memory) for request ``st``."""
+        predicted = sum(self.cost.load_seconds(p.tier, p.nbytes) for p in lower)
+        now = time.perf_counter()
+        st.prefetch_deadline = now + min(decision.recompute_s, 2 * predicted + PREFETCH_SLACK_S)
+        st.prefetch_plan = (lower[0].tier, sum(p.nbytes for p in lower), now)
+        st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower]))
+
+    def settled(self, st: ReqState, step: int) -> bool:
+        """Whether request ``st`` may go on: its prefetch ended, or ran past its deadline."""
+        fut = st.prefetch
+        if self._polled_step != step:
+            # One short blocking wait per step: it releases the GIL, which the engine's busy
+            # step loop would otherwise hold while the I/O thread needs it between reads.
+            self._polled_step = step
+            concurrent.futures.wait([fut], timeout=PREFETCH_POLL_S)
+        if fut.done():
+            self._finish(st)
+            return True
+        if time.perf_counter() < st.prefetch_deadline:
+            return False
+        tier, nbytes, t0 = st.prefetch_plan
+        self.cost.observe_transfer(tier, nbytes, time.perf_counter() - t0)  # at most this fast
+        self._prom["waits"].labels("prefetch", "gave_up").inc()
+        st.prefetch, st.fetched = None, True
+        return True
+
+    def _finish(self, st: ReqState) -> None:
+        fut, st.prefetch, st.fetched = st.prefetch, None, True
+        try:
+            fut.result()
+        except Exception as err:  # noqa: BLE001 - a failing tier is a miss
+            self._fail("lower", f"prefetch:{type(err).__name__}")
+            log.warning("kvstore: prefetch for %s failed: %s", st.view.req_id, err)
+
+    def probe(self, pieces: list[Piece], tier: str) -> None:
+        """Read the first piece held by ``tier`` in the background to re-measure it; no
+        request waits for it (it lands in host memory, where later lookups find it)."""
+        piece = next((p for p in pieces if p.tier == tier), None)
+        if piece is None or piece.key in self._probes:
+            return
+        self._probes.add(piece.key)
+        self._prom["probes"].labels(tier).inc()
+        fut = self.io.spawn(self._run([piece.key], [piece.nbytes]))
+        fut.add_done_callback(lambda _f, k=piece.key: self._probes.discard(k))
+
+    async def _run(self, keys: list[ObjectKey], sizes: list[int]) -> int:
+        """Promote ``keys`` in order, stopping at the first miss; observe each tier's rate."""
+        done, t0, by_tier = 0, time.perf_counter(), {}
+        for key, size in zip(keys, sizes):
+            tier = await self.store.promote(key)
+            if tier is None:
+                break
+            done += 1
+            by_tier[tier] = by_tier.get(tier, 0) + size
+        seconds = time.perf_counter() - t0
+        self._prom["stage"].labels("PREFETCHED").observe(seconds)
+        total = sum(by_tier.values())
+        for tier, nbytes in by_tier.items():
+            if tier != self.host_name:
+                self.cost.observe_transfer(tier, nbytes, seconds * nbytes / total)
+                self._bytes(tier, "read", nbytes)
+        return done

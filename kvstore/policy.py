@@ -101,14 +101,19 @@ class PrefillFit:
     """``seconds = c + a * tokens + b * token_depth`` by ridge regression with forgetting.
 
     ``token_depth`` is the sum over the step's new tokens of their position / 1024.  The
-    prior (``a = 1 / rate``, ``b = 0``, ``c = 0``) weighs like ``prior_weight`` observations,
-    so the first steps cannot swing the model far; ``forget`` discounts old steps."""
+    prior is ``a = 1 / rate``, ``b = 0``, ``c = 0``.  The slopes' prior is weak (a fraction of
+    one observation), the intercept's strong: when every step has the same shape (one full
+    prompt each) the three are not separable, and the marginal cost must then take the
+    whole step time rather than hide it in a per-step overhead that loading would not save.
+    Steps of other shapes (decodes, remainders after a hit) identify the overhead.
+    ``forget`` discounts old steps."""
 
-    def __init__(self, tokens_per_s: float, prior_weight: float = 2.0, forget: float = 0.9) -> None:
+    def __init__(self, tokens_per_s: float, slope_weight: float = 0.02, overhead_weight: float = 50.0,
+                 forget: float = 0.9) -> None:
         self.forget = forget
-        scale = np.array([1.0, 2048.0, 2048.0])  # typical feature sizes: the ridge is per unit
         self._prior = np.array([0.0, 1.0 / tokens_per_s, 0.0])
-        self._ridge = np.diag(prior_weight * scale ** 2)
+        scale = np.array([1.0, 2048.0, 2048.0])  # typical feature sizes: the ridge is per unit
+        self._ridge = np.diag(np.array([overhead_weight, slope_weight, slope_weight]) * scale ** 2)
         self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
         self.coef = self._prior.copy()

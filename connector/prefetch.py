@@ -7,8 +7,9 @@ ever promised to the engine.
 * **Bounded in time.**  A request waits for its prefetch at most twice the predicted load
   time plus ``PREFETCH_SLACK_S``, and never longer than recomputing what it brings.  Past
   that deadline it takes the part already promoted and recomputes the rest; the prefetch
-  goes on in the background, and the wait is recorded as an observation of the tier ("at
-  most this fast") so the next decision knows better at once.
+  goes on in the background, and the wait replaces the tier's estimate ("at most this
+  fast": the bytes landed plus the piece under way, over the time waited), so the very
+  next decision knows better.
 * **No convoys.**  Only the first lookup of an engine step blocks (``PREFETCH_POLL_S``, to
   release the GIL to the I/O thread) on a running prefetch; the others only look.  Many
   requests sharing one prefix share its promotions (the core's single flight), so they
@@ -50,8 +51,10 @@ class Prefetcher:
         predicted = sum(self.cost.load_seconds(p.tier, p.nbytes) for p in lower)
         now = time.perf_counter()
         st.prefetch_deadline = now + min(decision.recompute_s, 2 * predicted + PREFETCH_SLACK_S)
-        st.prefetch_plan = (lower[0].tier, sum(p.nbytes for p in lower), now)
-        st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower]))
+        st.prefetch_plan = (lower[0].tier, lower[0].nbytes, now)
+        st.prefetch_done = [0]
+        st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower],
+                                              st.prefetch_done))
 
     def settled(self, st: ReqState, step: int) -> bool:
         """Whether request ``st`` may go on: its prefetch ended, or ran past its deadline."""
@@ -66,8 +69,9 @@ class Prefetcher:
             return True
         if time.perf_counter() < st.prefetch_deadline:
             return False
-        tier, nbytes, t0 = st.prefetch_plan
-        self.cost.observe_transfer(tier, nbytes, time.perf_counter() - t0)  # at most this fast
+        # The tier is at most this fast: what landed, plus the piece under way, took this long.
+        tier, piece, t0 = st.prefetch_plan
+        self.cost.observe_transfer(tier, st.prefetch_done[0] + piece, time.perf_counter() - t0, replace=True)
         self._prom["waits"].labels("prefetch", "gave_up").inc()
         st.prefetch, st.fetched = None, True
         return True
@@ -91,8 +95,9 @@ class Prefetcher:
         fut = self.io.spawn(self._run([piece.key], [piece.nbytes]))
         fut.add_done_callback(lambda _f, k=piece.key: self._probes.discard(k))
 
-    async def _run(self, keys: list[ObjectKey], sizes: list[int]) -> int:
-        """Promote ``keys`` in order, stopping at the first miss; observe each tier's rate."""
+    async def _run(self, keys: list[ObjectKey], sizes: list[int], progress: list[int] | None = None) -> int:
+        """Promote ``keys`` in order, stopping at the first miss; observe each tier's rate.
+        ``progress[0]`` counts the bytes promoted so far (read by the scheduler thread)."""
         done, t0, by_tier = 0, time.perf_counter(), {}
         for key, size in zip(keys, sizes):
             tier = await self.store.promote(key)
@@ -100,6 +105,8 @@ class Prefetcher:
                 break
             done += 1
             by_tier[tier] = by_tier.get(tier, 0) + size
+            if progress is not None:
+                progress[0] += size
         seconds = time.perf_counter() - t0
         self._prom["stage"].labels("PREFETCHED").observe(seconds)
         total = sum(by_tier.values())

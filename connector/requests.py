@@ -55,7 +55,8 @@ class ReqState:
     window: tuple[int, int] = (0, 0)         # token range promised to the engine
     prefetch: object = None                  # concurrent.futures.Future while lower tier -> host runs
     prefetch_deadline: float = 0.0           # perf_counter past which the request stops waiting for it
-    prefetch_plan: tuple[str, int, float] = ("", 0, 0.0)  # tier, bytes and start of the prefetch
+    prefetch_plan: tuple[str, int, float] = ("", 0, 0.0)  # tier, first piece's bytes, start
+    prefetch_done: list[int] = field(default_factory=lambda: [0])  # bytes promoted so far (I/O thread)
     fetched: bool = False
     counted: bool = False
     save_wait_until: float | None = None     # perf_counter deadline of a wait for a save in flight

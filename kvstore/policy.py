@@ -177,14 +177,15 @@ class CostModel:
         """A step of ``tokens`` new tokens at the start of a prompt (no depth known)."""
         self.observe_step([(0, tokens)], seconds)
 
-    def observe_transfer(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A read of ``nbytes`` from ``tier`` took ``seconds``.  After ``explore_after_s``
-        without a measurement the estimate is replaced rather than averaged."""
+    def observe_transfer(self, tier: str, nbytes: int, seconds: float, replace: bool = False) -> None:
+        """A read of ``nbytes`` from ``tier`` took ``seconds``.  The estimate is replaced
+        rather than averaged after ``explore_after_s`` without a measurement, or when asked
+        (``replace``: a reading that proves the estimate wrong, such as a missed deadline)."""
         now = self.clock()
         with self._lock:
             stale = now - self._measured.get(tier, now) >= self.explore_after_s
             rate = self.bandwidth.setdefault(tier, Rate(DEFAULT_BANDWIDTH.get(tier, 1e9)))
-            rate.observe(nbytes, seconds, replace=stale)
+            rate.observe(nbytes, seconds, replace=stale or replace)
             self._measured[tier] = now
 
     # --- predictions -------------------------------------------------------------------------

@@ -18,9 +18,10 @@ SPEC OUT`), so every run starts cold and runs with and without a connector are c
 
 from connector.kit.oracle import (DEFAULT_LOGPROB_TOL, LOGPROB_TOL, Comparison, Percentiles, TTFTSummary,
                                   compare_outputs, percentile, percentiles, summarize)
-from connector.kit.runner import PROJECT_ROOT, TTFT_METHOD, EngineResult, EngineRunError, RequestResult, run_engine
+from connector.kit.runner import (PROJECT_ROOT, TTFT_METHOD, EngineResult, EngineRunError, RequestResult, open_barrier,
+                                  run_engine)
 from connector.kit.workload import BLOCK_SIZE, Request, TokenSource, Workload, _TokenSource
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_LOGPROB_TOL", "LOGPROB_TOL", "PROJECT_ROOT", "Comparison", "EngineResult",
            "EngineRunError", "Percentiles", "Request", "RequestResult", "TTFTSummary", "TTFT_METHOD", "TokenSource", "Workload",
-           "_TokenSource", "compare_outputs", "percentile", "percentiles", "run_engine", "summarize"]
+           "_TokenSource", "compare_outputs", "open_barrier", "percentile", "percentiles", "run_engine", "summarize"]

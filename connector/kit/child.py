@@ -66,6 +66,8 @@ def _run_requests(llm, spec: dict) -> list[dict]:
         else:
             groups.append([d])
     for group in groups:
+        if group[0].get("barrier"):
+            _wait_barrier(spec, group[0]["barrier"])
         prompts = []
         for d in group:
             prompt = list(d["tokens"])
@@ -78,6 +80,17 @@ def _run_requests(llm, spec: dict) -> list[dict]:
             done[d["label"]] = (prompt, r["token_ids"])
             results.append({"label": d["label"], "cache_salt": d.get("cache_salt"), **r})
     return results
+
+
+def _wait_barrier(spec: dict, name: str) -> None:
+    """Say ``<name>.ready`` in the barrier directory, then wait for the parent's ``<name>.go``."""
+    folder = Path(spec["barrier_dir"])
+    (folder / f"{name}.ready").touch()
+    deadline = time.monotonic() + spec.get("barrier_timeout_s", 600)
+    while not (folder / f"{name}.go").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"barrier {name!r} was never opened")
+        time.sleep(0.01)
 
 
 def _generate(llm, prompts: list[list[int]], salts: list[str | None], params) -> list[dict]:

@@ -79,6 +79,7 @@ def run_engine(
     extra_env: dict[str, str] | None = None,
     out_json: Path | None = None,
     timeout_s: float = 600,
+    barriers: Path | None = None,
 ) -> EngineResult:
     """Run `workload` on a fresh engine in a child process and return its parsed result.
 
@@ -88,6 +89,8 @@ def run_engine(
     `warmup` first runs one unrelated prompt (JIT and allocator warm-up) outside the results.
     `dtype` defaults to the checkpoint's own (vLLM's "auto" would run a float32 one in bf16).
     With `out_json`, the raw result and the engine's log (`.log` beside it) are kept there.
+    `barriers`: the folder where the child says `<name>.ready` before a request with that
+    `barrier` and waits for `<name>.go` (see `open_barrier`).
     """
     with tempfile.TemporaryDirectory(prefix="kvstore-e2e-") as tmp:
         spec = {
@@ -95,12 +98,28 @@ def run_engine(
             "max_tokens": max_tokens, "logprobs": logprobs, "single_process": single_process,
             "enable_prefix_caching": enable_prefix_caching, "warmup": warmup,
             "dtype": dtype or _checkpoint_dtype(Path(model_dir)),
+            "barrier_dir": str(barriers or tmp),
         }
         spec_path, out = Path(tmp) / "spec.json", Path(out_json or Path(tmp) / "out.json")
         spec_path.write_text(json.dumps(spec))
         env = _child_env(single_process, kv_cache_gib, reserve_cpu, extra_env)
         _run_child(spec_path, out, env, out.with_suffix(".log"), timeout_s)
         return EngineResult.from_json(json.loads(out.read_text()))
+
+
+def open_barrier(barriers: Path, name: str, then=None, timeout_s: float = 600) -> None:
+    """Wait until an engine child reached barrier ``name``, call ``then()`` (if given: the
+    change the test makes to the world), then let the child go on."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not (barriers / f"{name}.ready").exists():
+        if time.monotonic() > deadline:
+            raise EngineRunError(f"the engine never reached barrier {name!r}")
+        time.sleep(0.01)
+    if then is not None:
+        then()
+    (barriers / f"{name}.go").touch()
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:

@@ -15,13 +15,16 @@ class Request:
     """One prompt. With `extends`, the prompt is that earlier request's full prompt, then its
     generated tokens, then `tokens` (a chat turn); resolved inside the engine child.  With
     `together`, it is submitted in the same `generate` call as the request before it (the
-    engine schedules them back to back, in the same steps where they fit)."""
+    engine schedules them back to back, in the same steps where they fit).  With `barrier`,
+    the child stops before sending it until the parent opens that barrier
+    (`run_engine(barriers=...)`): a test changes the world (throttles, kills) in between."""
 
     label: str
     tokens: tuple[int, ...]
     cache_salt: str | None = None
     extends: str | None = None
     together: bool = False
+    barrier: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +73,7 @@ class Workload:
     @classmethod
     def from_json(cls, items: list[dict]) -> Workload:
         reqs = [Request(d["label"], tuple(d["tokens"]), d.get("cache_salt"), d.get("extends"),
-                        d.get("together", False)) for d in items]
+                        d.get("together", False), d.get("barrier")) for d in items]
         return cls(tuple(reqs))
 
 

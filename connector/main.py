@@ -42,23 +42,53 @@ def lower_hit_tokens(stats: dict) -> dict[str, int]:
     return {t: n for t, n in stats["tokens_hit_by_tier"].items() if t in LOWER and n > 0}
 
 
+def log_entries(result: kit.EngineResult, stats: dict) -> dict[str, dict]:
+    """The connector's log entry of each request (vLLM suffixes the id it gave the user)."""
+    by_id = {e.get("req_id", "").rsplit("-", 1)[0]: e for e in stats["recent"]}
+    return {r.label: by_id[r.request_id] for r in result.requests if r.request_id in by_id}
+
+
 def hit_labels(result: kit.EngineResult, stats: dict) -> set[str]:
     """Labels of requests the connector actually served from the store (its own log)."""
-    log = stats["recent"][-len(result.requests):]
-    return {r.label for r, entry in zip(result.requests, log) if entry["hit_tokens"] > 0}
+    return {label for label, entry in log_entries(result, stats).items() if entry["hit_tokens"] > 0}
 
 
-def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Comparison) -> str:
+def format_hits(result: kit.EngineResult, reference: kit.EngineResult, stats: dict) -> list[str]:
+    """Each hit beside the same request's TTFT without the connector (same prompt, same run)."""
+    ref, entries = reference.by_label(), log_entries(result, stats)
+    lines, ratios = [], []
+    for r in result.requests:
+        entry = entries.get(r.label)
+        if entry is None or entry["hit_tokens"] <= 0 or r.label not in ref:
+            continue
+        base = ref[r.label].ttft_s
+        ratios.append(r.ttft_s / base)
+        tiers = "+".join(f"{t} {n}" for t, n in sorted(entry["tiers"].items()))
+        lines.append(f"    {r.label:<14} hit {entry['hit_tokens']:>5}/{r.prompt_len:<5} ({tiers}): "
+                     f"TTFT {r.ttft_s * 1e3:7.1f} ms vs {base * 1e3:7.1f} ms without  = {ratios[-1]:.2f}x")
+    if ratios:
+        lines.insert(0, f"  hits beside the same request without the connector (median ratio "
+                        f"{kit.percentile(ratios, 50):.2f}x; below 1 is faster):")
+    return lines
+
+
+def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Comparison,
+                  reference: kit.EngineResult | None = None) -> str:
     hits = hit_labels(result, stats)
     ttft = kit.summarize(result.requests, hits)
     ms = lambda v: "   -  " if v is None else f"{v * 1e3:6.1f}"  # noqa: E731
     lines = [f"== {name}  (startup {result.startup_s:.1f} s)"]
     for kind, p in (("misses", ttft.misses), ("hits", ttft.hits)):
         lines.append(f"  TTFT {kind:<6} n={p.n:<3} p50 {ms(p.p50)} ms  p95 {ms(p.p95)} ms  p99 {ms(p.p99)} ms")
+    if reference is not None:
+        lines += format_hits(result, reference, stats)
     for rate in stats["rates"].values():
         lines.append(f"  {rate}")
     tiers = ", ".join(f"{t} {n}" for t, n in sorted(stats["tokens_hit_by_tier"].items())) or "none"
     lines.append(f"  hit tokens by tier: {tiers}")
+    if stats.get("decisions"):
+        lines.append("  load-or-recompute decisions: "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(stats["decisions"].items())))
     moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(stats["bytes_by_tier"].items()))
     lines.append(f"  bytes moved: {moved or 'none'}")
     if stats["failures"]:
@@ -93,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_s=args.timeout)
         stats = json.loads(stats_path.read_text())
         cmp = kit.compare_outputs(reference, result)
-        print(format_engine(name, result, stats, cmp), flush=True)
+        print(format_engine(name, result, stats, cmp, reference), flush=True)
         ok = ok and bool(cmp)
         if i == 2:
             lower = lower_hit_tokens(stats)

@@ -59,6 +59,12 @@ GEOMETRIES: dict[str, Geometry] = {
     "bench": Geometry(
         layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096
     ),
+    # "bench" in float32 (64 KiB of KV per token), for CPUs without AVX512-BF16, where bf16
+    # prefill is ~16x slower than float32.
+    "bench-f32": Geometry(
+        layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096,
+        dtype="float32",
+    ),
 }
 
 

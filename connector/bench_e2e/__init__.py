@@ -18,9 +18,18 @@ engine process (`connector.kit.run_engine`: one request at a time, vLLM prefix c
            interpreter's venv on first use. A failure to install, start or run it is
            printed with the error tail and the bench goes on without it.
 
-Workload: N distinct long prompts, each sent twice in a row, with short unrelated prompts
-in between. Every ratio is to the no-connector miss TTFT of the same long prompts (all of
-its sends, first and repeat, are misses), measured in the same run.
+Workload ("pairs"): N distinct long prompts, each sent twice in a row, with short unrelated
+prompts in between. Every ratio is to the no-connector miss TTFT of the same long prompts
+(all of its sends, first and repeat, are misses), measured in the same run.
+
+Two more workloads (``--scenarios``; ``connector.bench_e2e.scenarios``): "restart" (prompts
+sharing a long prefix, stored by one engine process and repeated by a new one, beside
+ExampleConnector and the one-block compute floor) and "throttled" (a Redis tier behind a
+bandwidth-limited link: recompute while it is slow, hits again once it recovers).
+
+The default model is "bench-f32" (Llama-3.2-1B's KV geometry in float32) on CPUs without
+AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16); every row names
+its dtype.
 
 Here: the command (``run``, and ``register`` for the ``kvstore.bench`` entry point).  The
 setups and the workload are in ``setups``, one pass over them in ``passes``, the
@@ -39,6 +48,7 @@ from pathlib import Path
 from connector import tinymodel
 from connector.bench_e2e.passes import run_pass
 from connector.bench_e2e.report import build_rows, format_summary, summary
+from connector.bench_e2e.scenarios import restart_rows, throttled_rows
 from connector.bench_e2e.setups import build_workload
 from kvstore.bench.common import print_rows
 
@@ -52,8 +62,17 @@ def run(args) -> int:
     print(f"kvstore bench e2e: model {args.geometry} at {model}; {args.prompts} prompts of "
           f"{args.prompt_len} tokens sent twice, {min(args.shorts, args.prompts)} short; "
           f"{args.repeats} pass(es)", flush=True)
-    passes, summaries = [], []
-    for i in range(args.repeats):
+    passes, summaries, extra_rows, extra = [], [], [], {}
+    scenarios = _scenarios(args.scenarios)
+    dtype = geo.dtype
+    for name in ("restart", "throttled"):
+        if name in scenarios:
+            print(f"\nscenario {name}", flush=True)
+            with _workdir(args.workdir, name) as work:
+                fn = restart_rows if name == "restart" else throttled_rows
+                rows, extra[name] = fn(model, geo.vocab, work, args, dtype)
+            extra_rows += rows
+    for i in range(args.repeats if "pairs" in scenarios else 0):
         print(f"\npass {i + 1}/{args.repeats}", flush=True)
         with _workdir(args.workdir, i) as work:
             outs = run_pass(model, wl, work, args)
@@ -61,16 +80,17 @@ def run(args) -> int:
         summaries.append({k: summary(o, args.prompts) for k, o in outs.items()})
         for key, d in summaries[-1].items():
             print(format_summary(key, d), flush=True)
-    rows = build_rows(passes)
+    rows = build_rows(passes) + extra_rows
     elapsed = time.perf_counter() - t0
-    print_rows(f"kvstore bench e2e ({args.geometry}; TTFT p50 over {args.prompts} prompts x "
+    print_rows(f"kvstore bench e2e ({args.geometry}, {dtype}; TTFT p50 over {args.prompts} prompts x "
                f"{args.repeats} pass(es); limits measured in this run; {elapsed:.0f} s)", rows)
     if args.json:
-        doc = {"rows": [r.as_dict() for r in rows], "passes": summaries, "elapsed_s": elapsed,
+        doc = {"rows": [r.as_dict() for r in rows], "passes": summaries, "scenarios": extra,
+               "elapsed_s": elapsed, "dtype": dtype,
                "workload": {"geometry": args.geometry, "prompts": args.prompts,
                             "prompt_len": args.prompt_len, "shorts": args.shorts}}
         Path(args.json).write_text(json.dumps(doc, indent=2))
-    return 0 if _ours_ok(summaries) else 1
+    return 0 if _ours_ok(summaries) and all(d["outputs_match"] for d in extra.values()) else 1
 
 
 def _ours_ok(summaries: list[dict]) -> bool:
@@ -79,13 +99,34 @@ def _ours_ok(summaries: list[dict]) -> bool:
                for s in summaries for k in ("none", "ours-1", "ours-2"))
 
 
+SCENARIOS = ("pairs", "restart", "throttled")
+
+
+def _scenarios(text: str) -> set[str]:
+    from kvstore.errors import ConfigError
+
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if not names or names - set(SCENARIOS):
+        raise ConfigError(f"--scenarios: give some of {', '.join(SCENARIOS)}, comma-separated; got {text!r}")
+    return names
+
+
+def default_geometry() -> str:
+    """float32 where the CPU lacks AVX512-BF16 (bf16 prefill is ~16x slower there)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "bench"
+    return "bench" if "avx512_bf16" in flags else "bench-f32"
+
+
 @contextmanager
-def _workdir(root: str | None, i: int) -> Iterator[Path]:
+def _workdir(root: str | None, i: int | str) -> Iterator[Path]:
     if root is None:
         with tempfile.TemporaryDirectory(prefix="kvstore-bench-e2e-") as tmp:
             yield Path(tmp)
         return
-    work = Path(root) / f"pass-{i + 1}"
+    work = Path(root) / (f"pass-{i + 1}" if isinstance(i, int) else i)
     if work.exists():  # engine 1 must start on an empty SSD dir
         from kvstore.errors import ConfigError
 
@@ -101,7 +142,17 @@ def register(suites) -> None:
 
     p = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")
     p.add_argument("--json", help="write rows and per-setup results as JSON to this file")
-    p.add_argument("--geometry", default="bench", choices=sorted(GEOMETRIES), help="model shape")
+    p.add_argument("--geometry", default=default_geometry(), choices=sorted(GEOMETRIES),
+                   help="model shape (default: bench-f32 on CPUs without AVX512-BF16, else bench)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help="comma-separated: pairs (each prompt twice), restart (store, restart, repeat), "
+                        "throttled (a slow Redis link, then recovered)")
+    p.add_argument("--restart-prompts", type=positive, default=4, help="restart: prompts")
+    p.add_argument("--restart-len", type=positive, default=2000, help="restart and throttled: tokens per prompt")
+    p.add_argument("--restart-shared", type=int, default=1500, help="restart: tokens the prompts share")
+    p.add_argument("--throttle-prompts", type=positive, default=3,
+                   help="throttled: prompts while slow (twice as many after the lift)")
+    p.add_argument("--throttle-rate", type=float, default=4e6, help="throttled: bytes/s from Redis while slow")
     p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
     p.add_argument("--repeats", type=positive, default=1, help="whole comparisons; samples pooled")
     p.add_argument("--prompts", type=positive, default=8, help="distinct long prompts")

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("ours host hit TTFT / miss TTFT", "ours SSD hit TTFT / miss TTFT",
            "ours hit vs ExampleConnector hit", "connector overhead on a miss")
+SCENARIO_TARGETS = ("restart (bfloat16): ours vs example hit", "restart (bfloat16): ours hit vs floor",
+                    "restart (bfloat16): tokens hit (min)", "throttled (bfloat16): TTFT while slow")
 
 
 def _req(label: str, logprob: float, ttft: float = 0.1, token: int = 7) -> kit.RequestResult:
@@ -96,6 +98,8 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     out = tmp_path / "e2e.json"
     cmd = [sys.executable, "-m", "kvstore", "bench", "e2e", "--geometry", "tiny", "--prompts", "2",
            "--shorts", "1", "--max-tokens", "4", "--single-process", "--skip-lmcache",
+           "--restart-prompts", "2", "--restart-len", "600", "--restart-shared", "400",
+           "--throttle-prompts", "2", "--throttle-rate", "1e6",
            "--model-dir", str(tmp_path / "model"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -104,10 +108,16 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     for r in doc["rows"]:
         assert {"name", "value", "unit", "limit_name", "limit_value", "ratio", "better", "target",
                 "meets_target"} <= set(r)
-        assert r["better"] == "lower" and r["limit_value"] > 0
+        assert r["better"] in ("lower", "higher") and r["limit_value"] > 0
         assert r["ratio"] == pytest.approx(r["value"] / r["limit_value"], abs=1e-3)
     targets = {r["name"]: r for r in doc["rows"] if r["target"] is not None}
     assert set(TARGETS) <= set(targets)
+    assert set(SCENARIO_TARGETS) <= set(targets)
+    restart = doc["scenarios"]["restart"]
+    assert restart["outputs_match"] and list(restart["tokens_hit_per_prompt"].values()) == [512, 512]
+    throttled = doc["scenarios"]["throttled"]
+    assert throttled["outputs_match"]
+    assert throttled["decisions"]["slow-1"]["outcome"] == "recompute"  # the link is slower than compute
     (by_setup,) = doc["passes"]
     for key in ("ours-1", "ours-2", "example"):
         assert by_setup[key]["ran"] and by_setup[key]["outputs_match"] is True, by_setup[key]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.keys import ChunkHash, Identity, ObjectKey
+from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey
 from kvstore.metrics import HitStats
 
 
@@ -46,6 +46,7 @@ class ReqState:
     view: RequestView
     keys: list[ObjectKey]
     hashes: list[ChunkHash]
+    namespace: Namespace
     blocks: list[int] = field(default_factory=list)
     saved_upto: int = 0                      # chunks already saved or skipped
     save_stopped: bool = False               # a reservation found no room: later saves would be orphans

@@ -44,13 +44,14 @@ import numpy as np
 
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
+from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
 from connector.plan import ChunkCopy, LoadJob, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
-from kvstore.keys import ROOT, Identity, Namespace, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel, Decision, Span
 from kvstore.store.tiered import TieredStore
@@ -86,8 +87,9 @@ class SchedulerHalf:
         self.host: HostTier = self.store.host
         self.cost = CostModel(cfg.prefill_tokens_per_s, cfg.explore_after_s)
         self.prefetch = Prefetcher(self.store, self.io, self.cost, self._bytes, self._fail)
+        self.hits = HitFinder(self.store, self.io, cfg.chunk_size, block_size, self._size_of)
         self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
-                                 self._tail_keys, self._fail)
+                                 self.hits.tail_keys, self._fail)
         self._reqs: dict[str, ReqState] = {}
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._queued_loads: list[LoadJob] = []
@@ -125,23 +127,8 @@ class SchedulerHalf:
         if st is None:
             ns = self._namespace(view.salt, view.lora)
             hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), self.cfg.chunk_size)
-            st = self._reqs[view.req_id] = ReqState(view, object_keys(ns, hashes), hashes)
+            st = self._reqs[view.req_id] = ReqState(view, object_keys(ns, hashes), hashes, ns)
         return st
-
-    def _tail_keys(self, st: ReqState, index: int) -> list[ObjectKey]:
-        """Keys of the tail objects at chunk ``index``: its first k whole blocks, for k from
-        the most the prompt has there (at most a chunk less one block) down to 1."""
-        keys = st.tails.get(index)
-        if keys is None:
-            c, bs = self.cfg.chunk_size, self.block_size
-            most = min(self.pages_per_chunk - 1, (len(st.view.prompt) - index * c) // bs)
-            tokens = np.asarray(st.view.prompt[index * c:index * c + most * bs], dtype=np.int64)
-            parent = st.hashes[index - 1] if index else ROOT
-            ns = st.keys[0].namespace if st.keys else self._namespace(st.view.salt, st.view.lora)
-            keys = [object_keys(ns, chunk_hashes(ns, tokens[:k * bs], c, include_partial=True, parent=parent))[0]
-                    for k in range(most, 0, -1)]
-            st.tails[index] = keys
-        return keys
 
     # --- lookup and load decision ------------------------------------------------------------
 
@@ -152,7 +139,7 @@ class SchedulerHalf:
         self._unpin(st)
         if st.prefetch is not None and not self.prefetch.settled(st, self._steps):
             return None
-        pieces = self._find(st)
+        pieces = self.hits.find(st)
         if self._save_pending(st, pieces):
             return None  # the next chunk is being saved by an earlier request: ask again soon
         decision = self.cost.plan([Span(p.tier, p.nbytes, p.start, p.end) for p in pieces], self.host.name)
@@ -170,40 +157,11 @@ class SchedulerHalf:
         self._count_lookup(st, n, decision)
         return n
 
-    def _find(self, st: ReqState) -> list[Piece]:
-        """The contiguous hit: full chunks, then the longest tail found after them."""
-        found = self.io.run(self.store.lookup(st.keys, sized=False))
-        c = self.cfg.chunk_size
-        pieces = [Piece(key, i * c, (i + 1) * c, self.object_size, tier)
-                  for i, (key, tier) in enumerate(zip(st.keys, found.tiers))]
-        tail = self._find_tail(st, found.hits)
-        if tail is not None:
-            pieces.append(tail)
-        for p in pieces:
-            st.origin.setdefault(p.key, p.tier)
-        return pieces
-
-    def _find_tail(self, st: ReqState, index: int) -> Piece | None:
-        bs, c = self.block_size, self.cfg.chunk_size
-        usable = ((len(st.view.prompt) - 1) // bs * bs - index * c) // bs  # the last token is computed
-        if self.pages_per_chunk == 1 or usable < 1:
-            return None
-        keys = self._tail_keys(st, index)
-        keys = keys[max(0, len(keys) - usable):]  # at most `usable` blocks
-        present = self.io.run(self.store.present(keys))
-        for key, there in zip(keys, present):
-            if there:
-                found = self.io.run(self.store.lookup([key], sized=False))
-                if found.hits:
-                    k = len(keys) - keys.index(key)
-                    return Piece(key, index * c, index * c + k * bs, self._size_of(k), found.tiers[0])
-        return None
-
     def _save_pending(self, st: ReqState, pieces: list[Piece]) -> bool:
         """True while an object that would extend the hit is being saved by an earlier
         request: wait for it, at most the predicted time to recompute the rest."""
         end = pieces[-1].end if pieces else 0
-        if not any(k in self.saves.in_flight for k in self._extensions(st, end)):
+        if not any(k in self.saves.in_flight for k in self.hits.extensions(st, end)):
             st.save_wait_until = None
             return False
         now = time.perf_counter()
@@ -214,16 +172,6 @@ class SchedulerHalf:
             return True
         self._prom["waits"].labels("save", "gave_up").inc()
         return False
-
-    def _extensions(self, st: ReqState, end: int) -> list[ObjectKey]:
-        """Keys of the objects that could extend a hit ending at token ``end``: the next full
-        chunk and the tails at its place (none after a tail: a hit ends there)."""
-        c = self.cfg.chunk_size
-        if end % c or end >= len(st.view.prompt):
-            return []
-        index = end // c
-        nxt = st.keys[index:index + 1]
-        return nxt + (self._tail_keys(st, index) if self.pages_per_chunk > 1 else [])
 
     # --- pins ------------------------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""Where a request's hit is: its full chunks across the tiers, then a tail after them.
+Scheduler side (``connector.scheduler``).
+
+A *tail* object holds the whole blocks of a prompt's last, partial chunk, under its own key
+(``keys.chunk_hashes`` hashes a partial chunk with its own kind and length, so it never
+collides with a full chunk).  After the last full chunk a lookup hits, the longest tail at
+that place that the store holds extends the hit, so a repeat hits every whole block but the
+one holding its last token, and a prompt that extends an earlier one (the next turn of a
+chat) hits through the earlier one's tail.  Tail keys cost one batched presence query.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from connector.ioloop import IOLoop
+from connector.requests import Piece, ReqState
+from kvstore.keys import ROOT, ObjectKey, chunk_hashes, object_keys
+from kvstore.store.tiered import TieredStore
+
+
+class HitFinder:
+    def __init__(self, store: TieredStore, io: IOLoop, chunk_size: int, block_size: int,
+                 object_size: Callable[[int], int]) -> None:
+        self.store, self.io = store, io
+        self.chunk_size, self.block_size = chunk_size, block_size
+        self.pages_per_chunk = chunk_size // block_size
+        self.object_size = object_size  # pages per layer -> object bytes
+        self.chunk_bytes = object_size(self.pages_per_chunk)
+
+    def tail_keys(self, st: ReqState, index: int) -> list[ObjectKey]:
+        """Keys of the tail objects at chunk ``index``: its first k whole blocks, for k from
+        the most the prompt has there (at most a chunk less one block) down to 1."""
+        keys = st.tails.get(index)
+        if keys is None:
+            c, bs = self.chunk_size, self.block_size
+            most = min(self.pages_per_chunk - 1, (len(st.view.prompt) - index * c) // bs)
+            tokens = np.asarray(st.view.prompt[index * c:index * c + most * bs], dtype=np.int64)
+            parent = st.hashes[index - 1] if index else ROOT
+            ns = st.namespace
+            keys = [object_keys(ns, chunk_hashes(ns, tokens[:k * bs], c, include_partial=True, parent=parent))[0]
+                    for k in range(most, 0, -1)]
+            st.tails[index] = keys
+        return keys
+
+    def find(self, st: ReqState) -> list[Piece]:
+        """The contiguous hit: full chunks, then the longest tail found after them."""
+        found = self.io.run(self.store.lookup(st.keys, sized=False))
+        c = self.chunk_size
+        pieces = [Piece(key, i * c, (i + 1) * c, self.chunk_bytes, tier)
+                  for i, (key, tier) in enumerate(zip(st.keys, found.tiers))]
+        tail = self._find_tail(st, found.hits)
+        if tail is not None:
+            pieces.append(tail)
+        for p in pieces:
+            st.origin.setdefault(p.key, p.tier)
+        return pieces
+
+    def _find_tail(self, st: ReqState, index: int) -> Piece | None:
+        bs, c = self.block_size, self.chunk_size
+        usable = ((len(st.view.prompt) - 1) // bs * bs - index * c) // bs  # the last token is computed
+        if self.pages_per_chunk == 1 or usable < 1:
+            return None
+        keys = self.tail_keys(st, index)
+        keys = keys[max(0, len(keys) - usable):]  # at most `usable` blocks
+        present = self.io.run(self.store.present(keys))
+        for key, there in zip(keys, present):
+            if there:
+                found = self.io.run(self.store.lookup([key], sized=False))
+                if found.hits:
+                    k = len(keys) - keys.index(key)
+                    return Piece(key, index * c, index * c + k * bs, self.object_size(k), found.tiers[0])
+        return None
+
+    def extensions(self, st: ReqState, end: int) -> list[ObjectKey]:
+        """Keys of the objects that could extend a hit ending at token ``end``: the next full
+        chunk and the tails at its place (none after a tail: a hit ends there)."""
+        c = self.chunk_size
+        if end % c or end >= len(st.view.prompt):
+            return []
+        index = end // c
+        nxt = st.keys[index:index + 1]
+        return nxt + (self.tail_keys(st, index) if self.pages_per_chunk > 1 else [])

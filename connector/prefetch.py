@@ -4,14 +4,17 @@ Scheduler side.  A prefetch runs on the I/O thread (``connector.ioloop``) while 
 request's lookups answer "ask me later"; only bytes already verified in host memory are
 ever promised to the engine.
 
-* **Bounded in time.**  A request waits for its prefetch at most twice the predicted load
-  time plus ``PREFETCH_SLACK_S``, and never longer than recomputing what it brings.  Past
+* **Bounded in time.**  A request waits for its prefetch at most ``PREFETCH_SPREAD`` times
+  the predicted load time (or ``PREFETCH_SLACK_S`` more), and never longer than half the
+  time recomputing what it brings would take, so a tier far slower than predicted costs
+  the first request at most 1.5x its recompute time before the estimate is fixed.  Past
   that deadline it takes the part already promoted and recomputes the rest; the prefetch
   goes on in the background, and the wait replaces the tier's estimate ("at most this
   fast": the bytes landed plus the piece under way, over the time waited), so the very
   next decision knows better.
 * **No convoys.**  Only the first lookup of an engine step blocks (``PREFETCH_POLL_S``, to
-  release the GIL to the I/O thread) on a running prefetch; the others only look.  Many
+  release the GIL to the I/O thread; ``IDLE_POLL_S`` after a step that computed nothing,
+  when the engine has nothing to do but wait) on a running prefetch; the others only look.  Many
   requests sharing one prefix share its promotions (the core's single flight), so they
   wait for one load once, not one after another.
 * **Probes.**  A tier the cost model has not measured for a while is re-measured by one
@@ -19,6 +22,7 @@ ever promised to the engine.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -32,8 +36,11 @@ from kvstore.policy import CostModel, Decision
 from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.connector")
-PREFETCH_POLL_S = 0.005  # how long the first lookup of a step may block on a running prefetch
-PREFETCH_SLACK_S = 0.02  # a prefetch may run this much past twice its predicted time
+PREFETCH_POLL_S = 0.005  # how long the first lookup of a busy step may block on a running prefetch
+IDLE_POLL_S = 0.05       # ... of a step after one that computed nothing (the engine only waits)
+PREFETCH_WINDOW = 4      # promotions of one prefetch in flight at once
+PREFETCH_SPREAD = 4      # a prefetch may take this many times its predicted time ...
+PREFETCH_SLACK_S = 0.05  # ... or this much more, whichever is longer (but see ``start``)
 
 
 class Prefetcher:
@@ -50,20 +57,25 @@ class Prefetcher:
         """Promote ``lower`` (the chosen pieces not in host memory) for request ``st``."""
         predicted = sum(self.cost.load_seconds(p.tier, p.nbytes) for p in lower)
         now = time.perf_counter()
-        st.prefetch_deadline = now + min(decision.recompute_s, 2 * predicted + PREFETCH_SLACK_S)
+        st.prefetch_deadline = now + min(decision.recompute_s / 2,
+                                         max(PREFETCH_SPREAD * predicted, predicted + PREFETCH_SLACK_S))
         st.prefetch_plan = (lower[0].tier, lower[0].nbytes, now)
         st.prefetch_done = [0]
         st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower],
                                               st.prefetch_done))
 
-    def settled(self, st: ReqState, step: int) -> bool:
-        """Whether request ``st`` may go on: its prefetch ended, or ran past its deadline."""
+    def settled(self, st: ReqState, step: int, idle: bool = False) -> bool:
+        """Whether request ``st`` may go on: its prefetch ended, or ran past its deadline.
+        ``idle``: the engine's last step computed nothing, so it only waits for prefetches."""
         fut = st.prefetch
         if self._polled_step != step:
-            # One short blocking wait per step: it releases the GIL, which the engine's busy
-            # step loop would otherwise hold while the I/O thread needs it between reads.
+            # One blocking wait per step: it releases the GIL, which the engine's busy step
+            # loop would otherwise hold while the I/O thread needs it between reads.  When
+            # the engine is idle, waiting longer costs nothing and ends the moment it lands.
             self._polled_step = step
-            concurrent.futures.wait([fut], timeout=PREFETCH_POLL_S)
+            limit = IDLE_POLL_S if idle else PREFETCH_POLL_S
+            wait = max(0.0, min(limit, st.prefetch_deadline - time.perf_counter()))
+            concurrent.futures.wait([fut], timeout=wait)
         if fut.done():
             self._finish(st)
             return True
@@ -96,17 +108,25 @@ class Prefetcher:
         fut.add_done_callback(lambda _f, k=piece.key: self._probes.discard(k))
 
     async def _run(self, keys: list[ObjectKey], sizes: list[int], progress: list[int] | None = None) -> int:
-        """Promote ``keys`` in order, stopping at the first miss; observe each tier's rate.
-        ``progress[0]`` counts the bytes promoted so far (read by the scheduler thread)."""
-        done, t0, by_tier = 0, time.perf_counter(), {}
-        for key, size in zip(keys, sizes):
-            tier = await self.store.promote(key)
+        """Promote ``keys``, up to ``PREFETCH_WINDOW`` at once (a deeper disk queue, and one
+        object's checksum overlaps the next one's read), keeping the first contiguous run
+        that landed: a miss makes every later key useless.  Observes each tier's rate.
+        ``progress[0]`` counts the bytes of that run so far (read by the scheduler thread)."""
+        t0, by_tier = time.perf_counter(), {}
+        tasks = [asyncio.ensure_future(self.store.promote(k)) for k in keys[:PREFETCH_WINDOW]]
+        done = 0
+        while done < len(tasks):
+            tier = await tasks[done]
             if tier is None:
                 break
-            done += 1
-            by_tier[tier] = by_tier.get(tier, 0) + size
+            if len(tasks) < len(keys):
+                tasks.append(asyncio.ensure_future(self.store.promote(keys[len(tasks)])))
+            by_tier[tier] = by_tier.get(tier, 0) + sizes[done]
             if progress is not None:
-                progress[0] += size
+                progress[0] += sizes[done]
+            done += 1
+        for task in tasks[done:]:  # past a miss: let them land or fail, unwaited
+            task.add_done_callback(_quiet)
         seconds = time.perf_counter() - t0
         self._prom["stage"].labels("PREFETCHED").observe(seconds)
         total = sum(by_tier.values())
@@ -115,3 +135,8 @@ class Prefetcher:
                 self.cost.observe_transfer(tier, nbytes, seconds * nbytes / total)
                 self._bytes(tier, "read", nbytes)
         return done
+
+
+def _quiet(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a promotion's error is already counted by the core

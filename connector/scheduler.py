@@ -20,7 +20,7 @@ so an exact repeat hits every whole block but the one holding its last token.
 
 Waits are bounded in time, never in engine steps: a lookup that meets a save in flight of
 its next chunk waits at most what recomputing the rest would cost; a request waits for its
-prefetch at most twice its predicted time (never more than recomputing), then takes the
+prefetch at most four times its predicted time (never more than half of recomputing), then takes the
 part already in host memory (the prefetch goes on and is measured).  Only one lookup per
 step blocks (briefly) on a prefetch, so many requests sharing one load wait for it once.
 
@@ -96,6 +96,7 @@ class SchedulerHalf:
         self._load_pins: dict[int, list[ObjectKey]] = {}
         self._next_job = 1
         self._steps = 0                # build_plan calls so far
+        self._idle = False             # whether the last step computed nothing
         self._step: tuple[float, list[tuple[int, int]]] | None = None
         self._computed: dict[str, int] = {}
         self._closed = False
@@ -137,7 +138,7 @@ class SchedulerHalf:
         prefetch from a lower tier, or a save of the next chunk, is still running."""
         st = self._state(view)
         self._unpin(st)
-        if st.prefetch is not None and not self.prefetch.settled(st, self._steps):
+        if st.prefetch is not None and not self.prefetch.settled(st, self._steps, self._idle):
             return None
         pieces = self.hits.find(st)
         if self._save_pending(st, pieces):
@@ -272,6 +273,7 @@ class SchedulerHalf:
                     self._next_job += 1
                     plan.saves.append(job)
         work = [(self._computed.get(r, 0), n) for r, n in step.scheduled.items()]
+        self._idle = not work
         self._step = (time.perf_counter(), work)
         return plan
 

@@ -52,6 +52,7 @@ class _Load:
     verify: CopyEvent | None = None  # the slot check, ordered before the layers' copies
     failed_from: int | None = None  # index of the first chunk that must be recomputed
     started: float = 0.0
+    landed: float = 0.0  # when the last layer's copy was seen complete (0: not yet)
 
     def fail(self, chunk: int, reason: str) -> None:
         if self.failed_from is None or chunk < self.failed_from:
@@ -168,6 +169,7 @@ class WorkerHalf:
             load.fail(0, f"completion: {err!r}")
 
     def _on_device(self, load: _Load, event: CopyEvent) -> None:
+        load.landed = time.perf_counter()
         for t in load.tickets:
             t.end_copy()
         for t in load.tickets:
@@ -228,7 +230,9 @@ class WorkerHalf:
             if ok:
                 self._interval["bytes_loaded"] += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
                 r.bytes_loaded += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
-                r.load_seconds += time.perf_counter() - load.started
+                # the copies' own time (issue to the last layer landing), not the forward's:
+                # it is the host tier's bandwidth the cost model learns from it
+                r.load_seconds += (load.landed or time.perf_counter()) - load.started
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

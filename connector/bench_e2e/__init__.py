@@ -147,6 +147,7 @@ def register(suites) -> None:
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="comma-separated: pairs (each prompt twice), restart (store, restart, repeat), "
                         "throttled (a slow Redis link, then recovered)")
+    p.add_argument("--chunk-size", type=positive, help="our connector's chunk_size (default: its own)")
     p.add_argument("--restart-prompts", type=positive, default=4, help="restart: prompts")
     p.add_argument("--restart-len", type=positive, default=2000, help="restart and throttled: tokens per prompt")
     p.add_argument("--restart-shared", type=int, default=1500, help="restart: tokens the prompts share")

@@ -32,7 +32,7 @@ def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outco
         if key == "ours-2":
             _drop_page_cache(work / "ssd")
         stats = work / f"stats-{key}.json"
-        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats)), stats)
+        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats, **ours(args))), stats)
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
     outs["example"] = _attempt("example", lambda: run("example", example))
@@ -46,14 +46,20 @@ def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outco
     return {k: _compared(o, refs) for k, o in outs.items()}
 
 
-def _drop_page_cache(ssd_dir: Path) -> None:
+def ours(args) -> dict:
+    """Our connector's settings from the bench's flags."""
+    return {"chunk_size": args.chunk_size} if getattr(args, "chunk_size", None) else {}
+
+
+def _drop_page_cache(folder: Path, pattern: str = "*.kv") -> None:
     """Engine 2 must read engine 1's files from the disk, as after a restart, not from the
     page cache that engine 1's writes left warm."""
     from tiers.ssd import drop_page_cache
 
-    for path in ssd_dir.rglob("*.kv"):
+    for path in folder.rglob(pattern):
         try:
-            drop_page_cache(path)
+            if path.is_file():
+                drop_page_cache(path)
         except OSError:  # evicted meanwhile: nothing to drop
             pass
 

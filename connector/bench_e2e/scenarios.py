@@ -6,7 +6,8 @@ Host side, no vLLM import; every engine runs in a fresh child process (``kit.run
   prompts of ``--restart-len`` tokens sharing ``--restart-shared`` tokens, each sent alone
   with ``max_tokens=1``; engine 1 stores, engine 2 (a new process on the same directory)
   repeats them.  Setups: no connector (full recompute), vLLM's ExampleConnector (store,
-  then repeat in a new process) and ours (SSD directory, page cache dropped before engine 2).
+  then repeat in a new process) and ours (SSD directory); both peers' files are dropped from
+  the page cache before their engine 2, as after a host restart.
   The compute floor is the TTFT of a one-block prompt in the no-connector engine.  Rows: our
   hit TTFT beside full recompute, ExampleConnector's hit (target ≤ 1) and the floor (stretch
   target ≤ 1.3), and the tokens hit per prompt beside its whole blocks but the last.
@@ -25,7 +26,7 @@ import threading
 from pathlib import Path
 
 from connector import kit, main as job
-from connector.bench_e2e.passes import _drop_page_cache
+from connector.bench_e2e.passes import _drop_page_cache, ours
 from kvstore.bench.common import Row
 
 FLOOR_PROMPTS = 3
@@ -65,20 +66,24 @@ def restart_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple
                "kv_connector_extra_config": {"shared_storage_path": str(work / "restart-example")}}
     print("  restart: ExampleConnector, store then repeat ...", flush=True)
     run("example-1", example, prompts)
+    _drop_page_cache(work / "restart-example", "*")  # both peers read cold files after the restart
     example_2 = run("example-2", example, prompts)
     print("  restart: ours, store then repeat ...", flush=True)
-    run("ours-1", job.connector_config(work / "restart-ssd", work / "restart-stats-1.json"), prompts)
+    stats_1 = work / "restart-stats-1.json"
+    ours_1 = run("ours-1", job.connector_config(work / "restart-ssd", stats_1, **ours(args)), prompts)
     _drop_page_cache(work / "restart-ssd")
     stats_2 = work / "restart-stats-2.json"
-    ours_2 = run("ours-2", job.connector_config(work / "restart-ssd", stats_2), prompts)
+    ours_2 = run("ours-2", job.connector_config(work / "restart-ssd", stats_2, **ours(args)), prompts)
 
     labels = [r.label for r in prompts.requests]
     recompute = _p50_ms([r.ttft_s for r in none.requests if r.label in labels])
     floor = _p50_ms([r.ttft_s for r in none.requests if r.label.startswith("floor-")])
     ours = _p50_ms([r.ttft_s for r in ours_2.requests])
     ex = _p50_ms([r.ttft_s for r in example_2.requests])
-    entries = _entries(ours_2, stats_2)
+    entries, entries_1 = _entries(ours_2, stats_2), _entries(ours_1, stats_1)
     hit = {label: entries[label]["hit_tokens"] for label in labels}
+    hit_1 = {label: entries_1[label]["hit_tokens"] for label in labels}
+    objects = json.loads(stats_2.read_text())["tiers"].get("ssd", {}).get("objects")
     whole = (args.restart_len - 1) // kit.BLOCK_SIZE * kit.BLOCK_SIZE
     cmp = kit.compare_outputs(_only(none, labels), ours_2)
     tag = f"restart ({dtype})"
@@ -88,10 +93,12 @@ def restart_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple
             Row(f"{tag}: ours hit vs floor", ours, "ms", "one-block prompt TTFT p50", floor, "lower", 1.3),
             Row(f"{tag}: tokens hit (min)", float(min(hit.values())), "tok", "whole blocks but the last",
                 float(whole), "higher", 1.0)]
-    detail = {"tokens_hit_per_prompt": hit, "outputs_match": bool(cmp),
+    detail = {"tokens_hit_per_prompt": hit, "engine_1_tokens_hit_per_prompt": hit_1, "ssd_objects": objects,
+              "outputs_match": bool(cmp),
               "max_logprob_diff": cmp.max_logprob_diff, "ttft_ms": {
                   "recompute": recompute, "floor": floor, "example_hit": ex, "ours_hit": ours}}
-    print(f"  restart: tokens hit per prompt (engine 2) {list(hit.values())} of {args.restart_len}; "
+    print(f"  restart: tokens hit per prompt: engine 1 {list(hit_1.values())}, engine 2 {list(hit.values())} "
+          f"of {args.restart_len}; {objects} objects on SSD; "
           f"outputs {'MATCH' if cmp else 'MISMATCH'} (max logprob diff {cmp.max_logprob_diff:.1e})", flush=True)
     return [r for r in rows if r.value is not None and r.limit_value], detail
 
@@ -117,11 +124,12 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
         print("  throttled: no connector ...", flush=True)
         none = run("none", None, plain)
         print("  throttled: engine 1 stores in Redis ...", flush=True)
-        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url), plain)
+        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url, **ours(args)), plain)
         print(f"  throttled: engine 2 through a {args.throttle_rate / 1e6:g} MB/s link, then lifted ...", flush=True)
         stats_2 = work / "throttled-stats-2.json"
         with ThrottledProxy((server.host, server.port), rate=args.throttle_rate) as proxy:
-            conn = job.connector_config(None, stats_2, redis_url=f"redis://{proxy.address}/0", explore_after_s=1)
+            conn = job.connector_config(None, stats_2, redis_url=f"redis://{proxy.address}/0",
+                                        explore_after_s=1, **ours(args))
             box: dict = {}
             t = threading.Thread(target=lambda: box.update(r=_guard(lambda: run("ours-2", conn, gated,
                                                                                  barriers=work))))

@@ -18,6 +18,7 @@ import torch
 
 from connector import prefetch
 from connector.scheduler import RequestView
+from kvstore.policy import Rate
 from kvstore.store.tiered import TieredStore
 from tests.halves import Engine, fill, prompt, run_request
 
@@ -122,6 +123,7 @@ def restarted(tmp_path, tokens, dev, **cfg) -> Engine:
 def test_requests_waiting_on_one_prefetch_block_the_scheduler_once_per_step(tmp_path, tokens, dev, monkeypatch):
     e = restarted(tmp_path, tokens, dev, prefill_tokens_per_s=50)
     SlowPromotions(e.sched.store, 0.5)
+    e.sched.cost.bandwidth["ssd"] = Rate(1e5)   # known to be slow: the loads may take their time
     blocking = []
     real_wait = concurrent.futures.wait
     monkeypatch.setattr(prefetch.concurrent.futures, "wait",

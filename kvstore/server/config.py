@@ -35,6 +35,7 @@ class ServerConfig(LeaseSettings, TierSettings):
     data_channel: bool = setting(True, "serve the raw TCP data channel beside gRPC, on the listen host "
                                  "(clients on other hosts move bytes over it; off: over gRPC streams)")
     data_port: int = setting(0, "port of the data channel (0: a free port; Hello advertises it)")
+    data_ticket_ttl: Seconds = setting(10.0, "seconds a data-channel ticket (OpenData) may wait to be used")
     redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db)")
     auth_tokens: Path | None = setting(None, "YAML tokens file; without it every call is tenant 'default'")
     tls_cert: Path | None = setting(None, "server certificate (PEM)")
@@ -59,7 +60,7 @@ class ServerConfig(LeaseSettings, TierSettings):
         for name in ("max_object_bytes", "max_keys_per_call", "max_message_bytes", "frame_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_lease_ttl", "shutdown_grace"):
+        for name in ("max_lease_ttl", "shutdown_grace", "data_ticket_ttl"):
             check_seconds(name, getattr(self, name))
         if self.put_ttl is not None:
             check_seconds("put_ttl", self.put_ttl)

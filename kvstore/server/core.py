@@ -110,7 +110,7 @@ class ServerStore:
         self.metrics = metrics
         self.leases = LeaseBook()
         self.puts = PutPath(self.core, cfg, metrics, clock)
-        self.tickets = TicketBook(clock=clock)   # data-channel tickets (kvstore.server.tickets)
+        self.tickets = TicketBook(cfg.data_ticket_ttl, clock=clock)   # data-channel tickets (kvstore.server.tickets)
         self._clock = clock
         self._reaper: asyncio.Task | None = None
         self._closing = False

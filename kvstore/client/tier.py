@@ -206,7 +206,7 @@ class RemoteTier(TierBase):
                                    "renewals": c.renewals, "releases_deferred": c.releases_deferred,
                                    "release_calls": c.release_calls, "put_exists": c.put_exists,
                                    "failed_reads": self._failed_reads,
-                                   "shm": float(self.client.uses_shm)}
+                                   "shm": float(self.client.uses_shm), "tcp": float(self.client.uses_tcp)}
         extra.update({f"errors_{k}": v for k, v in self._errors.items()})
         extra["errors"] = sum(self._errors.values())
         return TierStats(self.name, hits=c.hits, misses=c.misses + self._failed_reads,

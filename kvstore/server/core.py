@@ -301,6 +301,8 @@ class ServerStore:
             "puts_in_flight": snap.puts_in_flight,
             "write_throughs_in_flight": self.core.writer.in_flight,
             "breakers": breakers,
+            "data_tickets": {"outstanding": len(self.tickets), "minted": self.tickets.minted,
+                             "redeemed": self.tickets.redeemed, "refused": self.tickets.refused},
         }
 
     async def aclose(self, timeout: float = 10.0) -> None:

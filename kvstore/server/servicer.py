@@ -331,6 +331,7 @@ def flat_counters(doc: dict) -> dict[str, float]:
     out: dict[str, float] = {
         "leases_held": doc["leases"]["held"], "leases_expired": doc["leases"]["expired"],
         "puts_in_flight": doc["puts_in_flight"],
+        "data_tickets_refused": doc["data_tickets"]["refused"],
         "write_throughs_in_flight": doc["write_throughs_in_flight"],
     }
 

@@ -64,6 +64,7 @@ def no_leaks(client: StoreClient) -> bool:
 def test_forged_reused_and_expired_tickets_open_nothing(store):
     with StoreClient(store.target, "ta") as a:
         _, port = ticket_of(a)
+        refused = counters(a)["data_tickets_refused"]
         with RawData(port) as raw:
             head, message = raw.hello(os.urandom(32), "ta")                      # forged
             assert code_of(head) is Code.UNAUTHENTICATED and "ticket" in message
@@ -79,6 +80,7 @@ def test_forged_reused_and_expired_tickets_open_nothing(store):
         time.sleep(0.4)                                                          # TTL 0.3 s
         with RawData(port) as late:
             assert code_of(late.hello(ticket, "ta")[0]) is Code.UNAUTHENTICATED
+        assert counters(a)["data_tickets_refused"] - refused == 3
 
 
 def test_another_tenants_ticket_is_refused_and_spent(store):

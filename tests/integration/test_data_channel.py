@@ -253,3 +253,20 @@ async def test_a_new_data_port_after_restart_needs_a_refresh(tmp_path):
             assert await client.read_into(keys[0], memoryview(buf)) is None
     finally:
         proc.kill()
+
+
+async def test_sigterm_with_pooled_connections_drains_and_exits_cleanly(tmp_path):
+    """A client's idle pooled connections do not keep the server from stopping: SIGTERM
+    cuts them, the store exits 0 (its data threads joined), and the client's next request
+    is a transport error (a miss in a tier)."""
+    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB").start()
+    _, keys = chain(1, seed=46)
+    obj = kv.sealed(keys[0], 2 * MiB, 46)
+    buf = np.empty(len(obj), np.uint8)
+    async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=5) as client:
+        assert await client.put(keys[0], obj) is PutResult.STORED
+        assert await client.read_into(keys[0], memoryview(buf)) == len(obj)   # a pooled connection
+        assert await asyncio.to_thread(proc.terminate, 30) == 0
+        assert "connection thread did not stop" not in proc.log_text()
+        with pytest.raises(TierUnavailableError):
+            await client.read_into(keys[0], memoryview(buf))

@@ -19,11 +19,12 @@ Client side.  The planes, fastest first, and when each is taken:
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 
 import grpc
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client.datachannel import DataChannel, RefusedError
+from kvstore.client.datachannel import DataChannel, RefusedError, Reply
 from kvstore.client.dataplane import prefault
 from kvstore.client.info import ServerInfo, Transport, local_boot_id
 from kvstore.errors import ConfigError, TierError
@@ -109,6 +110,15 @@ class PlanesMixin:
             log.info("kvstore: store %s: streaming over gRPC (%s)", self.target, failure)
             return
         self._data, self.tcp_refusal = channel, ""
+
+    async def _data_request(self, name: str, request: Awaitable[Reply]) -> Reply:
+        """A data-channel request; a connection the server refused (its hello) raises the
+        refusal's status as the gRPC calls do."""
+        try:
+            return await request
+        except RefusedError as err:
+            raise self._status_error(name, CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
+                                     err.reply.message) from err
 
     async def _ticket(self) -> bytes:
         return (await self._unary("OpenData", pb.OpenDataRequest())).ticket

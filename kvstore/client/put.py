@@ -42,8 +42,8 @@ _OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: Put
 class PutMixin:
     """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``,
     ``_data``, ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``,
-    ``_unary``, ``_segment_changed``, ``_error`` and ``_status_error`` (all defined by
-    ``StoreClient``)."""
+    ``_unary``, ``_segment_changed``, ``_error``, ``_status_error`` and ``_data_request``
+    (defined by ``StoreClient`` and ``PlanesMixin``)."""
 
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
@@ -124,7 +124,8 @@ class PutMixin:
                        parent_hash: ChunkHash | None) -> PutResult:
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         request = wire.encode_request(wire.Op.PUT, key, size, parent)
-        reply = await self._data.put(request, [memoryview(p).cast("B") for p in parts], self._deadline(size))
+        parts = [memoryview(p).cast("B") for p in parts]
+        reply = await self._data_request("data put", self._data.put(request, parts, self._deadline(size)))
         if reply.code:
             code = CODES.get(reply.code, Code.UNKNOWN)
             if code not in _REFUSED_PUT:

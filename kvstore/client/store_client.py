@@ -208,8 +208,8 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
     async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         """One round trip on the data channel; the bytes land in ``dst``."""
         assert self._data is not None
-        reply = await self._data.get(wire.encode_request(wire.Op.GET, key), memoryview(dst),
-                                     self._deadline(len(dst)))
+        reply = await self._data_request("data get", self._data.get(
+            wire.encode_request(wire.Op.GET, key), memoryview(dst), self._deadline(len(dst))))
         if reply.code:
             raise self._status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
         if not reply.flag:

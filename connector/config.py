@@ -90,8 +90,8 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                                 "empty: none")
     store_token: str = setting("", "bearer token for the store process (its tenant and permissions)")
     store_tls_ca: Path | None = setting(None, "CA certificate when the store process serves TLS")
-    store_transport: Transport = setting(Transport.AUTO, "`auto` (shared memory when allowed, else gRPC "
-                                         "streams), `shm` or `stream`")
+    store_transport: Transport = setting(Transport.AUTO, "`auto` (shared memory when allowed, else the TCP "
+                                         "data channel, else gRPC streams), `shm`, `tcp` or `stream`")
     lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
                                          "is an error (true) or leaves that tier out, counted (false)")
 

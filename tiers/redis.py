@@ -5,19 +5,23 @@ store runs and is used from the event loop that opened it.  ``RedisTier.open(cfg
 and checks limits (``tiers.redis_config.connect``); ``sizes(keys)`` is the batch lookup (one MGET
 of the manifests), and ``TierBase`` answers ``present`` and ``lookup`` over it.
 
-Layout (``tiers.redis_manifest``): parts first, the manifest LAST, so a reader never sees half
-an object; it reads the manifest, then the parts it names, pipelined straight into the caller's
-buffer by ``tiers.redis_bulk`` (or, after an error reply there, by redis-py GETs), at most
-``max_inflight_parts`` at a time, and verifies the whole object with ``codec.verify``.  A part
-gone (evicted, lost with a node) is a miss counted in ``lost``; bad bytes or a bad manifest a
-miss counted in ``corrupt``; both are cleaned up (the manifest is deleted only while it still
-holds what the reader saw).  Parts are at most ``part_size`` bytes: no large reply allocation.
+Layout (``tiers.redis_manifest``): the data first, the manifest LAST, so a reader never sees
+half an object.  A read is ONE round trip for an object up to ``part_size`` (the manifest and
+the inline value GET together, pipelined on the bulk connections of ``tiers.redis_bulk``, the
+value landing straight in the caller's buffer); a larger object then has the parts its
+manifest names pipelined into the buffer, at most ``max_inflight_parts`` at a time.  After an
+error reply on the bulk path (MOVED, NOPERM, ...) the object is read through redis-py.  The
+whole object is verified (``codec.verify``).  Data gone (evicted, lost with a node) is a miss
+counted in ``lost``; bad bytes or a bad manifest a miss counted in ``corrupt``; both are
+cleaned up (the manifest is deleted only while it still holds what the reader saw).  No
+reply is larger than ``part_size``: no large reply allocation.
 
-Puts: ``put_write`` SETs memoryview slices (no copies) as parts with ``PX orphan_ttl_s``, so an
-abandoned put vanishes by itself; ``put_commit`` SETs the manifest (NX: content addressing
-makes an existing one a success), then gives the parts the object's TTL (PERSIST when
-``ttl_s`` is 0).  A part found missing then withdraws the manifest.  The data of a write is
-only ever published under the manifest that names it, whose checksum a reader verifies.
+Puts (``tiers.redis_put``): the data goes first with ``PX orphan_ttl_s``, so an abandoned put
+vanishes by itself (parts as memoryview slices, an inline object as one SET NX, never half
+there); ``put_commit`` SETs the manifest (NX: content addressing makes an existing one a
+success), then gives the data the object's TTL (PERSIST when ``ttl_s`` is 0).  Data found
+missing then withdraws the manifest.  The data of a write is only ever published under the
+manifest that names it, and a reader verifies it.
 
 Failures: an error *reply* (OOM under noeviction, READONLY, CLUSTERDOWN, ...) fails that put
 or read only.  A *transport* failure (connection refused/reset, timeout) opens the circuit
@@ -26,14 +30,13 @@ reads return None and puts fail at once without touching the network, and a PING
 closes it when the server is back.  Read and lookup paths never raise on Redis failures.
 
 Concurrency: commands go out through a semaphore of ``pool_size`` (the pools hold two spare
-connections for breaker probes), so the pool never runs dry.  Part transfers run as tasks
+connections for breaker probes), so the pool never runs dry.  Transfers run as tasks
 in an ``asyncio.TaskGroup``: a cancelled ``read_into`` or ``put_write`` waits for them, so no
 task touches the caller's buffer after it returns or raises.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from contextlib import suppress
 from enum import Enum
@@ -42,15 +45,16 @@ from typing import Any
 from redis import exceptions as rx
 
 from kvstore import codec
-from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierUnavailableError
+from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, TierBase, TierStats
-from tiers.redis_bulk import BulkReader, Outcome
+from tiers.base import TierBase, TierStats
+from tiers.redis_bulk import BulkReader, Outcome, Slot
 from tiers.redis_config import RedisConfig, connect
 from tiers.redis_manifest import (
-    DELETE_IF_SAME, NONCE_SIZE, Manifest, covered, manifest_key, parse, part_keys, pieces,
+    DELETE_IF_SAME, MANIFEST_SIZE, Manifest, data_keys, inline_key, manifest_key, parse, part_keys,
 )
 from tiers.redis_nodes import CLUSTER, DOWN, Down, RedisNodes, gather_all
+from tiers.redis_put import RedisPuts
 
 
 class _Fetch(Enum):
@@ -60,17 +64,7 @@ class _Fetch(Enum):
     FAILED = "failed"      # no answer or an error reply: a miss, the object may be fine
 
 
-@dataclasses.dataclass(slots=True)
-class _Put:
-    """Tier-private state of one put (``PutHandle.token``)."""
-
-    manifest: Manifest
-    keys: list[str]
-    filled: list[int]     # bytes written into each part
-    failed: str = ""      # why this put can no longer be published
-
-
-class RedisTier(RedisNodes, TierBase):
+class RedisTier(RedisPuts, RedisNodes, TierBase):
     """The Redis tier (see the module docstring).  Build with ``await RedisTier.open(cfg)``."""
 
     name = "redis"
@@ -80,7 +74,7 @@ class RedisTier(RedisNodes, TierBase):
         self.bulk_limit = bulk_limit
         self._stats = TierStats(self.name)
         self._lost = 0
-        self._puts: dict[int, _Put] = {}  # puts between put_start and put_commit
+        self._puts: dict[int, object] = {}  # puts between put_start and put_commit (tiers.redis_put)
         self._ttl_ms = int(cfg.ttl_s * 1000) or None
         self._orphan_ms = int(cfg.orphan_ttl_s * 1000)
         self._bulk = BulkReader(cfg, lambda node, err: self._breaker(node).failure(err))
@@ -169,14 +163,67 @@ class RedisTier(RedisNodes, TierBase):
             self._stats.bytes_read += size
         return size
 
-    async def _read(self, key: ObjectKey, view: memoryview) -> int | None:
+    async def _read(self, key: ObjectKey, view: memoryview, again: bool = True) -> int | None:
+        """One round trip (manifest and inline value, pipelined on the bulk connections),
+        then, for an object of parts, the parts it names.  In a cluster, an error reply
+        (most likely MOVED: slots migrated) refreshes the slot map and reads ``again``."""
+        prefix = self.cfg.key_prefix
+        mkey, ikey = manifest_key(prefix, key), inline_key(prefix, key)
+        mnode, inode = self._node(mkey), self._node(ikey)
+        if CLUSTER in (mnode, inode):  # no node known for a key: let redis-py find it
+            return await self._read_slow(key, view)
+        if not self._allow(mnode):
+            return None
+        head, body = Slot(memoryview(bytearray(MANIFEST_SIZE))), Slot(view)
+        gets = [(mnode, mkey, head)] + ([(inode, ikey, body)] if self._allow(inode) else [])
+        outcomes = await self._bulk.get_slots(gets)
+        if outcomes[0] is Outcome.FAILED:
+            return None
+        if Outcome.FALLBACK in outcomes:
+            if again and self.cfg.cluster:
+                await self._refresh_slots()
+                return await self._read(key, view, again=False)
+            return await self._read_slow(key, view)
+        if head.length == -1:
+            return None
+        manifest = parse(bytes(head.buf)) if head.length == MANIFEST_SIZE else None
+        if manifest is None:  # damaged: the slow path reads it again, counts it and cleans up
+            return await self._read_slow(key, view)
+        raw = bytes(head.buf)
+        self._check_room(key, view, manifest)
+        if not manifest.inline:
+            outcome = await self._fetch(part_keys(prefix, key, manifest), manifest, view)
+        elif len(outcomes) < 2 or outcomes[1] is Outcome.FAILED:
+            return None
+        else:
+            outcome = _inline_outcome(body.length, manifest)
+            if outcome is _Fetch.OK:
+                self._bulk.counted(1, manifest.size)
+        return await self._settle(key, view, raw, manifest, outcome)
+
+    async def _read_slow(self, key: ObjectKey, view: memoryview) -> int | None:
+        """The read through redis-py (after an error reply on the bulk path, or in a cluster
+        whose slot map lacks a key): the manifest, then its bytes."""
         found = await self._manifest(key)
         if found is None:
             return None
         raw, manifest = found
+        self._check_room(key, view, manifest)
+        keys = data_keys(self.cfg.key_prefix, key, manifest)
+        if manifest.inline:
+            outcome = await self._fetch_inline(keys[0], manifest, view)
+        else:
+            outcome = await self._fetch(keys, manifest, view, bulk=False)
+        return await self._settle(key, view, raw, manifest, outcome)
+
+    @staticmethod
+    def _check_room(key: ObjectKey, view: memoryview, manifest: Manifest) -> None:
         if len(view) < manifest.size:
             raise ConfigError(f"buffer of {len(view)} bytes cannot hold {key!r} ({manifest.size} bytes)")
-        outcome = await self._fetch(part_keys(self.cfg.key_prefix, key, manifest), manifest, view)
+
+    async def _settle(self, key: ObjectKey, view: memoryview, raw: bytes, manifest: Manifest,
+                      outcome: _Fetch) -> int | None:
+        """The object's size once verified; else count the miss and clean up a dead object."""
         if outcome is _Fetch.OK:
             try:
                 codec.verify(view[: manifest.size], key, manifest.size)
@@ -191,15 +238,44 @@ class RedisTier(RedisNodes, TierBase):
             await self._drop(key, raw, manifest)
         return None
 
-    async def _fetch(self, keys: list[str], manifest: Manifest, view: memoryview) -> _Fetch:
-        """Every part into ``view`` at its offset: ``tiers.redis_bulk``, or redis-py on FALLBACK."""
+    async def _fetch_inline(self, ikey: str, manifest: Manifest, view: memoryview) -> _Fetch:
+        node = self._node(ikey)
+        if not self._allow(node):
+            return _Fetch.FAILED
+        try:
+            data = await self._call(node, self._client.get, ikey)
+        except (Down, rx.RedisError):
+            return _Fetch.FAILED
+        outcome = _inline_outcome(-1 if data is None else len(data), manifest)
+        if outcome is _Fetch.OK:
+            view[: manifest.size] = data
+        return outcome
+
+    async def _fetch(self, keys: list[str], manifest: Manifest, view: memoryview, bulk: bool = True) -> _Fetch:
+        """Every part into ``view`` at its offset: ``tiers.redis_bulk``, or redis-py on FALLBACK
+        (or when ``bulk`` is off: the bulk path just fell back for this read).  In a cluster a
+        FALLBACK is most likely a MOVED slot: the slot map is refreshed and the bulk path tried
+        once more first."""
         nodes = [self._node(k) for k in keys]
         if not all([self._allow(n) for n in set(nodes)]):
             return _Fetch.FAILED
-        bulk = CLUSTER not in nodes  # else: no node known for some key, let redis-py find it
-        outcome = await self._bulk.read_into(nodes, keys, manifest, view) if bulk else Outcome.FALLBACK
-        if outcome is not Outcome.FALLBACK:
-            return _Fetch(outcome.value)
+        for attempt in range(2 if bulk and self.cfg.cluster else 1 if bulk else 0):
+            if CLUSTER in nodes:  # no node known for some key: let redis-py find it
+                break
+            outcome = await self._bulk.read_into(nodes, keys, manifest, view)
+            if outcome is not Outcome.FALLBACK:
+                return _Fetch(outcome.value)
+            if attempt == 0 and self.cfg.cluster:
+                await self._refresh_slots()
+                nodes = [self._node(k) for k in keys]
+                if not all([self._allow(n) for n in set(nodes)]):
+                    return _Fetch.FAILED
+        return await self._fetch_slow(keys, nodes, manifest, view)
+
+    async def _fetch_slow(self, keys: list[str], nodes: list[str], manifest: Manifest, view: memoryview) -> _Fetch:
+        """The parts through redis-py: ``max_inflight_parts`` at a time on one server, one at a
+        time in a cluster (redis-py's cluster client closes every connection when a MOVED
+        makes it rebuild its slot map, which cuts the commands of concurrent readers)."""
         todo = iter(range(len(keys)))
         state = [_Fetch.OK]
 
@@ -218,7 +294,8 @@ class RedisTier(RedisNodes, TierBase):
                     return
                 view[start:end] = data
 
-        await gather_all([worker() for _ in range(min(self.cfg.max_inflight_parts, len(keys)))])
+        workers = 1 if self.cfg.cluster else min(self.cfg.max_inflight_parts, len(keys))
+        await gather_all([worker() for _ in range(workers)])
         return state[0]
 
     async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None) -> None:
@@ -229,7 +306,7 @@ class RedisTier(RedisNodes, TierBase):
             if self._allow(node):
                 await self._call(node, self._client.eval, DELETE_IF_SAME, 1, mkey, raw)
         if manifest is not None:
-            await self._per_node(part_keys(self.cfg.key_prefix, key, manifest), "UNLINK")
+            await self._per_node(data_keys(self.cfg.key_prefix, key, manifest), "UNLINK")
 
     async def delete(self, key: ObjectKey) -> bool:
         found = await self._manifest(key)
@@ -238,104 +315,12 @@ class RedisTier(RedisNodes, TierBase):
         await self._drop(key, *found)
         return True
 
-    # --- two-phase put -------------------------------------------------------------------
 
-    async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
-        if size < codec.HEADER_SIZE:
-            raise ConfigError(f"object size {size} is smaller than the {codec.HEADER_SIZE}-byte header")
-        if size > self.cfg.max_object_bytes:
-            raise CapacityError(f"object of {size} bytes exceeds max_object_bytes "
-                                f"{self.cfg.max_object_bytes} of the redis tier {self.cfg.redacted_url}")
-        if not self._allow(self._node(manifest_key(self.cfg.key_prefix, key))):
-            self._stats.put_failures += 1
-            return None
-        manifest = Manifest(size, self.cfg.part_size, os.urandom(NONCE_SIZE))
-        state = _Put(manifest, part_keys(self.cfg.key_prefix, key, manifest), [0] * manifest.count)
-        self._puts[id(state)] = state
-        return PutHandle(key, size, parent, None, state)
-
-    def _live(self, handle: PutHandle, claim: bool = False) -> _Put:
-        state = handle.token
-        if not isinstance(state, _Put) or self._puts.get(id(state)) is not state:
-            raise RuntimeError(f"put of {handle.key!r} is not in progress on the redis tier")
-        if claim:
-            del self._puts[id(state)]
-        return state
-
-    async def put_write(self, handle: PutHandle, offset: int, data: memoryview) -> None:
-        """Send ``data`` as parts (whole parts by SET, pieces by SETRANGE); a failure is
-        remembered and fails the commit.  Returns once Redis holds every byte."""
-        state = self._live(handle)
-        view = memoryview(data).cast("B")
-        if offset < 0 or offset + len(view) > handle.size:
-            raise ConfigError(f"write [{offset}, {offset + len(view)}) outside a {handle.size}-byte object")
-        todo = iter(pieces(state.manifest, offset, len(view)))
-
-        async def worker() -> None:
-            for i, at, lo, hi in todo:
-                if state.failed:
-                    return
-                state.failed = await self._write_piece(state, i, at, view[lo:hi])
-
-        n = min(self.cfg.max_inflight_parts, state.manifest.count)
-        await gather_all([worker() for _ in range(n)])
-
-    async def _write_piece(self, state: _Put, i: int, at: int, piece: memoryview) -> str:
-        """Write ``piece`` at ``at`` inside part ``i``; why it failed, or ""."""
-        key, node = state.keys[i], self._node(state.keys[i])
-        if not self._allow(node):
-            return f"{node} is unavailable"
-        start, end = state.manifest.part_range(i)
-        try:
-            if at == 0 and len(piece) == end - start:
-                await self._call(node, self._client.set, key, piece, px=self._orphan_ms)
-            else:
-                pipe = self._pipeline()
-                pipe.setrange(key, at, piece).pexpire(key, self._orphan_ms)
-                await self._call(node, pipe.execute)
-        except Down:
-            return f"{node} is unavailable"
-        except rx.RedisError as err:
-            return f"{node} refused a part: {err}"
-        state.filled[i] += len(piece)
-        return ""
-
-    async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
-        state = self._live(handle, claim=True)
-        visible = False
-        try:
-            if ok and not state.failed and covered(state.manifest, state.filled):
-                visible = await self._publish(handle.key, state)
-        finally:
-            if not visible or state.failed:
-                with suppress(TierUnavailableError):
-                    await self._per_node(state.keys, "UNLINK")
-            self._stats.puts += visible  # also when another writer's identical object won
-            self._stats.put_failures += not visible
-            self._stats.bytes_written += handle.size if visible and not state.failed else 0
-        return visible
-
-    async def _publish(self, key: ObjectKey, state: _Put) -> bool:
-        """SET the manifest (NX), then give the parts their final TTL; True when visible.
-        ``state.failed`` is set when our parts are not part of what is visible."""
-        mkey, raw = manifest_key(self.cfg.key_prefix, key), state.manifest.pack()
-        node = self._node(mkey)
-        if not self._allow(node):
-            return False
-        try:
-            if not await self._call(node, self._client.set, mkey, raw, nx=True, px=self._ttl_ms):
-                state.failed = "exists"  # another writer published this key first: a success
-                return True
-        except (Down, rx.RedisError):
-            return False
-        if self._ttl_ms:
-            replies = await self._per_node(state.keys, "PEXPIRE", self._ttl_ms)
-        else:
-            replies = await self._per_node(state.keys, "PERSIST")
-        if all(r == 1 for r in replies):
-            return True
-        await self._drop(key, raw, None)  # a part vanished (eviction): withdraw the manifest
-        return False
+def _inline_outcome(length: int, manifest: Manifest) -> _Fetch:
+    """What an inline value of ``length`` bytes (-1: none) means for ``manifest``'s object."""
+    if length == manifest.size:
+        return _Fetch.OK
+    return _Fetch.LOST if length == -1 else _Fetch.CORRUPT
 
 
 __all__ = ["RedisTier", "RedisConfig"]

@@ -5,6 +5,8 @@ Runs on the event loop that owns the tier (``tiers.redis.RedisTier._fetch``).
 ``max_inflight_parts`` dedicated connections, opened lazily with the tier's settings (AUTH
 user/password, SELECT db, TLS from ``tls_ca``/``tls_cert``/``tls_key``, ``connect_timeout_s``)
 and reused; a connection carries one object read at a time, and a read waits for a free one.
+``await get_slots(gets)`` GETs a few keys of unknown length (a manifest and an inline object:
+the first, often only, round trip of a read) into ``Slot``s, one pipeline per node.
 ``await read_into(nodes, keys, manifest, view)`` pipelines a ``GET`` for every part a manifest
 names (``max_inflight_parts`` in flight per node, nodes concurrently) and answers an ``Outcome``:
 
@@ -35,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 from tiers.redis_config import RedisConfig
 from tiers.redis_manifest import Manifest
-from tiers.redis_resp import (BulkConnection, ConnectionClosed, Outcome, ProtocolError, Request,
+from tiers.redis_resp import (BulkConnection, ConnectionClosed, Outcome, ProtocolError, Request, Slot,
                               command, worst)
 
 
@@ -93,6 +95,29 @@ class BulkReader:
             self.counters["bytes"] += manifest.size
         self.counters["fallbacks"] += outcome is Outcome.FALLBACK
         return outcome
+
+    async def get_slots(self, gets: Sequence[tuple[str, str, Slot]]) -> list[Outcome]:
+        """GET each key (``(server, key, slot)``) into its ``Slot``: one pipeline per server,
+        servers concurrently.  Each request's outcome is its server's: OK (the slot holds its
+        reply's length), FALLBACK or FAILED."""
+        groups: dict[str, list[Request]] = defaultdict(list)
+        for node, key, slot in gets:
+            groups[node].append((slot, command(b"GET", key.encode())))
+        if len(groups) == 1:
+            node, requests = next(iter(groups.items()))
+            outcomes = {node: await self._node_fetch(node, requests)}
+        else:
+            async with asyncio.TaskGroup() as group:
+                tasks = {n: group.create_task(self._node_fetch(n, reqs)) for n, reqs in groups.items()}
+            outcomes = {n: t.result() for n, t in tasks.items()}
+        self.counters["fallbacks"] += Outcome.FALLBACK in outcomes.values()
+        return [outcomes[node] for node, _, _ in gets]
+
+    def counted(self, parts: int, nbytes: int) -> None:
+        """Count an object read whole through ``get_slots`` (an inline one)."""
+        self.counters["reads"] += 1
+        self.counters["parts"] += parts
+        self.counters["bytes"] += nbytes
 
     async def _node_fetch(self, node: str, requests: list[Request]) -> Outcome:
         slots = self._slots.get(node)
@@ -200,4 +225,4 @@ class BulkReader:
         return self._ssl
 
 
-__all__ = ["BulkReader", "Outcome", "ProtocolError", "Request", "command"]
+__all__ = ["BulkReader", "Outcome", "ProtocolError", "Request", "Slot", "command"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from contextlib import suppress
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -104,6 +105,16 @@ class RedisNodes:
             # arrives just as a send completes: honour it here.
             raise asyncio.CancelledError()
         return result
+
+    async def _refresh_slots(self) -> None:
+        """A fresh slot map from the cluster (after a MOVED seen on the bulk path, which
+        redis-py never saw), keeping redis-py's connections; a failure leaves the old map."""
+        if not self.cfg.cluster:
+            return
+        async with self._slots:
+            self._round_trips += 1
+            with suppress(*TRANSPORT_ERRORS, rx.RedisError):
+                await self._client.nodes_manager.initialize()
 
     def _pipeline(self) -> Any:
         """A non-transactional pipeline (a cluster one groups its commands by node)."""

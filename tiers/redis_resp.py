@@ -4,7 +4,9 @@ Runs on the event loop that owns the Redis tier; ``tiers.redis_bulk.BulkReader``
 connections, pools them and turns their outcomes into a tier read.
 ``BulkConnection.run(requests, window)`` sends a pipeline (``window`` commands in flight) and
 resolves with the worst ``Outcome`` of its replies once every reply is complete; a request
-names the buffer its bulk reply fills (``None``: a ``+OK`` status reply is due).
+names the buffer its bulk reply fills exactly, a ``Slot`` (a reply of any length: it lands
+in the slot's buffer when it fits, and the slot records its length; a nil reply is not
+LOST there), or ``None`` (a ``+OK`` status reply is due).
 
 How bytes move: the connection is an ``asyncio.BufferedProtocol`` with a RESP2 reply parser.
 While a payload of a large part is due, ``get_buffer`` hands out ``view[start + got : end]``
@@ -31,7 +33,23 @@ _TAIL = 4 << 10       # a large payload's last bytes come through scratch with C
 _SINK = memoryview(bytearray(256 << 10))  # drained bytes land here; never read back
 _LINE_SLACK = 64      # room beyond the expected header while an unexpected line is read
 
-Request = tuple[memoryview | None, bytes]  # (the buffer its bulk reply fills, or None for +OK; command)
+
+
+class Slot:
+    """Where a bulk reply of a length not known in advance lands: ``buf[:length]`` when it
+    fits.  After the run, ``length`` is the reply's length, -1 for a nil reply, more than
+    ``len(buf)`` when it did not fit (its bytes were drained, never written to ``buf``),
+    or -2 when no reply was parsed."""
+
+    __slots__ = ("buf", "length")
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.length = -2
+
+
+# (the buffer its bulk reply fills exactly, a Slot, or None for a +OK status reply; command)
+Request = tuple[memoryview | Slot | None, bytes]
 
 
 class Outcome(Enum):
@@ -83,7 +101,7 @@ class BulkConnection(asyncio.BufferedProtocol):
         self._raw = bytearray(_SCRATCH)
         self._scratch = memoryview(self._raw)
         self._start = self._end = 0    # unparsed bytes: _raw[_start:_end]
-        self._sent: deque[memoryview | None] = deque()   # requests whose header is due
+        self._sent: deque[memoryview | Slot | None] = deque()   # requests whose header is due
         self._unsent: deque[Request] = deque()
         self._dest: memoryview | None = None   # the payload being received; None: drained
         self._need = 0                 # payload bytes still due for the current reply
@@ -150,6 +168,9 @@ class BulkConnection(asyncio.BufferedProtocol):
             if dest is None:
                 due += 5                               # +OK\r\n
                 continue
+            if isinstance(dest, Slot):                 # its length is unknown: stop at its header
+                due += len(str(len(dest.buf))) + 3
+                break
             due += len(str(len(dest))) + 3             # $<n>\r\n
             if len(dest) > _SMALL or due >= len(self._raw):
                 break
@@ -198,6 +219,15 @@ class BulkConnection(asyncio.BufferedProtocol):
                 raise ProtocolError(f"expected a status reply, got {line[:60]!r}")
             return self._reply_done()
         n = _bulk_length(line)
+        if isinstance(dest, Slot):
+            dest.length = n
+            if n == -1:
+                return self._reply_done()
+            dest = dest.buf[:n] if n <= len(dest.buf) else memoryview(b"")  # too long: drained
+            self._dest, self._need = (dest if n == len(dest) else None), n
+            if n == 0:
+                self._dest, self._crlf = None, 2
+            return
         if n == -1:
             self._note(Outcome.LOST, "a part is missing")
             return self._reply_done()
@@ -279,5 +309,5 @@ def worst(outcomes: Iterable[Outcome]) -> Outcome:
     return min(outcomes, key=_RANK.__getitem__)
 
 
-__all__ = ["BulkConnection", "ConnectionClosed", "Outcome", "ProtocolError", "Request", "command",
+__all__ = ["BulkConnection", "ConnectionClosed", "Outcome", "ProtocolError", "Request", "Slot", "command",
            "worst"]

@@ -36,7 +36,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version")
+    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class HelloResponse(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     permissions: _containers.RepeatedScalarFieldContainer[str]
     segment_path: str
@@ -59,7 +60,8 @@ class HelloResponse(_message.Message):
     lease_ms: int
     frame_bytes: int
     server_version: str
-    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "chunk_hashes", "tag")
@@ -214,6 +216,20 @@ class ReleaseLeaseResponse(_message.Message):
     VALID_FIELD_NUMBER: _ClassVar[int]
     valid: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, valid: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class OpenDataRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenDataResponse(_message.Message):
+    __slots__ = ("ticket", "ttl_ms", "data_port")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    ttl_ms: int
+    data_port: int
+    def __init__(self, ticket: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

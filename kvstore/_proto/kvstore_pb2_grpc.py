@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.OpenData = channel.unary_unary(
+                '/kvstore.v1.KVStore/OpenData',
+                request_serializer=kvstore__pb2.OpenDataRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.OpenDataResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -168,6 +173,13 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenData(self, request, context):
+        """A single-use ticket that opens one data-channel connection (see the header).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -225,6 +237,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'OpenData': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenData,
+                    request_deserializer=kvstore__pb2.OpenDataRequest.FromString,
+                    response_serializer=kvstore__pb2.OpenDataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -524,6 +541,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore__pb2.StatsRequest.SerializeToString,
             kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/OpenData',
+            kvstore__pb2.OpenDataRequest.SerializeToString,
+            kvstore__pb2.OpenDataResponse.FromString,
             options,
             channel_credentials,
             insecure,

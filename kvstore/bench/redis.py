@@ -3,7 +3,9 @@
 For 1 MiB, 4 MiB and 32 MiB objects (valid codec objects): the tier's put and get (into a
 reused buffer) beside plain redis-py ``SET``/``GET`` of the same bytes (sync client, hiredis)
 and beside a loopback TCP transfer of the same size (``kvstore.bench.loopback``, the limit
-for a Python client).  Then a batch lookup of 512 chunk keys: its round trips (the tier's
+for a Python client).  Targets: a 32 MiB get and put at least 2× plain redis-py and half of
+TCP; an object of one part (1 MiB, the default ``part_size``) got at least as fast as plain
+redis-py, in one round trip (counted by the tier: its own row).  Then a batch lookup of 512 chunk keys: its round trips (the tier's
 count and the server's ``total_commands_processed``) and its latency beside one plain
 redis-py ``GET`` round trip.  Without ``--redis`` a redis-server is started on a free port
 in a temporary directory (``kvstore.testing.redis_proc``) and stopped at the end.
@@ -72,11 +74,12 @@ def _plain_times(plain: Any, obj: np.ndarray, repeat: int) -> tuple[float, float
     return statistics.median(sets), statistics.median(gets)
 
 
-async def _tier_times(tier: RedisTier, key: ObjectKey, obj: np.ndarray, repeat: int) -> tuple[float, float]:
-    """Fresh puts (the key is deleted, untimed, before each) and gets into one reused buffer."""
+async def _tier_times(tier: RedisTier, key: ObjectKey, obj: np.ndarray, repeat: int) -> tuple[float, float, int]:
+    """Fresh puts (the key is deleted, untimed, before each) and gets into one reused buffer:
+    median seconds of each, and the most round trips one get took."""
     out = np.empty_like(obj)
     view, src = memoryview(out), memoryview(obj)
-    puts, gets = [], []
+    puts, gets, trips = [], [], []
     for _ in range(repeat):
         await tier.delete(key)
         t0 = time.perf_counter()
@@ -86,29 +89,36 @@ async def _tier_times(tier: RedisTier, key: ObjectKey, obj: np.ndarray, repeat: 
         ok = await tier.put_commit(handle, True)
         puts.append(time.perf_counter() - t0)
         assert ok, f"the redis tier failed a put: {tier.stats()}"
+        before = tier.stats().extra["round_trips"]
         t0 = time.perf_counter()
         n = await tier.read_into(key, view)
         gets.append(time.perf_counter() - t0)
+        trips.append(int(tier.stats().extra["round_trips"] - before))
         assert n == len(obj), "the redis tier lost the benchmark object"
     assert np.array_equal(out, obj), "the redis tier returned different bytes"
     await tier.delete(key)
-    return statistics.median(puts), statistics.median(gets)
+    return statistics.median(puts), statistics.median(gets), max(trips)
 
 
 async def _size_rows(tier: RedisTier, plain: Any, size: int, repeat: int) -> list[Row]:
     key = _keys(1, size)[0]
     obj = _object(size, key)
     p_set, p_get = _plain_times(plain, obj, repeat)
-    t_put, t_get = await _tier_times(tier, key, obj, repeat)
+    t_put, t_get, trips = await _tier_times(tier, key, obj, repeat)
     tcp = measure_loopback(size, repeat)
-    mb, big = size // MiB, size >= 32 * MiB
+    mb, big, small = size // MiB, size >= 32 * MiB, size <= tier.cfg.part_size
     put, get = gbps(size, t_put), gbps(size, t_get)
-    return [
+    get_target = 2.0 if big else 1.0 if small else None
+    rows = [
         Row(f"redis tier put {mb} MiB", put, "GB/s", "plain redis-py SET", gbps(size, p_set), target=2.0 if big else None),
-        Row(f"redis tier get {mb} MiB", get, "GB/s", "plain redis-py GET", gbps(size, p_get), target=2.0 if big else None),
+        Row(f"redis tier get {mb} MiB", get, "GB/s", "plain redis-py GET", gbps(size, p_get), target=get_target),
         Row(f"redis tier put {mb} MiB vs TCP", put, "GB/s", "loopback TCP put", tcp.put_gbps, target=0.5 if big else None),
         Row(f"redis tier get {mb} MiB vs TCP", get, "GB/s", "loopback TCP get", tcp.get_gbps, target=0.5 if big else None),
     ]
+    if small:  # an object of one part: manifest and bytes in one round trip
+        rows.append(Row(f"redis tier get {mb} MiB: round trips", trips, "count", "one round trip", 1.0, "lower",
+                        target=1.0))
+    return rows
 
 
 def _server_commands(plain: Any) -> tuple[int, int]:

@@ -8,9 +8,13 @@ unless ``--target`` names one.  Rows, each a median of ``--repeat`` operations:
 * **Shared memory**: ``read_into`` / ``put`` of each ``--sizes`` object (RPCs, copy, lease
   release, checksum and rekey included) beside a copy of the same bytes into a reused
   buffer (target for a 32 MiB get: ≥ 0.6).
-* **Streams**: the same over ``GetStream`` / ``PutStream`` beside the loopback TCP transfer
-  of the same bytes (``bench.loopback``; target ≥ 0.5) and beside a plain grpcio unary call
-  carrying them (raw bytes, ``store_peers.RawGrpcPeer``; target ≥ 3×).
+* **The TCP data channel** (``transport="tcp"``, the path across hosts): the same beside
+  the loopback TCP transfer of the same bytes (``bench.loopback``; target ≥ 0.5 at 32 MiB)
+  and beside a plain grpcio unary call carrying them (raw bytes,
+  ``store_peers.RawGrpcPeer``; target ≥ 3× at 32 MiB, ≥ 1× for a 1 MiB get).
+* **gRPC streams** (``transport="stream"``, the fallback when the data port is not
+  reachable): ``GetStream`` / ``PutStream`` beside the same limits, for comparison (no
+  targets).
 * **Concurrent clients**: ``--clients`` processes, each with its own client, getting
   ``--client-size`` objects over shared memory: aggregate GB/s beside the single client of
   the same run (target ≥ 0.8), and p50/p99 latency beside the single client's.
@@ -141,21 +145,29 @@ async def shm_rows(client: StoreClient, size: int, repeat: int) -> list[Row]:
             Row(f"shm put {mb}", gbps(size, put_s), "GB/s", COPY, limit)]
 
 
-async def stream_rows(client: StoreClient, raw: RawGrpcPeer, size: int, repeat: int) -> list[Row]:
+async def network_rows(clients: dict[str, StoreClient], raw: RawGrpcPeer, size: int,
+                       repeat: int) -> list[Row]:
+    """Rows of each network path (``clients``: label -> client) beside the loopback TCP
+    transfer and the plain grpcio unary call of the same size, all measured here.  Targets
+    apply to the "tcp" path: ≥ 0.5 of TCP and ≥ 3× grpc at 32 MiB, ≥ 1× grpc for a 1 MiB get."""
     key, obj = make_object(size, size + 1)
-    get_s, put_s = await _get_put_s(client, key, obj, repeat)
     tcp = measure_loopback(size, repeat)
     data = obj.tobytes()
-    raw_get_s = await _median_s(lambda: raw.get(size), repeat)
-    raw_put_s = await _median_s(lambda: raw.put(data), repeat)
-    big = size == TARGET_SIZE
-    mb, g, p = _mb(size), gbps(size, get_s), gbps(size, put_s)
-    return [Row(f"stream get {mb} vs TCP", g, "GB/s", "loopback TCP get", tcp.get_gbps, target=0.5 if big else None),
-            Row(f"stream get {mb} vs grpc", g, "GB/s", "plain grpcio unary get", gbps(size, raw_get_s),
-                target=3.0 if big else None),
-            Row(f"stream put {mb} vs TCP", p, "GB/s", "loopback TCP put", tcp.put_gbps, target=0.5 if big else None),
-            Row(f"stream put {mb} vs grpc", p, "GB/s", "plain grpcio unary put", gbps(size, raw_put_s),
-                target=3.0 if big else None)]
+    raw_get = gbps(size, await _median_s(lambda: raw.get(size), repeat))
+    raw_put = gbps(size, await _median_s(lambda: raw.put(data), repeat))
+    big, mb, rows = size == TARGET_SIZE, _mb(size), []
+    for label, client in clients.items():
+        get_s, put_s = await _get_put_s(client, key, obj, repeat)
+        g, p = gbps(size, get_s), gbps(size, put_s)
+        ours = label == "tcp"
+        vs_tcp = 0.5 if ours and big else None
+        vs_grpc_get = (3.0 if big else 1.0 if size == 1 * MiB else None) if ours else None
+        rows += [Row(f"{label} get {mb} vs TCP", g, "GB/s", "loopback TCP get", tcp.get_gbps, target=vs_tcp),
+                 Row(f"{label} get {mb} vs grpc", g, "GB/s", "plain grpcio unary get", raw_get, target=vs_grpc_get),
+                 Row(f"{label} put {mb} vs TCP", p, "GB/s", "loopback TCP put", tcp.put_gbps, target=vs_tcp),
+                 Row(f"{label} put {mb} vs grpc", p, "GB/s", "plain grpcio unary put", raw_put,
+                     target=3.0 if ours and big else None)]
+    return rows
 
 
 async def _store_client_objects(client: StoreClient, size: int, count: int) -> list[bytes]:
@@ -197,13 +209,19 @@ async def _run_against(target: str, args) -> list[Row]:
     stream = await StoreClient.connect(target, token=args.token, transport="stream", timeout_s=30)
     shm = await StoreClient.connect(target, token=args.token, transport="auto", timeout_s=30)
     try:
+        tcp: StoreClient | None = await StoreClient.connect(target, token=args.token, transport="tcp", timeout_s=30)
+    except (ConfigError, TierError) as err:
+        print(f"  no TCP data channel ({err}): tcp rows left out")
+        tcp = None
+    try:
         rows += await lookup_rows(stream, raw, args.repeat)
         if not shm.uses_shm:
             print(f"  shared memory not available ({shm.shm_refusal}): shm and client rows left out")
+        paths = {"tcp": tcp, "grpc-stream": stream} if tcp is not None else {"grpc-stream": stream}
         for size in args.sizes:
             if shm.uses_shm:
                 rows += await shm_rows(shm, size, args.repeat)
-            rows += await stream_rows(stream, raw, size, args.repeat)
+            rows += await network_rows(paths, raw, size, args.repeat)
         if shm.uses_shm and args.clients:
             keys = await _store_client_objects(shm, args.client_size, args.client_objects)
             src, dst = make_object(args.client_size, 1)[1], np.ones(args.client_size, np.uint8)
@@ -215,6 +233,8 @@ async def _run_against(target: str, args) -> list[Row]:
     finally:
         await stream.close()
         await shm.close()
+        if tcp is not None:
+            await tcp.close()
         await raw.aclose()
     return rows
 
@@ -246,4 +266,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["clients_rows", "lookup_rows", "make_object", "run", "shm_rows", "stream_rows"]
+__all__ = ["clients_rows", "lookup_rows", "make_object", "run", "network_rows", "shm_rows"]

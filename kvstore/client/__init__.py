@@ -1,2 +1,3 @@
 """The store process's client: ``StoreClient`` (control on gRPC; data through the shared
-segment on the same host, or streamed), and ``RemoteTier``, the client as a ``Tier``."""
+segment on the same host, the raw TCP data channel, or gRPC streams) and ``RemoteTier``,
+the client as a tier."""

@@ -1,5 +1,6 @@
 """Value objects and settings of ``kvstore.client.store_client``: the transport choice, what ``Hello``
-said, lookup answers, a put reservation, counters, and the channel's options.
+said, lookup answers, a put reservation, counters, and the channels' options (gRPC and the
+data channel's TLS).
 
 Client side.  ``ServerInfo.shm_refusal`` holds the one rule deciding whether this process
 may use the server's shared-memory segment: the token has ``shm``, the server named a
@@ -9,6 +10,7 @@ the announced size and inode.
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import lru_cache
@@ -29,16 +31,19 @@ TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis"}
 
 
 class Transport(Enum):
-    AUTO = "auto"      # shared memory when allowed, else streams
-    SHM = "shm"        # shared memory or ConfigError
-    STREAM = "stream"  # always streams
+    """How a client moves bytes (control is always gRPC)."""
+
+    AUTO = "auto"      # the fastest allowed: shared memory, else the TCP data channel, else gRPC streams
+    SHM = "shm"        # the server's shared-memory segment (same host), or ConfigError
+    TCP = "tcp"        # the raw TCP data channel beside gRPC (any host), or an error at connect
+    STREAM = "stream"  # gRPC streams of ~1 MiB frames (any host; the slowest)
 
     @classmethod
     def parse(cls, value: Transport | str) -> Transport:
         try:
             return value if isinstance(value, Transport) else Transport(value)
         except ValueError as err:
-            raise ConfigError(f"transport must be auto, shm or stream, got {value!r}") from err
+            raise ConfigError(f"transport must be auto, shm, tcp or stream, got {value!r}") from err
 
 
 class RemoteLookup(NamedTuple):
@@ -70,12 +75,13 @@ class ServerInfo:
     lease_ms: int
     frame_bytes: int
     server_version: str
+    data_port: int = 0      # the raw TCP data channel (0: none)
 
     @classmethod
     def from_pb(cls, r: pb.HelloResponse) -> ServerInfo:
         return cls(r.tenant, frozenset(r.permissions), r.segment_path, r.segment_size, r.segment_inode,
                    r.boot_id, r.max_object_bytes, r.max_keys_per_call, r.lease_ms, r.frame_bytes,
-                   r.server_version)
+                   r.server_version, r.data_port)
 
     @property
     def segment_id(self) -> tuple[str, int, int]:
@@ -152,6 +158,20 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from err
 
 
+def data_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """The data channel's TLS context: TLS exactly when the gRPC channel uses it, with the
+    same CA (system roots without one) and client certificate (``open_channel``'s rule)."""
+    if ca is None and cert is None:
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=ca)
+        if cert is not None:
+            ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as err:
+        raise ConfigError(f"data channel TLS: cannot load {ca or cert}: {err}") from err
+    return ctx
+
+
 def open_channel(target: str, ca: str | None, cert: str | None, key: str | None,
                  server_name: str | None) -> grpc.aio.Channel:
     """An insecure channel, or TLS when ``ca`` or a client certificate is given; reconnects
@@ -175,4 +195,4 @@ def open_channel(target: str, ca: str | None, cert: str | None, key: str | None,
 
 
 __all__ = ["BOOT_ID_PATH", "ClientCounters", "RemoteLookup", "Reservation", "ServerInfo", "TIER_NAMES",
-           "Transport", "local_boot_id", "open_channel"]
+           "Transport", "data_tls", "local_boot_id", "open_channel"]

@@ -1,10 +1,13 @@
 """The write half of ``StoreClient`` (mixed into it): two-phase puts through the shared
-segment and streamed puts.
+segment, over the TCP data channel, and streamed puts.
 
 Client side.  Through the segment: ``reserve`` (``PutStart``) hands out a region that the
 caller (or ``put``) fills in place, then ``commit`` (``PutCommit``) lets the server verify
-and publish it, or aborts it.  Streamed: ``put_parts`` sends the start frame and then
-``frame_bytes`` slices of the caller's buffers, each serialized once straight from them.
+and publish it, or aborts it.  Elsewhere ``put_parts`` sends the caller's buffers as they
+are: on the data channel, one request followed by the bytes (``sendall`` from the caller's
+memory; the server receives them into the slot it reserved, verifies and publishes, one
+round trip); over gRPC, the start frame and then ``frame_bytes`` slices, each serialized
+once straight from them.
 A put the server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND: a read-only
 token, a damaged object, an expired reservation) is ``PutResult.FAILED`` and counted, never
 an exception; transport failures raise ``TierUnavailableError`` (``StoreClient._error``).
@@ -20,8 +23,10 @@ import grpc.aio
 import numpy as np
 
 from kvstore import codec
+from kvstore import datawire as wire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.info import Reservation
+from kvstore.client.planes import CODES
 from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
 from kvstore.errors import CapacityError, ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
@@ -36,8 +41,9 @@ _OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: Put
 
 class PutMixin:
     """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``,
-    ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``, ``_unary``,
-    ``_segment_changed`` and ``_error`` (all defined by ``StoreClient``)."""
+    ``_data``, ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``,
+    ``_unary``, ``_segment_changed``, ``_error``, ``_status_error`` and ``_data_request``
+    (defined by ``StoreClient`` and ``PlanesMixin``)."""
 
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
@@ -97,6 +103,8 @@ class PutMixin:
             raise ConfigError(f"put of {key!r}: parts hold {sum(len(p) for p in parts)} bytes, not {size}")
         if not self._may_write(key):
             return self._put_done(PutResult.FAILED, size)
+        if self._data is not None:
+            return await self._put_tcp(key, parts, size, parent_hash)
         call = self._put_stream(timeout=self._deadline(size), metadata=self._metadata)
         try:
             await self._write_frames(call, pb.PutFrame(start=_put_start(key, size, parent_hash)), parts)
@@ -111,6 +119,20 @@ class PutMixin:
             if not call.done():
                 call.cancel()
         return self._put_done(_outcome(resp.outcome), size)
+
+    async def _put_tcp(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
+                       parent_hash: ChunkHash | None) -> PutResult:
+        parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
+        request = wire.encode_request(wire.Op.PUT, key, size, parent)
+        parts = [memoryview(p).cast("B") for p in parts]
+        reply = await self._data_request("data put", self._data.put(request, parts, self._deadline(size)))
+        if reply.code:
+            code = CODES.get(reply.code, Code.UNKNOWN)
+            if code not in _REFUSED_PUT:
+                raise self._status_error("data put", code, reply.message)
+            log.warning("kvstore: store %s refused put of %r: %s", self.target, key, code.name)
+            return self._put_done(PutResult.FAILED, size)
+        return self._put_done(_outcome(reply.flag), size)
 
     async def _write_frames(self, call, start: pb.PutFrame, parts: Sequence[memoryview]) -> None:
         """The start frame, then ``frame_bytes`` slices of ``parts``; stops early when the

@@ -2,19 +2,19 @@
 
 Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, DESIGN §7):
 
-* ``connect`` calls ``Hello`` and picks the data plane: shared memory when the transport
-  allows it (``auto``/``shm``), the token has ``shm``, the segment path opens, its size and
-  inode match and the server runs on this boot (``boot_id``); streamed frames otherwise
-  (``transport="shm"`` then raises ``ConfigError`` saying why).  The client maps the
-  segment once (``attach_shared``) and keeps the mapping for its lifetime; ``refresh()``
-  (another ``Hello``) remaps it when the server came back with a new segment.
+* ``connect`` calls ``Hello`` and picks the data plane (``kvstore.client.planes``): shared
+  memory on the same host, else the raw TCP data channel, else gRPC streams, as the
+  transport allows (``auto``: the fastest that works; ``shm``, ``tcp``, ``stream``: that one
+  or an error at connect).  ``refresh()`` (another ``Hello``) remaps the segment, or reopens
+  the data channel, when the server came back with a new one.
 * Keys are the caller's own ``ObjectKey``; the server scopes them to the token's tenant.
   Objects arrive carrying the scoped key: they are checked against it (header, length,
   key, payload checksum) and rekeyed to the caller's key before ``read_into`` returns.  A
   miss, an expired lease or a damaged object is ``None`` and counted; a damaged object is
   also deleted on the server (after a ``refresh`` rules out a remapped segment).
 * Reads land in the caller's buffer: one copy from the segment (on a copy thread for
-  large objects, checksummed on a second thread meanwhile) or one copy per received frame.
+  large objects, checksummed on a second thread meanwhile), the data channel's bytes
+  received straight into it, or one copy per received gRPC frame.
   A buffer is never written after ``read_into`` returns or raises.  A same-host read is one
   round trip: the lease is released later, in batches (``client_leases``), unless the copy
   outran the lease's window, when the server is asked whether it still held.
@@ -44,15 +44,18 @@ import xxhash
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport,
-                                 local_boot_id, open_channel)
-from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests, prefault
+from kvstore import datawire as wire
+from kvstore.client.datachannel import DataChannel
+from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
+                                 open_channel)
+from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
+from kvstore.client.planes import CODES, PlanesMixin
 from kvstore.client.put import PutMixin
 from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
                             TierUnavailableError)
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
-from tiers.host_shm import SharedPoolView, attach_shared
+from tiers.host_shm import SharedPoolView
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -60,7 +63,7 @@ _TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CAN
 _STREAM_BYTES_PER_S = 100e6   # deadline allowance for streamed bytes (far below the real rate)
 
 
-class StoreClient(LeasedGetMixin, PutMixin):
+class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
     """A connection to one store process (see the module docstring)."""
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
@@ -86,6 +89,10 @@ class StoreClient(LeasedGetMixin, PutMixin):
                                                 response_deserializer=pb.LookupResponse.FromString,
                                                 _registered_method=True)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._token = token
+        self._tls = None           # the data channel's TLS context (set by connect)
+        self._server_name: str | None = None
+        self._data: DataChannel | None = None
         self._after_copy = after_copy
         self._segment: SharedPoolView | None = None
         self._segment_id: tuple[str, int, int] | None = None
@@ -94,6 +101,7 @@ class StoreClient(LeasedGetMixin, PutMixin):
                                       release_delay_s)
         self._scoped: dict[bytes, Namespace] = {}
         self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
+        self.tcp_refusal = ""   # why the TCP data channel is not used ("" when it is)
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -120,6 +128,7 @@ class StoreClient(LeasedGetMixin, PutMixin):
             raise ConfigError(f"store target must be HOST:PORT, got {target!r}")
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
         client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s)
+        client._tls, client._server_name = data_tls(tls_ca, tls_cert, tls_key), tls_server_name
         try:
             await client.refresh(wait_for_ready=True)
         except BaseException:
@@ -131,18 +140,15 @@ class StoreClient(LeasedGetMixin, PutMixin):
         """``Hello`` again; remap the segment if the server has a new one (a restart)."""
         resp = await self._unary("Hello", pb.HelloRequest(), wait_for_ready=wait_for_ready)
         info = ServerInfo.from_pb(resp)
-        self._use_segment(info)
         self.info = info
+        await self._choose_planes(info)
         return info
 
-    @property
-    def uses_shm(self) -> bool:
-        return self._segment is not None
-
     async def close(self) -> None:
-        """Send queued lease releases, close the channel, stop the copy threads (after any
-        copy in flight), unmap."""
+        """Send queued lease releases, close the data channel and the gRPC channel, stop
+        the copy threads (after any copy in flight), unmap."""
         await self.flush_releases()
+        await self._drop_data("closed")
         await self._channel.close()
         self._copier.close()
         self._drop_segment()
@@ -185,7 +191,12 @@ class StoreClient(LeasedGetMixin, PutMixin):
         """Copy the verified object into ``buf`` (rekeyed to ``key``); its length or None."""
         dst = _writable(buf)
         self.counters.gets += 1
-        n = await (self._get_shm(key, dst) if self._segment is not None else self._get_streamed(key, dst))
+        if self._segment is not None:
+            n = await self._get_shm(key, dst)
+        elif self._data is not None:
+            n = await self._get_tcp(key, dst)
+        else:
+            n = await self._get_streamed(key, dst)
         if n is None:
             self.counters.misses += 1
         else:
@@ -193,6 +204,17 @@ class StoreClient(LeasedGetMixin, PutMixin):
             self.counters.hits += 1
             self.counters.bytes_read += n
         return n
+
+    async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:
+        """One round trip on the data channel; the bytes land in ``dst``."""
+        assert self._data is not None
+        reply = await self._data_request("data get", self._data.get(
+            wire.encode_request(wire.Op.GET, key), memoryview(dst), self._deadline(len(dst))))
+        if reply.code:
+            raise self._status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
+        if not reply.flag:
+            return None
+        return await self._checked(key, dst, reply.length, reply.digest, False, shm=False)
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
@@ -304,9 +326,12 @@ class StoreClient(LeasedGetMixin, PutMixin):
             raise TierUnavailableError(f"store {self.target}: client is closed") from err
 
     def _error(self, name: str, err: grpc.aio.AioRpcError) -> Exception:
-        """The one place status codes become domain errors."""
-        code = err.code()
-        text = f"store {self.target}: {name} failed: {code.name}: {err.details()}"
+        return self._status_error(name, err.code(), err.details())
+
+    def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception:
+        """The one place status codes (of gRPC calls and data-channel replies) become
+        domain errors."""
+        text = f"store {self.target}: {name} failed: {code.name}: {details}"
         if code in _TRANSPORT_CODES:
             self.counters.transport_errors += 1
             return TierUnavailableError(text)
@@ -318,33 +343,6 @@ class StoreClient(LeasedGetMixin, PutMixin):
         if code is Code.NOT_FOUND:
             return LeaseError(text)
         return TierError(text)
-
-    def _use_segment(self, info: ServerInfo) -> None:
-        if self.transport is Transport.STREAM:
-            self.shm_refusal = "transport is stream"
-            return
-        refusal = info.shm_refusal(local_boot_id())
-        ident = info.segment_id
-        if not refusal and ident != self._segment_id:
-            self._drop_segment()
-            try:
-                self._segment = attach_shared(info.segment_path, info.segment_size, pin=False)
-                self._segment_id = ident
-                prefault(self._segment.array)
-            except ConfigError as err:
-                refusal = str(err)
-        if refusal:
-            self._drop_segment()
-            if self.transport is Transport.SHM:
-                raise ConfigError(f"store {self.target}: shared memory refused: {refusal}")
-            if refusal != self.shm_refusal:
-                log.info("kvstore: store %s: streaming (%s)", self.target, refusal)
-        self.shm_refusal = refusal
-
-    def _drop_segment(self) -> None:
-        segment, self._segment, self._segment_id = self._segment, None, None
-        if segment is not None:
-            segment.close()  # unmapped now, or when the last in-flight view goes
 
 
 def _writable(buf) -> np.ndarray:

@@ -2,18 +2,20 @@
 
 Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClient``.
 
-* **Reads** land verified in the caller's buffer (``read_into``), rekeyed to the caller's
-  key; ``lookup`` is the store's contiguous prefix (one ``Lookup`` per 4096 keys).  A
-  same-host read is one round trip: its lease is released later, in a batch
+* **Reads** land verified in the caller's buffer (``read_into``, over whichever data plane
+  the client chose: ``kvstore.client.planes``), rekeyed to the caller's key; ``lookup`` is
+  the store's contiguous prefix (one ``Lookup`` per 4096 keys).  A read is one round trip;
+  a same-host one's lease is released later, in a batch
   (``kvstore.client.leases``; ``aclose`` sends what is queued).
   The store answers prefixes, so ``lookup`` is the cheap batch question (one round trip).
   ``sizes``/``present`` answer per key: one ``Lookup`` for the batch, then one per key
   after its first miss (at most ``PROBES`` at a time), so ask them about few keys.
 * **Puts** are two-phase.  With shared memory ``put_start`` reserves a region of the
   server's segment and ``handle.buffer`` *is* that region (producers write in place);
-  ``put_commit`` asks the server to verify and publish it.  Over streams ``handle.buffer``
-  is None: ``put_write`` keeps views of the caller's bytes (which must stay unchanged until
-  ``put_commit``) and ``put_commit`` streams them.  A key the store already holds gives a
+  ``put_commit`` asks the server to verify and publish it.  Elsewhere (the TCP data
+  channel, gRPC streams) ``handle.buffer`` is None: ``put_write`` keeps views of the
+  caller's bytes (which must stay unchanged until ``put_commit``) and ``put_commit`` sends
+  them (``StoreClient.put_parts``).  A key the store already holds gives a
   handle whose writes are dropped and whose commit answers True.  ``put`` does it all in
   two round trips for a complete object.
 * **Failures.**  A transport failure (UNAVAILABLE, DEADLINE_EXCEEDED, connection errors)
@@ -206,7 +208,7 @@ class RemoteTier(TierBase):
                                    "renewals": c.renewals, "releases_deferred": c.releases_deferred,
                                    "release_calls": c.release_calls, "put_exists": c.put_exists,
                                    "failed_reads": self._failed_reads,
-                                   "shm": float(self.client.uses_shm)}
+                                   "shm": float(self.client.uses_shm), "tcp": float(self.client.uses_tcp)}
         extra.update({f"errors_{k}": v for k, v in self._errors.items()})
         extra["errors"] = sum(self._errors.values())
         return TierStats(self.name, hits=c.hits, misses=c.misses + self._failed_reads,

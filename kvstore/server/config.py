@@ -32,6 +32,10 @@ STREAM_HEADROOM = 64 * KiB  # a stream frame's protobuf framing stays well insid
 @dataclass(frozen=True, slots=True)
 class ServerConfig(LeaseSettings, TierSettings):
     listen: str = setting("127.0.0.1:50051", "HOST:PORT to serve on (port 0: a free port)")
+    data_channel: bool = setting(True, "serve the raw TCP data channel beside gRPC, on the listen host "
+                                 "(clients on other hosts move bytes over it; off: over gRPC streams)")
+    data_port: int = setting(0, "port of the data channel (0: a free port; Hello advertises it)")
+    data_ticket_ttl: Seconds = setting(10.0, "seconds a data-channel ticket (OpenData) may wait to be used")
     redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db)")
     auth_tokens: Path | None = setting(None, "YAML tokens file; without it every call is tenant 'default'")
     tls_cert: Path | None = setting(None, "server certificate (PEM)")
@@ -56,7 +60,7 @@ class ServerConfig(LeaseSettings, TierSettings):
         for name in ("max_object_bytes", "max_keys_per_call", "max_message_bytes", "frame_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_lease_ttl", "shutdown_grace"):
+        for name in ("max_lease_ttl", "shutdown_grace", "data_ticket_ttl"):
             check_seconds(name, getattr(self, name))
         if self.put_ttl is not None:
             check_seconds("put_ttl", self.put_ttl)
@@ -75,6 +79,8 @@ class ServerConfig(LeaseSettings, TierSettings):
         if self.max_message_bytes < self.frame_bytes + STREAM_HEADROOM:
             raise ConfigError(f"max_message_bytes ({self.max_message_bytes}) must be at least "
                               f"frame_bytes + 64 KiB ({self.frame_bytes + STREAM_HEADROOM})")
+        if not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"data_port must lie in [0, 65535], got {self.data_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must lie in [0, 65535], got {self.metrics_port}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -21,8 +21,9 @@ this module never sees protobufs or tokens.
   its tenant and its pinned key; ``release_leases`` (one call may carry many ids) drops the
   pins and re-checks validity for clients that ask.
 * ``acquire``/``release`` hold a buffer reference (not a lease) for a stream.
-* A reaper task aborts expired reservations and forgets expired leases (dropping their
-  pins) periodically, so memory comes back even when no client asks (a client killed with
+* ``tickets`` are the data channel's single-use tickets (``kvstore.server.tickets``).
+* A reaper task aborts expired reservations, forgets expired leases (dropping their pins)
+  and expired data tickets periodically, so memory comes back even when no client asks (a client killed with
   queued releases, say).
 * ``aclose`` (graceful shutdown): abort uncommitted puts, finish promotions and
   write-throughs, release leases and their pins, close the tiers (the shm file is unlinked).
@@ -42,6 +43,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
+from kvstore.server.tickets import TicketBook
 from kvstore.store.events import StoreObserver
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers
@@ -108,6 +110,7 @@ class ServerStore:
         self.metrics = metrics
         self.leases = LeaseBook()
         self.puts = PutPath(self.core, cfg, metrics, clock)
+        self.tickets = TicketBook(cfg.data_ticket_ttl, clock=clock)   # data-channel tickets (kvstore.server.tickets)
         self._clock = clock
         self._reaper: asyncio.Task | None = None
         self._closing = False
@@ -266,6 +269,7 @@ class ServerStore:
 
     def reap(self) -> None:
         self.puts.reap()
+        self.tickets.sweep()
         for key in self.leases.sweep(self._clock()):
             self._unpin(key)
         self.host.stats()  # sweeps the host's lease table (counts expiries)
@@ -297,6 +301,8 @@ class ServerStore:
             "puts_in_flight": snap.puts_in_flight,
             "write_throughs_in_flight": self.core.writer.in_flight,
             "breakers": breakers,
+            "data_tickets": {"outstanding": len(self.tickets), "minted": self.tickets.minted,
+                             "redeemed": self.tickets.redeemed, "refused": self.tickets.refused},
         }
 
     async def aclose(self, timeout: float = 10.0) -> None:

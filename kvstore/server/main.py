@@ -7,11 +7,14 @@ Server side.  ``serve(cfg)``:
 2. starts a ``grpc.aio`` server on ``cfg.listen`` (port 0 picks a free port) with the
    KVStore servicer, ``grpc.health.v1`` (SERVING for "" and ``kvstore.v1.KVStore``) and
    server reflection; TLS when configured, client certificates when a client CA is given;
+   and, unless ``data_channel`` is off, the raw TCP data channel on the same host
+   (``cfg.data_port``, 0: a free port; ``kvstore.server.dataserver``, same TLS), whose port
+   ``Hello`` advertises;
 3. optionally serves Prometheus ``/metrics`` on ``cfg.metrics_port``;
 4. once serving, writes ``host:port`` to ``cfg.ready_file`` (temp + rename, so a reader
    never sees half a line) and prints ``kvstore serve: listening on HOST:PORT (...)``;
-5. on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused, in-flight calls get
-   ``shutdown_grace`` seconds to finish, then uncommitted puts are aborted, leases
+5. on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused, in-flight calls and
+   data-channel requests get ``shutdown_grace`` seconds to finish, then uncommitted puts are aborted, leases
    released, write-throughs finished, tiers closed and the shm file unlinked; returns 0.
 
 The gRPC server is created with ``so_reuseport`` off, so a port already in use is an error
@@ -37,6 +40,7 @@ from kvstore.server.servicer import KVStoreServicer, Segment
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
 from kvstore.server.core import ServerStore
+from kvstore.server.dataserver import DataServer, describe as describe_data
 from kvstore.server.wire import SERVICE, add_to_server
 
 log = logging.getLogger("kvstore.server.servicer")
@@ -120,8 +124,11 @@ def _bind(server: grpc.aio.Server, cfg: ServerConfig, creds: grpc.ServerCredenti
         raise ConfigError(f"cannot listen on {cfg.listen}: {err}") from err
 
 
-def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metrics_url: str | None) -> str:
+def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metrics_url: str | None,
+              data_port: int) -> str:
     parts = [f"host pool {cfg.host_capacity / 2**20:.1f} MiB at {store.segment_path}"]
+    if data_port:
+        parts.append(describe_data(cfg.tls, data_port))
     if cfg.ssd_dir is not None:
         parts.append(f"ssd {cfg.ssd_dir} ({cfg.ssd_capacity / 2**30:.2f} GiB)")
     if cfg.redis:
@@ -164,16 +171,20 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
     store = await ServerStore.open(cfg, metrics)
-    http, server = None, None
+    http, server, data = None, None, None
     try:
         server = grpc.aio.server(options=grpc_options(cfg))
-        add_to_server(KVStoreServicer(store, auth, segment_of(store)), server)
+        servicer = KVStoreServicer(store, auth, segment_of(store))
+        add_to_server(servicer, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         port = _bind(server, cfg, creds)
+        if cfg.data_channel:
+            data = DataServer(store, auth, servicer.scope, cfg)
+            servicer.data_port = await data.start(cfg.listen_host, cfg.data_port)
         await server.start()
         for name in ("", SERVICE):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -188,14 +199,18 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         target = f"{split_listen(cfg.listen)[0]}:{port}"
         if cfg.ready_file is not None:
             write_ready(cfg.ready_file, target)
-        print(f"kvstore serve: listening on {target} ({_describe(cfg, store, auth, metrics_url)})",
+        print(f"kvstore serve: listening on {target} "
+              f"({_describe(cfg, store, auth, metrics_url, servicer.data_port)})",
               flush=True)
         await stop.wait()
         await health.enter_graceful_shutdown()
-        await server.stop(cfg.shutdown_grace)
+        await asyncio.gather(server.stop(cfg.shutdown_grace),
+                             data.aclose(cfg.shutdown_grace) if data is not None else asyncio.sleep(0))
     finally:
         if server is not None:
             await server.stop(0)  # no-op after a graceful stop; ends a failed start-up
+        if data is not None:
+            await data.aclose(0)  # idempotent; cuts what a failed start-up left
         await store.aclose(cfg.shutdown_grace)
         if http is not None:
             http.shutdown()

@@ -9,12 +9,12 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
 
 * ``lookup_keys_total`` (denominator) and ``lookup_hits_total{tier}``: keys of Lookup calls
   and the contiguous hits among them, by the tier that had each; ``lookups_total``: calls.
-* ``gets_total{path,tier}`` / ``get_misses_total{path}``: Get (path "shm") and GetStream
-  (path "stream"); ``puts_total{path,outcome}``.
+* ``gets_total{path,tier}`` / ``get_misses_total{path}``: Get (path "shm"), GetStream
+  (path "stream") and the data channel (path "tcp"); ``puts_total{path,outcome}``.
 * ``bytes_total{tier,direction}``: host read = bytes served to clients, host write = bytes
   committed by clients, ssd/redis read = promotions, ssd/redis write = write-through.
-* ``stage_seconds{stage}``: lookup, get, get_stream, put_commit, put_stream, promote,
-  write_through.
+* ``stage_seconds{stage}``: lookup, get, get_stream, get_tcp, put_commit, put_stream,
+  put_tcp, promote, write_through.
 * ``leases_held`` (gauge), ``leases_expired_total``, ``leases_granted_total``,
   ``lease_release_calls_total`` (ReleaseLease calls; clients batch their releases),
   ``puts_in_flight`` (gauge), ``evictions_total{tier}``, ``tier_objects{tier}``,
@@ -32,7 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 PREFIX = "kvstore_server_"
 _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
-STAGES = ("lookup", "get", "get_stream", "put_commit", "put_stream", "promote", "write_through")
+STAGES = ("lookup", "get", "get_stream", "get_tcp", "put_commit", "put_stream", "put_tcp", "promote",
+          "write_through")
 
 
 @dataclass(slots=True)
@@ -149,8 +150,8 @@ class _Collector:
                        {(): c.lookup_keys})
         yield _counter("lookup_hits", "Contiguous hits among looked-up keys, by tier", ["tier"],
                        {(k,): v for k, v in dict(c.lookup_hits).items()})
-        yield _counter("gets", "Get (shm) and GetStream (stream) hits", ["path", "tier"], dict(c.gets))
-        yield _counter("get_misses", "Get and GetStream misses", ["path"],
+        yield _counter("gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"], dict(c.gets))
+        yield _counter("get_misses", "Get, GetStream and data-channel misses", ["path"],
                        {(k,): v for k, v in dict(c.get_misses).items()})
         yield _counter("puts", "Puts by path and outcome", ["path", "outcome"], dict(c.puts))
         yield _counter("bytes", "Bytes by tier and direction", ["tier", "direction"], dict(c.bytes))

@@ -14,9 +14,11 @@ A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``_DRAIN_FIRS
 answered only after the client's frames are read (at most one object's worth), so the
 client sees that status rather than a failed write.
 
-Every handler runs under the call's deadline (``asyncio.timeout``).  Tenant binding: the
-client's (namespace N, hash H, tag T) is stored as ``ObjectKey(N.scoped(tenant), H, T)``; a
-wrong-tenant read is a plain miss.  Lease and put ids are bound to the tenant that got them.
+Every handler runs under the call's deadline (``asyncio.timeout``).  Tenant binding
+(``kvstore.server.scoping``, shared with the data channel): the client's (namespace N, hash
+H, tag T) is stored as ``ObjectKey(N.scoped(tenant), H, T)``; a wrong-tenant read is a plain
+miss.  ``OpenData`` mints a data-channel ticket (``kvstore.server.tickets``); the channel
+itself is ``kvstore.server.dataserver``, and ``Hello`` advertises its port.  Lease and put ids are bound to the tenant that got them.
 The lifecycle (ports, TLS, health, signals) lives in ``kvstore.server.main``.
 """
 from __future__ import annotations
@@ -25,9 +27,8 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from itertools import repeat
 
 import grpc
 
@@ -35,9 +36,10 @@ from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.errors import (CapacityError, ConfigError, KVStoreError, LeaseError, ObjectFormatError,
-                            TierError)
-from kvstore.keys import DIGEST_SIZE, ROOT, ChunkHash, Namespace, ObjectKey
-from kvstore.server.core import ServerStore, trusted_key
+                            TierError, TierUnavailableError)
+from kvstore.keys import ObjectKey
+from kvstore.server.core import ServerStore
+from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.wire import InFrame, Malformed, OutFrame
 from tiers.base import PutResult
 
@@ -46,8 +48,6 @@ READ, WRITE, SHM = Permission.READ, Permission.WRITE, Permission.SHM
 TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
 OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
             PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
-_MAX_TAG_BYTES = 32
-_NO_NAMESPACE = Namespace(bytes(DIGEST_SIZE))
 
 # The one table of domain error → status code (first match wins: subclasses first).
 _STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -117,24 +117,6 @@ def rpc(*needed: Permission) -> Callable[[Handler], Handler]:
     return wrap
 
 
-def _scoped_keys(scoped: Namespace, hashes: Sequence[bytes], tag: str) -> list[bytes]:
-    """The canonical bytes of ``ObjectKey(scoped, ChunkHash(h), tag)`` for each hash: the
-    namespace and tag are validated once by the caller and the hashes' lengths here (through
-    the keys' lengths), which is all ``ObjectKey`` checks.  Plain ``bytes``, not
-    ``ObjectKey``s: the host index finds an object by its key's bytes, and
-    ``ServerStore.lookup`` makes ``ObjectKey``s (trusted constructor) only for keys it must
-    ask a lower tier about.  512 keys take ~0.04 ms here, ~0.45 ms through ``ObjectKey``."""
-    prefix, suffix = bytes(scoped), tag.encode()
-    keys = list(map(b"".join, zip(repeat(prefix), hashes, repeat(suffix))))
-    if set(map(len, keys)) - {len(prefix) + DIGEST_SIZE + len(suffix)}:
-        i, h = next((i, h) for i, h in enumerate(hashes) if len(h) != DIGEST_SIZE)
-        raise ConfigError(f"chunk_hashes[{i}] must be {DIGEST_SIZE} bytes, got {len(h)}")
-    return keys
-
-
-_MEMO = 4096  # entries of each per-servicer memo (scoped namespaces, valid tags)
-
-
 def _tier_codes(tiers: list[str]) -> list[int]:
     """Wire codes of tier names (a run of one tier, the common answer, in one step)."""
     if tiers and tiers.count(tiers[0]) == len(tiers):
@@ -150,8 +132,8 @@ class KVStoreServicer:
         self.auth = auth
         self.segment = segment
         self.cfg = store.cfg
-        self._scoped: dict[tuple[str, bytes], Namespace] = {}   # (tenant, namespace) -> scoped
-        self._tags: set[str] = set()                            # tags known to be valid
+        self.scope = Scoper()          # shared with the data channel (one event loop)
+        self.data_port = 0             # set by kvstore.server.main once the data channel listens
 
     def admit(self, request, context, needed: tuple[Permission, ...], method: str) -> Principal:
         self.store.check_open()
@@ -161,43 +143,8 @@ class KVStoreServicer:
             raise ConfigError(f"{method}: malformed request ({request.reason})")
         return who
 
-    # --- edge conversions ---------------------------------------------------------------
-
-    def _namespace(self, who: Principal, raw: bytes) -> Namespace:
-        """The tenant-scoped namespace (a sha256: remembered for the last few thousand)."""
-        scoped = self._scoped.get((who.tenant, raw))
-        if scoped is None:
-            if len(raw) != DIGEST_SIZE:
-                raise ConfigError(f"namespace must be {DIGEST_SIZE} bytes, got {len(raw)}")
-            if len(self._scoped) >= _MEMO:
-                self._scoped.clear()
-            scoped = self._scoped[(who.tenant, raw)] = Namespace(raw).scoped(who.tenant)
-        return scoped
-
-    @staticmethod
-    def _hash(raw: bytes, what: str = "chunk_hash") -> ChunkHash:
-        if len(raw) != DIGEST_SIZE:
-            raise ConfigError(f"{what} must be {DIGEST_SIZE} bytes, got {len(raw)}")
-        return ChunkHash(raw)
-
-    def _tag(self, tag: str) -> str:
-        """A valid object tag (``ObjectKey``'s rule; the last few thousand valid ones are
-        remembered, so a request usually skips the regex)."""
-        if tag not in self._tags:
-            if not 0 < len(tag.encode("utf-8", "surrogatepass")) <= _MAX_TAG_BYTES:
-                raise ConfigError(f"tag must be 1-{_MAX_TAG_BYTES} UTF-8 bytes, got {tag[:40]!r}")
-            ObjectKey(_NO_NAMESPACE, ROOT, tag)  # ConfigError naming the tag when it is not valid
-            if len(self._tags) >= _MEMO:
-                self._tags.clear()
-            self._tags.add(tag)
-        return tag
-
     def _keys(self, who: Principal, namespace: bytes, chunk_hash: bytes, tag: str) -> tuple[ObjectKey, ObjectKey]:
-        """(client key, tenant-scoped key) of one request: each part validated, then the
-        keys built by the trusted constructor."""
-        h, suffix = self._hash(chunk_hash), self._tag(tag).encode()
-        scoped = self._namespace(who, namespace)
-        return trusted_key(namespace + h + suffix), trusted_key(scoped + h + suffix)
+        return self.scope.keys(who, namespace, chunk_hash, tag)
 
     # --- RPCs ---------------------------------------------------------------------------
 
@@ -207,7 +154,7 @@ class KVStoreServicer:
             tenant=who.tenant, permissions=who.permission_names,
             max_object_bytes=self.cfg.max_object_bytes, max_keys_per_call=self.cfg.max_keys_per_call,
             lease_ms=_ms(self.cfg.lease_ttl), frame_bytes=self.cfg.frame_bytes,
-            server_version=__version__)
+            server_version=__version__, data_port=self.data_port)
         if who.allows(SHM):
             reply.segment_path = self.segment.path
             reply.segment_size = self.segment.size
@@ -220,8 +167,8 @@ class KVStoreServicer:
         hashes = request.chunk_hashes
         if len(hashes) > self.cfg.max_keys_per_call:
             raise CapacityError(f"{len(hashes)} keys exceed max_keys_per_call {self.cfg.max_keys_per_call}")
-        scoped, tag = self._namespace(who, request.namespace), self._tag(request.tag)
-        tiers, sizes = await self.store.lookup(_scoped_keys(scoped, hashes, tag))
+        scoped, tag = self.scope.namespace(who, request.namespace), self.scope.tag(request.tag)
+        tiers, sizes = await self.store.lookup(scoped_keys(scoped, hashes, tag))
         return pb.LookupResponse(hits=len(tiers), tiers=_tier_codes(tiers), sizes=sizes)
 
     @rpc(READ, SHM)
@@ -265,10 +212,7 @@ class KVStoreServicer:
 
     async def _reserve(self, who: Principal, req: pb.PutStartRequest, streamed: bool):
         client_key, key = self._keys(who, req.namespace, req.chunk_hash, req.tag)
-        parent = None
-        if req.parent_hash:
-            ph = self._hash(req.parent_hash, "parent_hash")
-            parent = None if ph == ROOT else ObjectKey(key.namespace, ph, key.tag)
+        parent = self.scope.parent_of(key, req.parent_hash)
         return await self.store.puts.reserve(who.tenant, client_key, key, req.size, parent, streamed)
 
     @rpc(WRITE)
@@ -362,6 +306,14 @@ class KVStoreServicer:
                                 f"{self.cfg.max_keys_per_call}")
         return pb.ReleaseLeaseResponse(valid=self.store.release_leases(request.lease_ids, who.tenant))
 
+    @rpc()
+    async def OpenData(self, request, context, who: Principal) -> pb.OpenDataResponse:
+        if not self.data_port:
+            raise TierUnavailableError("this store serves no data channel (data_channel off)")
+        ticket = self.store.tickets.mint(who)
+        return pb.OpenDataResponse(ticket=ticket, ttl_ms=_ms(self.store.tickets.ttl_s),
+                                   data_port=self.data_port)
+
     @rpc(READ)
     async def Stats(self, request, context, who: Principal) -> pb.StatsResponse:
         doc = self.store.stats_doc()
@@ -379,6 +331,7 @@ def flat_counters(doc: dict) -> dict[str, float]:
     out: dict[str, float] = {
         "leases_held": doc["leases"]["held"], "leases_expired": doc["leases"]["expired"],
         "puts_in_flight": doc["puts_in_flight"],
+        "data_tickets_refused": doc["data_tickets"]["refused"],
         "write_throughs_in_flight": doc["write_throughs_in_flight"],
     }
 

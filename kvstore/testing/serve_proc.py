@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvstore.errors import TierError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]   # the checkout: its kvstore package, not an installed one
 _METRICS_RE = re.compile(r"metrics (http://\S+/metrics)")
 
 

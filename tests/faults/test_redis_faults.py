@@ -239,20 +239,23 @@ async def test_corrupt_manifest_is_a_miss_and_deleted(redis_server):
     await tier.aclose()
 
 
-async def test_object_verifying_under_another_key_is_corrupt(redis_server):
-    """Parts copied under another key's manifest: intact bytes, wrong key -> a miss."""
+@pytest.mark.parametrize("size", [PART, PART + 1])  # one inline value; two parts
+async def test_object_verifying_under_another_key_is_corrupt(redis_server, size):
+    """Data copied under another key's manifest: intact bytes, wrong key -> a miss."""
     tier = await open_tier(redis_server.url)
     k1, k2 = keys_of(2, 9)
-    assert await put_bytes(tier, k1, memoryview(make_object(k1, PART))) is PutResult.STORED
+    assert await put_bytes(tier, k1, memoryview(make_object(k1, size))) is PutResult.STORED
     with redis_server.client() as c:
         manifest = c.get(f"kvstore:m:{k1.printable()}")
-        part = next(iter(c.keys(f"kvstore:p:{k1.printable()}:*")))
-        c.set(part.replace(k1.printable().encode(), k2.printable().encode()), c.get(part))
+        for name in c.keys(f"kvstore:[ip]:{k1.printable()}*"):
+            c.set(name.replace(k1.printable().encode(), k2.printable().encode()), c.get(name))
         c.set(f"kvstore:m:{k2.printable()}", manifest)
-    assert await read_back(tier, k2, PART) is None
+    assert await read_back(tier, k2, size) is None
     assert tier.stats().corrupt == 1
-    got = await read_back(tier, k1, PART)
-    assert got is not None and np.array_equal(got, make_object(k1, PART))
+    got = await read_back(tier, k1, size)
+    assert got is not None and np.array_equal(got, make_object(k1, size))
+    with redis_server.client() as c:  # k2's copies were cleaned up, k1's stay
+        assert all(k1.printable().encode() in name for name in c.keys("*"))
     await tier.aclose()
 
 

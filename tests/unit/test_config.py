@@ -89,7 +89,7 @@ def test_convert_each_type(tp, raw, expected):
     (Path, "", "KEY: expected a path, got ''"),
     (WritePolicy, "sometimes", "KEY: 'sometimes' is not one of write_through, write_back, host_only"),
     (WritePolicy, "WRITE_THROUGH", "KEY: 'WRITE_THROUGH' is not one of"),
-    (Transport, "tcp", "KEY: 'tcp' is not one of auto, shm, stream"),
+    (Transport, "udp", "KEY: 'udp' is not one of auto, shm, tcp, stream"),
     (Path | None, 3, "KEY: expected a path, got 3"),
 ])
 def test_convert_names_the_key(tp, raw, message):
@@ -230,7 +230,7 @@ def test_connector_shared_tier_keys_convert():
 @pytest.mark.parametrize("values,needle", [
     ({"store_target": "localhost"}, "store_target: expected HOST:PORT"),
     ({"store_target": "a b:1"}, "store_target"),
-    ({"store_transport": "tcp"}, "kv_connector_extra_config: store_transport: 'tcp' is not one of auto, shm, stream"),
+    ({"store_transport": "udp"}, "kv_connector_extra_config: store_transport: 'udp' is not one of auto, shm, tcp, stream"),
     ({"write_policy": "write_around"}, "write_policy: 'write_around'"),
     ({"lower_tiers_required": "maybe"}, "lower_tiers_required: expected true or false"),
     ({"load_timeout_s": "0"}, "load_timeout_s must be a positive number of seconds"),
@@ -245,7 +245,7 @@ def test_connector_shared_tier_keys_reject(values, needle):
 
 
 def test_connector_env_errors_name_the_variable():
-    with pytest.raises(ConfigError, match="KVSTORE_STORE_TRANSPORT: 'fast' is not one of auto, shm, stream"):
+    with pytest.raises(ConfigError, match="KVSTORE_STORE_TRANSPORT: 'fast' is not one of auto, shm, tcp, stream"):
         ConnectorConfig.from_extra_config({}, env={"KVSTORE_STORE_TRANSPORT": "fast"})
 
 

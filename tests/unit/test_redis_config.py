@@ -13,7 +13,8 @@ from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError
 from kvstore.keys import Identity, chunk_hashes, object_keys
 from tiers.redis import RedisTier
 from tiers.redis_config import DEFAULT_PART_SIZE, RedisConfig
-from tiers.redis_manifest import MANIFEST_SIZE, Manifest, manifest_key, part_keys, unpack
+from tiers.redis_manifest import (INLINE, MANIFEST_SIZE, Manifest, data_keys, inline_key, manifest_key, part_keys,
+                                   unpack)
 
 NS = Identity("m", "r", "bf16", "x", 1, 1, 1).namespace()
 KEY = object_keys(NS, chunk_hashes(NS, np.arange(16), 16))[0]
@@ -118,7 +119,23 @@ def test_manifest_round_trip_and_layout():
     assert part_keys("kv:", KEY, m) == [f"kv:p:{KEY.printable()}:0102030405060708:{i}" for i in range(4)]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "count"])
+def test_inline_manifest_round_trip_and_layout():
+    m = Manifest(4000, 4096, bytes(8), inline=True)
+    raw = m.pack()
+    assert struct.unpack_from("<H", raw, 6)[0] == INLINE and unpack(raw) == m and m.count == 1
+    assert data_keys("kv:", KEY, m) == [inline_key("kv:", KEY)] == [f"kv:i:{KEY.printable()}"]
+    parts = Manifest(4000, 4096, bytes(8))
+    assert data_keys("kv:", KEY, parts) == part_keys("kv:", KEY, parts) and not unpack(parts.pack()).inline
+    with pytest.raises(CorruptHeaderError, match="exceeds its part size"):
+        Manifest(4097, 4096, bytes(8), inline=True)
+
+
+def _resealed(raw: bytearray) -> bytes:
+    struct.pack_into("<Q", raw, 32, xxhash.xxh3_64_intdigest(bytes(raw[:32])))
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "magic", "count", "flags", "inline too big"])
 def test_damaged_manifest_is_rejected(damage):
     raw = bytearray(Manifest(10_000, 4096, bytes(8)).pack())
     if damage == "truncate":
@@ -127,9 +144,15 @@ def test_damaged_manifest_is_rejected(damage):
         raw[9] ^= 0x40
     elif damage == "magic":
         raw[:4] = b"XXXX"
-    else:
+    elif damage == "count":
         struct.pack_into("<I", raw, 20, 5)  # part count disagrees with the sizes
-        struct.pack_into("<Q", raw, 32, xxhash.xxh3_64_intdigest(bytes(raw[:32])))
+        raw = _resealed(raw)
+    elif damage == "flags":
+        struct.pack_into("<H", raw, 6, 2)   # a flag this reader does not know
+        raw = _resealed(raw)
+    else:
+        struct.pack_into("<H", raw, 6, INLINE)  # inline, but 10 000 bytes in parts of 4096
+        raw = _resealed(raw)
     with pytest.raises(CorruptHeaderError):
         unpack(bytes(raw))
 

@@ -1,0 +1,224 @@
+"""One data-channel connection of the store process, served on its own thread.
+
+Server side.  ``DataConnection.serve()`` is the thread's body: the hello (within
+``HANDSHAKE_S``; TLS first when the server has it), then requests one at a time until the
+client closes (format: ``kvstore.datawire``).  Bytes move with blocking calls on this thread
+(``sendall`` straight from the host slot, ``recv_into`` straight into the reserved slot: no
+buffer in between, and the GIL is released while the kernel copies); everything that
+touches the store's bookkeeping runs on the event loop through ``DataOps`` (``Bridge``).
+
+Cleanup is structural: a get's buffer reference is released and a put's reservation
+aborted in ``finally`` blocks, whatever ends the transfer (the client vanishing mid-object,
+a stall past ``io_timeout_s``, the server shutting down).  A request the server refuses
+(bad key, missing permission, a put of an existing object) is answered with its status and
+the connection goes on; bytes that are not the protocol, a put larger than
+``max_object_bytes``, or a transport failure end the connection (a get cut short never
+looks like a complete object to the client: it knows the length and checks the checksum).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+import threading
+import time
+
+from kvstore import datawire as wire
+from kvstore.errors import CapacityError, KVStoreError
+from kvstore.server.auth import Principal
+from kvstore.server.dataops import Bridge, DataOps, LoopGone
+from kvstore.server.leases import PendingPut
+from kvstore.server.servicer import OUTCOMES, TIER_CODES, status_of
+from tiers.base import PutResult
+
+log = logging.getLogger("kvstore.server.data")
+HANDSHAKE_S = 10.0
+_SINK = 256 << 10
+
+
+class Closed(Exception):
+    """The peer closed the connection or broke the protocol: stop serving it."""
+
+
+class DataConnection:
+    """One accepted connection (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket, ops: DataOps, bridge: Bridge, *, tls: ssl.SSLContext | None,
+                 io_timeout_s: float, max_object_bytes: int) -> None:
+        self.sock = sock
+        self.ops, self.bridge = ops, bridge
+        self.tls = tls
+        self.io_timeout_s = io_timeout_s
+        self.max_object_bytes = max_object_bytes
+        self.who: Principal | None = None
+        # _state_lock guards busy and closing (read by DataServer.aclose on the loop).
+        self._state_lock = threading.Lock()
+        self.busy = False
+        self.closing = False
+        self._sink = memoryview(bytearray(_SINK))
+
+    # --- lifecycle (any thread) -------------------------------------------------------------
+
+    def stop(self, only_idle: bool) -> bool:
+        """Cut the connection (every blocking call on it returns); with ``only_idle``, only
+        when no request is in progress.  Whether it was cut."""
+        with self._state_lock:
+            self.closing = True
+            if only_idle and self.busy:
+                return False
+        try:
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)  # the raw fd, even under TLS
+        except OSError:
+            pass
+        return True
+
+    def serve(self) -> None:
+        try:
+            self._handshake()
+            while self._one_request():
+                pass
+        except (Closed, OSError, LoopGone):
+            pass
+        except Exception:  # noqa: BLE001 - a bug must not take the server down with it
+            log.exception("data connection failed")
+        finally:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    # --- protocol ---------------------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        self.sock.settimeout(HANDSHAKE_S)
+        if self.tls is not None:
+            try:
+                self.sock = self.tls.wrap_socket(self.sock, server_side=True)
+            except (ssl.SSLError, OSError) as err:
+                self.bridge.soon(self.ops.refused, "tls")
+                raise Closed(f"TLS handshake failed: {err}") from err
+        try:
+            ticket, token_len = wire.decode_hello(self._recv(wire.HELLO.size))
+            token = self._recv(token_len).decode() if token_len else ""
+            self.who = self.bridge.call(self.ops.open(ticket, token))
+        except (KVStoreError, UnicodeDecodeError) as err:
+            self.bridge.soon(self.ops.refused, "hello")
+            self._reply_error(err)
+            raise Closed(str(err)) from err
+        self.sock.sendall(wire.encode_reply())
+        self.sock.settimeout(None)  # idle between requests: TCP keepalive finds dead peers
+
+    def _one_request(self) -> bool:
+        """Serve one request; False when the connection ends cleanly."""
+        try:
+            first = self.sock.recv(1)
+        except OSError:
+            return False
+        if not first:
+            return False
+        with self._state_lock:
+            if self.closing:
+                return False
+            self.busy = True
+        try:
+            self.sock.settimeout(self.io_timeout_s)
+            head = wire.decode_request(first + self._recv(wire.REQUEST.size - 1))
+            raw_key = self._recv(head.key_len)
+            if head.op is wire.Op.GET:
+                self._get(raw_key)
+            else:
+                self._put(head, raw_key)
+        except wire.WireError as err:
+            self._reply_error(err)
+            return False
+        finally:
+            with self._state_lock:
+                self.busy = False
+        self.sock.settimeout(None)
+        return not self.closing
+
+    def _get(self, raw_key: bytes) -> None:
+        t0 = time.perf_counter()
+        try:
+            opened = self.bridge.call(self.ops.get(self.who, raw_key))
+        except KVStoreError as err:
+            self._reply_error(err)
+            return
+        if opened is None:
+            self.sock.sendall(wire.encode_reply(flag=0))
+            return
+        key, view, tier = opened
+        sent = 0
+        try:
+            self.sock.sendall(wire.encode_reply(flag=1, tier=TIER_CODES.get(tier, 0), length=len(view)))
+            self.sock.sendall(view)
+            sent = len(view)
+        finally:
+            self.bridge.soon(self.ops.release, key, sent, time.perf_counter() - t0)
+
+    def _put(self, head: wire.RequestHead, raw_key: bytes) -> None:
+        t0 = time.perf_counter()
+        if head.size > self.max_object_bytes:  # not read to its end: the connection ends
+            self._reply_error(self._capacity(head.size))
+            raise Closed("put larger than max_object_bytes")
+        try:
+            result = self.bridge.call(self.ops.reserve(self.who, raw_key, head.size, head.parent))
+        except KVStoreError as err:
+            self._drain(head.size)
+            self._reply_error(err)
+            return
+        if isinstance(result, PutResult):
+            self._drain(head.size)
+            self.sock.sendall(wire.encode_reply(flag=OUTCOMES[result]))
+            return
+        self._fill(result)
+        try:
+            outcome = self.bridge.call(self.ops.finish(result, time.perf_counter() - t0))
+        except KVStoreError as err:
+            self._reply_error(err)
+            return
+        self.sock.sendall(wire.encode_reply(flag=OUTCOMES[outcome]))
+
+    def _fill(self, pending: PendingPut) -> None:
+        """The put's bytes straight into its reserved slot; aborted unless all arrived."""
+        ok = False
+        try:
+            self._recv_into(pending.handle.buffer[:pending.handle.size])
+            ok = True
+        finally:
+            if not ok:
+                self.bridge.soon(self.ops.abort, pending)
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _capacity(self, size: int) -> KVStoreError:
+        return CapacityError(f"object size {size} exceeds max_object_bytes {self.max_object_bytes}")
+
+    def _reply_error(self, err: BaseException) -> None:
+        code, message = status_of(err)
+        try:
+            self.sock.sendall(wire.encode_reply(code=code.value[0], message=message))
+        except OSError:
+            pass
+
+    def _recv(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self._recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def _recv_into(self, view: memoryview) -> None:
+        while view:
+            n = self.sock.recv_into(view)
+            if n == 0:
+                raise Closed("the client closed the data connection mid-request")
+            view = view[n:]
+
+    def _drain(self, n: int) -> None:
+        while n > 0:
+            got = self.sock.recv_into(self._sink[:min(n, _SINK)])
+            if got == 0:
+                raise Closed("the client closed the data connection mid-request")
+            n -= got
+
+
+__all__ = ["DataConnection", "HANDSHAKE_S"]

@@ -32,7 +32,7 @@ def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outco
         if key == "ours-2":
             _drop_page_cache(work / "ssd")
         stats = work / f"stats-{key}.json"
-        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats, **ours(args))), stats)
+        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats, **our_settings(args))), stats)
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
     outs["example"] = _attempt("example", lambda: run("example", example))
@@ -46,7 +46,7 @@ def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outco
     return {k: _compared(o, refs) for k, o in outs.items()}
 
 
-def ours(args) -> dict:
+def our_settings(args) -> dict:
     """Our connector's settings from the bench's flags."""
     return {"chunk_size": args.chunk_size} if getattr(args, "chunk_size", None) else {}
 

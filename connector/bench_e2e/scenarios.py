@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from connector import kit, main as job
-from connector.bench_e2e.passes import _drop_page_cache, ours
+from connector.bench_e2e.passes import _drop_page_cache, our_settings
 from kvstore.bench.common import Row
 
 FLOOR_PROMPTS = 3
@@ -70,10 +70,10 @@ def restart_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple
     example_2 = run("example-2", example, prompts)
     print("  restart: ours, store then repeat ...", flush=True)
     stats_1 = work / "restart-stats-1.json"
-    ours_1 = run("ours-1", job.connector_config(work / "restart-ssd", stats_1, **ours(args)), prompts)
+    ours_1 = run("ours-1", job.connector_config(work / "restart-ssd", stats_1, **our_settings(args)), prompts)
     _drop_page_cache(work / "restart-ssd")
     stats_2 = work / "restart-stats-2.json"
-    ours_2 = run("ours-2", job.connector_config(work / "restart-ssd", stats_2, **ours(args)), prompts)
+    ours_2 = run("ours-2", job.connector_config(work / "restart-ssd", stats_2, **our_settings(args)), prompts)
 
     labels = [r.label for r in prompts.requests]
     recompute = _p50_ms([r.ttft_s for r in none.requests if r.label in labels])
@@ -124,12 +124,12 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
         print("  throttled: no connector ...", flush=True)
         none = run("none", None, plain)
         print("  throttled: engine 1 stores in Redis ...", flush=True)
-        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url, **ours(args)), plain)
+        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url, **our_settings(args)), plain)
         print(f"  throttled: engine 2 through a {args.throttle_rate / 1e6:g} MB/s link, then lifted ...", flush=True)
         stats_2 = work / "throttled-stats-2.json"
         with ThrottledProxy((server.host, server.port), rate=args.throttle_rate) as proxy:
             conn = job.connector_config(None, stats_2, redis_url=f"redis://{proxy.address}/0",
-                                        explore_after_s=1, **ours(args))
+                                        explore_after_s=1, **our_settings(args))
             box: dict = {}
             t = threading.Thread(target=lambda: box.update(r=_guard(lambda: run("ours-2", conn, gated,
                                                                                  barriers=work))))

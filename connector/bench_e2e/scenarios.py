@@ -11,6 +11,12 @@ Host side, no vLLM import; every engine runs in a fresh child process (``kit.run
   The compute floor is the TTFT of a one-block prompt in the no-connector engine.  Rows: our
   hit TTFT beside full recompute, ExampleConnector's hit (target ≤ 1) and the floor (stretch
   target ≤ 1.3), and the tokens hit per prompt beside its whole blocks but the last.
+Both run in float32 (the float32 twin of ``--geometry``, as in the issue that asked for
+them): their outputs are checked against the no-connector engine, and only float32 makes
+that check sharp.  In bf16, KV computed after a prefix hit is not bit-equal to the KV of one
+whole prefill; across a restart the difference reaches 0.25 in logprobs and flips near-tied
+greedy tokens, which would hide a real error in noise.
+
 * **throttled** (``throttled_rows``): engine 1 stores the prompts in a real redis-server;
   engine 2 reaches it through a proxy limited to ``--throttle-rate`` bytes/s, where loading is
   slower than recomputing.  Row: its TTFT beside the same prompts without a connector (target

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("ours host hit TTFT / miss TTFT", "ours SSD hit TTFT / miss TTFT",
            "ours hit vs ExampleConnector hit", "connector overhead on a miss")
-SCENARIO_TARGETS = ("restart (bfloat16): ours vs example hit", "restart (bfloat16): ours hit vs floor",
-                    "restart (bfloat16): tokens hit (min)", "throttled (bfloat16): TTFT while slow")
+SCENARIO_TARGETS = ("restart (float32): ours vs example hit", "restart (float32): ours hit vs floor",
+                    "restart (float32): tokens hit (min)", "throttled (float32): TTFT while slow")
 
 
 def _req(label: str, logprob: float, ttft: float = 0.1, token: int = 7) -> kit.RequestResult:

@@ -65,6 +65,7 @@ class ReqState:
     tails: dict[int, list[ObjectKey]] = field(default_factory=dict)  # chunk index -> tail keys, longest first
     had_saves: bool = False
     decision: dict | None = None             # the load-or-recompute decision counted
+    first_decision: object = None            # kvstore.policy.Decision of the first lookup
     pins_end_found: int = 0                  # where the hit found by the counted lookup ended
 
 

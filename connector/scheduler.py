@@ -144,6 +144,7 @@ class SchedulerHalf:
         if self._save_pending(st, pieces):
             return None  # the next chunk is being saved by an earlier request: ask again soon
         decision = self.cost.plan([Span(p.tier, p.nbytes, p.start, p.end) for p in pieces], self.host.name)
+        st.first_decision = st.first_decision or decision  # before any prefetch moved the hit
         if decision.probe is not None:
             self.prefetch.probe(pieces[decision.load:], decision.probe)
         chosen = pieces[:decision.load]
@@ -204,7 +205,9 @@ class SchedulerHalf:
 
     def _count_lookup(self, st: ReqState, n: int, decision: Decision) -> None:
         """Count the request once, with its decision: ``miss`` (nothing found), ``load`` (the
-        whole usable hit promised), ``partial`` (a prefix of it) or ``recompute`` (none)."""
+        whole usable hit promised), ``partial`` (a prefix of it) or ``recompute`` (none).  The
+        logged inputs (tiers, predicted seconds) are the first plan's, made before a prefetch
+        moved the hit into host memory."""
         if st.counted:
             return
         st.counted = True
@@ -212,6 +215,7 @@ class SchedulerHalf:
                   if decision.hit else 0)
         outcome = ("miss" if not decision.hit else "recompute" if n <= 0
                    else "load" if st.window[1] >= usable else "partial")
+        decision = st.first_decision or decision  # its tiers and predictions: the ones decided on
         st.decision = {**decision.as_dict(), "outcome": outcome}
         with self._stats_lock:
             self.stats.add("decisions", outcome)

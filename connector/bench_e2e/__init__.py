@@ -161,6 +161,8 @@ def register(suites) -> None:
     p.add_argument("--throttle-prompts", type=positive, default=3,
                    help="throttled: prompts while slow (twice as many after the lift)")
     p.add_argument("--throttle-rate", type=float, default=4e6, help="throttled: bytes/s from Redis while slow")
+    p.add_argument("--explore-after", type=float, default=1.0,
+                   help="throttled: our explore_after_s (how soon a tier not measured since is re-measured)")
     p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
     p.add_argument("--repeats", type=positive, default=1, help="whole comparisons; samples pooled")
     p.add_argument("--prompts", type=positive, default=8, help="distinct long prompts")

@@ -135,7 +135,7 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
         stats_2 = work / "throttled-stats-2.json"
         with ThrottledProxy((server.host, server.port), rate=args.throttle_rate) as proxy:
             conn = job.connector_config(None, stats_2, redis_url=f"redis://{proxy.address}/0",
-                                        explore_after_s=1, **our_settings(args))
+                                        explore_after_s=args.explore_after, **our_settings(args))
             box: dict = {}
             t = threading.Thread(target=lambda: box.update(r=_guard(lambda: run("ours-2", conn, gated,
                                                                                  barriers=work))))

@@ -25,6 +25,7 @@ class ChunkCopy:
     page_offset: int = 0  # loads: the first page of the object that block_ids[0] receives
     parent: bytes = b""   # saves: the parent chunk hash written into the header
     pages: int = 0        # pages per layer of the object; 0: the plan's pages_per_chunk
+    generated: int = 0    # saves: how many of its tokens the engine generated (into the header)
 
 
 @dataclass(slots=True)

@@ -44,13 +44,15 @@ import numpy as np
 
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
+from connector import local
 from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
-from connector.plan import ChunkCopy, LoadJob, StepPlan, WorkerReport
+from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
+from kvstore.errors import ObjectFormatError
 from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel, Decision, Span
@@ -89,7 +91,8 @@ class SchedulerHalf:
         self.prefetch = Prefetcher(self.store, self.io, self.cost, self._bytes, self._fail)
         self.hits = HitFinder(self.store, self.io, cfg.chunk_size, block_size, self._size_of)
         self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
-                                 self.hits.tail_keys, self._fail)
+                                 self.hits, self._fail)
+        self._final_saves: list[SaveJob] = []  # planned at request_finished, sent with the next step
         self._reqs: dict[str, ReqState] = {}
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._queued_loads: list[LoadJob] = []
@@ -217,13 +220,28 @@ class SchedulerHalf:
                    else "load" if st.window[1] >= usable else "partial")
         decision = st.first_decision or decision  # its tiers and predictions: the ones decided on
         st.decision = {**decision.as_dict(), "outcome": outcome}
+        generated = self._generated_hit(st) if n > 0 else 0
         with self._stats_lock:
             self.stats.add("decisions", outcome)
-            count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name)
+            count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name, generated)
         self._prom["decisions"].labels(outcome).inc()
         if decision.hit:
             self._prom["decision_seconds"].labels("load").inc(decision.load_s)
             self._prom["decision_seconds"].labels("recompute").inc(decision.hit_recompute_s)
+
+    def _generated_hit(self, st: ReqState) -> int:
+        """Hit tokens that an engine generated: each pinned object's header says how many of
+        its last tokens were (it is in host memory, pinned; an unreadable header counts 0 and
+        the load's own verification decides the rest)."""
+        start, end = st.window
+        total = 0
+        for key, piece in st.pins.items():
+            try:
+                generated = codec.decode_header(self.host.buffer[st.slots[key]:]).generated
+            except ObjectFormatError:
+                continue
+            total += max(0, min(end, piece.end) - max(start, piece.end - generated))
+        return total
 
     # --- after allocation: the load job --------------------------------------------------------
 
@@ -268,10 +286,11 @@ class SchedulerHalf:
                         self.cfg.chunk_size, self.geometry.page_bytes,
                         loads=self._queued_loads, preempted=sorted(step.preempted))
         self._queued_loads = []
+        plan.saves, self._final_saves = self._final_saves, []
         for req_id, n in step.scheduled.items():
             st = self._reqs.get(req_id)
             if st is not None:
-                done = min(self._computed.get(req_id, 0) + n, len(st.view.prompt))
+                done = min(self._computed.get(req_id, 0) + n, len(st.view.all_tokens))
                 job = self.saves.plan(st, done, self._next_job)
                 if job is not None:
                     self._next_job += 1
@@ -341,12 +360,19 @@ class SchedulerHalf:
 
     # --- end of a request ----------------------------------------------------------------------
 
-    def request_finished(self, req_id: str) -> bool:
-        """True when the engine must keep the blocks until the worker reports the saves."""
+    def request_finished(self, req_id: str, computed: int | None = None) -> bool:
+        """True when the engine must keep the blocks until the worker reports the saves.
+        ``computed``: tokens with KV at the end (all but the last generated one); the whole
+        blocks past the last saved chunk are saved with the next step."""
         st = self._reqs.pop(req_id, None)
         if st is None:
             return False
         self._unpin(st)
+        if computed is not None:
+            job = self.saves.plan(st, min(computed, len(st.view.all_tokens)), self._next_job, final=True)
+            if job is not None:
+                self._next_job += 1
+                self._final_saves.append(job)
         self.write_stats()
         return st.had_saves
 
@@ -369,6 +395,10 @@ class SchedulerHalf:
         never, at the end of an ``LLM.generate`` script), and from ``close``."""
         if self._closed:
             return
+        if self._final_saves and (worker := local.worker_on(self.host.shm_path)) is not None:
+            saves, self._final_saves = self._final_saves, []
+            worker.save_now(StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
+                                     self.cfg.chunk_size, self.geometry.page_bytes, saves=saves))
         self.saves.adopt(EXIT_SAVE_WAIT_S)
         self.io.drain()
         self.io.run(self.store.settle(), timeout=None)

@@ -95,7 +95,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if request.mm_features or request.prompt_token_ids is None:
             return 0, False  # multimodal placeholders are not keyed yet: never guess
         lora = request.lora_request.lora_name if request.lora_request else ""
-        view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora)
+        view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
+                           request.all_token_ids)
         return self._sched.matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -119,7 +120,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sched.on_report(meta.report if isinstance(meta, KVStoreWorkerMetadata) else None)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request.request_id), None
+        return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
 
     # --- worker side -------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from connector import local
 from connector.device import CopyEvent, Device
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
 from connector.transfer import PagedKV
@@ -81,6 +82,11 @@ class WorkerHalf:
         self._save_left: dict[int, int] = {}
         self._interval = _zero_interval()  # guarded by _lock
         self._save_events: list[CopyEvent] = []  # gathers not yet seen complete (worker thread only)
+        local.register(self)
+
+    @property
+    def pool_path(self) -> str | None:
+        return None if self._pool is None else self._pool.path
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -265,7 +271,7 @@ class WorkerHalf:
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
         view = self._pool.buffer[chunk.slot:chunk.slot + codec.object_size(geometry)]
-        codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent)
+        codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent, chunk.generated)
 
     def _saved(self, job: SaveJob, i: int, event: CopyEvent, geometry: codec.ObjectGeometry) -> None:
         """Completion of the gather of chunk i (SNAPSHOT_DONE), on whichever thread observed
@@ -299,6 +305,13 @@ class WorkerHalf:
         """Observe the save gathers that completed (a stream device calls nothing back)."""
         if self._save_events:
             self._save_events = [ev for ev in self._save_events if not ev.query()]
+
+    def save_now(self, plan: StepPlan) -> None:
+        """At exit, in this process: gather and seal ``plan``'s saves and wait for them (the
+        engine is idle; no step will carry them).  See ``connector.local``."""
+        self.bind(plan)
+        self.submit_saves()
+        self.drain_saves()
 
     def drain_saves(self) -> None:
         """Preemption: blocks may be reused next; every gather must have finished."""

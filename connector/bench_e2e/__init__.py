@@ -159,7 +159,7 @@ def register(suites) -> None:
     p.add_argument("--restart-len", type=positive, default=2000, help="restart and throttled: tokens per prompt")
     p.add_argument("--restart-shared", type=int, default=1500, help="restart: tokens the prompts share")
     p.add_argument("--throttle-prompts", type=positive, default=3,
-                   help="throttled: prompts while slow (twice as many after the lift)")
+                   help="throttled: prompts while slow (three times as many after the lift)")
     p.add_argument("--throttle-rate", type=float, default=4e6, help="throttled: bytes/s from Redis while slow")
     p.add_argument("--explore-after", type=float, default=1.0,
                    help="throttled: our explore_after_s (how soon a tier not measured since is re-measured)")

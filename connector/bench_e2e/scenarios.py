@@ -117,7 +117,7 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
 
     g = kit.TokenSource(43, vocab)
     slow = [kit.Request(f"slow-{i}", g.take(args.restart_len)) for i in range(args.throttle_prompts)]
-    fast = [kit.Request(f"fast-{i}", g.take(args.restart_len)) for i in range(args.throttle_prompts * 2)]
+    fast = [kit.Request(f"fast-{i}", g.take(args.restart_len)) for i in range(args.throttle_prompts * 3)]
     plain = kit.Workload(tuple(slow + fast))
     gated = kit.Workload(tuple(slow + [kit.Request(fast[0].label, fast[0].tokens, barrier="lifted")] + fast[1:]))
 

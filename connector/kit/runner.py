@@ -82,6 +82,7 @@ def run_engine(
     timeout_s: float = 600,
     barriers: Path | None = None,
     eager: bool | None = None,
+    engine_args: dict | None = None,
 ) -> EngineResult:
     """Run `workload` on a fresh engine in a child process and return its parsed result.
 
@@ -105,6 +106,7 @@ def run_engine(
             "dtype": dtype or _checkpoint_dtype(Path(model_dir)),
             "barrier_dir": str(barriers or tmp),
             "eager": os.environ.get(EAGER_ENV) == "1" if eager is None else eager,
+            "engine_args": engine_args or {},
         }
         spec_path, out = Path(tmp) / "spec.json", Path(out_json or Path(tmp) / "out.json")
         spec_path.write_text(json.dumps(spec))

@@ -99,7 +99,7 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     cmd = [sys.executable, "-m", "kvstore", "bench", "e2e", "--geometry", "tiny", "--prompts", "2",
            "--shorts", "1", "--max-tokens", "4", "--single-process", "--skip-lmcache",
            "--restart-prompts", "2", "--restart-len", "600", "--restart-shared", "400",
-           "--throttle-prompts", "2", "--throttle-rate", "1e6", "--explore-after", "0.2",
+           "--throttle-prompts", "2", "--throttle-rate", "1e6", "--explore-after", "0.05",
            "--model-dir", str(tmp_path / "model"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

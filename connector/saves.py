@@ -16,6 +16,9 @@ gathers into the reserved slots and reports back (``connector.plan``).
   are skipped, that chunk only: its writer publishes it.  Only a reservation that finds no
   room stops a request's saves, because its later chunks would be orphans.
 * **Commit** happens when the worker reports the gather; a failed one frees the slot.
+* **Tensor parallelism**: every worker gathers its KV heads into the same slot, and the
+  object is sealed here (header and checksum of the whole payload) once every worker
+  reported its part (``geometry_of`` set); with one writer, the worker seals it.
 * **Shutdown** (``adopt``): no step will carry the worker's last reports, so each pending
   save whose slot already holds its sealed, verified object (the worker seals a header only
   after its gather completed) is committed and goes to the write-down.  A save whose slot
@@ -34,11 +37,20 @@ from connector.plan import ChunkCopy, SaveJob
 from connector.requests import ReqState
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
-from kvstore.keys import ObjectKey
+from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutHandle
 
 log = logging.getLogger("kvstore.connector")
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A reserved slot the workers are gathering into."""
+
+    handle: PutHandle
+    key: ObjectKey
+    chunk: ChunkCopy
 
 
 @dataclass(slots=True)
@@ -78,7 +90,10 @@ class SavePlanner:
         self.object_size = object_size  # pages per layer -> object bytes
         self.keys = keys                # the request's chunk and tail keys
         self._fail = fail
-        self.jobs: dict[int, list[tuple[PutHandle, ObjectKey]]] = {}
+        self.jobs: dict[int, list[_Pending]] = {}
+        # Under tensor parallelism the workers each write a part of an object and the
+        # scheduler seals it: pages per layer -> the objects' geometry (None: workers seal).
+        self.geometry_of: Callable[[int], codec.ObjectGeometry] | None = None
         self.in_flight: dict[ObjectKey, int] = {}  # key -> save job reserving its slot
         self.committed = 0
 
@@ -105,12 +120,12 @@ class SavePlanner:
                     chunks.append(ChunkCopy(handle.offset, bytes(w.key), blocks,
                                             parent=bytes(st.hashes[w.index - 1]) if w.index else b"",
                                             pages=w.pages, generated=w.generated))
-                    handles.append((handle, w.key))
+                    handles.append(_Pending(handle, w.key, chunks[-1]))
             w.done(st)
         if not chunks:
             return None
         self.jobs[job_id] = handles
-        self.in_flight.update(dict.fromkeys((k for _, k in handles), job_id))
+        self.in_flight.update(dict.fromkeys((p.key for p in handles), job_id))
         st.had_saves = True
         return SaveJob(job_id, st.view.req_id, chunks, self.chunk_size)
 
@@ -155,10 +170,24 @@ class SavePlanner:
     # --- outcomes ------------------------------------------------------------------------------
 
     def report(self, job_id: int, oks: list[bool]) -> None:
-        """The worker's outcome of each object of ``job_id``."""
-        for (handle, key), ok in zip(self.jobs.pop(job_id, []), oks):
-            self.in_flight.pop(key, None)
-            self._commit(handle, key, ok)
+        """Every worker's outcome of each object of ``job_id`` (all of them reported)."""
+        for pending, ok in zip(self.jobs.pop(job_id, []), oks):
+            self.in_flight.pop(pending.key, None)
+            if ok and self.geometry_of is not None:
+                ok = self._seal(pending)
+            self._commit(pending.handle, pending.key, ok)
+
+    def _seal(self, p: _Pending) -> bool:
+        """Seal an object the workers wrote in parts (tensor parallelism): its header and
+        the checksum of the whole payload, now that every part has landed."""
+        try:
+            geometry = self.geometry_of(p.chunk.pages or self.pages_per_chunk)
+        except Exception as err:  # noqa: BLE001 - no layout reported yet, or a bad one: not saved
+            self._fail("host", f"seal:{type(err).__name__}")
+            return False
+        parent = ChunkHash(p.chunk.parent) if p.chunk.parent else ROOT
+        codec.encode_into(p.handle.buffer, p.key, geometry, None, parent, p.chunk.generated)
+        return True
 
     def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
         if not self.host.put_commit_sync(handle, ok):
@@ -174,13 +203,13 @@ class SavePlanner:
         while self.jobs:
             for job_id in list(self.jobs):
                 left = []
-                for handle, key in self.jobs[job_id]:
-                    if _sealed(handle, key):
-                        self.in_flight.pop(key, None)
-                        self._commit(handle, key, True)
+                for pending in self.jobs[job_id]:
+                    if _sealed(pending.handle, pending.key):
+                        self.in_flight.pop(pending.key, None)
+                        self._commit(pending.handle, pending.key, True)
                         adopted += 1
                     else:
-                        left.append((handle, key))
+                        left.append(pending)
                 if left:
                     self.jobs[job_id] = left
                 else:

@@ -36,6 +36,7 @@ close (``flush_at_exit``).
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -68,9 +69,14 @@ NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently use
 
 class SchedulerHalf:
     def __init__(self, cfg: ConnectorConfig, identity: Identity, page_bytes: int, block_size: int,
-                 store: TieredStore | None = None) -> None:
+                 store: TieredStore | None = None, workers: int = 1, parts: bool = False) -> None:
+        """``page_bytes``: the canonical (topology-free) page; ``workers``: how many worker
+        halves report each job (the TP size); ``parts``: each writes a part of every saved
+        object (KV heads split over TP ranks), so this half seals them."""
         cfg.check_block_size(block_size)
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
+        self.workers, self.parts = workers, parts
+        self._partial: dict[tuple[str, int], tuple[int, object]] = {}  # (kind, job) -> (reports, outcome)
         self.pages_per_chunk = cfg.chunk_size // block_size
         self.page_bytes = page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
@@ -320,13 +326,23 @@ class SchedulerHalf:
         self._observe_step()
         if report is None:
             return
+        if self.parts and report.layout is not None and self.saves.geometry_of is None:
+            dtype, layout_id = report.layout
+            self.saves.geometry_of = lambda pages: codec.ObjectGeometry(
+                self.identity.num_layers, pages, self.page_bytes, dtype, layout_id, pages * self.block_size)
         for job_id, ok in report.loads.items():
+            ok = self._all_reported("load", job_id, report.load_reports.get(job_id, 1), ok, operator.and_)
+            if ok is None:
+                continue
             for key in self._load_pins.pop(job_id, []):
                 self.host.release(key)
             if not ok:
                 self._fail("host", "load")
         for job_id, oks in report.saves.items():
-            self.saves.report(job_id, oks)
+            oks = self._all_reported("save", job_id, report.save_reports.get(job_id, 1), oks,
+                                     lambda a, b: [x and y for x, y in zip(a, b)])
+            if oks is not None:
+                self.saves.report(job_id, oks)
         with self._stats_lock:
             self.stats.saves_committed = self.saves.committed
             for reason, n in report.failures.items():
@@ -340,6 +356,17 @@ class SchedulerHalf:
             self._bytes(self.host.name, "read", report.bytes_loaded)
         if report.bytes_saved:
             self._bytes(self.host.name, "write", report.bytes_saved)
+
+    def _all_reported(self, kind: str, job_id: int, n: int, outcome, combine):
+        """The outcome of a job once every worker reported it (None before that): workers
+        may report one job in different steps, and a part not yet landed is not a whole."""
+        key = (kind, job_id)
+        count, acc = self._partial.pop(key, (0, None))
+        count, acc = count + n, outcome if acc is None else combine(acc, outcome)
+        if count < self.workers:
+            self._partial[key] = (count, acc)
+            return None
+        return acc
 
     def _observe_step(self) -> None:
         if self._step is not None:

@@ -34,7 +34,7 @@ import torch
 from connector import local
 from connector.device import CopyEvent, Device
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
-from connector.transfer import PagedKV
+from connector.transfer import PagedKV, dtype_name
 from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
@@ -92,6 +92,7 @@ class WorkerHalf:
 
     def register(self, kv: PagedKV) -> None:
         self.kv = kv
+        self.device.rank = kv.shard.rank  # fault injection may target one rank
 
     def bind(self, plan: StepPlan) -> None:
         if self.kv is not None and plan.page_bytes != self.kv.layout.page_bytes:
@@ -230,12 +231,14 @@ class WorkerHalf:
         with self._lock:
             r = self._report
             r.loads[load.job.job_id] = ok
+            r.load_reports[load.job.job_id] = 1
             r.stages += stages
             self._interval["loads"] += 1
             self._interval["load_failures"] += not ok
             if ok:
-                self._interval["bytes_loaded"] += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
-                r.bytes_loaded += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
+                nbytes = pages * self.kv.local.page_bytes * self.kv.local.num_layers  # this rank's part
+                self._interval["bytes_loaded"] += nbytes
+                r.bytes_loaded += nbytes
                 # the copies' own time (issue to the last layer landing), not the forward's:
                 # it is the host tier's bandwidth the cost model learns from it
                 r.load_seconds += (load.landed or time.perf_counter()) - load.started
@@ -280,7 +283,7 @@ class WorkerHalf:
         if not ok:
             log.warning("kvstore: save of %s chunk %d failed: %s", job.req_id, i, event.error)
             self._count("save_copy_error")
-        else:
+        elif self.kv.shard.whole and self.kv.shard.writes:  # else: the scheduler seals, all parts in
             try:
                 self._seal(job.chunks[i], geometry)
             except Exception as err:  # noqa: BLE001 - fail the chunk, keep the thread
@@ -291,7 +294,8 @@ class WorkerHalf:
             self._save_oks[job.job_id][i] = ok
             self._save_left[job.job_id] -= 1
             self._saving[job.req_id] -= 1
-            nbytes = self.kv.layout.page_bytes * self.kv.layout.num_layers * len(job.chunks[i].block_ids)
+            nbytes = (self.kv.local.page_bytes * self.kv.local.num_layers * len(job.chunks[i].block_ids)
+                      if self.kv.shard.writes else 0)
             self._interval["saves"] += 1
             self._interval["save_failures"] += not ok
             if ok:
@@ -300,6 +304,7 @@ class WorkerHalf:
             if self._save_left[job.job_id] == 0:
                 del self._save_left[job.job_id]
                 self._report.saves[job.job_id] = self._save_oks.pop(job.job_id)
+                self._report.save_reports[job.job_id] = 1
 
     def poll(self) -> None:
         """Observe the save gathers that completed (a stream device calls nothing back)."""
@@ -349,7 +354,11 @@ class WorkerHalf:
         self.poll()
         with self._lock:
             report, self._report = self._report, WorkerReport()
-        return None if report.empty() else report
+        if report.empty():
+            return None
+        if self.kv is not None:
+            report.layout = (dtype_name(self.kv.layout.dtype), self.kv.layout.layout_id)
+        return report
 
     def close(self) -> None:
         self.device.close()

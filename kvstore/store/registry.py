@@ -4,8 +4,10 @@ Runs wherever a store is opened (the embedded store, the store process, the conn
 
 Specs, and the keyword options each takes:
 
-    host:                    the host DRAM pool: capacity (required), shared, pin, alignment, name
-    ssd:PATH                 an SSD directory: capacity (required), fsync, name
+    host:                    the host DRAM pool: capacity (required), shared, pin, alignment, name,
+                             pools and pool_of (one memfd pool per name: ``tiers.host``)
+    ssd:PATH                 an SSD directory: capacity (required), fsync, name, partition and
+                             quotas (bytes per partition: ``tiers.ssd_index``)
     redis://HOST:PORT/DB     Redis; also rediss:// (TLS), redis+cluster://, rediss+cluster://:
                              ``tiers.redis_config.RedisConfig`` options (over the query string)
     kvstore://HOST:PORT      a store process (``kvstore serve``): token, tls_ca, tls_cert,
@@ -40,8 +42,8 @@ EXPECTED = ("host:, ssd:PATH, redis://HOST:PORT, rediss://HOST:PORT, redis+clust
             "or kvstore://HOST:PORT")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 _OPTIONS = {
-    "host": {"capacity", "shared", "pin", "alignment", "name"},
-    "ssd": {"capacity", "fsync", "name"},
+    "host": {"capacity", "shared", "pin", "alignment", "name", "pools", "pool_of"},
+    "ssd": {"capacity", "fsync", "name", "partition", "quotas"},
     "remote": {"token", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "transport",
                "timeout_s", "release_delay_s", "lease_ttl_s", "name", "retry_s"},
 }

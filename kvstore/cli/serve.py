@@ -23,6 +23,10 @@ def register(sub) -> None:
     serve = sub.add_parser("serve", help="run the store process (gRPC, shared memory, tiers)")
     types = field_types(ServerConfig)
     for f in fields(ServerConfig):  # one flag per setting, its help from the setting's doc
+        if types[f.name] is bool:  # --insecure alone means true; --data-channel false too
+            serve.add_argument(flag_name(f.name), metavar="BOOL", nargs="?", const="true",
+                               help=_help(f, types[f.name]))
+            continue
         serve.add_argument(flag_name(f.name), metavar=_metavar(f.name, types[f.name]),
                            help=_help(f, types[f.name]))
     serve.add_argument("--config", help="YAML file of settings (flags and KVSTORE_SERVE_* win)")

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import yaml
 
+from kvstore.config import read_token_file
 from kvstore.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
 from kvstore.server.tenants import Limits, parse_limits
 
@@ -201,19 +202,6 @@ def _token_from(source: str, value: str, where: str, env: Mapping[str, str]) -> 
     return token
 
 
-def read_token_file(path: str | os.PathLike) -> str:
-    """The token in ``path``: its first line, stripped; ``ConfigError`` (naming the file,
-    never its content) when it is unreadable or empty."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"token file {path} is not readable: {getattr(err, 'strerror', None) or err}") from err
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
-
-
 def _parse_permissions(perms: object, where: str) -> frozenset[Permission]:
     if not isinstance(perms, list) or not perms:
         raise ConfigError(f"{where}: 'permissions' must be a non-empty list of read, write, shm, admin")
@@ -269,5 +257,4 @@ class Authenticator:
 
 
 __all__ = ["ALL_PERMISSIONS", "ANONYMOUS", "Authenticator", "DEFAULT_TENANT", "Permission",
-           "PermissionDeniedError", "Principal", "TokenTable", "UnauthenticatedError", "bearer_token",
-           "read_token_file"]
+           "PermissionDeniedError", "Principal", "TokenTable", "UnauthenticatedError", "bearer_token"]

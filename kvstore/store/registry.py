@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
-from kvstore.config import parse_size
+from kvstore.config import parse_size, redact_url as _redact
 from kvstore.errors import ConfigError, TierError
 from tiers.base import Tier
 
@@ -171,17 +171,6 @@ def _remote(spec: TierSpec, options: dict[str, object]) -> Opener:
 
 _RESOLVERS: dict[str, Callable[[TierSpec, dict[str, object]], Opener]] = {
     "host": _host, "ssd": _ssd, "redis": _redis, "remote": _remote}
-
-
-def _redact(spec: str) -> str:
-    """``spec`` with a URL password replaced by ``***``."""
-    head, sep, rest = spec.partition("://")
-    netloc = rest.split("/", 1)[0]
-    if not sep or "@" not in netloc:
-        return spec
-    auth, _, tail = rest.partition("@")
-    user, colon, _ = auth.partition(":")
-    return f"{head}://{user}{':***' if colon else ''}@{tail}"
 
 
 __all__ = ["EXPECTED", "REDIS_SCHEMES", "TierSpec", "open_tier", "open_tiers", "parse_spec", "resolve"]

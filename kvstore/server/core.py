@@ -323,7 +323,7 @@ class ServerStore:
                     for name, s in snap.tiers.items() if "breaker_open" in s}
         return {
             "server": {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
-                       "closing": self._closing},
+                       "closing": self._closing, "dumpable": _dumpable()},
             "tiers": snap.tiers,
             "store": self.metrics.counters.as_json(),
             "leases": {"held": snap.leases_held, "expired": snap.leases_expired,
@@ -353,6 +353,18 @@ class ServerStore:
             self.host.release_lease(lease_id)
             self._unpin(self.leases.forget(lease_id))
         await self.core.aclose(timeout)
+
+
+def _dumpable() -> bool | None:
+    """Whether other processes of our uid may ptrace us or open our ``/proc/<pid>/fd``
+    (``prctl(PR_GET_DUMPABLE)``; None where it cannot be asked)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(3, 0, 0, 0, 0))
+    except (OSError, AttributeError):
+        return None
 
 
 __all__ = ["Granted", "ServerObserver", "ServerStore", "trusted_key"]

@@ -46,7 +46,7 @@ def start_store(work: Path, *extra: str) -> StoreProcess:
                         "--ssd-dir", str(work / "ssd"), "--ssd-capacity", SSD,
                         "--put-ttl", str(PUT_TTL), "--lease-ttl", "5",
                         "--stream-min-rate", str(STREAM_RATE), "--stream-grace", str(GRACE),
-                        "--idle-timeout", "3", *extra).start()
+                        "--idle-timeout", "3", "--metrics-port", "0", *extra).start()
 
 
 def keys(n: int, seed: int, tag: str = "r0") -> list[ObjectKey]:

@@ -297,7 +297,8 @@ class ServerStore:
         pins its slot, even when its object was deleted."""
         tiers = {t.name: t.stats().as_dict() for t in self.tiers}
         host = tiers[self.host.name]
-        return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers)
+        return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
+                        dict(self.tenants.refused))
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
         """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -136,6 +137,8 @@ def test_quotas_refuse_with_resource_exhausted_counted_per_tenant(store, objects
         grown = {t: {k: v - before[t].get(k, 0) for k, v in refused(store.target, t).items()
                      if v != before[t].get(k, 0)} for t in before}
         assert grown == {"tok-b": {"leases": 1, "reservations": 1, "streams": 1}, "tok-a": {}}
+        metrics = urllib.request.urlopen(store.metrics_url, timeout=10).read().decode()
+        assert 'kvstore_server_tenant_refused_total{tenant="b",what="leases"}' in metrics
         b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[g.lease_id for g in held]))
         for client, start in ((b, starts[0]), (b, starts[1]), (a, a_start)):
             client.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id, abort=True))

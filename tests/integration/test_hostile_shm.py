@@ -164,20 +164,23 @@ def gate_code(path: str, ticket: bytes, token: str, uid: int | None = None) -> i
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:                                            # the child: another user, same host
-        code = 255                                          # it could not even ask
+        answer = b"\xff"                                    # it could not even ask
         try:
             os.close(read)
             os.setgid(uid)
             os.setuid(uid)
-            code = _hello_code(path, ticket, token)
+            answer = bytes([_hello_code(path, ticket, token)])
+        except BaseException as err:  # noqa: BLE001 - reported to the parent
+            answer += repr(err).encode()[:200]
         finally:
-            os.write(write, bytes([code]))
+            os.write(write, answer)
             os._exit(0)
     os.close(write)
-    code = os.read(read, 1)
+    answer = os.read(read, 512)
     os.close(read)
     os.waitpid(pid, 0)
-    return code[0]
+    assert len(answer) == 1, f"the child of uid {uid} failed: {answer[1:].decode(errors='replace')}"
+    return answer[0]
 
 
 def _hello_code(path: str, ticket: bytes, token: str) -> int:
@@ -185,7 +188,10 @@ def _hello_code(path: str, ticket: bytes, token: str) -> int:
     sock.settimeout(10)
     try:
         sock.connect(path)
-        sock.sendall(shmwire.encode_hello(ticket, token))
+        try:
+            sock.sendall(shmwire.encode_hello(ticket, token))
+        except BrokenPipeError:                             # refused before the hello: read why
+            pass
         data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
         for fd in fds:
             os.close(fd)
@@ -226,6 +232,7 @@ def test_a_late_writer_cannot_touch_a_reused_slot(fresh):
         for i, key in enumerate(keys(20, seed=7)):          # more than a's pool holds: it evicts,
                                                             # never into the fenced slot
             obj = bytes(objects.make(key, 1 * MiB, seed=200 + i))
+            assert wait_until(lambda: admin_counters(fresh.target)["write_throughs_in_flight"] == 0)
             assert a2.put_shm(key, memoryview(obj)) == pb.PUT_OUTCOME_STORED
             got = a2.call("Get", get_request(key))
             a2.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]))

@@ -71,8 +71,10 @@ class PutPath:
             self.tenants.take(tenant, "reservations")  # CapacityError at the quota
         try:
             handle = self.host.put_start_sync(key, size, parent)  # CapacityError: never fits
-        except BaseException:
+        except BaseException as err:
             self._give(tenant, streamed)
+            if isinstance(err, CapacityError):
+                self.tenants.refuse(tenant, "host_bytes")          # larger than the tenant's pool
             raise
         if handle is None:
             self._give(tenant, streamed)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from connector import kit, tinymodel
 from kvstore.layout import format_bytes
+from kvstore.config import redact_url
 
 CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm",
              "kv_role": "kv_both"}
@@ -110,9 +111,11 @@ def run(args: argparse.Namespace) -> int:
           f"{kit.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
     ssd = None if args.no_ssd else work / "ssd"
     extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
-                               ("redis_url", args.redis_url), ("device", args.device)) if v}
-    tiers = ", ".join([*(["SSD directory"] if ssd else []), *(f"{k}={v}" for k, v in extra.items()
-                                                              if k not in ("store_token", "device"))])
+                               ("store_token_file", args.store_token_file), ("redis_url", args.redis_url),
+                               ("device", args.device)) if v}
+    tiers = ", ".join([*(["SSD directory"] if ssd else []),
+                       *(f"{k}={redact_url(v)}" for k, v in extra.items()
+                         if k not in ("store_token", "store_token_file", "device"))])
     if not tiers:
         raise SystemExit("connector.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
     ok = True
@@ -141,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help="where the generated model lives (reused when present)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
     p.add_argument("--store-target", help="HOST:PORT of a `kvstore serve` store process for both engines")
-    p.add_argument("--store-token", help="bearer token for the store process")
+    p.add_argument("--store-token", help="bearer token for the store process (visible to other users "
+                   "in the process list: prefer --store-token-file or KVSTORE_STORE_TOKEN)")
+    p.add_argument("--store-token-file", help="a file whose first line is the store process's bearer token")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
     p.add_argument("--device", help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "

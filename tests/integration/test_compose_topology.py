@@ -58,7 +58,7 @@ def wait_healthy(service: dict, env: dict[str, str], proc: subprocess.Popen, tim
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{cmd[0]} service exited with {proc.returncode}"
-        if subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0:
+        if subprocess.run(cmd, capture_output=True, timeout=30, env={**os.environ, **env}).returncode == 0:
             return
         time.sleep(0.5)
     raise AssertionError(f"health check {cmd} never passed")
@@ -67,8 +67,11 @@ def wait_healthy(service: dict, env: dict[str, str], proc: subprocess.Popen, tim
 def test_compose_file_declares_the_topology():
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert set(services) == {"redis", "kvstore", "engine"}
+    assert set(services) == {"redis", "tokens", "kvstore", "engine"}
     assert services["engine"]["depends_on"]["kvstore"]["condition"] == "service_healthy"
+    assert services["kvstore"]["depends_on"]["tokens"]["condition"] == "service_completed_successfully"
+    assert "--auth-tokens" in services["kvstore"]["command"]              # generated tokens, never open
+    assert "--store-token-file" in services["engine"]["command"]
     assert services["kvstore"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert services["engine"]["ipc"] == "service:kvstore"  # the shm data plane across containers
     assert "--store-target" in services["engine"]["command"]
@@ -79,7 +82,9 @@ def test_compose_topology_as_local_processes(tmp_path):
     spec = yaml.safe_load(COMPOSE.read_text())["services"]
     env = {"REDIS_HOST": "127.0.0.1", "REDIS_PORT": str(free_port()), "KVSTORE_HOST": "127.0.0.1",
            "KVSTORE_PORT": str(free_port()), "KVSTORE_METRICS_PORT": str(free_port()),
-           "KVSTORE_DATA": str(tmp_path / "data"), "ENGINE_WORKDIR": str(tmp_path / "work")}
+           "KVSTORE_DATA": str(tmp_path / "data"), "ENGINE_WORKDIR": str(tmp_path / "work"),
+           "KVSTORE_RUN": str(tmp_path / "run"),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     (tmp_path / "data").mkdir()
     procs: list[subprocess.Popen] = []
     logs = {}
@@ -92,6 +97,9 @@ def test_compose_topology_as_local_processes(tmp_path):
         return proc
 
     try:
+        tokens = subprocess.run(local_command(spec["tokens"]["command"], env), cwd=tmp_path, capture_output=True,
+                                env={**os.environ, **env})   # this checkout's kvstore (PYTHONPATH)
+        assert tokens.returncode == 0, tokens.stderr
         wait_healthy(spec["redis"], env, start("redis"), timeout=30)
         wait_healthy(spec["kvstore"], env, start("kvstore"), timeout=60)
         engine = subprocess.run(local_command(spec["engine"]["command"], env), cwd=ROOT,

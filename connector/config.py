@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 
 from connector.device import check_device_spec
 from kvstore.client.info import Transport
-from kvstore.config import LeaseSettings, Seconds, TierSettings, check_seconds, from_env, given, load, setting
+from kvstore.config import (LeaseSettings, Seconds, TierSettings, check_seconds, from_env, given, load,
+                            read_token_file, redact_url, setting)
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 
@@ -88,8 +89,13 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                              "options as query parameters; empty: none")
     store_target: str = setting("", "`HOST:PORT` of a `kvstore serve` store process (a tier below host DRAM); "
                                 "empty: none")
-    store_token: str = setting("", "bearer token for the store process (its tenant and permissions)")
+    store_token: str = setting("", "bearer token for the store process (its tenant and permissions); "
+                               "prefer `store_token_file` or `KVSTORE_STORE_TOKEN`: engines log their "
+                               "connector config")
+    store_token_file: Path | None = setting(None, "a file whose first line is the store process's bearer token")
     store_tls_ca: Path | None = setting(None, "CA certificate when the store process serves TLS")
+    store_tls_cert: Path | None = setting(None, "client certificate (PEM) for a store process that requires one")
+    store_tls_key: Path | None = setting(None, "the client certificate's private key (PEM)")
     store_transport: Transport = setting(Transport.AUTO, "`auto` (shared memory when allowed, else the TCP "
                                          "data channel, else gRPC streams), `shm`, `tcp` or `stream`")
     lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
@@ -104,6 +110,24 @@ class ConnectorConfig(LeaseSettings, TierSettings):
             raise ConfigError(f"prefill_tokens_per_s must be positive, got {self.prefill_tokens_per_s}")
         if self.store_target and not _HOSTPORT.match(self.store_target):
             raise ConfigError(f"store_target: expected HOST:PORT, got {self.store_target!r}")
+        if self.store_token and self.store_token_file is not None:
+            raise ConfigError("store_token and store_token_file: give the token one way")
+        if (self.store_tls_cert is None) != (self.store_tls_key is None):
+            raise ConfigError("store_tls_cert and store_tls_key go together (a client certificate and its key)")
+
+    def __repr__(self) -> str:
+        """Every setting, secrets redacted: the token (``***``) and a Redis URL's password."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        if shown["store_token"]:
+            shown["store_token"] = "***"
+        shown["redis_url"] = redact_url(self.redis_url)
+        return f"ConnectorConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+    def bearer_token(self) -> str | None:
+        """The store process's token: ``store_token``, else the first line of ``store_token_file``."""
+        if self.store_token_file is not None:
+            return read_token_file(self.store_token_file)
+        return self.store_token or None
 
     @property
     def has_lower_tiers(self) -> bool:

@@ -211,14 +211,14 @@ DEVICE_KINDS = ("auto", "host", "cuda", "emulated-cuda")
 def make_device(kind: str = "auto") -> Device:
     """``auto`` → CUDA when available, else host; ``host``; ``cuda``; ``emulated-cuda``
     (CUDA's stream semantics on the CPU; options ``emulated-cuda:delay=S,fail_every=N``);
-    and for fault tests ``faulty:fail_every=N,delay=S`` (every N-th copy job fails, each
-    waits S seconds)."""
+    and for fault tests ``faulty:fail_every=N,delay=S,rank=R`` (every N-th copy job fails,
+    on tensor-parallel rank R only if given; each waits S seconds)."""
     if kind.startswith("faulty:"):
-        return FaultyDevice(**_device_options("faulty", kind.removeprefix("faulty:")))
+        return _ruled(FaultyDevice(**_device_options("faulty", kind.removeprefix("faulty:"))))
     if kind == "emulated-cuda" or kind.startswith("emulated-cuda:"):
         from connector.emulated_cuda import EmulatedCudaDevice
 
-        return EmulatedCudaDevice(**_device_options("emulated-cuda", kind.partition(":")[2]))
+        return _ruled(EmulatedCudaDevice(**_device_options("emulated-cuda", kind.partition(":")[2])))
     if kind == "auto":
         try:
             import torch
@@ -233,6 +233,12 @@ def make_device(kind: str = "auto") -> Device:
     raise ConfigError(f"unknown device {kind!r}; expected {', '.join(DEVICE_KINDS)} or faulty:...")
 
 
+def _ruled(device):
+    if isinstance(device.fail, _FailRule):
+        device.fail.device = device
+    return device
+
+
 def check_device_spec(kind: str) -> None:
     """Validate a device spec without opening a device (config time)."""
     base, _, opts = kind.partition(":")
@@ -240,15 +246,17 @@ def check_device_spec(kind: str) -> None:
         _device_options(base, opts)
     elif kind not in DEVICE_KINDS:
         raise ConfigError(f"device: {kind!r} is not one of {', '.join(DEVICE_KINDS)} "
-                          "(or faulty:fail_every=N,delay=S)")
+                          "(or faulty:fail_every=N,delay=S,rank=R)")
 
 
 def _device_options(name: str, spec: str) -> dict:
-    """``fail_every=N,delay=S`` → keyword arguments of the faulty and emulated devices."""
+    """``fail_every=N,delay=S,rank=R`` → keyword arguments of the faulty and emulated
+    devices.  ``rank=R``: only the worker of tensor-parallel rank R fails (the worker sets
+    the device's ``rank`` when it learns its own)."""
     opts: dict[str, float] = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        if key not in ("fail_every", "delay"):
+        if key not in ("fail_every", "delay", "rank"):
             raise ConfigError(f"{name} device: unknown option {key!r}")
         try:
             opts[key] = float(value)
@@ -257,7 +265,21 @@ def _device_options(name: str, spec: str) -> dict:
         if opts[key] < 0:
             raise ConfigError(f"{name} device: {key} must not be negative")
     every = int(opts.pop("fail_every", 0))
-    out: dict = {"fail": (lambda n: (n + 1) % every == 0) if every > 0 else None}
+    rank = int(opts["rank"]) if "rank" in opts else None
+    out: dict = {"fail": _FailRule(every, rank) if every > 0 else None}
     if "delay" in opts:
         out["delay"] = opts["delay"]
     return out
+
+
+class _FailRule:
+    """Every ``every``-th job fails, on the worker of rank ``rank`` only (any when None);
+    ``device`` is set by ``make_device`` so the rule sees the rank the worker gave it."""
+
+    def __init__(self, every: int, rank: int | None) -> None:
+        self.every, self.rank, self.device = every, rank, None
+
+    def __call__(self, n: int) -> bool:
+        if self.rank is not None and getattr(self.device, "rank", 0) != self.rank:
+            return False
+        return (n + 1) % self.every == 0

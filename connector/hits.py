@@ -10,7 +10,7 @@ chat) hits through the earlier one's tail.  Tail keys cost one batched presence 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -29,20 +29,41 @@ class HitFinder:
         self.object_size = object_size  # pages per layer -> object bytes
         self.chunk_bytes = object_size(self.pages_per_chunk)
 
-    def tail_keys(self, st: ReqState, index: int) -> list[ObjectKey]:
-        """Keys of the tail objects at chunk ``index``: its first k whole blocks, for k from
-        the most the prompt has there (at most a chunk less one block) down to 1."""
-        keys = st.tails.get(index)
+    def tail_keys(self, st: ReqState, index: int, tokens: Sequence[int] | None = None) -> list[ObjectKey]:
+        """Keys of the tail objects at chunk ``index`` of ``tokens`` (default: the prompt):
+        its first k whole blocks, for k from the most there are (at most a chunk less one
+        block) down to 1.  Cached per chunk index for the prompt."""
+        cached = tokens is None
+        keys = st.tails.get(index) if cached else None
         if keys is None:
+            seq = st.view.prompt if tokens is None else tokens
             c, bs = self.chunk_size, self.block_size
-            most = min(self.pages_per_chunk - 1, (len(st.view.prompt) - index * c) // bs)
-            tokens = np.asarray(st.view.prompt[index * c:index * c + most * bs], dtype=np.int64)
-            parent = st.hashes[index - 1] if index else ROOT
-            ns = st.namespace
-            keys = [object_keys(ns, chunk_hashes(ns, tokens[:k * bs], c, include_partial=True, parent=parent))[0]
+            most = min(self.pages_per_chunk - 1, (len(seq) - index * c) // bs)
+            part = np.asarray(seq[index * c:index * c + most * bs], dtype=np.int64)
+            parent = self.parent_hash(st, index)
+            keys = [object_keys(st.namespace, chunk_hashes(st.namespace, part[:k * bs], c, include_partial=True,
+                                                           parent=parent))[0]
                     for k in range(most, 0, -1)]
-            st.tails[index] = keys
+            if cached:
+                st.tails[index] = keys
         return keys
+
+    def extend_keys(self, st: ReqState, chunks: int) -> None:
+        """Key the full chunks of the request's tokens so far (prompt and generated) up to
+        ``chunks``: a chat's answer is saved, and hit by the next turn, like its prompt."""
+        have, tokens = len(st.keys), st.view.all_tokens
+        chunks = min(chunks, len(tokens) // self.chunk_size)
+        if chunks <= have:
+            return
+        c = self.chunk_size
+        part = np.asarray(tokens[have * c:chunks * c], dtype=np.int64)
+        hashes = chunk_hashes(st.namespace, part, c, parent=self.parent_hash(st, have))
+        st.hashes = [*st.hashes, *hashes]
+        st.keys = [*st.keys, *object_keys(st.namespace, hashes)]
+
+    @staticmethod
+    def parent_hash(st: ReqState, index: int):
+        return st.hashes[index - 1] if index else ROOT
 
     def find(self, st: ReqState) -> list[Piece]:
         """The contiguous hit: full chunks, then the longest tail found after them."""

@@ -41,25 +41,52 @@ _SETTINGS_FORMAT = "kvstore/engine-config/v1"
 
 
 def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
-    """The identity of this engine's KV and its page size in bytes."""
+    """The identity of this engine's KV and its canonical page size in bytes.
+
+    Topology-free: under tensor parallelism each rank holds its share of the KV heads, and
+    the objects hold all of them (``connector.transfer.Shard``), so the identity names the
+    whole model's heads and page, never the rank or the TP size: engines of every TP size
+    share the same objects.  MLA's latent KV is the same on every rank: its page is a rank's."""
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     mc = vllm_config.model_config
     device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
-    layout = f"{device}:bs{spec.block_size}:h{spec.num_kv_heads}x{spec.head_size}:{vllm_config.cache_config.cache_dtype}"
+    ranks = tp_ranks(vllm_config, spec)
+    heads = spec.num_kv_heads * ranks
+    layout = f"{device}:bs{spec.block_size}:h{heads}x{spec.head_size}:{vllm_config.cache_config.cache_dtype}"
     revision, weights = weights_identity(str(mc.model), getattr(mc, "revision", None),
                                          str(getattr(mc, "model_weights", "") or ""),
                                          getattr(vllm_config.load_config, "download_dir", None))
     settings = engine_settings(vllm_config, kv_cache_config)
     identity = Identity(
         model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
-        layout_id=layout, num_layers=len(group.layer_names), num_kv_heads=spec.num_kv_heads,
+        layout_id=layout, num_layers=len(group.layer_names), num_kv_heads=heads,
         head_dim=spec.head_size, weights=weights, engine_config=settings_digest(settings),
     )
     log.info("engine identity: model=%s revision=%s weights=%s engine_config=%s namespace=%s",
              identity.model, identity.revision or "-", identity.weights, identity.engine_config,
              identity.namespace().hex())
-    return identity, spec.page_size_bytes
+    return identity, spec.page_size_bytes * ranks
+
+
+def is_mla(spec) -> bool:
+    return type(spec).__name__.startswith("MLA")
+
+
+def tp_ranks(vllm_config, spec) -> int:
+    """How many TP ranks split each page (their KV heads); 1 for MLA (replicated)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return 1 if is_mla(spec) else tp
+
+
+def _canonical_spec(spec, ranks: int) -> dict[str, object]:
+    """The KV cache spec of the whole model (per-rank head counts scaled by the TP size)."""
+    fields = _fields(spec)
+    for name in ("num_kv_heads", "num_head_slots"):
+        if isinstance(fields.get(name), int) and ranks > 1:
+            fields[name] = fields[name] * ranks
+    fields.pop("max_tp_shards", None)  # how far this engine could shard: not the bytes
+    return {"type": type(spec).__name__, **fields}
 
 
 # ---- weights and revision ------------------------------------------------------------------
@@ -161,7 +188,7 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
         "attention_backend": getattr(attn, "backend", None),
         "attention_backend_per_kind": getattr(attn, "backend_per_kind", None),
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None),
-        "kv_cache_spec": {"type": type(spec).__name__, **_fields(spec)},
+        "kv_cache_spec": _canonical_spec(spec, tp_ranks(vllm_config, spec)),
         "hf_overrides": getattr(mc, "hf_overrides", None),
         "hf_config": hf.to_dict() if hasattr(hf, "to_dict") else hf,
         "model_impl": getattr(mc, "model_impl", None),

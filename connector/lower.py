@@ -58,8 +58,8 @@ def tier_specs(cfg: ConnectorConfig) -> list[tuple[str, dict[str, object]]]:
         specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity}))
     if cfg.store_target:
         specs.append((f"kvstore://{cfg.store_target}", {
-            "token": cfg.store_token or None, "tls_ca": cfg.store_tls_ca, "transport": cfg.store_transport,
-            "lease_ttl_s": cfg.lease_ttl}))
+            "token": cfg.bearer_token(), "tls_ca": cfg.store_tls_ca, "tls_cert": cfg.store_tls_cert,
+            "tls_key": cfg.store_tls_key, "transport": cfg.store_transport, "lease_ttl_s": cfg.lease_ttl}))
     if cfg.redis_url:
         specs.append((cfg.redis_url, {}))
     return specs

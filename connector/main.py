@@ -28,6 +28,7 @@ from pathlib import Path
 
 from connector import kit, tinymodel
 from kvstore.layout import format_bytes
+from kvstore.config import redact_url
 
 CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm",
              "kv_role": "kv_both"}
@@ -120,12 +121,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"reference (no connector): TTFT p50 "
           f"{kit.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
     ssd = None if args.no_ssd else work / "ssd"
-    token = Path(args.store_token_file).read_text().strip() if args.store_token_file else args.store_token
-    extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", token),
-                               ("store_tls_ca", args.store_tls_ca), ("redis_url", args.redis_url),
-                               ("device", args.device)) if v}
-    tiers = ", ".join([*(["SSD directory"] if ssd else []), *(f"{k}={v}" for k, v in extra.items()
-                                                              if k not in ("store_token", "store_tls_ca", "device"))])
+    extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
+                               ("store_token_file", args.store_token_file), ("store_tls_ca", args.store_tls_ca),
+                               ("redis_url", args.redis_url), ("device", args.device)) if v}
+    tiers = ", ".join([*(["SSD directory"] if ssd else []),
+                       *(f"{k}={redact_url(v)}" for k, v in extra.items()
+                         if k not in ("store_token", "store_token_file", "store_tls_ca", "device"))])
     if not tiers:
         raise SystemExit("connector.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
     ok = True
@@ -155,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", help="where the generated model lives (reused when present)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
     p.add_argument("--store-target", help="HOST:PORT of a `kvstore serve` store process for both engines")
-    p.add_argument("--store-token", help="bearer token for the store process")
-    p.add_argument("--store-token-file", help="read the bearer token from this file (a Docker secret)")
+    p.add_argument("--store-token", help="bearer token for the store process (visible to other users "
+                   "in the process list: prefer --store-token-file or KVSTORE_STORE_TOKEN)")
+    p.add_argument("--store-token-file", help="a file whose first line is the store process's bearer token")
     p.add_argument("--store-tls-ca", help="CA certificate (PEM) of a store process that serves TLS")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")

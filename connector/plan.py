@@ -25,6 +25,7 @@ class ChunkCopy:
     page_offset: int = 0  # loads: the first page of the object that block_ids[0] receives
     parent: bytes = b""   # saves: the parent chunk hash written into the header
     pages: int = 0        # pages per layer of the object; 0: the plan's pages_per_chunk
+    generated: int = 0    # saves: how many of its tokens the engine generated (into the header)
 
 
 @dataclass(slots=True)
@@ -65,10 +66,15 @@ class StepPlan:
 @dataclass(slots=True)
 class WorkerReport:
     """Outcomes since the last report.  ``loads``: job id → ok.  ``saves``: job id → ok per
-    chunk.  With several workers (TP) a job is ok only if it is ok on every worker."""
+    chunk.  With several workers (TP) a job is ok only if it is ok on every worker: the
+    ``*_reports`` counts say how many workers a merged outcome stands for, because workers
+    finish a job's copies at their own pace and may report it in different steps."""
 
     loads: dict[int, bool] = field(default_factory=dict)
     saves: dict[int, list[bool]] = field(default_factory=dict)
+    load_reports: dict[int, int] = field(default_factory=dict)  # job -> workers that reported it
+    save_reports: dict[int, int] = field(default_factory=dict)  # job -> workers that reported it
+    layout: tuple[str, str] | None = None  # (dtype, layout id) of the canonical page
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     bytes_saved: int = 0
@@ -83,6 +89,10 @@ class WorkerReport:
         for job, oks in other.saves.items():
             mine = self.saves.get(job)
             self.saves[job] = oks if mine is None else [a and b for a, b in zip(mine, oks)]
+        for mine, theirs in ((self.load_reports, other.load_reports), (self.save_reports, other.save_reports)):
+            for job, n in theirs.items():
+                mine[job] = mine.get(job, 0) + n
+        self.layout = self.layout or other.layout
         self.bytes_loaded += other.bytes_loaded
         self.load_seconds = max(self.load_seconds, other.load_seconds)
         self.bytes_saved += other.bytes_saved

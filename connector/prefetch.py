@@ -8,10 +8,11 @@ ever promised to the engine.
   the predicted load time (or ``PREFETCH_SLACK_S`` more), and never longer than half the
   time recomputing what it brings would take, so a tier far slower than predicted costs
   the first request at most 1.5x its recompute time before the estimate is fixed.  Past
-  that deadline it takes the part already promoted and recomputes the rest; the prefetch
-  goes on in the background, and the wait replaces the tier's estimate ("at most this
-  fast": the bytes landed plus the piece under way, over the time waited), so the very
-  next decision knows better.
+  that deadline it takes the part already promoted and recomputes the rest; the rest of
+  the prefetch is cancelled (a read nobody waits for only slows the lookups and reads that
+  share its link), and the wait replaces the tier's estimate ("at most this fast": the
+  bytes landed plus the piece under way, over the time waited), so the very next decision
+  knows better.
 * **No convoys.**  Only the first lookup of an engine step blocks (``PREFETCH_POLL_S``, to
   release the GIL to the I/O thread; ``IDLE_POLL_S`` after a step that computed nothing,
   when the engine has nothing to do but wait) on a running prefetch; the others only look.  Many
@@ -85,6 +86,7 @@ class Prefetcher:
         tier, piece, t0 = st.prefetch_plan
         self.cost.observe_transfer(tier, st.prefetch_done[0] + piece, time.perf_counter() - t0, replace=True)
         self._prom["waits"].labels("prefetch", "gave_up").inc()
+        fut.cancel()  # nobody waits for the rest: leave the link to the reads someone waits for
         st.prefetch, st.fetched = None, True
         return True
 
@@ -101,11 +103,12 @@ class Prefetcher:
         request waits for it (it lands in host memory, where later lookups find it)."""
         piece = next((p for p in pieces if p.tier == tier), None)
         if piece is None or piece.key in self._probes:
+            self.cost.probe_done(tier)
             return
         self._probes.add(piece.key)
         self._prom["probes"].labels(tier).inc()
         fut = self.io.spawn(self._run([piece.key], [piece.nbytes]))
-        fut.add_done_callback(lambda _f, k=piece.key: self._probes.discard(k))
+        fut.add_done_callback(lambda _f, k=piece.key: (self._probes.discard(k), self.cost.probe_done(tier)))
 
     async def _run(self, keys: list[ObjectKey], sizes: list[int], progress: list[int] | None = None) -> int:
         """Promote ``keys``, up to ``PREFETCH_WINDOW`` at once (a deeper disk queue, and one
@@ -115,16 +118,22 @@ class Prefetcher:
         t0, by_tier = time.perf_counter(), {}
         tasks = [asyncio.ensure_future(self.store.promote(k)) for k in keys[:PREFETCH_WINDOW]]
         done = 0
-        while done < len(tasks):
-            tier = await tasks[done]
-            if tier is None:
-                break
-            if len(tasks) < len(keys):
-                tasks.append(asyncio.ensure_future(self.store.promote(keys[len(tasks)])))
-            by_tier[tier] = by_tier.get(tier, 0) + sizes[done]
-            if progress is not None:
-                progress[0] += sizes[done]
-            done += 1
+        try:
+            while done < len(tasks):
+                tier = await tasks[done]
+                if tier is None:
+                    break
+                if len(tasks) < len(keys):
+                    tasks.append(asyncio.ensure_future(self.store.promote(keys[len(tasks)])))
+                by_tier[tier] = by_tier.get(tier, 0) + sizes[done]
+                if progress is not None:
+                    progress[0] += sizes[done]
+                done += 1
+        except asyncio.CancelledError:  # given up: the promotions nobody else waits for stop
+            for task in tasks[done:]:
+                task.cancel()
+            await asyncio.gather(*tasks[done:], return_exceptions=True)
+            raise
         for task in tasks[done:]:  # past a miss: let them land or fail, unwaited
             task.add_done_callback(_quiet)
         seconds = time.perf_counter() - t0

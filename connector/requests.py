@@ -15,10 +15,18 @@ from kvstore.metrics import HitStats
 
 @dataclass(frozen=True, slots=True)
 class RequestView:
+    """The engine's request: its prompt and, live, every token so far (prompt then output:
+    vLLM's ``request.all_token_ids`` grows as tokens are generated); None: the prompt only."""
+
     req_id: str
     prompt: Sequence[int]
     salt: str = ""
     lora: str = ""
+    tokens: Sequence[int] | None = None
+
+    @property
+    def all_tokens(self) -> Sequence[int]:
+        return self.prompt if self.tokens is None else self.tokens
 
 
 @dataclass(slots=True)
@@ -51,6 +59,7 @@ class ReqState:
     saved_upto: int = 0                      # chunks already saved or skipped
     save_stopped: bool = False               # a reservation found no room: later saves would be orphans
     tail_done: bool = False                  # the prompt's tail object was saved or skipped
+    final_tail: int = 0                      # tokens covered by the tail saved at the request's end
     pins: dict[ObjectKey, Piece] = field(default_factory=dict)  # pinned (promised) pieces, in order
     slots: dict[ObjectKey, int] = field(default_factory=dict)   # pinned key -> slot offset
     window: tuple[int, int] = (0, 0)         # token range promised to the engine
@@ -65,13 +74,16 @@ class ReqState:
     tails: dict[int, list[ObjectKey]] = field(default_factory=dict)  # chunk index -> tail keys, longest first
     had_saves: bool = False
     decision: dict | None = None             # the load-or-recompute decision counted
+    first_decision: object = None            # kvstore.policy.Decision of the first lookup
     pins_end_found: int = 0                  # where the hit found by the counted lookup ended
 
 
-def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str) -> None:
+def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str,
+                  generated: int = 0) -> None:
     """Count a request's lookup: ``n`` tokens promised (``st.window``) from the pinned pieces,
     each hit under the tier it was first found in (``default_tier`` if unknown).  Chunks hit
-    count the full chunks among them; a tail counts in tokens only."""
+    count the full chunks among them; a tail counts in tokens only.  ``generated``: how many
+    of the hit tokens an engine had generated (an earlier answer, reused by a later turn)."""
     full = len(st.view.prompt) // c
     s.requests += 1
     s.tokens_looked_up += len(st.view.prompt)
@@ -94,7 +106,10 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
             p["hit_tokens"].labels(tier).inc(tokens)
         s.chunks_hit += chunks
         p["chunk_hits"].inc(chunks)
-    s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision, st.view.req_id)
+        s.tokens_hit_generated += generated
+        p["hit_tokens_generated"].inc(generated)
+    s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision, st.view.req_id,
+                  generated)
 
 
 def identity_fields(identity: Identity) -> dict[str, object]:

@@ -2,15 +2,23 @@
 to save in a step, their host reservations, and their commit.  Scheduler side; the worker
 gathers into the reserved slots and reports back (``connector.plan``).
 
-* **Full chunks** are saved as soon as the step that completes them has been scheduled.
-* **The tail**: once the whole prompt is computed, the whole blocks of its last, partial
+* **Full chunks** are saved as soon as the step that completes them has been scheduled,
+  whether their tokens came from the prompt or were generated (a chat's next turn repeats
+  the answer: it hits through it).  Each object's header says how many of its tokens were
+  generated, so such hits are counted apart.
+* **Tails**: once the whole prompt is computed, the whole blocks of its last, partial
   chunk are saved as one *tail* object under their own key (``keys.chunk_hashes`` hashes a
   partial chunk with its own kind and length, so it never collides with a full chunk).  A
   repeat of the prompt then hits every whole block but the one holding its last token.
+  When the request ends, the whole blocks after its last full chunk (prompt and answer)
+  are saved as its last tail.
 * **Keys still being written** (by an earlier request's save, or a promotion into the pool)
   are skipped, that chunk only: its writer publishes it.  Only a reservation that finds no
   room stops a request's saves, because its later chunks would be orphans.
 * **Commit** happens when the worker reports the gather; a failed one frees the slot.
+* **Tensor parallelism**: every worker gathers its KV heads into the same slot, and the
+  object is sealed here (header and checksum of the whole payload) once every worker
+  reported its part (``geometry_of`` set); with one writer, the worker seals it.
 * **Shutdown** (``adopt``): no step will carry the worker's last reports, so each pending
   save whose slot already holds its sealed, verified object (the worker seals a header only
   after its gather completed) is committed and goes to the write-down.  A save whose slot
@@ -21,80 +29,136 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from connector.hits import HitFinder
 from connector.ioloop import IOLoop
 from connector.plan import ChunkCopy, SaveJob
 from connector.requests import ReqState
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
-from kvstore.keys import ObjectKey
+from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutHandle
 
 log = logging.getLogger("kvstore.connector")
 
 
+@dataclass(slots=True)
+class _Pending:
+    """A reserved slot the workers are gathering into."""
+
+    handle: PutHandle
+    key: ObjectKey
+    chunk: ChunkCopy
+
+
+@dataclass(slots=True)
+class _Wanted:
+    """One object a save would write: chunk ``index``'s first ``pages`` pages."""
+
+    index: int
+    key: ObjectKey
+    parent: ObjectKey | None
+    pages: int
+    generated: int
+    prompt_tail: bool = False
+    end: int = 0  # tails: the tokens they cover
+
+    def done(self, st: ReqState) -> None:
+        """Record that this object was saved, found, or skipped for the request."""
+        if self.end == 0:
+            st.saved_upto = self.index + 1
+        elif self.prompt_tail:
+            st.tail_done = True
+        else:
+            st.final_tail = self.end
+
+
+def _generated(start: int, end: int, prompt: int) -> int:
+    """Tokens of ``start..end`` past the prompt (they were generated)."""
+    return max(0, end - max(start, prompt))
+
+
 class SavePlanner:
     def __init__(self, store: TieredStore, io: IOLoop, chunk_size: int, block_size: int,
-                 object_size: Callable[[int], int], tail_keys: Callable[[ReqState, int], list[ObjectKey]],
+                 object_size: Callable[[int], int], keys: HitFinder,
                  fail: Callable[[str, str], None]) -> None:
         self.store, self.host, self.io = store, store.host, io
         self.chunk_size, self.block_size = chunk_size, block_size
         self.pages_per_chunk = chunk_size // block_size
         self.object_size = object_size  # pages per layer -> object bytes
-        self.tail_keys = tail_keys      # (request, chunk index) -> tail keys, longest first
+        self.keys = keys                # the request's chunk and tail keys
         self._fail = fail
-        self.jobs: dict[int, list[tuple[PutHandle, ObjectKey]]] = {}
+        self.jobs: dict[int, list[_Pending]] = {}
+        # Under tensor parallelism the workers each write a part of an object and the
+        # scheduler seals it: pages per layer -> the objects' geometry (None: workers seal).
+        self.geometry_of: Callable[[int], codec.ObjectGeometry] | None = None
         self.in_flight: dict[ObjectKey, int] = {}  # key -> save job reserving its slot
         self.committed = 0
 
     # --- planning ------------------------------------------------------------------------------
 
-    def plan(self, st: ReqState, done: int, job_id: int) -> SaveJob | None:
-        """The save job for request ``st`` once ``done`` of its prompt tokens are computed."""
-        wanted = self._wanted(st, done)
+    def plan(self, st: ReqState, done: int, job_id: int, final: bool = False) -> SaveJob | None:
+        """The save job for request ``st`` once ``done`` of its tokens (prompt, then generated)
+        have KV.  ``final``: the request ended, so also its last tail (whole blocks past its
+        last full chunk)."""
+        wanted = self._wanted(st, done, final)
         if not wanted:
             return None
-        present = self.io.run(self.store.present([key for _, key, _, _ in wanted]))
+        present = self.io.run(self.store.present([w.key for w in wanted]))
         chunks, handles = [], []
-        for (index, key, parent, pages), there in zip(wanted, present):
-            if not there and key not in self.in_flight:
-                handle = self._reserve(key, pages, parent)
+        for w, there in zip(wanted, present):
+            if not there and w.key not in self.in_flight:
+                handle = self._reserve(w.key, w.pages, w.parent)
                 if handle is None:
-                    if not self.host.writing_sync(key):  # no room: later chunks would be orphans
+                    if not self.host.writing_sync(w.key):  # no room: later chunks would be orphans
                         st.save_stopped = True
                         break
                 else:
-                    blocks = st.blocks[index * self.pages_per_chunk:][:pages]
-                    chunks.append(ChunkCopy(handle.offset, bytes(key), blocks,
-                                            parent=bytes(st.hashes[index - 1]) if index else b"", pages=pages))
-                    handles.append((handle, key))
-            if pages == self.pages_per_chunk:
-                st.saved_upto = index + 1
-            else:
-                st.tail_done = True
+                    blocks = st.blocks[w.index * self.pages_per_chunk:][:w.pages]
+                    chunks.append(ChunkCopy(handle.offset, bytes(w.key), blocks,
+                                            parent=bytes(st.hashes[w.index - 1]) if w.index else b"",
+                                            pages=w.pages, generated=w.generated))
+                    handles.append(_Pending(handle, w.key, chunks[-1]))
+            w.done(st)
         if not chunks:
             return None
         self.jobs[job_id] = handles
-        self.in_flight.update(dict.fromkeys((k for _, k in handles), job_id))
+        self.in_flight.update(dict.fromkeys((p.key for p in handles), job_id))
         st.had_saves = True
         return SaveJob(job_id, st.view.req_id, chunks, self.chunk_size)
 
-    def _wanted(self, st: ReqState, done: int) -> list[tuple[int, ObjectKey, ObjectKey | None, int]]:
-        """(chunk index, key, parent key, pages) of the objects ``done`` tokens complete."""
+    def _wanted(self, st: ReqState, done: int, final: bool) -> list[_Wanted]:
+        """The objects ``done`` tokens complete: full chunks (prompt or generated), the
+        prompt's tail once the prompt is computed, and at the end the request's last tail."""
         if st.save_stopped:
             return []
-        c, ppc = self.chunk_size, self.pages_per_chunk
-        out = [(i, st.keys[i], st.keys[i - 1] if i else None, ppc)
-               for i in range(st.saved_upto, min(done // c, len(st.keys)))]
+        c, ppc, bs = self.chunk_size, self.pages_per_chunk, self.block_size
         prompt = len(st.view.prompt)
-        last = len(st.keys)  # the partial chunk's index
-        if done >= prompt and not st.tail_done and (prompt - last * c) // self.block_size >= 1:
-            keys = self.tail_keys(st, last)
-            pages = (prompt - last * c) // self.block_size
-            if keys and len(keys) >= pages:
-                out.append((last, keys[len(keys) - pages], st.keys[last - 1] if last else None, pages))
+        self.keys.extend_keys(st, done // c)
+        out = [_Wanted(i, st.keys[i], st.keys[i - 1] if i else None, ppc, _generated(i * c, (i + 1) * c, prompt))
+               for i in range(st.saved_upto, min(done // c, len(st.keys)))]
+        if done >= prompt and not st.tail_done:  # the prompt's tail: a repeat of it hits here
+            out += self._tail(st, prompt, prompt, prompt_tail=True)
+        if final and done > st.final_tail:
+            out += [w for w in self._tail(st, done, prompt, prompt_tail=False)
+                    if w.key not in {x.key for x in out}]
         return out
+
+    def _tail(self, st: ReqState, end: int, prompt: int, prompt_tail: bool) -> list[_Wanted]:
+        """The tail object of the first ``end`` tokens (its whole blocks past the last full chunk)."""
+        c, bs = self.chunk_size, self.block_size
+        index, pages = end // c, (end % c) // bs
+        if pages < 1 or index > len(st.keys):
+            return []
+        tokens = None if prompt_tail else st.view.all_tokens[:end]
+        keys = self.keys.tail_keys(st, index, tokens)
+        if len(keys) < pages:
+            return []
+        start = index * c
+        return [_Wanted(index, keys[len(keys) - pages], st.keys[index - 1] if index else None, pages,
+                        _generated(start, start + pages * bs, prompt), prompt_tail, start + pages * bs)]
 
     def _reserve(self, key: ObjectKey, pages: int, parent: ObjectKey | None) -> PutHandle | None:
         try:
@@ -106,10 +170,24 @@ class SavePlanner:
     # --- outcomes ------------------------------------------------------------------------------
 
     def report(self, job_id: int, oks: list[bool]) -> None:
-        """The worker's outcome of each object of ``job_id``."""
-        for (handle, key), ok in zip(self.jobs.pop(job_id, []), oks):
-            self.in_flight.pop(key, None)
-            self._commit(handle, key, ok)
+        """Every worker's outcome of each object of ``job_id`` (all of them reported)."""
+        for pending, ok in zip(self.jobs.pop(job_id, []), oks):
+            self.in_flight.pop(pending.key, None)
+            if ok and self.geometry_of is not None:
+                ok = self._seal(pending)
+            self._commit(pending.handle, pending.key, ok)
+
+    def _seal(self, p: _Pending) -> bool:
+        """Seal an object the workers wrote in parts (tensor parallelism): its header and
+        the checksum of the whole payload, now that every part has landed."""
+        try:
+            geometry = self.geometry_of(p.chunk.pages or self.pages_per_chunk)
+        except Exception as err:  # noqa: BLE001 - no layout reported yet, or a bad one: not saved
+            self._fail("host", f"seal:{type(err).__name__}")
+            return False
+        parent = ChunkHash(p.chunk.parent) if p.chunk.parent else ROOT
+        codec.encode_into(p.handle.buffer, p.key, geometry, None, parent, p.chunk.generated)
+        return True
 
     def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
         if not self.host.put_commit_sync(handle, ok):
@@ -125,13 +203,13 @@ class SavePlanner:
         while self.jobs:
             for job_id in list(self.jobs):
                 left = []
-                for handle, key in self.jobs[job_id]:
-                    if _sealed(handle, key):
-                        self.in_flight.pop(key, None)
-                        self._commit(handle, key, True)
+                for pending in self.jobs[job_id]:
+                    if _sealed(pending.handle, pending.key):
+                        self.in_flight.pop(pending.key, None)
+                        self._commit(pending.handle, pending.key, True)
                         adopted += 1
                     else:
-                        left.append((handle, key))
+                        left.append(pending)
                 if left:
                     self.jobs[job_id] = left
                 else:

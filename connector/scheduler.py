@@ -36,6 +36,7 @@ close (``flush_at_exit``).
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -44,13 +45,15 @@ import numpy as np
 
 from connector.config import ConnectorConfig
 from connector.ioloop import IOLoop
+from connector import local
 from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
-from connector.plan import ChunkCopy, LoadJob, StepPlan, WorkerReport
+from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
+from kvstore.errors import ObjectFormatError
 from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvstore.metrics import HitStats, prometheus
 from kvstore.policy import CostModel, Decision, Span
@@ -66,9 +69,14 @@ NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently use
 
 class SchedulerHalf:
     def __init__(self, cfg: ConnectorConfig, identity: Identity, page_bytes: int, block_size: int,
-                 store: TieredStore | None = None) -> None:
+                 store: TieredStore | None = None, workers: int = 1, parts: bool = False) -> None:
+        """``page_bytes``: the canonical (topology-free) page; ``workers``: how many worker
+        halves report each job (the TP size); ``parts``: each writes a part of every saved
+        object (KV heads split over TP ranks), so this half seals them."""
         cfg.check_block_size(block_size)
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
+        self.workers, self.parts = workers, parts
+        self._partial: dict[tuple[str, int], tuple[int, object]] = {}  # (kind, job) -> (reports, outcome)
         self.pages_per_chunk = cfg.chunk_size // block_size
         self.page_bytes = page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
@@ -89,7 +97,8 @@ class SchedulerHalf:
         self.prefetch = Prefetcher(self.store, self.io, self.cost, self._bytes, self._fail)
         self.hits = HitFinder(self.store, self.io, cfg.chunk_size, block_size, self._size_of)
         self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
-                                 self.hits.tail_keys, self._fail)
+                                 self.hits, self._fail)
+        self._final_saves: list[SaveJob] = []  # planned at request_finished, sent with the next step
         self._reqs: dict[str, ReqState] = {}
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._queued_loads: list[LoadJob] = []
@@ -144,6 +153,7 @@ class SchedulerHalf:
         if self._save_pending(st, pieces):
             return None  # the next chunk is being saved by an earlier request: ask again soon
         decision = self.cost.plan([Span(p.tier, p.nbytes, p.start, p.end) for p in pieces], self.host.name)
+        st.first_decision = st.first_decision or decision  # before any prefetch moved the hit
         if decision.probe is not None:
             self.prefetch.probe(pieces[decision.load:], decision.probe)
         chosen = pieces[:decision.load]
@@ -204,7 +214,9 @@ class SchedulerHalf:
 
     def _count_lookup(self, st: ReqState, n: int, decision: Decision) -> None:
         """Count the request once, with its decision: ``miss`` (nothing found), ``load`` (the
-        whole usable hit promised), ``partial`` (a prefix of it) or ``recompute`` (none)."""
+        whole usable hit promised), ``partial`` (a prefix of it) or ``recompute`` (none).  The
+        logged inputs (tiers, predicted seconds) are the first plan's, made before a prefetch
+        moved the hit into host memory."""
         if st.counted:
             return
         st.counted = True
@@ -212,14 +224,30 @@ class SchedulerHalf:
                   if decision.hit else 0)
         outcome = ("miss" if not decision.hit else "recompute" if n <= 0
                    else "load" if st.window[1] >= usable else "partial")
+        decision = st.first_decision or decision  # its tiers and predictions: the ones decided on
         st.decision = {**decision.as_dict(), "outcome": outcome}
+        generated = self._generated_hit(st) if n > 0 else 0
         with self._stats_lock:
             self.stats.add("decisions", outcome)
-            count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name)
+            count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name, generated)
         self._prom["decisions"].labels(outcome).inc()
         if decision.hit:
             self._prom["decision_seconds"].labels("load").inc(decision.load_s)
             self._prom["decision_seconds"].labels("recompute").inc(decision.hit_recompute_s)
+
+    def _generated_hit(self, st: ReqState) -> int:
+        """Hit tokens that an engine generated: each pinned object's header says how many of
+        its last tokens were (it is in host memory, pinned; an unreadable header counts 0 and
+        the load's own verification decides the rest)."""
+        start, end = st.window
+        total = 0
+        for key, piece in st.pins.items():
+            try:
+                generated = codec.decode_header(self.host.buffer[st.slots[key]:]).generated
+            except ObjectFormatError:
+                continue
+            total += max(0, min(end, piece.end) - max(start, piece.end - generated))
+        return total
 
     # --- after allocation: the load job --------------------------------------------------------
 
@@ -264,10 +292,11 @@ class SchedulerHalf:
                         self.cfg.chunk_size, self.geometry.page_bytes,
                         loads=self._queued_loads, preempted=sorted(step.preempted))
         self._queued_loads = []
+        plan.saves, self._final_saves = self._final_saves, []
         for req_id, n in step.scheduled.items():
             st = self._reqs.get(req_id)
             if st is not None:
-                done = min(self._computed.get(req_id, 0) + n, len(st.view.prompt))
+                done = min(self._computed.get(req_id, 0) + n, len(st.view.all_tokens))
                 job = self.saves.plan(st, done, self._next_job)
                 if job is not None:
                     self._next_job += 1
@@ -297,13 +326,23 @@ class SchedulerHalf:
         self._observe_step()
         if report is None:
             return
+        if self.parts and report.layout is not None and self.saves.geometry_of is None:
+            dtype, layout_id = report.layout
+            self.saves.geometry_of = lambda pages: codec.ObjectGeometry(
+                self.identity.num_layers, pages, self.page_bytes, dtype, layout_id, pages * self.block_size)
         for job_id, ok in report.loads.items():
+            ok = self._all_reported("load", job_id, report.load_reports.get(job_id, 1), ok, operator.and_)
+            if ok is None:
+                continue
             for key in self._load_pins.pop(job_id, []):
                 self.host.release(key)
             if not ok:
                 self._fail("host", "load")
         for job_id, oks in report.saves.items():
-            self.saves.report(job_id, oks)
+            oks = self._all_reported("save", job_id, report.save_reports.get(job_id, 1), oks,
+                                     lambda a, b: [x and y for x, y in zip(a, b)])
+            if oks is not None:
+                self.saves.report(job_id, oks)
         with self._stats_lock:
             self.stats.saves_committed = self.saves.committed
             for reason, n in report.failures.items():
@@ -317,6 +356,17 @@ class SchedulerHalf:
             self._bytes(self.host.name, "read", report.bytes_loaded)
         if report.bytes_saved:
             self._bytes(self.host.name, "write", report.bytes_saved)
+
+    def _all_reported(self, kind: str, job_id: int, n: int, outcome, combine):
+        """The outcome of a job once every worker reported it (None before that): workers
+        may report one job in different steps, and a part not yet landed is not a whole."""
+        key = (kind, job_id)
+        count, acc = self._partial.pop(key, (0, None))
+        count, acc = count + n, outcome if acc is None else combine(acc, outcome)
+        if count < self.workers:
+            self._partial[key] = (count, acc)
+            return None
+        return acc
 
     def _observe_step(self) -> None:
         if self._step is not None:
@@ -337,12 +387,19 @@ class SchedulerHalf:
 
     # --- end of a request ----------------------------------------------------------------------
 
-    def request_finished(self, req_id: str) -> bool:
-        """True when the engine must keep the blocks until the worker reports the saves."""
+    def request_finished(self, req_id: str, computed: int | None = None) -> bool:
+        """True when the engine must keep the blocks until the worker reports the saves.
+        ``computed``: tokens with KV at the end (all but the last generated one); the whole
+        blocks past the last saved chunk are saved with the next step."""
         st = self._reqs.pop(req_id, None)
         if st is None:
             return False
         self._unpin(st)
+        if computed is not None:
+            job = self.saves.plan(st, min(computed, len(st.view.all_tokens)), self._next_job, final=True)
+            if job is not None:
+                self._next_job += 1
+                self._final_saves.append(job)
         self.write_stats()
         return st.had_saves
 
@@ -365,6 +422,10 @@ class SchedulerHalf:
         never, at the end of an ``LLM.generate`` script), and from ``close``."""
         if self._closed:
             return
+        if self._final_saves and (worker := local.worker_on(self.host.shm_path)) is not None:
+            saves, self._final_saves = self._final_saves, []
+            worker.save_now(StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
+                                     self.cfg.chunk_size, self.geometry.page_bytes, saves=saves))
         self.saves.adopt(EXIT_SAVE_WAIT_S)
         self.io.drain()
         self.io.run(self.store.settle(), timeout=None)

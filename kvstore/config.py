@@ -226,6 +226,32 @@ def load(cls: type[T], *sources: Source) -> T:
         raise type(err)(f"{err} (from {', '.join(origins)})") from err  # in the order the message names them
 
 
+# --- secrets ------------------------------------------------------------------------------------
+
+def read_token_file(path: str | os.PathLike) -> str:
+    """The bearer token in ``path``: its first line, stripped; ``ConfigError`` (naming the
+    file, never its content) when it is unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"token file {path} is not readable: {getattr(err, 'strerror', None) or err}") from err
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``scheme://user:PASSWORD@host``) replaced by ``***``."""
+    head, sep, rest = url.partition("://")
+    netloc = rest.split("/", 1)[0]
+    if not sep or "@" not in netloc:
+        return url
+    auth, _, tail = rest.partition("@")
+    user, colon, _ = auth.partition(":")
+    return f"{head}://{user}{':***' if colon else ''}@{tail}"
+
+
 # --- the shared field sets ----------------------------------------------------------------------
 
 class WritePolicy(Enum):

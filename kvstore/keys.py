@@ -8,6 +8,9 @@ Used on every side (scheduler, worker, server).  The contract (DESIGN §3):
 * ``chunk_hash[i] = sha256(DOMAIN || namespace || chunk_hash[i-1] || kind || n_tokens ||
   tokens_i (uint32 little-endian) || extra_keys_i)``, with ``chunk_hash[-1] = ROOT``.
   sha256 is deterministic across processes and hosts; Python's ``hash()`` never appears.
+* A namespace scoped to a tenant (``Namespace.scoped``, the store process's keys) starts
+  with the tenant's mark (``tenant_mark``: 8 bytes of a sha256 of the tenant's name), so
+  whoever holds a scoped key can tell its tenant without a table of namespaces.
 * ``ObjectKey`` is ``namespace (32) || chunk_hash (32) || tag``; its bytes are its canonical
   form and ``printable()`` is its one printable form (Redis keys, file names).
 
@@ -32,6 +35,8 @@ from kvstore.layout import validate_chunk_size
 DIGEST_SIZE = 32
 _DOMAIN_NS = b"kvstore/ns/v1\x00"
 _DOMAIN_CHUNK = b"kvstore/chunk/v1\x00"
+_DOMAIN_TENANT = b"kvstore/tenant/v1\x00"
+TENANT_MARK_SIZE = 8
 _TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 
 
@@ -70,9 +75,20 @@ class Namespace(_Digest):
 
     def scoped(self, tenant: str) -> "Namespace":
         """The effective namespace of ``self`` inside an authenticated tenant."""
-        if not tenant:
-            raise ConfigError("tenant must be a non-empty string")
-        return Namespace(hashlib.sha256(_DOMAIN_NS + b"tenant\x00" + tenant.encode() + b"\x00" + self).digest())
+        digest = hashlib.sha256(_DOMAIN_NS + b"tenant\x00" + tenant.encode() + b"\x00" + self).digest()
+        return Namespace(tenant_mark(tenant) + digest[TENANT_MARK_SIZE:])
+
+    @property
+    def mark(self) -> bytes:
+        """The tenant mark a scoped namespace starts with (meaningless for an unscoped one)."""
+        return bytes(self[:TENANT_MARK_SIZE])
+
+
+def tenant_mark(tenant: str) -> bytes:
+    """The first ``TENANT_MARK_SIZE`` bytes of every namespace scoped to ``tenant``."""
+    if not tenant:
+        raise ConfigError("tenant must be a non-empty string")
+    return hashlib.sha256(_DOMAIN_TENANT + tenant.encode()).digest()[:TENANT_MARK_SIZE]
 
 
 class ChunkHash(_Digest):

@@ -189,7 +189,11 @@ class Lease:
 
 @dataclass
 class LeaseTable:
-    """Leases by id, with per-key counts.  Not thread-safe: its owner locks around it."""
+    """Leases by id, with per-key counts.  Not thread-safe: its owner locks around it.
+
+    Expiries sit in a heap whose stale entries (renewed or released leases) are skipped by
+    ``sweep`` and compacted away once they outnumber the live leases, so the heap stays
+    within ``2 * len(self) + 64`` entries however often leases are renewed."""
 
     clock: Clock = time.monotonic
     _leases: dict[int, Lease] = field(default_factory=dict)
@@ -204,7 +208,7 @@ class LeaseTable:
         lease = Lease(next(self._ids), key, self.clock() + ttl)
         self._leases[lease.lease_id] = lease
         self._per_key[key] = self._per_key.get(key, 0) + 1
-        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        self._push(lease)
         return lease
 
     def renew(self, lease_id: int, ttl: float) -> Lease:
@@ -212,8 +216,19 @@ class LeaseTable:
         if ttl <= 0:
             raise LeaseError(f"lease TTL must be positive, got {ttl}")
         lease.expires_at = self.clock() + ttl
-        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        self._push(lease)
         return lease
+
+    def _push(self, lease: Lease) -> None:
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        if len(self._expiry) > 2 * len(self._leases) + 64:
+            self._expiry = [(held.expires_at, lid) for lid, held in self._leases.items()]
+            heapq.heapify(self._expiry)
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the expiry heap (bounded by the live leases; see the class docstring)."""
+        return len(self._expiry)
 
     def check(self, lease_id: int) -> Lease:
         """The lease if still valid (re-check at completion); LeaseError otherwise."""

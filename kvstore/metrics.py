@@ -23,6 +23,7 @@ class HitStats:
     requests_hit: int = 0
     tokens_looked_up: int = 0
     tokens_hit: int = 0
+    tokens_hit_generated: int = 0  # of tokens_hit: tokens an engine had generated (earlier answers)
     chunks_looked_up: int = 0
     chunks_hit: int = 0
     tokens_hit_by_tier: dict[str, int] = field(default_factory=dict)
@@ -35,8 +36,9 @@ class HitStats:
     RECENT_MAX = 1000
 
     def log_request(self, prompt_tokens: int, hit_tokens: int, tiers: dict[str, int], salted: bool,
-                    decision: dict | None = None, req_id: str | None = None) -> None:
-        entry = {"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "tiers": tiers, "salted": salted}
+                    decision: dict | None = None, req_id: str | None = None, generated: int = 0) -> None:
+        entry = {"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "tiers": tiers, "salted": salted,
+                 "generated_hit_tokens": generated}
         if req_id is not None:
             entry["req_id"] = req_id
         if decision is not None:
@@ -55,6 +57,8 @@ class HitStats:
             "token_hit_rate": r(self.tokens_hit, self.tokens_looked_up, "hit tokens / looked-up prompt tokens"),
             "chunk_hit_rate": r(self.chunks_hit, self.chunks_looked_up, "hit chunks / looked-up full chunks"),
             "request_hit_rate": r(self.requests_hit, self.requests, "requests with a hit / requests"),
+            "generated_hit_share": r(self.tokens_hit_generated, self.tokens_hit,
+                                     "hit tokens that were generated / hit tokens"),
         }
 
     def to_json(self) -> dict[str, object]:
@@ -79,6 +83,8 @@ def prometheus() -> dict[str, object]:
                 request_hits=Counter("kvstore_request_hits", "Requests with at least one loaded chunk"),
                 chunks=Counter("kvstore_looked_up_chunks", "Full chunks looked up"),
                 chunk_hits=Counter("kvstore_chunk_hits", "Chunks loaded"),
+                hit_tokens_generated=Counter("kvstore_hit_tokens_generated",
+                                             "Hit tokens that an engine had generated (earlier answers)"),
                 bytes=Counter("kvstore_bytes", "Bytes moved", ["tier", "direction"]),
                 failures=Counter("kvstore_failures", "Failures by tier and reason", ["tier", "reason"]),
                 stage=Histogram("kvstore_stage_seconds", "Time to reach each lifecycle stage", ["stage"]),

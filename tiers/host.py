@@ -16,15 +16,24 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
 * **Eviction** (only when a put needs room) is prefix-aware: among complete objects with
   no reference and no valid lease, chain tails (no child in this tier) go first, in LRU
   order, and a parent only when no tail qualifies.  Incomplete objects are never evicted.
+  It plans first: a put evicts only when freeing everything it may evict would leave a hole
+  it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
+* **Pools.**  One pool by default.  With ``pools={name: bytes}`` and ``pool_of(key) -> name``
+  (the store process: one pool per tenant, found from the key's tenant mark) each pool is
+  a memfd of its own (``tiers.host_pool``): a put takes room, and evicts, only in its key's
+  pool, so one pool's flood never touches another's objects, and a mapping of one pool
+  reaches nothing else.  A key whose ``pool_of`` names no pool never fits (``put_start``
+  answers None).  Offsets (``PutHandle.offset``, ``pin``) are within the key's pool.
 * **Puts of existing keys.**  ``put_start`` for a key being written, or whose deleted copy
   is still referenced, returns None.  For a key already stored it reserves a slot as usual
   (None only if no room); its commit keeps the stored copy (same key, same bytes), frees
   the new slot and returns True.  Callers check ``contains`` first (``put_bytes`` does).
 
-* **Shared pool** (``shared=True``): the buffer is a file in /dev/shm (``shm_path``) that
-  another process maps with ``attach_shared(path, capacity)`` to move slot bytes by offset,
-  while this tier keeps all bookkeeping (see ``tiers.host_shm``).  ``close`` unlinks the
-  file and releases the mapping; reads then raise ``TierUnavailableError``.
+* **Shared pool** (``shared=True``, one pool): the buffer is a file in /dev/shm (``shm_path``)
+  that another process maps with ``attach_shared(path, capacity)`` to move slot bytes by
+  offset, while this tier keeps all bookkeeping (see ``tiers.host_shm``).  ``close`` unlinks
+  the file (closes the memfds) and releases the mappings; reads then raise
+  ``TierUnavailableError``.
 
 Keys and slots: at most one slot per key is ever *referenced*, so ``release(key)`` is
 unambiguous.  Thread-safe: sync methods (``*_sync``, ``acquire``, ``lease``...) may be
@@ -35,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.codec import decode_header
 from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError, TierUnavailableError
@@ -43,44 +52,69 @@ from kvstore.keys import ObjectKey
 from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
 from tiers.base import PutHandle, TierBase, TierStats
-from tiers.eviction import pick_victim
-from tiers.host_slots import Entry, SlotState, allocate, transition
-from tiers.host_shm import SharedPoolView, attach_shared, create_shared, remove_stale_pools
+from tiers.host_pool import Backing, HostPool
+from tiers.host_slots import Entry, SlotOps, SlotState, transition
+from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 
 EvictCallback = Callable[[ObjectKey, memoryview], None]
+PoolOf = Callable[[bytes], "str | None"]
 
 
-class HostTier(TierBase):
+class HostTier(SlotOps, TierBase):
     """Host DRAM tier over one buffer; see the module docstring for the contract."""
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 4096, pin: bool | None = None,
                  clock: Clock = time.monotonic, name: str = "host",
-                 on_evict: EvictCallback | None = None, shared: bool = False) -> None:
+                 on_evict: EvictCallback | None = None, shared: bool = False,
+                 pools: Mapping[str, int] | None = None, pool_of: PoolOf | None = None) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"host tier capacity must be positive, got {capacity_bytes}")
         self.name = name
-        self._alloc = SlotAllocator(capacity_bytes, alignment)
-        self._shm: SharedPoolView | None = None
-        if shared:
-            self._shm = create_shared(capacity_bytes, pin=pin)
-            self.array, self.tensor = self._shm.array, self._shm.tensor
-        else:
-            self.array, self.tensor = allocate(capacity_bytes, pin)
-        self.shm_path: str | None = None if self._shm is None else self._shm.path
-        # Writable, 1-D, uint8.  None (with array and tensor) once a shared pool is released.
-        self.buffer: memoryview | None = memoryview(self.array)
+        self._pools: dict[str, HostPool] = {}
+        self._pool_of = pool_of
+        try:
+            self._make_pools(capacity_bytes, alignment, pin, shared, pools)
+        except BaseException:
+            self._release_pools()
+            raise
+        one = self._pools.get("") if pools is None else None
+        self._one: HostPool | None = one
+        self._alloc = one.alloc if one is not None else None
+        self.shm_path: str | None = None if one is None else one.path
+        # Writable, 1-D, uint8 (one pool only; None with several, and once released).
+        self.array, self.tensor = (one.array, one.tensor) if one is not None else (None, None)
+        self.buffer: memoryview | None = one.buffer if one is not None else None
         self._on_evict = on_evict  # called under _lock: must be quick, must not call the tier
-        # _lock guards _index, _pending, _doomed, _alloc, _leases, _stats, _refs, _closed, _shm,
-        # array/buffer/tensor and every Entry field.  Copies of slot bytes happen outside it,
-        # under a reference.
+        # _lock guards _index, _pending, _doomed, _pools (each pool's allocator, LRU and
+        # counters), _leases, _stats, _refs, _closed, array/buffer/tensor and every Entry
+        # field.  Copies of slot bytes happen outside it, under a reference.
         self._lock = threading.Lock()
-        self._index: dict[ObjectKey, Entry] = {}    # LIVE; insertion order = LRU, oldest first
+        self._index: dict[ObjectKey, Entry] = {}    # LIVE (LRU order lives in each pool)
         self._pending: dict[ObjectKey, Entry] = {}  # PENDING
         self._doomed: dict[ObjectKey, Entry] = {}   # DOOMED
         self._leases = LeaseTable(clock=clock)
-        self._stats = TierStats(name, capacity_bytes=self._alloc.capacity)
+        capacity = sum(p.alloc.capacity for p in self._pools.values())
+        self._stats = TierStats(name, capacity_bytes=capacity)
         self._refs = 0
         self._closed = False
+
+    def _make_pools(self, capacity: int, alignment: int, pin: bool | None, shared: bool,
+                    pools: Mapping[str, int] | None) -> None:
+        if pools is None:
+            backing = Backing.NAMED if shared else Backing.PRIVATE
+            self._pools[""] = HostPool("", capacity, alignment, backing, pin)
+            return
+        if not pools or self._pool_of is None:
+            raise ConfigError("host tier pools need at least one pool and a pool_of function")
+        if sum(pools.values()) > capacity:
+            raise ConfigError(f"host tier pools hold {sum(pools.values())} bytes, more than its "
+                              f"capacity of {capacity}")
+        for pool, size in pools.items():
+            self._pools[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False)
+
+    def _release_pools(self) -> None:
+        for pool in self._pools.values():
+            pool.release()
 
     # --- lookups ---------------------------------------------------------------------
 
@@ -104,15 +138,19 @@ class HostTier(TierBase):
     def size_of_sync(self, key: ObjectKey) -> int | None:
         with self._lock:
             entry = self._index.get(key)
-            return None if entry is None else self._alloc.size_of(entry.offset)
+            return None if entry is None else entry.pool.alloc.size_of(entry.offset)
 
     def sizes_sync(self, keys: Sequence[bytes]) -> list[int | None]:
         """``size_of_sync`` of every key under ONE lock acquisition (a 512-key Lookup asks
         once, not 512 times).  Like ``size_of``, it neither touches the LRU order nor counts
         hits.  Keys may also be their canonical bytes (the index compares bytes)."""
         with self._lock:
-            get, size_of = self._index.get, self._alloc.size_of
-            return [None if (entry := get(key)) is None else size_of(entry.offset) for key in keys]
+            get = self._index.get
+            if self._one is not None:
+                size_of = self._one.alloc.size_of
+                return [None if (entry := get(key)) is None else size_of(entry.offset) for key in keys]
+            return [None if (entry := get(key)) is None else entry.pool.alloc.size_of(entry.offset)
+                    for key in keys]
 
     # --- reads -----------------------------------------------------------------------
 
@@ -124,7 +162,7 @@ class HostTier(TierBase):
             if entry is None:
                 self._stats.misses += 1
                 return None
-            size = self._alloc.size_of(entry.offset)
+            size = entry.pool.alloc.size_of(entry.offset)
             if len(dst) < size:
                 raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {size}")
             src = self._view(entry)  # taken under the lock: close() may drop self.buffer
@@ -156,7 +194,7 @@ class HostTier(TierBase):
             if entry is None:
                 return None
             self._hold(key, entry)
-            return entry.offset, self._alloc.size_of(entry.offset)
+            return entry.offset, entry.pool.alloc.size_of(entry.offset)
 
     def release(self, key: ObjectKey) -> None:
         with self._lock:
@@ -170,18 +208,26 @@ class HostTier(TierBase):
     def put_start_sync(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
         if size <= 0:
             raise ConfigError(f"object size must be positive, got {size}")
-        if self._alloc.aligned(size) > self._alloc.capacity:
-            raise CapacityError(f"{size}-byte object exceeds host tier {self.name!r} ({self._alloc.capacity} bytes)")
+        if self._one is not None and self._one.alloc.aligned(size) > self._one.alloc.capacity:
+            raise CapacityError(f"{size}-byte object exceeds host tier {self.name!r} "
+                                f"({self._one.alloc.capacity} bytes)")
         with self._lock:
             if self._closed:
                 raise TierUnavailableError(f"host tier {self.name!r} is closed")
             if key in self._pending or key in self._doomed:
                 return None  # a concurrent write, or a deleted copy still referenced
-            offset = self._make_room(size)
+            pool = self._pool_for(key)
+            if pool is None or pool.buffer is None:
+                return None  # a key no pool takes
+            if pool.alloc.aligned(size) > pool.alloc.capacity:
+                raise CapacityError(f"{size}-byte object exceeds pool {pool.name!r} of host tier "
+                                    f"{self.name!r} ({pool.alloc.capacity} bytes)")
+            offset = self._make_room(size, pool)
             if offset is None:
                 return None
-            entry = self._pending[key] = Entry(offset)
-            return PutHandle(key, size, parent, self.buffer[offset : offset + size], entry, offset)
+            entry = self._pending[key] = Entry(offset, pool)
+            pool.pending += 1
+            return PutHandle(key, size, parent, pool.buffer[offset : offset + size], entry, offset)
 
     def put_write_sync(self, handle: PutHandle, offset: int, data) -> None:
         src = memoryview(data).cast("B")
@@ -195,6 +241,7 @@ class HostTier(TierBase):
             if self._pending.get(handle.key) is not entry:
                 raise RuntimeError(f"commit of {handle.key!r}: not pending (committed twice?)")
             del self._pending[handle.key]
+            entry.pool.pending -= 1
             if not ok or handle.key in self._doomed:
                 self._stats.put_failures += 1
                 self._free(entry)
@@ -212,6 +259,7 @@ class HostTier(TierBase):
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
+            del entry.pool.lru[key]
             self._leases.drop_all(key)
             self._unlink(entry)
             if entry.refs:
@@ -252,18 +300,43 @@ class HostTier(TierBase):
             self._leases.sweep()
             extra = {"leases_held": len(self._leases), "leases_expired": self._leases.expired_total,
                      "refs_held": self._refs, "pending": len(self._pending), "doomed": len(self._doomed)}
-            return dataclasses.replace(self._stats, objects=len(self._index),
-                                       bytes_used=self._alloc.used_bytes, extra=extra)
+            used = sum(p.alloc.used_bytes for p in self._pools.values())
+            return dataclasses.replace(self._stats, objects=len(self._index), bytes_used=used, extra=extra)
+
+    def pool_stats(self, pool: str) -> dict[str, int]:
+        """Objects, bytes used, capacity, evictions and pending puts of one pool."""
+        with self._lock:
+            return self._pools[pool].stats()
+
+    @property
+    def pools(self) -> list[str]:
+        return list(self._pools)
+
+    def pool_of(self, key: bytes) -> str | None:
+        """The name of the pool ``key`` lives in (or would be put in); None: no pool takes it."""
+        pool = self._pool_for(key)
+        return None if pool is None else pool.name
+
+    def pool_memfd(self, pool: str) -> MemfdPool:
+        """The memfd of one pool of a tier built with ``pools`` (to hand to its clients)."""
+        with self._lock:
+            memfd = self._pools[pool].memfd
+        if memfd is None:
+            raise TierUnavailableError(f"pool {pool!r} of host tier {self.name!r} has no descriptor")
+        return memfd
 
     def slots(self) -> list[tuple[ObjectKey, int, int, SlotState]]:
         """``(key, offset, size, state)`` of every reserved slot (tests, debugging)."""
         with self._lock:
             groups = (self._index, self._pending, self._doomed)
-            return [(k, e.offset, self._alloc.size_of(e.offset), e.state)
+            return [(k, e.offset, e.pool.alloc.size_of(e.offset), e.state)
                     for group in groups for k, e in group.items()]
 
     @property
     def allocator(self) -> SlotAllocator:
+        """The allocator of a one-pool tier."""
+        if self._alloc is None:
+            raise RuntimeError(f"host tier {self.name!r} has several pools: no single allocator")
         return self._alloc
 
     # --- async Tier protocol: thin wrappers; copies run on the calling thread, so large
@@ -300,11 +373,11 @@ class HostTier(TierBase):
         view of it is alive (acquired views, in-flight copies, put handles keep it)."""
         with self._lock:
             self._closed = True
-            shm, self._shm = self._shm, None
-            if shm is not None:
+            shared = [p for p in self._pools.values() if p.shm is not None]
+            if shared and self._one is not None:
                 self.array = self.buffer = self.tensor = None
-        if shm is not None:
-            shm.close()
+        for pool in shared:
+            pool.release()
 
     async def aclose(self) -> None:
         """``close()``, for the Tier protocol and ``async with``."""
@@ -318,73 +391,11 @@ class HostTier(TierBase):
 
     # --- internals: caller holds _lock -----------------------------------------------
 
-    def _view(self, entry: Entry) -> memoryview:
-        if self.buffer is None:
-            raise TierUnavailableError(f"host tier {self.name!r} is closed: its shared pool is released")
-        return self.buffer[entry.offset : entry.offset + self._alloc.size_of(entry.offset)]
-
-    def _touch(self, key: ObjectKey, entry: Entry) -> None:
-        del self._index[key]
-        self._index[key] = entry  # re-insert: most recently used
-
-    def _hold(self, key: ObjectKey, entry: Entry) -> None:
-        entry.refs += 1
-        self._refs += 1
-        self._touch(key, entry)
-
-    def _unhold(self, key: ObjectKey, entry: Entry) -> None:
-        if entry.refs <= 0:
-            raise RuntimeError(f"release of {key!r}, which holds no reference")
-        entry.refs -= 1
-        self._refs -= 1
-        if not entry.refs and entry.state is SlotState.DOOMED:
-            del self._doomed[key]
-            self._free(entry)
-
-    def _free(self, entry: Entry) -> None:
-        transition(entry, SlotState.FREED)
-        self._alloc.free(entry.offset)
-
-    def _unlink(self, entry: Entry) -> None:
-        """Leave the chain: the parent (if it was counted) loses a child."""
-        if entry.parent is not None:
-            entry.parent.children -= 1
-            entry.parent = None
-
-    def _publish(self, handle: PutHandle, entry: Entry) -> None:
-        transition(entry, SlotState.LIVE)
-        parent = self._index.get(handle.parent) if handle.parent is not None else None
-        if parent is not None:
-            parent.children += 1
-            entry.parent = parent
-        self._index[handle.key] = entry
-        self._stats.puts += 1
-        self._stats.bytes_written += handle.size
-
-    def _make_room(self, size: int) -> int | None:
-        """A slot for ``size`` bytes, evicting victims until a hole fits; None if impossible."""
-        while (offset := self._alloc.alloc(size)) is None:
-            victim = self._pick_victim()
-            if victim is None:
-                return None
-            self._evict(victim)
-        return offset
-
-    def _pick_victim(self) -> ObjectKey | None:
-        """Among objects neither referenced nor leased.  A linear scan from the LRU end:
-        cheap while the oldest objects are unpinned."""
-        return pick_victim((key, bool(entry.children)) for key, entry in self._index.items()
-                           if not (entry.refs or self._leases.held(key)))
-
-    def _evict(self, key: ObjectKey) -> None:
-        entry = self._index.pop(key)
-        try:
-            if self._on_evict is not None:
-                self._on_evict(key, self._view(entry))
-        finally:
-            self._unlink(entry)
-            self._free(entry)
-            self._stats.evictions += 1
+    def _pool_for(self, key: bytes) -> HostPool | None:
+        if self._one is not None:
+            return self._one
+        name = self._pool_of(key)  # type: ignore[misc]
+        return None if name is None else self._pools.get(name)
 
     @staticmethod
     def _header_matches(handle: PutHandle) -> bool:

@@ -1,4 +1,5 @@
-"""Host pool memory shared between processes: one file in /dev/shm, mapped by each side.
+"""Host pool memory shared between processes: a file in /dev/shm mapped by name (the
+connector's two processes), or a memfd handed over as a descriptor (the store process).
 
 The vLLM connector runs in two processes.  The scheduler side owns the ``HostTier`` (index,
 allocator, leases) and creates its pool with ``HostTier(..., shared=True)``; the worker side
@@ -18,12 +19,22 @@ slots by offset.  Bookkeeping stays with the owner; this module only maps memory
   a pool is created).  A file goes only if its pid is dead *and* no process holds the flock
   its owner keeps for the pool's lifetime: a pid seen through a /dev/shm shared with
   another pid namespace is not trusted alone.
+* **memfd pools** (``create_memfd``, the store process's tenant pools): anonymous memory with
+  no name anywhere, so no other process can open it by name; it reaches a client only as a
+  descriptor (``kvstore.server.shmgate``).  Sealed against shrinking and growing (a client
+  cannot truncate it under the server, which would turn the server's next touch into a
+  SIGBUS), mode 0600; ``seal_writes`` adds ``F_SEAL_FUTURE_WRITE``, after which nobody can
+  map it writable again (the owner's mapping stays writable).  ``readonly_fd`` reopens a
+  read-only descriptor for readers; ``map_fd`` is the client's side.
+* **Stale files** whose name looks like ours but that we cannot inspect or remove (planted
+  by another user, say) are skipped with a warning, never an error.
 * **Pinning** (``cudaHostRegister``) is per process, and makes that process create a CUDA
   context: pin where the GPU copies run (the worker), not in a CPU-only scheduler.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -36,18 +47,22 @@ from kvstore.errors import ConfigError, TierError
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "kvstore-pool-"
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)   # Linux >= 5.1
+log = logging.getLogger("tiers.host")
 
 
 class SharedPoolView:
     """A read-write mapping of one pool file: ``array`` (numpy uint8), ``buffer`` (its
     memoryview), ``tensor`` (a torch view when pinned, else None) and ``path``."""
 
-    def __init__(self, path: str, fd: int, size: int, pin: bool | None) -> None:
+    def __init__(self, path: str, fd: int, size: int, pin: bool | None, writable: bool = True) -> None:
         self.path = path
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, size)  # MAP_SHARED, read-write
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, prot=prot)  # MAP_SHARED
         self.array: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)
         self.buffer: memoryview | None = memoryview(self.array)
         self.tensor = _pin(self.array, pin)
+        self.writable = writable
 
     def close(self) -> bool:
         """Unmap.  False when views of the mapping are still alive: it is then unmapped
@@ -79,6 +94,64 @@ class _OwnedPool(SharedPoolView):
             return super().close()
         finally:
             self._release_file()
+
+
+class MemfdPool(SharedPoolView):
+    """The owner's mapping of a memfd pool (see the module docstring); ``fd`` stays open
+    until ``close`` so it can be handed to clients."""
+
+    def __init__(self, name: str, fd: int, size: int) -> None:
+        super().__init__(f"memfd:{name}", fd, size, pin=False)
+        self.fd, self.size = fd, size
+        self._release_fd = weakref.finalize(self, os.close, fd)
+
+    def seal_writes(self) -> None:
+        """No new writable mapping of this pool, by anyone (ours stays writable)."""
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+
+    def readonly_fd(self) -> int:
+        """A new read-only descriptor of the pool (the caller closes it)."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> bool:
+        try:
+            return super().close()
+        finally:
+            self._release_fd()
+
+
+def create_memfd(size: int, name: str) -> MemfdPool:
+    """A new, prefaulted, resize-sealed memfd pool of ``size`` bytes (the owner's side)."""
+    try:
+        fd = os.memfd_create(f"kvstore-{name}"[:240], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as err:
+        raise ConfigError(f"cannot create a memfd pool for {name!r}: {err.strerror or err}") from err
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        pool = MemfdPool(name, fd, size)
+    except BaseException as err:
+        os.close(fd)
+        if isinstance(err, OSError):
+            raise ConfigError(f"cannot allocate {size} bytes for memfd pool {name!r}: "
+                              f"{err.strerror or err}") from err
+        raise
+    pool.array.fill(0)  # fault every page in now (and fail here, not later, when memory is short)
+    return pool
+
+
+def map_fd(fd: int, size: int, writable: bool) -> SharedPoolView:
+    """Map a pool received as a descriptor (the client's side); ``ConfigError`` when it is
+    not ``size`` bytes long or cannot be mapped so."""
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ConfigError(f"shared pool descriptor holds {actual} bytes, expected {size}")
+        return SharedPoolView(f"fd:{fd}", fd, size, pin=False, writable=writable)
+    except OSError as err:
+        raise ConfigError(f"cannot map the shared pool ({'read-write' if writable else 'read-only'}): "
+                          f"{err.strerror or err}") from err
 
 
 def create_shared(size: int, *, pin: bool | None = None) -> SharedPoolView:
@@ -153,10 +226,11 @@ def _alive(pid: int) -> bool:
 def _in_use(path: Path) -> bool:
     """Whether some process holds the file's flock (or we cannot tell)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return False
-    except OSError:
+    except OSError as err:  # unreadable, a symlink, ...: not ours to judge
+        log.warning("shared pool: skipping stale %s: cannot inspect it (%s)", path, err.strerror or err)
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -177,6 +251,9 @@ def _unlink_quiet(path: str) -> bool:
         os.unlink(path)
         return True
     except FileNotFoundError:
+        return False
+    except OSError as err:  # not ours to remove (another user's file in sticky /dev/shm)
+        log.warning("shared pool: skipping stale %s: cannot remove it (%s)", path, err.strerror or err)
         return False
 
 
@@ -202,4 +279,5 @@ def _unpin(array: np.ndarray) -> None:
     torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
 
 
-__all__ = ["SHM_DIR", "SharedPoolView", "attach_shared", "create_shared", "remove_stale_pools"]
+__all__ = ["F_SEAL_FUTURE_WRITE", "MemfdPool", "SHM_DIR", "SharedPoolView", "attach_shared", "create_memfd",
+           "create_shared", "map_fd", "remove_stale_pools"]

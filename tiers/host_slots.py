@@ -1,16 +1,23 @@
 """Slots of the host DRAM tier (``tiers.host``): their states and legal transitions, the
-per-slot record, and the one buffer they are carved from.
+per-slot record, and ``SlotOps``: the moves of a slot
+through its states (publish, reference, evict, free) and the eviction plan of a put.
 
-Pure bookkeeping types: ``HostTier`` owns every instance and guards them with its lock.
+Bookkeeping only: ``HostTier`` owns every instance and calls ``SlotOps`` (mixed into it)
+with its lock held.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import numpy as np
+from kvstore.errors import ConfigError, TierUnavailableError
+from kvstore.keys import ObjectKey
+from tiers.base import PutHandle
+from tiers.eviction import pick_victim
 
-from kvstore.errors import ConfigError
+if TYPE_CHECKING:
+    from tiers.host_pool import HostPool
 
 
 class SlotState(Enum):
@@ -33,25 +40,11 @@ class Entry:
     """One slot.  Its requested size lives in the allocator (keeps this object small)."""
 
     offset: int
+    pool: HostPool | None = None      # the pool the slot is carved from
     state: SlotState = SlotState.PENDING
     refs: int = 0
     children: int = 0                 # LIVE objects naming this one as parent
     parent: Entry | None = None      # the parent's entry when it was LIVE at our commit
-
-
-def allocate(capacity: int, pin: bool | None) -> tuple[np.ndarray, object]:
-    """The tier's one buffer: pinned (resident) with CUDA, else prefaulted numpy memory."""
-    if pin is not False:
-        import torch  # lazily: only the CUDA probe and the pinned path need it
-
-        if torch.cuda.is_available():
-            tensor = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-            return tensor.numpy(), tensor
-        if pin:
-            raise ConfigError("pin=True needs CUDA: pinned host memory is a CUDA-only path")
-    array = np.empty(capacity, dtype=np.uint8)
-    array.fill(0)  # fault every page in now, so later copies run at memcpy speed
-    return array, None
 
 
 def transition(entry: Entry, dst: SlotState) -> None:
@@ -59,3 +52,87 @@ def transition(entry: Entry, dst: SlotState) -> None:
     if dst not in LEGAL[entry.state]:
         raise RuntimeError(f"slot at {entry.offset}: illegal {entry.state.name} -> {dst.name}")
     entry.state = dst
+
+
+class SlotOps:
+    """Slot moves of ``HostTier`` (mixed into it; every method runs under its ``_lock``).
+    Needs: ``name``, ``_index``, ``_doomed``, ``_leases``, ``_stats``, ``_refs``, ``_on_evict``."""
+
+    def _view(self, entry: Entry) -> memoryview:
+        pool = entry.pool
+        if pool.buffer is None:
+            raise TierUnavailableError(f"host tier {self.name!r} is closed: its shared pool is released")
+        return pool.buffer[entry.offset : entry.offset + pool.alloc.size_of(entry.offset)]
+
+    def _touch(self, key: ObjectKey, entry: Entry) -> None:
+        lru = entry.pool.lru
+        del lru[key]
+        lru[key] = entry  # re-insert: most recently used
+
+    def _hold(self, key: ObjectKey, entry: Entry) -> None:
+        entry.refs += 1
+        self._refs += 1
+        self._touch(key, entry)
+
+    def _unhold(self, key: ObjectKey, entry: Entry) -> None:
+        if entry.refs <= 0:
+            raise RuntimeError(f"release of {key!r}, which holds no reference")
+        entry.refs -= 1
+        self._refs -= 1
+        if not entry.refs and entry.state is SlotState.DOOMED:
+            del self._doomed[key]
+            self._free(entry)
+
+    def _free(self, entry: Entry) -> None:
+        transition(entry, SlotState.FREED)
+        entry.pool.alloc.free(entry.offset)
+
+    def _unlink(self, entry: Entry) -> None:
+        """Leave the chain: the parent (if it was counted) loses a child."""
+        if entry.parent is not None:
+            entry.parent.children -= 1
+            entry.parent = None
+
+    def _publish(self, handle: PutHandle, entry: Entry) -> None:
+        transition(entry, SlotState.LIVE)
+        parent = self._index.get(handle.parent) if handle.parent is not None else None
+        if parent is not None:
+            parent.children += 1
+            entry.parent = parent
+        self._index[handle.key] = entry
+        entry.pool.lru[handle.key] = entry
+        self._stats.puts += 1
+        self._stats.bytes_written += handle.size
+
+    def _make_room(self, size: int, pool: HostPool) -> int | None:
+        """A slot of ``pool`` for ``size`` bytes, evicting victims of that pool until a hole
+        fits; None, having evicted nothing, when even evicting all it may would not do."""
+        offset = pool.alloc.alloc(size)
+        if offset is not None:
+            return offset
+        if not pool.fits_after_evicting(size, (e.offset for _, e in self._evictable(pool))):
+            return None
+        while (offset := pool.alloc.alloc(size)) is None:
+            victim = pick_victim((key, bool(entry.children)) for key, entry in self._evictable(pool))
+            if victim is None:
+                raise RuntimeError(f"host pool {pool.name!r}: the eviction plan found room it could not make")
+            self._evict(victim)
+        return offset
+
+    def _evictable(self, pool: HostPool):
+        """``(key, entry)`` of the pool's objects neither referenced nor leased, least
+        recently used first (a linear scan: cheap while the oldest objects are unpinned)."""
+        held = self._leases.held
+        return ((key, entry) for key, entry in pool.lru.items() if not (entry.refs or held(key)))
+
+    def _evict(self, key: ObjectKey) -> None:
+        entry = self._index.pop(key)
+        del entry.pool.lru[key]
+        try:
+            if self._on_evict is not None:
+                self._on_evict(key, self._view(entry))
+        finally:
+            self._unlink(entry)
+            self._free(entry)
+            self._stats.evictions += 1
+            entry.pool.evictions += 1

@@ -35,7 +35,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,11 +45,11 @@ from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierEr
 from kvstore.keys import ObjectKey
 from tiers.base import PutHandle, TierBase, TierStats
 from tiers.ssd_files import (
-    SUFFIX, TMP, ReadOutcome, check_written, claim_directory, drop_page_cache, fsync_dir,
-    object_path, parent_key, pwrite_all, scan_file, unlink_quiet,
+    TMP, ReadOutcome, check_written, claim_directory, clear_temp, drop_page_cache, fsync_dir, object_path,
+    own_directory, parent_key, pwrite_all, scan_file, scan_objects, unlink_quiet,
 )
 from tiers.ssd_files import read_file as _read_file  # a module global: tests patch it here
-from tiers.ssd_index import Entry, Index
+from tiers.ssd_index import Entry, Index, Partition
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class SSDTier(TierBase):
     """A directory of object files with a byte capacity (see the module docstring)."""
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, *,
-                 fsync: bool = True, name: str = "ssd") -> None:
+                 fsync: bool = True, name: str = "ssd", partition: Partition | None = None,
+                 quotas: Mapping[str, int] | None = None) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"SSD tier capacity must be positive, got {capacity_bytes}")
         self.name = name
@@ -85,7 +86,7 @@ class SSDTier(TierBase):
         # Guards _index, _stats, _puts and _closed.  Bookkeeping only: never held across
         # file I/O or an await, so worker threads and the event loop never wait on a disk.
         self._lock = threading.Lock()
-        self._index = Index(capacity_bytes)
+        self._index = Index(capacity_bytes, partition, quotas)
         self._stats = TierStats(name, capacity_bytes=capacity_bytes)
         self._puts: dict[int, _PutState] = {}
         self._closed = False
@@ -119,9 +120,9 @@ class SSDTier(TierBase):
     # --- start-up scan ------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        torn = sum(unlink_quiet(path) for path in (self._dir / TMP).iterdir())
+        torn = clear_temp(self._dir / TMP)
         corrupt, found = 0, []
-        for path in self._dir.glob("??/*" + SUFFIX):
+        for path in scan_objects(self._dir):
             item = scan_file(path)
             if item is None:
                 unlink_quiet(path)
@@ -130,7 +131,7 @@ class SSDTier(TierBase):
                 found.append(item)
         for _mtime, key, entry in sorted(found, key=lambda item: item[0]):
             self._index.add(key, entry)  # LRU order after a restart: oldest write first
-        victims = self._index.reserve(0) or []  # the capacity may have shrunk since last run
+        victims = self._index.trim()  # the capacity or quotas may have shrunk since the last run
         for key, entry in victims:
             self._remove_published(key, entry.ino)
         self._stats.evictions += len(victims)
@@ -158,6 +159,11 @@ class SSDTier(TierBase):
             return dataclasses.replace(
                 self._stats, objects=len(self._index.entries), bytes_used=self._index.used,
                 extra={**self._stats.extra, "reserved_bytes": self._index.reserved})
+
+    def partition_stats(self, part: str) -> dict[str, int]:
+        """Objects, bytes used and quota of one partition (see ``tiers.ssd_index``)."""
+        with self._lock:
+            return self._index.partition_stats(part)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -219,6 +225,9 @@ class SSDTier(TierBase):
             raise ConfigError(f"object size {size} is smaller than the {codec.HEADER_SIZE}-byte header")
         if size > self._index.capacity:
             raise CapacityError(f"object of {size} bytes exceeds SSD capacity {self._index.capacity}")
+        if size > self._index.quota_of(key) > 0:
+            raise CapacityError(f"object of {size} bytes exceeds its SSD partition's quota "
+                                f"{self._index.quota_of(key)}")
         state = _PutState(str(self._dir / TMP / f"{key.printable()}.{os.getpid()}.{next(self._seq)}.tmp"))
         handle = PutHandle(key, size, parent, None, state)
         victims = self._reserve(handle)
@@ -237,7 +246,7 @@ class SSDTier(TierBase):
     def _reserve(self, handle: PutHandle) -> list[tuple[ObjectKey, Entry]] | None:
         with self._lock:
             self._check_open()
-            victims = self._index.reserve(handle.size)
+            victims = self._index.reserve(handle.size, handle.key)
             if victims is not None:
                 self._stats.evictions += len(victims)
                 self._puts[id(handle.token)] = handle.token
@@ -247,7 +256,7 @@ class SSDTier(TierBase):
     def _open_temp(self, state: _PutState, victims: list[tuple[ObjectKey, Entry]]) -> None:
         for key, entry in victims:  # free the disk space before taking more
             self._remove_published(key, entry.ino)
-        state.fd = os.open(state.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        state.fd = os.open(state.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
     async def put_write(self, handle: PutHandle, offset: int, data: memoryview) -> None:
         """Write at ``offset``.  A write error is remembered and fails the commit."""
@@ -300,14 +309,15 @@ class SSDTier(TierBase):
         state.fd = -1
         parent = handle.parent if handle.parent is not None else parent_key(handle.key, header.parent)
         final = self.path_of(handle.key)
-        new_shard = not final.parent.is_dir()
-        final.parent.mkdir(exist_ok=True)
+        new_shard = not os.path.lexists(final.parent)
+        if new_shard or not final.parent.is_dir() or final.parent.is_symlink():
+            own_directory(final.parent)
         with self._names:  # rename and index change in one order for all puts of a key
             os.rename(state.path, final)
             state.entry = Entry(handle.size, parent, ino)
             with self._lock:  # the reservation becomes the entry, atomically
                 self._index.add(handle.key, state.entry)
-                self._index.reserved -= state.reserved
+                self._index.release(state.reserved, handle.key)
                 state.reserved = 0
         if self._fsync:
             # Make the rename itself durable before reporting success: a committed object
@@ -327,7 +337,7 @@ class SSDTier(TierBase):
     def _finish_put(self, handle: PutHandle) -> None:
         with self._lock:
             self._puts.pop(id(handle.token), None)
-            self._index.reserved -= handle.token.reserved
+            self._index.release(handle.token.reserved, handle.key)
             handle.token.reserved = 0
             if handle.token.entry is None:
                 self._stats.put_failures += 1

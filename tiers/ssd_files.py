@@ -4,12 +4,19 @@ directory, the start-up scan, verified reads and chunked writes.
 Everything here blocks: the tier calls it at construction or in worker threads, never on
 the event loop and never under its bookkeeping lock.  No state: what exists lives in
 ``tiers.ssd_index``.
+
+Files are 0600 and the tier's directories 0700 (objects hold tenants' KV bytes).  Nothing
+here follows a symlink: a symlink where the tier expects its own directory or file is
+removed (the link, never its target) with a warning, files are opened ``O_NOFOLLOW``, and
+the start-up scan walks entries without following links (``scan_objects``).
 """
 from __future__ import annotations
 
 import fcntl
 import logging
 import os
+import stat
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
@@ -43,11 +50,12 @@ def object_path(root: Path, key: ObjectKey) -> Path:
 def claim_directory(path: Path) -> int:
     """Create ``path`` (+ tmp/), prove it writable, and take its lock; ConfigError if not."""
     try:
-        (path / TMP).mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        own_directory(path / TMP)
         probe = path / TMP / f".probe-{os.getpid()}"
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
         os.unlink(probe)
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_lock(path / LOCK)
     except OSError as err:
         raise ConfigError(f"SSD tier directory {path} is not usable: {err.strerror or err}") from err
     try:
@@ -58,13 +66,80 @@ def claim_directory(path: Path) -> int:
     return fd
 
 
+def own_directory(path: Path) -> None:
+    """Make ``path`` a real directory of mode 0700 (a symlink there is removed, not followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        path.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        log.warning("ssd: %s is a symlink; removing the link (not its target) and making a directory", path)
+        os.unlink(path)
+        path.mkdir(mode=0o700)
+    elif stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def _open_lock(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        if not os.path.islink(path):
+            raise
+        log.warning("ssd: %s is a symlink; removing the link (not its target)", path)
+        os.unlink(path)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+
+
+def scan_objects(root: Path) -> Iterator[Path]:
+    """Every published object file (``??/*.kv``) without following a symlink: a symlinked
+    shard or object is removed (the link only), with a warning."""
+    with os.scandir(root) as shards:
+        for shard in shards:
+            if len(shard.name) != 2 or shard.name == TMP:
+                continue
+            if shard.is_symlink():
+                log.warning("ssd scan: removing symlink %s (not its target)", shard.path)
+                unlink_quiet(shard.path)
+                continue
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            if stat.S_IMODE(shard.stat(follow_symlinks=False).st_mode) != 0o700:
+                os.chmod(shard.path, 0o700)
+            yield from _shard_objects(Path(shard.path))
+
+
+def _shard_objects(shard: Path) -> Iterator[Path]:
+    with os.scandir(shard) as entries:
+        for entry in entries:
+            if not entry.name.endswith(SUFFIX):
+                continue
+            if entry.is_symlink():
+                log.warning("ssd scan: removing symlink %s (not its target)", entry.path)
+                unlink_quiet(entry.path)
+            elif entry.is_file(follow_symlinks=False):
+                yield Path(entry.path)
+
+
+def clear_temp(tmp: Path) -> int:
+    """Remove what a crash left in ``tmp`` (entries are unlinked, links never followed)."""
+    with os.scandir(tmp) as entries:
+        return sum(unlink_quiet(entry.path) for entry in entries)
+
+
 def scan_file(path: Path) -> tuple[float, ObjectKey, Entry] | None:
     """Mtime, key and index entry of a published file whose header checks out, else None."""
     try:
         key = ObjectKey.parse(path.name[: -len(SUFFIX)])
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(codec.HEADER_SIZE)
-            st = os.fstat(f.fileno())
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            head = os.pread(fd, codec.HEADER_SIZE, 0)
+            st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                os.fchmod(fd, 0o600)  # written by an older version: 0644
+        finally:
+            os.close(fd)
         size = st.st_size
         header = codec.decode_header(head)
     except (OSError, ConfigError, ObjectFormatError) as err:
@@ -79,7 +154,7 @@ def scan_file(path: Path) -> tuple[float, ObjectKey, Entry] | None:
 def read_file(path: Path, view: memoryview, key: ObjectKey) -> tuple[ReadOutcome, int]:
     """Read the whole object into ``view`` and verify it; the outcome and the file's inode."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return ReadOutcome.VANISHED, 0
     try:

@@ -28,8 +28,9 @@ ExampleConnector and the one-block compute floor) and "throttled" (a Redis tier 
 bandwidth-limited link: recompute while it is slow, hits again once it recovers).
 
 The default model is "bench-f32" (Llama-3.2-1B's KV geometry in float32) on CPUs without
-AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16); every row names
-its dtype.
+AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16).  The restart and
+throttled scenarios always run the float32 twin of the model (see ``scenarios``); every row
+names its dtype.
 
 Here: the command (``run``, and ``register`` for the ``kvstore.bench`` entry point).  The
 setups and the workload are in ``setups``, one pass over them in ``passes``, the
@@ -65,12 +66,17 @@ def run(args) -> int:
     passes, summaries, extra_rows, extra = [], [], [], {}
     scenarios = _scenarios(args.scenarios)
     dtype = geo.dtype
+    if scenarios & {"restart", "throttled"}:
+        twin = F32_TWIN.get(args.geometry, args.geometry)
+        sgeo = tinymodel.GEOMETRIES[twin]
+        smodel = tinymodel.build_named(model_dir.expanduser().parent / twin, twin)
+        print(f"scenarios restart/throttled: model {twin} ({sgeo.dtype}) at {smodel}", flush=True)
     for name in ("restart", "throttled"):
         if name in scenarios:
             print(f"\nscenario {name}", flush=True)
             with _workdir(args.workdir, name) as work:
                 fn = restart_rows if name == "restart" else throttled_rows
-                rows, extra[name] = fn(model, geo.vocab, work, args, dtype)
+                rows, extra[name] = fn(smodel, sgeo.vocab, work, args, sgeo.dtype)
             extra_rows += rows
     for i in range(args.repeats if "pairs" in scenarios else 0):
         print(f"\npass {i + 1}/{args.repeats}", flush=True)
@@ -100,6 +106,7 @@ def _ours_ok(summaries: list[dict]) -> bool:
 
 
 SCENARIOS = ("pairs", "restart", "throttled")
+F32_TWIN = {"bench": "bench-f32", "tiny": "tiny-f32"}  # the scenarios' sharp-oracle model
 
 
 def _scenarios(text: str) -> set[str]:
@@ -152,8 +159,10 @@ def register(suites) -> None:
     p.add_argument("--restart-len", type=positive, default=2000, help="restart and throttled: tokens per prompt")
     p.add_argument("--restart-shared", type=int, default=1500, help="restart: tokens the prompts share")
     p.add_argument("--throttle-prompts", type=positive, default=3,
-                   help="throttled: prompts while slow (twice as many after the lift)")
+                   help="throttled: prompts while slow (three times as many after the lift)")
     p.add_argument("--throttle-rate", type=float, default=4e6, help="throttled: bytes/s from Redis while slow")
+    p.add_argument("--explore-after", type=float, default=1.0,
+                   help="throttled: our explore_after_s (how soon a tier not measured since is re-measured)")
     p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
     p.add_argument("--repeats", type=positive, default=1, help="whole comparisons; samples pooled")
     p.add_argument("--prompts", type=positive, default=8, help="distinct long prompts")

@@ -11,6 +11,12 @@ Host side, no vLLM import; every engine runs in a fresh child process (``kit.run
   The compute floor is the TTFT of a one-block prompt in the no-connector engine.  Rows: our
   hit TTFT beside full recompute, ExampleConnector's hit (target ≤ 1) and the floor (stretch
   target ≤ 1.3), and the tokens hit per prompt beside its whole blocks but the last.
+Both run in float32 (the float32 twin of ``--geometry``, as in the issue that asked for
+them): their outputs are checked against the no-connector engine, and only float32 makes
+that check sharp.  In bf16, KV computed after a prefix hit is not bit-equal to the KV of one
+whole prefill; across a restart the difference reaches 0.25 in logprobs and flips near-tied
+greedy tokens, which would hide a real error in noise.
+
 * **throttled** (``throttled_rows``): engine 1 stores the prompts in a real redis-server;
   engine 2 reaches it through a proxy limited to ``--throttle-rate`` bytes/s, where loading is
   slower than recomputing.  Row: its TTFT beside the same prompts without a connector (target
@@ -111,7 +117,7 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
 
     g = kit.TokenSource(43, vocab)
     slow = [kit.Request(f"slow-{i}", g.take(args.restart_len)) for i in range(args.throttle_prompts)]
-    fast = [kit.Request(f"fast-{i}", g.take(args.restart_len)) for i in range(args.throttle_prompts * 2)]
+    fast = [kit.Request(f"fast-{i}", g.take(args.restart_len)) for i in range(args.throttle_prompts * 3)]
     plain = kit.Workload(tuple(slow + fast))
     gated = kit.Workload(tuple(slow + [kit.Request(fast[0].label, fast[0].tokens, barrier="lifted")] + fast[1:]))
 
@@ -129,7 +135,7 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
         stats_2 = work / "throttled-stats-2.json"
         with ThrottledProxy((server.host, server.port), rate=args.throttle_rate) as proxy:
             conn = job.connector_config(None, stats_2, redis_url=f"redis://{proxy.address}/0",
-                                        explore_after_s=1, **our_settings(args))
+                                        explore_after_s=args.explore_after, **our_settings(args))
             box: dict = {}
             t = threading.Thread(target=lambda: box.update(r=_guard(lambda: run("ours-2", conn, gated,
                                                                                  barriers=work))))

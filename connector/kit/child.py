@@ -36,6 +36,9 @@ def _make_llm(spec: dict):
     from vllm.config import KVTransferConfig
 
     kw = {"distributed_executor_backend": "uni"} if spec["single_process"] else {}
+    if spec.get("eager"):
+        kw["enforce_eager"] = True
+    kw.update(spec.get("engine_args") or {})
     if spec["connector"]:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     return LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False,

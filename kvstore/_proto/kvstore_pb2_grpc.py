@@ -114,7 +114,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Get(self, request, context):
-        """Same-host read: the object's place in the shared segment, under a lease that pins it.
+        """Same-host read: the object's place in the tenant's pool, under a lease that pins it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,13 +168,14 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's tenant's counters; every tenant's and the server's with the "admin" permission.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenData(self, request, context):
-        """A single-use ticket that opens one data-channel connection (see the header).
+        """A single-use ticket that opens one data-channel connection or one shared-memory session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from kvstore.errors import KVStoreError
+
+TOKEN_ENV = "KVSTORE_TOKEN"
 
 
 def size_arg(flag: str):
@@ -18,3 +22,25 @@ def size_arg(flag: str):
 
     parse.__name__ = "size"
     return parse
+
+
+def add_token_args(parser: argparse.ArgumentParser) -> None:
+    """``--token-file`` (preferred), ``--token``, and ``$KVSTORE_TOKEN`` (see ``token_of``)."""
+    parser.add_argument("--token-file", help=f"a file whose first line is the bearer token "
+                                             f"(or set ${TOKEN_ENV})")
+    parser.add_argument("--token", help="the bearer token itself (other users see it in the process "
+                                        "list: prefer --token-file or $" + TOKEN_ENV + ")")
+
+
+def token_of(args: argparse.Namespace) -> str | None:
+    """The bearer token: ``--token-file``, else ``--token`` (with a warning), else
+    ``$KVSTORE_TOKEN``; None without any."""
+    from kvstore.config import read_token_file
+
+    if getattr(args, "token_file", None):
+        return read_token_file(args.token_file)
+    if getattr(args, "token", None):
+        print(f"warning: --token puts the token in the process list; use --token-file or ${TOKEN_ENV}",
+              file=sys.stderr)
+        return args.token
+    return os.environ.get(TOKEN_ENV) or None

@@ -41,12 +41,12 @@ def _redis(args) -> int:
 
 
 def _register_store(suites) -> None:
-    from kvstore.cli.args import size_arg
+    from kvstore.cli.args import add_token_args, size_arg
 
     store = suites.add_parser("store", help="the store process: lookup, shm and stream gets/puts, "
                                             "concurrent clients")
     store.add_argument("--target", help="HOST:PORT of a running store (default: start one here)")
-    store.add_argument("--token", help="bearer token for the store")
+    add_token_args(store)
     store.add_argument("--json", help="write the rows as JSON to this file")
     store.add_argument("--repeat", type=positive, default=7, help="repetitions per figure (median)")
     store.add_argument("--sizes", type=_size_list, default=[1 << 20, 32 << 20],
@@ -80,7 +80,9 @@ def _int_list(value: str) -> list[int]:
 
 def _store(args) -> int:
     from kvstore.bench import store
+    from kvstore.cli.args import token_of
 
+    args.token = token_of(args)
     return store.run(args)
 
 

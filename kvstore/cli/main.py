@@ -11,12 +11,13 @@ from kvstore.errors import KVStoreError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvstore.cli import bench, capacity, demo, serve
+    from kvstore.cli import bench, capacity, demo, serve, tokens
 
     capacity.register(sub)
     bench.register(sub)
     demo.register(sub)
     serve.register(sub)
+    tokens.register(sub)
     return parser
 
 

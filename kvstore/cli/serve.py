@@ -16,6 +16,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Union, get_args, get_origin
 
+from kvstore.cli.args import add_token_args, token_of
 from kvstore.config import Seconds, Size, field_types
 from kvstore.server.config import ServerConfig, flag_name
 
@@ -24,6 +25,10 @@ def register(sub) -> None:
     serve = sub.add_parser("serve", help="run the store process (gRPC, shared memory, tiers)")
     types = field_types(ServerConfig)
     for f in fields(ServerConfig):  # one flag per setting, its help from the setting's doc
+        if types[f.name] is bool:  # --insecure alone means true; --data-channel false too
+            serve.add_argument(flag_name(f.name), metavar="BOOL", nargs="?", const="true",
+                               help=_help(f, types[f.name]))
+            continue
         serve.add_argument(flag_name(f.name), metavar=_metavar(f.name, types[f.name]),
                            help=_help(f, types[f.name]))
     serve.add_argument("--config", help="YAML file of settings (flags and KVSTORE_SERVE_* win)")
@@ -31,7 +36,7 @@ def register(sub) -> None:
 
     stats = sub.add_parser("stats", help="print a store process's counters")
     stats.add_argument("--target", required=True, help="HOST:PORT of the store process")
-    stats.add_argument("--token", help="bearer token (when the store has --auth-tokens)")
+    add_token_args(stats)  # --token-file, --token, $KVSTORE_TOKEN (when the store has --auth-tokens)
     stats.add_argument("--tls-ca", help="CA certificate (PEM) to reach a TLS store")
     stats.add_argument("--tls-cert", help="client certificate (PEM) for a store that requires one")
     stats.add_argument("--tls-key", help="client private key (PEM)")
@@ -85,8 +90,9 @@ def _stats(args) -> int:
     from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
     from kvstore.errors import ConfigError, TierUnavailableError
 
+    token = token_of(args)
     channel = _channel(args)
-    metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
+    metadata = [("authorization", f"Bearer {token}")] if token else None
     try:
         reply = pb_grpc.KVStoreStub(channel).Stats(pb.StatsRequest(), timeout=args.timeout, metadata=metadata)
     except grpc.RpcError as err:
@@ -155,8 +161,22 @@ def _size(n: float) -> str:
     return f"{int(n)} B"
 
 
+def format_tenant(doc: dict, target: str) -> str:
+    """The readable summary of one tenant's ``Stats`` (a token without ``admin``)."""
+    lines = [f"kvstore store at {target}: tenant {doc['tenant']} (its own counters only)"]
+    for name, t in doc["tiers"].items():
+        lines.append(f"  {name:<12} {int(t['objects'])} objects, {_size(t['bytes_used'])} of "
+                     f"{_size(t['capacity_bytes'])}")
+    quota, held = doc["quota"], doc["held"]
+    lines.append("  held / quota " + ", ".join(f"{k} {held[k]}/{quota[k]}" for k in held))
+    lines.append(f"  puts in flight {doc['puts_in_flight']}; refused: {_counts(doc['refused'])}")
+    return "\n".join(lines)
+
+
 def format_stats(doc: dict, target: str) -> str:
-    """The readable summary of a ``Stats`` document."""
+    """The readable summary of a ``Stats`` document (one tenant's, or the whole server's)."""
+    if "tenant" in doc:
+        return format_tenant(doc, target)
     s, tiers = doc["store"], doc["tiers"]
     hits = sum(s["lookup_hits"].values())
     by_tier = ", ".join(f"{t} {int(n)}" for t, n in sorted(s["lookup_hits"].items())) or "none"
@@ -178,6 +198,10 @@ def format_stats(doc: dict, target: str) -> str:
         lines.append(f"  breaker {name}: {'OPEN' if b.get('breaker_open') else 'closed'}")
     lines.append(f"  write-through {_counts(s['write_through'])}")
     lines.append(f"  failures     {_counts(s['failures'])}")
+    for name, t in doc.get("tenants", {}).items():
+        refused = sum(t["refused"].values())
+        lines.append(f"  tenant {name}: host {_size(t['tiers'].get('host', {}).get('bytes_used', 0))} of "
+                     f"{_size(t['quota']['host_bytes'])}, leases {t['held']['leases']}, refused {refused}")
     return "\n".join(lines)
 
 

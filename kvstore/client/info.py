@@ -3,14 +3,15 @@ said, lookup answers, a put reservation, counters, and the channels' options (gR
 data channel's TLS).
 
 Client side.  ``ServerInfo.shm_refusal`` holds the one rule deciding whether this process
-may use the server's shared-memory segment: the token has ``shm``, the server named a
-segment, it runs on this boot of this host (``boot_id``), and the path opens to a file of
-the announced size and inode.
+may try the server's shared memory: the token has ``shm``, the server named its gate's
+socket, it runs on this boot of this host (``boot_id``), and the socket is there.  The
+gate itself then decides (``kvstore.client.shmsession``).
 """
 from __future__ import annotations
 
 import os
 import ssl
+import stat
 from dataclasses import asdict, dataclass
 from enum import Enum
 from functools import lru_cache
@@ -66,9 +67,8 @@ def local_boot_id() -> str:
 class ServerInfo:
     tenant: str
     permissions: frozenset[str]
-    segment_path: str
+    shm_socket: str
     segment_size: int
-    segment_inode: int
     boot_id: str
     max_object_bytes: int
     max_keys_per_call: int
@@ -79,30 +79,28 @@ class ServerInfo:
 
     @classmethod
     def from_pb(cls, r: pb.HelloResponse) -> ServerInfo:
-        return cls(r.tenant, frozenset(r.permissions), r.segment_path, r.segment_size, r.segment_inode,
-                   r.boot_id, r.max_object_bytes, r.max_keys_per_call, r.lease_ms, r.frame_bytes,
+        return cls(r.tenant, frozenset(r.permissions), r.shm_socket, r.segment_size, r.boot_id,
+                   r.max_object_bytes, r.max_keys_per_call, r.lease_ms, r.frame_bytes,
                    r.server_version, r.data_port)
 
-    @property
-    def segment_id(self) -> tuple[str, int, int]:
-        return (self.segment_path, self.segment_inode, self.segment_size)
-
     def shm_refusal(self, boot_id: str) -> str:
-        """Why this process cannot use the segment ("" when it can)."""
+        """Why this process cannot try the shared memory ("" when it can)."""
         if "shm" not in self.permissions:
             return "the token lacks the shm permission"
-        if not self.segment_path:
-            return "the server offers no shared-memory segment"
+        if not self.shm_socket:
+            return "the server offers no shared memory"
         if not boot_id or self.boot_id != boot_id:
             return f"the server runs on another host or boot (boot_id {self.boot_id!r})"
-        try:
-            st = os.stat(self.segment_path)
-        except OSError as err:
-            return f"cannot stat segment {self.segment_path}: {err.strerror or err}"
-        if st.st_ino != self.segment_inode or st.st_size != self.segment_size:
-            return (f"segment {self.segment_path} is inode {st.st_ino} of {st.st_size} bytes, the "
-                    f"server announced inode {self.segment_inode} of {self.segment_size}")
+        if not stat.S_ISSOCK(_mode(self.shm_socket)):
+            return f"no shared-memory socket at {self.shm_socket} on this host"
         return ""
+
+
+def _mode(path: str) -> int:
+    try:
+        return os.stat(path).st_mode
+    except OSError:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,12 @@
 
 Client side.  The planes, fastest first, and when each is taken:
 
-* **shm** (same host): the transport allows it (``auto``/``shm``) and ``ServerInfo.shm_refusal``
-  finds nothing against it (the token has ``shm``, same boot, the segment opens with the
-  announced size and inode).  The segment is mapped once and prefaulted; a server that came
-  back with a new segment is remapped.  ``transport="shm"`` without it is a ``ConfigError``.
+* **shm** (same host): the transport allows it (``auto``/``shm``), ``ServerInfo.shm_refusal``
+  finds nothing against it (the token has ``shm``, same boot, the gate's socket is here),
+  and the gate hands over the tenant's pool (``kvstore.client.shmsession``: a ticket from
+  ``OpenData``, the token, a descriptor back; read-only for a token without ``write``).
+  The pool is mapped once and prefaulted; a session the server no longer holds (it
+  restarted) is opened again.  ``transport="shm"`` without it is a ``ConfigError``.
 * **tcp** (any host): the raw TCP data channel (``kvstore.client.datachannel``) when shm is
   not in use and the transport allows it (``auto``/``tcp``), the server advertises a data
   port, and one connection opens with a ticket (``OpenData``), the token and, when the gRPC
@@ -18,6 +20,7 @@ Client side.  The planes, fastest first, and when each is taken:
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable
 
@@ -27,8 +30,8 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.datachannel import DataChannel, RefusedError, Reply
 from kvstore.client.dataplane import prefault
 from kvstore.client.info import ServerInfo, Transport, local_boot_id
+from kvstore.client.shmsession import GateRefusedError, ShmSession
 from kvstore.errors import ConfigError, TierError
-from tiers.host_shm import attach_shared
 
 log = logging.getLogger("kvstore.client.store_client")
 CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -36,36 +39,45 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 class PlanesMixin:
     """Needs from its host class: ``target``, ``transport``, ``timeout_s``, ``_token``,
-    ``_tls``, ``_server_name``, ``_segment``, ``_segment_id``, ``_data``, ``shm_refusal``,
-    ``tcp_refusal``, ``_unary`` and ``_status_error`` (all defined by ``StoreClient``)."""
+    ``_tls``, ``_server_name``, ``_session``, ``_data``, ``shm_refusal``, ``tcp_refusal``,
+    ``_unary`` and ``_status_error`` (all defined by ``StoreClient``)."""
+
+    @property
+    def _segment(self):
+        """The mapped pool of the session (None without one)."""
+        return None if self._session is None else self._session.pool
 
     @property
     def uses_shm(self) -> bool:
-        return self._segment is not None
+        return self._session is not None
 
     @property
     def uses_tcp(self) -> bool:
         return self._data is not None
 
     async def _choose_planes(self, info: ServerInfo) -> None:
-        self._use_segment(info)
+        await self._use_segment(info)
         await self._use_data(info)
 
     # --- shared memory ------------------------------------------------------------------------
 
-    def _use_segment(self, info: ServerInfo) -> None:
+    async def _use_segment(self, info: ServerInfo) -> None:
         if self.transport in (Transport.STREAM, Transport.TCP):
             self.shm_refusal = f"transport is {self.transport.value}"
             return
         refusal = info.shm_refusal(local_boot_id())
-        ident = info.segment_id
-        if not refusal and ident != self._segment_id:
+        session = self._session
+        if not refusal and (session is None or session.path != info.shm_socket or not session.alive()):
             self._drop_segment()
             try:
-                self._segment = attach_shared(info.segment_path, info.segment_size, pin=False)
-                self._segment_id = ident
-                prefault(self._segment.array)
-            except ConfigError as err:
+                ticket = await self._ticket()
+                session = await asyncio.to_thread(ShmSession.open, info.shm_socket, ticket, self._token,
+                                                  self.timeout_s)
+                self._session = session
+                prefault(session.array)
+            except GateRefusedError as err:
+                refusal = f"the store refused shared memory: {err}"
+            except (ConfigError, TierError) as err:
                 refusal = str(err)
         if refusal:
             self._drop_segment()
@@ -75,16 +87,21 @@ class PlanesMixin:
                 log.info("kvstore: store %s: no shared memory (%s)", self.target, refusal)
         self.shm_refusal = refusal
 
+    @property
+    def _segment_id(self) -> int | None:
+        """Which session the mapping belongs to (changes when the server is a new one)."""
+        return None if self._session is None else self._session.session_id
+
     def _drop_segment(self) -> None:
-        segment, self._segment, self._segment_id = self._segment, None, None
-        if segment is not None:
-            segment.close()  # unmapped now, or when the last in-flight view goes
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()  # unmapped now (or when the last in-flight view goes), then ended
 
     # --- the TCP data channel -----------------------------------------------------------------
 
     async def _use_data(self, info: ServerInfo) -> None:
-        if self.transport not in (Transport.TCP, Transport.AUTO) or self._segment is not None:
-            await self._drop_data("shared memory is used" if self._segment is not None
+        if self.transport not in (Transport.TCP, Transport.AUTO) or self._session is not None:
+            await self._drop_data("shared memory is used" if self._session is not None
                                   else f"transport is {self.transport.value}")
             return
         if not info.data_port:

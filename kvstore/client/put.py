@@ -40,7 +40,7 @@ _OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: Put
 
 
 class PutMixin:
-    """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``,
+    """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``, ``_session``,
     ``_data``, ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``,
     ``_unary``, ``_segment_changed``, ``_error``, ``_status_error`` and ``_data_request``
     (defined by ``StoreClient`` and ``PlanesMixin``)."""
@@ -48,20 +48,23 @@ class PutMixin:
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
         """Publish a complete object (its header names ``key``): through the segment
-        (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A commit refused
-        because the server came back with a new segment is retried once, remapped."""
+        (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A put refused because
+        the server came back without our session is retried once, in a new one."""
         src = np.frombuffer(memoryview(obj).cast("B"), np.uint8)
         if self._segment is None:
             return await self.put_parts(key, [memoryview(src)], len(src), parent_hash)
+        if not self._may_write(key) or not self._session.writable:
+            return self._put_done(PutResult.FAILED, len(src))  # refused here: nothing to retry
         res = await self.reserve(key, len(src), parent_hash)
         if isinstance(res, PutResult):
-            return res
-        ok = False
-        try:
-            await self._copy_out(res.array, src)
-            ok = True
-        finally:
-            result = await self.commit(res, ok)
+            result = res
+        else:
+            ok = False
+            try:
+                await self._copy_out(res.array, src)
+                ok = True
+            finally:
+                result = await self.commit(res, ok)
         if result is PutResult.FAILED and retry and await self._segment_changed():
             self.counters.put_failures -= 1  # the retry counts instead
             return await self.put(key, obj, parent_hash, retry=False)
@@ -74,10 +77,13 @@ class PutMixin:
         self.check_size(size)
         if self._segment is None:
             raise ConfigError(f"reserve needs the shared-memory data plane ({self.shm_refusal})")
-        if not self._may_write(key):
+        if not self._may_write(key) or not self._session.writable:
             return self._put_done(PutResult.FAILED, size)
-        segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
-        r = await self._unary("PutStart", _put_start(key, size, parent_hash), answers=_REFUSED_PUT)
+        session = self._session
+        segment = session.array  # held: a concurrent remap cannot unmap it under us
+        start = _put_start(key, size, parent_hash)
+        start.session = session.session_id
+        r = await self._unary("PutStart", start, answers=_REFUSED_PUT)
         if isinstance(r, Code) or r.outcome != pb.PUT_OUTCOME_UNSPECIFIED:
             return self._put_done(PutResult.FAILED if isinstance(r, Code) else _outcome(r.outcome), size)
         if r.length != size or r.offset + size > len(segment):

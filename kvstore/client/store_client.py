@@ -3,10 +3,11 @@
 Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, DESIGN §7):
 
 * ``connect`` calls ``Hello`` and picks the data plane (``kvstore.client.planes``): shared
-  memory on the same host, else the raw TCP data channel, else gRPC streams, as the
-  transport allows (``auto``: the fastest that works; ``shm``, ``tcp``, ``stream``: that one
-  or an error at connect).  ``refresh()`` (another ``Hello``) remaps the segment, or reopens
-  the data channel, when the server came back with a new one.
+  memory on the same host (the tenant's pool, through a session with the server's gate),
+  else the raw TCP data channel, else gRPC streams, as the transport allows (``auto``: the
+  fastest that works; ``shm``, ``tcp``, ``stream``: that one or an error at connect).
+  ``refresh()`` (another ``Hello``) opens a new session, or reopens the data channel, when
+  the server came back without the old one.
 * Keys are the caller's own ``ObjectKey``; the server scopes them to the token's tenant.
   Objects arrive carrying the scoped key: they are checked against it (header, length,
   key, payload checksum) and rekeyed to the caller's key before ``read_into`` returns.  A
@@ -52,10 +53,10 @@ from kvstore.client.dataplane import Copier, check_object, decode_get_frame, loo
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
 from kvstore.client.planes import CODES, PlanesMixin
 from kvstore.client.put import PutMixin
+from kvstore.client.shmsession import ShmSession
 from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
                             TierUnavailableError)
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
-from tiers.host_shm import SharedPoolView
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -94,8 +95,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         self._server_name: str | None = None
         self._data: DataChannel | None = None
         self._after_copy = after_copy
-        self._segment: SharedPoolView | None = None
-        self._segment_id: tuple[str, int, int] | None = None
+        self._session: ShmSession | None = None   # the shared-memory session (kvstore.client.planes)
         self._copier = Copier()
         self._releases = ReleaseQueue(self._send_releases, lambda: self._info.max_keys_per_call,
                                       release_delay_s)

@@ -4,24 +4,34 @@
 
       tokens:
         - {token: "s3cret-a", tenant: "a", permissions: [read, write, shm]}
-        - {token: "s3cret-r", tenant: "a", permissions: [read]}
+        - {token_file: /run/secrets/a-read, tenant: "a", permissions: [read]}
+        - {token_env: KVSTORE_OPS_TOKEN, tenant: "ops", permissions: [read, admin]}
+        - {sha256: "9f86d0...", tenant: "b", permissions: [read, write]}
+      tenants:                      # optional quotas (kvstore.server.tenants)
+        a: {host_bytes: 256MiB, leases: 1024}
 
-  ``TokenTable.load(path)`` checks it whole before the server starts: a missing or
-  unreadable file, bad YAML, an entry that is not a mapping, an unknown key, an empty
-  token or tenant, a duplicate token, an empty or unknown permission all raise
-  ``ConfigError`` naming the file, the entry and the value (never the token itself: a
-  duplicate is named by its entry numbers).
+  Each entry gives its token one way: inline (``token``), from a file (``token_file``:
+  its first line), from an environment variable (``token_env``), or only its sha256 digest
+  in hex (``sha256``, so the file holds no secret).  ``TokenTable.load(path)`` checks it
+  whole before the server starts: a missing or unreadable file, bad YAML, an entry that is
+  not a mapping, an unknown key, no token or two ways of giving one, an empty token or
+  tenant, a duplicate token, an empty or unknown permission all raise ``ConfigError``
+  naming the file, the entry and the value (never the token itself: a duplicate is named
+  by its entry numbers).
 * Every RPC except health carries ``authorization: Bearer <token>``.  ``Authenticator``
   turns call metadata into a ``Principal`` (tenant + permissions): a missing, malformed or
   unknown token raises ``UnauthenticatedError``; ``Principal.require`` raises
   ``PermissionDeniedError`` naming the permission that is lacking.
-* Without a tokens file every call is ``Principal("default", {read, write, shm})``.
+* Permissions: ``read``, ``write``, ``shm`` (the shared-memory data plane) and ``admin``
+  (``Stats`` of every tenant; without it ``Stats`` shows the caller's tenant only).
+* Without a tokens file every call is ``Principal("default", {read, write, shm, admin})``.
 * Tokens are kept only as sha256 digests, so a lookup never compares secrets byte by byte
   and a memory dump does not reveal them.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -29,7 +39,9 @@ from pathlib import Path
 
 import yaml
 
+from kvstore.config import read_token_file
 from kvstore.errors import ConfigError, PermissionDeniedError, UnauthenticatedError
+from kvstore.server.tenants import Limits, parse_limits
 
 __all__ = ["PermissionDeniedError", "UnauthenticatedError"]  # re-exported for the server
 
@@ -38,11 +50,13 @@ class Permission(Enum):
     READ = "read"    # Lookup, Get, GetStream, Stats
     WRITE = "write"  # PutStart, PutCommit, PutStream, Delete
     SHM = "shm"      # the shared-memory data plane: segment offsets (Get, PutStart)
+    ADMIN = "admin"  # Stats of every tenant (without it: the caller's tenant only)
 
 
 ALL_PERMISSIONS = frozenset(Permission)
 DEFAULT_TENANT = "default"
-_ENTRY_KEYS = frozenset({"token", "tenant", "permissions"})
+_SOURCES = ("token", "token_file", "token_env", "sha256")
+_ENTRY_KEYS = frozenset({*_SOURCES, "tenant", "permissions"})
 _MAX_TENANT = 128
 
 
@@ -75,10 +89,18 @@ def _digest(token: str) -> bytes:
 
 
 class TokenTable:
-    """Token digests mapped to principals (see the module docstring)."""
+    """Token digests mapped to principals (see the module docstring); ``limits`` are the
+    tenants' quotas from the file's ``tenants`` section."""
 
-    def __init__(self, principals: Mapping[bytes, Principal]) -> None:
+    def __init__(self, principals: Mapping[bytes, Principal], limits: Mapping[str, Limits] | None = None) -> None:
         self._by_digest = dict(principals)
+        self.limits = dict(limits or {})
+
+    def __repr__(self) -> str:
+        return f"TokenTable({len(self)} tokens, tenants {sorted(self.tenants)})"
+
+    def principals(self) -> list[Principal]:
+        return list(self._by_digest.values())
 
     def __len__(self) -> int:
         return len(self._by_digest)
@@ -107,9 +129,10 @@ class TokenTable:
         return cls.from_document(doc, str(path))
 
     @classmethod
-    def from_document(cls, doc: object, where: str = "auth tokens") -> "TokenTable":
-        if not isinstance(doc, dict) or set(doc) != {"tokens"}:
-            raise ConfigError(f"{where}: expected a mapping with one key 'tokens' "
+    def from_document(cls, doc: object, where: str = "auth tokens",
+                      env: Mapping[str, str] | None = None) -> "TokenTable":
+        if not isinstance(doc, dict) or "tokens" not in doc or set(doc) - {"tokens", "tenants"}:
+            raise ConfigError(f"{where}: expected a mapping with 'tokens' (and optionally 'tenants') "
                               f"(tokens: [{{token, tenant, permissions}}, ...])")
         entries = doc["tokens"]
         if not isinstance(entries, list) or not entries:
@@ -117,43 +140,77 @@ class TokenTable:
         table: dict[bytes, Principal] = {}
         first_seen: dict[bytes, int] = {}
         for i, entry in enumerate(entries):
-            token, principal = _parse_entry(entry, f"{where}: tokens[{i}]")
-            digest = _digest(token)
+            digest, principal = _parse_entry(entry, f"{where}: tokens[{i}]", os.environ if env is None else env)
             if digest in table:
                 raise ConfigError(f"{where}: tokens[{i}] repeats the token of "
                                   f"tokens[{first_seen[digest]}] (each token must be unique)")
             table[digest] = principal
             first_seen[digest] = i
-        return cls(table)
+        tenants = {p.tenant for p in table.values()}
+        return cls(table, parse_limits(doc.get("tenants"), where, tenants))
 
 
-def _parse_entry(entry: object, where: str) -> tuple[str, Principal]:
+def _parse_entry(entry: object, where: str, env: Mapping[str, str]) -> tuple[bytes, Principal]:
     if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: expected a mapping with token, tenant, permissions; got {entry!r}")
+        raise ConfigError(f"{where}: expected a mapping with token, tenant, permissions; got a {type(entry).__name__}")
     unknown = sorted(map(str, set(entry) - _ENTRY_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: token, tenant, permissions")
-    token, tenant, perms = entry.get("token"), entry.get("tenant"), entry.get("permissions")
-    if not isinstance(token, str) or not token.strip():
-        raise ConfigError(f"{where}: 'token' must be a non-empty string")
-    if any(c.isspace() for c in token) or not token.isprintable():
-        raise ConfigError(f"{where}: 'token' must not contain spaces or control characters")
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_ENTRY_KEYS))}")
+    tenant, perms = entry.get("tenant"), entry.get("permissions")
+    digest = _entry_digest(entry, where, env)
     if not isinstance(tenant, str) or not tenant.strip():
         raise ConfigError(f"{where}: 'tenant' must be a non-empty string, got {tenant!r}")
     if len(tenant) > _MAX_TENANT or not tenant.isprintable():
         raise ConfigError(f"{where}: tenant {tenant!r} must be 1-{_MAX_TENANT} printable characters")
-    return token, Principal(tenant, _parse_permissions(perms, where))
+    return digest, Principal(tenant, _parse_permissions(perms, where))
+
+
+def _entry_digest(entry: dict, where: str, env: Mapping[str, str]) -> bytes:
+    """The sha256 of the entry's token, from whichever one source it names."""
+    given = [k for k in _SOURCES if k in entry]
+    if len(given) != 1:
+        raise ConfigError(f"{where}: give the token exactly one way ({', '.join(_SOURCES)}); got "
+                          f"{', '.join(given) or 'none'}")
+    source, value = given[0], entry[given[0]]
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{where}: {source!r} must be a non-empty string")
+    if source == "sha256":
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise ConfigError(f"{where}: 'sha256' must be 64 hex digits (the token's sha256)")
+        return raw
+    token = _token_from(source, value, where, env)
+    if any(c.isspace() for c in token) or not token.isprintable():
+        raise ConfigError(f"{where}: the token must not contain spaces or control characters")
+    return _digest(token)
+
+
+def _token_from(source: str, value: str, where: str, env: Mapping[str, str]) -> str:
+    if source == "token":
+        return value
+    if source == "token_env":
+        if not env.get(value, "").strip():
+            raise ConfigError(f"{where}: environment variable {value} (token_env) is unset or empty")
+        return env[value].strip()
+    try:
+        token = read_token_file(value)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from err
+    return token
 
 
 def _parse_permissions(perms: object, where: str) -> frozenset[Permission]:
     if not isinstance(perms, list) or not perms:
-        raise ConfigError(f"{where}: 'permissions' must be a non-empty list of read, write, shm")
+        raise ConfigError(f"{where}: 'permissions' must be a non-empty list of read, write, shm, admin")
     out = set()
     for name in perms:
         try:
             out.add(Permission(name))
         except ValueError as err:
-            raise ConfigError(f"{where}: unknown permission {name!r}; known: read, write, shm") from err
+            raise ConfigError(f"{where}: unknown permission {name!r}; known: read, write, shm, admin") from err
     return frozenset(out)
 
 

@@ -15,6 +15,7 @@ raise ``ConfigError`` naming the key and where it came from.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,15 +53,29 @@ class ServerConfig(LeaseSettings, TierSettings):
     max_message_bytes: Size = setting(8 * MiB, "gRPC receive limit (at least frame_bytes + 64KiB)")
     frame_bytes: Size = setting(1 * MiB, "GetStream frame size")
     shutdown_grace: Seconds = setting(10.0, "seconds in-flight calls get at SIGTERM")
+    insecure: bool = setting(False, "serve a non-loopback listen address without TLS or a tokens file "
+                             "(then anyone who reaches it reads, writes and deletes every object; "
+                             "a warning is printed)")
+    shm_socket: Path | None = setting(None, "Unix socket handing same-host clients their tenant's shared-memory "
+                                      "pool (default: a fresh private one in the temp directory)")
+    stream_min_rate: Size = setting(8 * MiB, "bytes per second every stream (gRPC or data channel) must "
+                                    "average: moving N bytes is cut after stream_grace + N / stream_min_rate "
+                                    "seconds, and its references and reservations are dropped")
+    stream_grace: Seconds = setting(5.0, "seconds every stream gets on top of its bytes' share, and the "
+                                    "longest it may wait for its first frame")
+    max_concurrent_rpcs: int = setting(1024, "gRPC calls served at once (beyond: RESOURCE_EXHAUSTED)")
+    max_streams_per_connection: int = setting(128, "gRPC calls at once on one client connection")
+    idle_timeout: Seconds = setting(300.0, "seconds an idle client connection (gRPC or data channel) is kept")
 
     def __post_init__(self) -> None:
         TierSettings.__post_init__(self)
         LeaseSettings.__post_init__(self)
         split_listen(self.listen)
-        for name in ("max_object_bytes", "max_keys_per_call", "max_message_bytes", "frame_bytes"):
+        for name in ("max_object_bytes", "max_keys_per_call", "max_message_bytes", "frame_bytes",
+                     "stream_min_rate", "max_concurrent_rpcs", "max_streams_per_connection"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_lease_ttl", "shutdown_grace", "data_ticket_ttl"):
+        for name in ("max_lease_ttl", "shutdown_grace", "data_ticket_ttl", "stream_grace", "idle_timeout"):
             check_seconds(name, getattr(self, name))
         if self.put_ttl is not None:
             check_seconds("put_ttl", self.put_ttl)
@@ -70,6 +85,17 @@ class ServerConfig(LeaseSettings, TierSettings):
         if self.max_lease_ttl < self.lease_ttl:
             raise ConfigError(f"max_lease_ttl ({self.max_lease_ttl}) is below lease_ttl ({self.lease_ttl})")
         self._check_limits()
+        self._check_exposure()
+
+    def _check_exposure(self) -> None:
+        """A listen address beyond loopback needs TLS and a tokens file, or ``insecure``."""
+        if self.insecure or is_loopback(self.listen_host) or (self.tls and self.auth_tokens is not None):
+            return
+        missing = " and ".join(what for what, ok in (("TLS (tls_cert, tls_key)", self.tls),
+                                                      ("a tokens file (auth_tokens)", self.auth_tokens))
+                               if not ok)
+        raise ConfigError(f"listen address {self.listen} is not loopback: serving it needs {missing}; "
+                          f"insecure (--insecure) serves it without them, to anyone who can reach it")
 
     def _check_limits(self) -> None:
         if self.max_object_bytes < 256:
@@ -91,6 +117,10 @@ class ServerConfig(LeaseSettings, TierSettings):
     @property
     def put_ttl_s(self) -> float:
         return self.lease_ttl if self.put_ttl is None else self.put_ttl
+
+    def stream_deadline(self, nbytes: int) -> float:
+        """Seconds a stream moving ``nbytes`` may take in all (see ``stream_min_rate``)."""
+        return self.stream_grace + nbytes / self.stream_min_rate
 
     @property
     def listen_host(self) -> str:
@@ -119,6 +149,17 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listen or metrics host) is reachable from this host only."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
 def split_listen(listen: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` for IPv6) → (host, port); ``ConfigError`` otherwise."""
     host, sep, port = listen.rpartition(":")
@@ -129,4 +170,4 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-__all__ = ["ENV_PREFIX", "STREAM_HEADROOM", "ServerConfig", "flag_name", "split_listen"]
+__all__ = ["ENV_PREFIX", "STREAM_HEADROOM", "ServerConfig", "flag_name", "is_loopback", "split_listen"]

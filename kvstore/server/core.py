@@ -5,9 +5,14 @@ Server side, one event loop (host-tier calls are synchronous and never awaited b
 check and the action it guards).  Every key here is already tenant-scoped by the servicer:
 this module never sees protobufs or tokens.
 
-* Tiers (opened through ``kvstore.store.registry``): a shared host pool (``host:`` with
-  ``shared=True``, a 0600 file in /dev/shm that same-host clients map), then SSD
-  (``--ssd-dir``), then Redis (``--redis``), fastest first.
+* Tiers (opened through ``kvstore.store.registry``): the host pools, one per tenant (a memfd
+  each, ``tiers.host``: a tenant's puts and promotions take room, and evict, only in its own
+  pool, found from the key's tenant mark; same-host clients get their tenant's pool through
+  ``kvstore.server.shmgate``), then SSD (``--ssd-dir``, one partition per tenant with its
+  quota), then Redis (``--redis``), fastest first.  The write-down checks every object
+  before copying it down (clients can write their pool).
+* Quotas (``kvstore.server.tenants``): leases held per tenant here, reservations in
+  ``PutPath``, streams and connections at the edges.
 * The core does lookups (tier and size of each key of the contiguous hit; a failing tier is
   a miss), promotion, deletes and the write-down of committed puts; ``ServerObserver`` feeds
   what it reports into the server's counters (``kvstore.server.metrics``).
@@ -43,6 +48,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
+from kvstore.server.tenants import Tenants
 from kvstore.server.tickets import TicketBook
 from kvstore.store.events import StoreObserver
 from kvstore.store.lookup import trusted_key
@@ -103,13 +109,16 @@ class ServerStore:
     """Tiers and bookkeeping of one store process (see the module docstring)."""
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], cfg: ServerConfig,
-                 metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
-        self.core = TieredStore(host, lower, cfg.write_policy, observer=ServerObserver(metrics))
+                 metrics: ServerMetrics, tenants: Tenants | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.core = TieredStore(host, lower, cfg.write_policy, observer=ServerObserver(metrics),
+                                verify_writes=True)
         self.host, self.lower = host, self.core.lower
         self.cfg = cfg
         self.metrics = metrics
-        self.leases = LeaseBook()
-        self.puts = PutPath(self.core, cfg, metrics, clock)
+        self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
+        self.leases = LeaseBook(on_drop=lambda tenant: self.tenants.give(tenant, "leases"))
+        self.puts = PutPath(self.core, cfg, metrics, self.tenants, clock)
         self.tickets = TicketBook(cfg.data_ticket_ttl, clock=clock)   # data-channel tickets (kvstore.server.tickets)
         self._clock = clock
         self._reaper: asyncio.Task | None = None
@@ -118,28 +127,25 @@ class ServerStore:
         metrics.bind(self.snapshot)
 
     @classmethod
-    async def open(cls, cfg: ServerConfig, metrics: ServerMetrics) -> "ServerStore":
-        """Create the shared host pool and open the lower tiers; start the reaper.  Every
+    async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":
+        """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
         specs: list[tuple[str, dict[str, object]]] = [
-            ("host:", {"capacity": cfg.host_capacity, "shared": True, "pin": False})]  # pin=False: no torch
+            ("host:", {"capacity": cfg.host_capacity, "pin": False,  # pin=False: no torch
+                       "pools": tenants.host_bytes, "pool_of": tenants.tenant_of})]
         if cfg.ssd_dir is not None:
-            specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity}))
+            specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity, "quotas": tenants.ssd_bytes,
+                                                 "partition": tenants.tenant_of}))
         if cfg.redis:
             specs.append((cfg.redis, {}))
         tiers = await open_tiers(specs)
-        store = cls(tiers[0], tiers[1:], cfg, metrics)  # type: ignore[arg-type]
+        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants)  # type: ignore[arg-type]
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
 
     @property
     def tiers(self) -> list[Tier]:
         return [self.host, *self.lower]
-
-    @property
-    def segment_path(self) -> str:
-        assert self.host.shm_path is not None
-        return self.host.shm_path
 
     def check_open(self) -> None:
         if self._closing:
@@ -168,6 +174,17 @@ class ServerStore:
         return self.cfg.lease_ttl if lease_ms <= 0 else min(lease_ms / 1000.0, self.cfg.max_lease_ttl)
 
     async def lease(self, key: ObjectKey, tenant: str, ttl: float) -> Granted | None:
+        self.tenants.take(tenant, "leases")  # CapacityError at the tenant's quota
+        try:
+            granted = await self._lease(key, tenant, ttl)
+        except BaseException:
+            self.tenants.give(tenant, "leases")
+            raise
+        if granted is None:
+            self.tenants.give(tenant, "leases")
+        return granted
+
+    async def _lease(self, key: ObjectKey, tenant: str, ttl: float) -> Granted | None:
         with self.metrics.timer("get"):
             tier = self.host.name
             lease = self.host.lease(key, ttl)
@@ -280,18 +297,34 @@ class ServerStore:
         pins its slot, even when its object was deleted."""
         tiers = {t.name: t.stats().as_dict() for t in self.tiers}
         host = tiers[self.host.name]
-        return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers)
+        return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
+                        dict(self.tenants.refused))
+
+    def tenant_doc(self, tenant: str) -> dict[str, object]:
+        """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and
+        refusals (all a non-admin token sees)."""
+        self.reap()
+        tiers: dict[str, object] = {}
+        if tenant in self.host.pools:
+            tiers[self.host.name] = self.host.pool_stats(tenant)
+        for tier in self.lower:
+            if hasattr(tier, "partition_stats"):
+                tiers[tier.name] = tier.partition_stats(tenant)
+        return {"tenant": tenant, "tiers": tiers, "puts_in_flight": self.puts.table.of(tenant),
+                **self.tenants.doc(tenant)}
 
     def stats_doc(self) -> dict[str, object]:
-        """The ``Stats`` document (on the loop: expired leases and reservations are reaped
-        first, so the answer never counts what a reaper pass would drop)."""
+        """The whole ``Stats`` document, every tenant's part included (on the loop: expired
+        leases and reservations are reaped first, so the answer never counts what a reaper
+        pass would drop)."""
         self.reap()
+        tenants = {name: self.tenant_doc(name) for name in self.host.pools if name}
         snap = self.snapshot()
         breakers = {name: {k: v for k, v in s.items() if k.startswith("breaker_")}
                     for name, s in snap.tiers.items() if "breaker_open" in s}
         return {
             "server": {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
-                       "closing": self._closing},
+                       "closing": self._closing, "dumpable": _dumpable()},
             "tiers": snap.tiers,
             "store": self.metrics.counters.as_json(),
             "leases": {"held": snap.leases_held, "expired": snap.leases_expired,
@@ -303,6 +336,8 @@ class ServerStore:
             "breakers": breakers,
             "data_tickets": {"outstanding": len(self.tickets), "minted": self.tickets.minted,
                              "redeemed": self.tickets.redeemed, "refused": self.tickets.refused},
+            "puts_fenced": self.puts.table.fenced,
+            "tenants": tenants,
         }
 
     async def aclose(self, timeout: float = 10.0) -> None:
@@ -319,6 +354,18 @@ class ServerStore:
             self.host.release_lease(lease_id)
             self._unpin(self.leases.forget(lease_id))
         await self.core.aclose(timeout)
+
+
+def _dumpable() -> bool | None:
+    """Whether other processes of our uid may ptrace us or open our ``/proc/<pid>/fd``
+    (``prctl(PR_GET_DUMPABLE)``; None where it cannot be asked)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(3, 0, 0, 0, 0))
+    except (OSError, AttributeError):
+        return None
 
 
 __all__ = ["Granted", "ServerObserver", "ServerStore", "trusted_key"]

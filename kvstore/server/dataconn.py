@@ -7,9 +7,15 @@ client closes (format: ``kvstore.datawire``).  Bytes move with blocking calls on
 buffer in between, and the GIL is released while the kernel copies); everything that
 touches the store's bookkeeping runs on the event loop through ``DataOps`` (``Bridge``).
 
+Deadlines: the hello must arrive within ``HANDSHAKE_S``; a connection idle between requests
+for ``idle_timeout`` is closed; each request must move its bytes within
+``ServerConfig.stream_deadline(size)`` (``stream_grace`` + size / ``stream_min_rate``: every
+blocking call gets the time left as its timeout), or the connection is cut (counted).
+
 Cleanup is structural: a get's buffer reference is released and a put's reservation
 aborted in ``finally`` blocks, whatever ends the transfer (the client vanishing mid-object,
-a stall past ``io_timeout_s``, the server shutting down).  A request the server refuses
+a stall past its deadline, the server shutting down), and the connection's quota count is
+given back when it ends.  A request the server refuses
 (bad key, missing permission, a put of an existing object) is answered with its status and
 the connection goes on; bytes that are not the protocol, a put larger than
 ``max_object_bytes``, or a transport failure end the connection (a get cut short never
@@ -26,13 +32,14 @@ import time
 from kvstore import datawire as wire
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.server.auth import Principal
+from kvstore.server.config import ServerConfig
 from kvstore.server.dataops import Bridge, DataOps, LoopGone
 from kvstore.server.leases import PendingPut
 from kvstore.server.servicer import OUTCOMES, TIER_CODES, status_of
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.data")
-HANDSHAKE_S = 10.0
+HANDSHAKE_S = 5.0
 _SINK = 256 << 10
 
 
@@ -40,17 +47,32 @@ class Closed(Exception):
     """The peer closed the connection or broke the protocol: stop serving it."""
 
 
+class Deadline:
+    """When the request in progress must be done; ``left()`` is the timeout of the next
+    blocking call (``socket.timeout`` once it has passed)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the request's deadline passed")
+        return left
+
+
 class DataConnection:
     """One accepted connection (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, ops: DataOps, bridge: Bridge, *, tls: ssl.SSLContext | None,
-                 io_timeout_s: float, max_object_bytes: int) -> None:
+                 cfg: ServerConfig) -> None:
         self.sock = sock
         self.ops, self.bridge = ops, bridge
         self.tls = tls
-        self.io_timeout_s = io_timeout_s
-        self.max_object_bytes = max_object_bytes
+        self.cfg = cfg
+        self.max_object_bytes = cfg.max_object_bytes
         self.who: Principal | None = None
+        self._deadline = Deadline(HANDSHAKE_S)
         # _state_lock guards busy and closing (read by DataServer.aclose on the loop).
         self._state_lock = threading.Lock()
         self.busy = False
@@ -77,6 +99,9 @@ class DataConnection:
             self._handshake()
             while self._one_request():
                 pass
+        except socket.timeout:
+            if self.who is not None:
+                self.bridge.soon(self.ops.cut, self.who)
         except (Closed, OSError, LoopGone):
             pass
         except Exception:  # noqa: BLE001 - a bug must not take the server down with it
@@ -86,11 +111,13 @@ class DataConnection:
                 self.sock.close()
             except OSError:
                 pass
+            if self.who is not None:
+                self.bridge.soon(self.ops.closed, self.who)
 
     # --- protocol ---------------------------------------------------------------------------
 
     def _handshake(self) -> None:
-        self.sock.settimeout(HANDSHAKE_S)
+        self.sock.settimeout(HANDSHAKE_S)  # the TLS handshake; then the hello's deadline
         if self.tls is not None:
             try:
                 self.sock = self.tls.wrap_socket(self.sock, server_side=True)
@@ -105,12 +132,12 @@ class DataConnection:
             self.bridge.soon(self.ops.refused, "hello")
             self._reply_error(err)
             raise Closed(str(err)) from err
-        self.sock.sendall(wire.encode_reply())
-        self.sock.settimeout(None)  # idle between requests: TCP keepalive finds dead peers
+        self._sendall(wire.encode_reply())
 
     def _one_request(self) -> bool:
-        """Serve one request; False when the connection ends cleanly."""
+        """Serve one request; False when the connection ends cleanly (or idled too long)."""
         try:
+            self.sock.settimeout(self.cfg.idle_timeout)
             first = self.sock.recv(1)
         except OSError:
             return False
@@ -121,7 +148,7 @@ class DataConnection:
                 return False
             self.busy = True
         try:
-            self.sock.settimeout(self.io_timeout_s)
+            self._deadline = Deadline(self.cfg.stream_grace)   # until the size is known
             head = wire.decode_request(first + self._recv(wire.REQUEST.size - 1))
             raw_key = self._recv(head.key_len)
             if head.op is wire.Op.GET:
@@ -134,7 +161,6 @@ class DataConnection:
         finally:
             with self._state_lock:
                 self.busy = False
-        self.sock.settimeout(None)
         return not self.closing
 
     def _get(self, raw_key: bytes) -> None:
@@ -145,22 +171,24 @@ class DataConnection:
             self._reply_error(err)
             return
         if opened is None:
-            self.sock.sendall(wire.encode_reply(flag=0))
+            self._sendall(wire.encode_reply(flag=0))
             return
         key, view, tier = opened
         sent = 0
         try:
-            self.sock.sendall(wire.encode_reply(flag=1, tier=TIER_CODES.get(tier, 0), length=len(view)))
-            self.sock.sendall(view)
+            self._deadline = Deadline(self.cfg.stream_deadline(len(view)))
+            self._sendall(wire.encode_reply(flag=1, tier=TIER_CODES.get(tier, 0), length=len(view)))
+            self._sendall(view)
             sent = len(view)
         finally:
-            self.bridge.soon(self.ops.release, key, sent, time.perf_counter() - t0)
+            self.bridge.soon(self.ops.release, self.who, key, sent, time.perf_counter() - t0)
 
     def _put(self, head: wire.RequestHead, raw_key: bytes) -> None:
         t0 = time.perf_counter()
         if head.size > self.max_object_bytes:  # not read to its end: the connection ends
             self._reply_error(self._capacity(head.size))
             raise Closed("put larger than max_object_bytes")
+        self._deadline = Deadline(self.cfg.stream_deadline(head.size))
         try:
             result = self.bridge.call(self.ops.reserve(self.who, raw_key, head.size, head.parent))
         except KVStoreError as err:
@@ -169,7 +197,7 @@ class DataConnection:
             return
         if isinstance(result, PutResult):
             self._drain(head.size)
-            self.sock.sendall(wire.encode_reply(flag=OUTCOMES[result]))
+            self._sendall(wire.encode_reply(flag=OUTCOMES[result]))
             return
         self._fill(result)
         try:
@@ -177,7 +205,7 @@ class DataConnection:
         except KVStoreError as err:
             self._reply_error(err)
             return
-        self.sock.sendall(wire.encode_reply(flag=OUTCOMES[outcome]))
+        self._sendall(wire.encode_reply(flag=OUTCOMES[outcome]))
 
     def _fill(self, pending: PendingPut) -> None:
         """The put's bytes straight into its reserved slot; aborted unless all arrived."""
@@ -197,9 +225,14 @@ class DataConnection:
     def _reply_error(self, err: BaseException) -> None:
         code, message = status_of(err)
         try:
+            self.sock.settimeout(self.cfg.stream_grace)
             self.sock.sendall(wire.encode_reply(code=code.value[0], message=message))
         except OSError:
             pass
+
+    def _sendall(self, data) -> None:
+        self.sock.settimeout(self._deadline.left())  # sendall's timeout bounds the whole call
+        self.sock.sendall(data)
 
     def _recv(self, n: int) -> bytes:
         buf = bytearray(n)
@@ -208,6 +241,7 @@ class DataConnection:
 
     def _recv_into(self, view: memoryview) -> None:
         while view:
+            self.sock.settimeout(self._deadline.left())
             n = self.sock.recv_into(view)
             if n == 0:
                 raise Closed("the client closed the data connection mid-request")
@@ -215,6 +249,7 @@ class DataConnection:
 
     def _drain(self, n: int) -> None:
         while n > 0:
+            self.sock.settimeout(self._deadline.left())
             got = self.sock.recv_into(self._sink[:min(n, _SINK)])
             if got == 0:
                 raise Closed("the client closed the data connection mid-request")

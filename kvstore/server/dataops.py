@@ -9,6 +9,11 @@ reserve a host slot (``PutPath.reserve``, owned by the connection: no TTL) that 
 of ``finish`` (verify, rekey, publish) and ``abort`` resolves.  Permissions are checked per
 request: read for gets, write for puts.  Counters use path "tcp".
 
+Quotas (``kvstore.server.tenants``): an open connection is one of its tenant's
+``connections`` (``open`` takes it, ``closed`` gives it back), a request in flight one of its
+``streams`` (``get``/``reserve`` take it; ``release``, ``finish``, ``abort``, or the refusal
+itself give it back).
+
 ``Bridge`` runs a coroutine on the loop from a connection thread and waits for it without a
 deadline of its own while the loop runs, so an answer (a buffer reference, a reservation)
 is never abandoned on the loop; ``soon`` schedules a plain call (a release, an abort) and
@@ -69,21 +74,34 @@ class DataOps:
         self.store, self.auth, self.scope = store, auth, scope
 
     async def open(self, ticket: bytes, token: str) -> Principal:
-        """The principal of a new connection: its token checked, its ticket redeemed."""
+        """The principal of a new connection: its token checked, its ticket redeemed, one of
+        its tenant's connections taken (``closed`` gives it back)."""
         self.store.check_open()
         who = self.auth.authenticate([("authorization", f"Bearer {token}")] if token else [])
-        return self.store.tickets.redeem(ticket, who)
+        who = self.store.tickets.redeem(ticket, who)
+        self.store.tenants.take(who.tenant, "connections")
+        return who
+
+    def closed(self, who: Principal) -> None:
+        self.store.tenants.give(who.tenant, "connections")
 
     async def get(self, who: Principal, raw_key: bytes) -> tuple[ObjectKey, memoryview, str] | None:
         """The object under a buffer reference (``release`` ends it), or None: a miss."""
         self.store.check_open()
         who.require(Permission.READ)
         _, key = self.scope.keys_of(who, raw_key)
-        opened = await self.store.acquire(key, PATH)
+        self.store.tenants.take(who.tenant, "streams")
+        opened = None
+        try:
+            opened = await self.store.acquire(key, PATH)
+        finally:
+            if opened is None:
+                self.store.tenants.give(who.tenant, "streams")
         return None if opened is None else (key, *opened)
 
-    def release(self, key: ObjectKey, sent: int, seconds: float) -> None:
+    def release(self, who: Principal, key: ObjectKey, sent: int, seconds: float) -> None:
         self.store.release(key, sent)
+        self.store.tenants.give(who.tenant, "streams")
         self.store.metrics.observe("get_tcp", seconds)
 
     async def reserve(self, who: Principal, raw_key: bytes, size: int, parent: bytes) -> PutResult | PendingPut:
@@ -91,19 +109,35 @@ class DataOps:
         self.store.check_open()
         who.require(Permission.WRITE)
         client_key, key = self.scope.keys_of(who, raw_key)
-        result = await self.store.puts.reserve(who.tenant, client_key, key, size,
-                                               self.scope.parent_of(key, parent), streamed=True)
+        self.store.tenants.take(who.tenant, "streams")
+        result = None
+        try:
+            result = await self.store.puts.reserve(who.tenant, client_key, key, size,
+                                                   self.scope.parent_of(key, parent), streamed=True)
+        finally:
+            if not isinstance(result, PendingPut):
+                self.store.tenants.give(who.tenant, "streams")
         if isinstance(result, PutResult):
             self.store.puts.count_final(PATH, result)
         return result
 
     async def finish(self, pending: PendingPut, seconds: float) -> PutResult:
         self.store.metrics.observe("put_tcp", seconds)
-        return await self.store.puts.finish(pending, PATH)
+        try:
+            return await self.store.puts.finish(pending, PATH)
+        finally:
+            self.store.tenants.give(pending.tenant, "streams")
 
     def abort(self, pending: PendingPut) -> None:
         self.store.puts.abort(pending)
+        self.store.tenants.give(pending.tenant, "streams")
         self.store.puts.count_final(PATH, PutResult.FAILED)
+
+    def cut(self, who: Principal | None) -> None:
+        """A request ran past its deadline (the connection is being closed)."""
+        self.refused("deadline")
+        if who is not None:
+            self.store.tenants.refuse(who.tenant, "stream_deadline")
 
     def refused(self, reason: str) -> None:
         self.store.metrics.counters.fail(f"data_{reason}")

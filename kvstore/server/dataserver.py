@@ -12,7 +12,9 @@ served by ``kvstore.server.dataconn`` on its own thread, its bookkeeping by
 ``DataServer.start(host, port)`` listens (port 0: a free one; no SO_REUSEPORT, so a port in
 use is a ``ConfigError``) and accepts on the event loop; each accepted socket gets TCP_NODELAY,
 keepalive (a dead peer is found in about 1.5 minutes) and a daemon thread.  At most
-``MAX_CONNECTIONS`` are served at once; a connection beyond is closed at once.
+``MAX_CONNECTIONS`` are served at once; a connection beyond is closed at once.  Each
+connection also counts against its tenant's ``connections`` quota once its hello is
+accepted, has a deadline per request and an idle timeout (``kvstore.server.dataconn``).
 
 ``aclose(grace)``: stop accepting, cut idle connections, give those in a request ``grace``
 seconds, cut the rest (their buffer references and reservations are given back by the
@@ -117,8 +119,7 @@ class DataServer:
         sock.setblocking(True)
         _tune(sock)
         assert self._bridge is not None
-        conn = DataConnection(sock, self.ops, self._bridge, tls=self.tls, io_timeout_s=self.cfg.put_ttl_s,
-                              max_object_bytes=self.cfg.max_object_bytes)
+        conn = DataConnection(sock, self.ops, self._bridge, tls=self.tls, cfg=self.cfg)
         thread = threading.Thread(target=self._run, args=(conn,), name="kvstore-data-conn", daemon=True)
         with self._lock:
             self._conns[conn] = thread

@@ -2,15 +2,19 @@
 
 Server side.  ``serve(cfg)``:
 
-1. checks what can fail before anything is created (tokens file, TLS files), then opens the
-   tiers (``ServerStore.open``: the shared host pool, SSD, Redis);
+1. checks what can fail before anything is created (tokens file, tenants' quotas, TLS
+   files), then opens the tiers (``ServerStore.open``: one host pool per tenant, SSD, Redis)
+   and seals the pools of tenants that have no writing ``shm`` token against writable
+   mappings;
 2. starts a ``grpc.aio`` server on ``cfg.listen`` (port 0 picks a free port) with the
    KVStore servicer, ``grpc.health.v1`` (SERVING for "" and ``kvstore.v1.KVStore``) and
    server reflection; TLS when configured, client certificates when a client CA is given;
    and, unless ``data_channel`` is off, the raw TCP data channel on the same host
    (``cfg.data_port``, 0: a free port; ``kvstore.server.dataserver``, same TLS), whose port
    ``Hello`` advertises;
-3. optionally serves Prometheus ``/metrics`` on ``cfg.metrics_port``;
+3. serves the shared-memory gate (``kvstore.server.shmgate``: a Unix socket, ``shm_socket``)
+   that hands same-host clients their tenant's pool, and optionally Prometheus ``/metrics``
+   on ``cfg.metrics_port``;
 4. once serving, writes ``host:port`` to ``cfg.ready_file`` (temp + rename, so a reader
    never sees half a line) and prints ``kvstore serve: listening on HOST:PORT (...)``;
 5. on SIGTERM/SIGINT: health turns NOT_SERVING, new calls are refused, in-flight calls and
@@ -18,7 +22,14 @@ Server side.  ``serve(cfg)``:
    released, write-throughs finished, tiers closed and the shm file unlinked; returns 0.
 
 The gRPC server is created with ``so_reuseport`` off, so a port already in use is an error
-(``ConfigError``) rather than two servers silently sharing it.
+(``ConfigError``) rather than two servers silently sharing it, and with bounds: at most
+``max_concurrent_rpcs`` calls, ``max_streams_per_connection`` per connection, keepalive
+pings, idle connections closed after ``idle_timeout``.
+
+Exposure: a listen address beyond loopback without TLS and tokens is refused unless
+``insecure`` (``ServerConfig``); with it, and for ``/metrics`` beyond loopback, a warning is
+printed.  ``run`` makes the process non-dumpable, so another process of the same uid can
+neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
 """
 from __future__ import annotations
 
@@ -34,13 +45,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.server.auth import Authenticator
+from kvstore.server.auth import DEFAULT_TENANT, Authenticator, Permission
 from kvstore.errors import ConfigError
-from kvstore.server.servicer import KVStoreServicer, Segment
-from kvstore.server.config import STREAM_HEADROOM, ServerConfig, split_listen
+from kvstore.server.servicer import KVStoreServicer
+from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer, describe as describe_data
+from kvstore.server.shmgate import ShmGate
+from kvstore.server.tenants import Tenants
 from kvstore.server.wire import SERVICE, add_to_server
 
 log = logging.getLogger("kvstore.server.servicer")
@@ -93,16 +106,52 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", 60_000),      # find half-open connections of dead hosts
         ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
+        ("grpc.max_connection_idle_ms", int(cfg.idle_timeout * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),   # ping floods are cut (GOAWAY)
     ]
 
 
-def segment_of(store: ServerStore) -> Segment:
-    st = os.stat(store.segment_path)
+def plan_tenants(cfg: ServerConfig, auth: Authenticator) -> Tenants:
+    """Every tenant's quotas: those of the tokens file, shares of the capacities for the rest."""
+    table = auth.table
+    names = table.tenants if table is not None else {DEFAULT_TENANT}
+    return Tenants.plan(names, table.limits if table is not None else {}, cfg.host_capacity,
+                        cfg.ssd_capacity if cfg.ssd_dir is not None else None)
+
+
+def seal_read_only_pools(store: ServerStore, auth: Authenticator) -> list[str]:
+    """Seal the pools of tenants with no token holding both write and shm against every new
+    writable mapping (their clients can only map them read-only); the tenants sealed."""
+    if auth.table is None:
+        return []
+    writers = {p.tenant for p in auth.table.principals()
+               if p.allows(Permission.WRITE) and p.allows(Permission.SHM)}
+    sealed = [t for t in store.host.pools if t not in writers]
+    for tenant in sealed:
+        store.host.pool_memfd(tenant).seal_writes()
+    return sealed
+
+
+def boot_id() -> str:
     try:
-        boot_id = BOOT_ID.read_text().strip()
+        return BOOT_ID.read_text().strip()
     except OSError:
-        boot_id = ""
-    return Segment(store.segment_path, st.st_size, st.st_ino, boot_id)
+        return ""
+
+
+def warn_exposure(cfg: ServerConfig, auth: Authenticator) -> None:
+    """Say it loudly when the store is reachable beyond this host without protection."""
+    if cfg.insecure and not is_loopback(cfg.listen_host) and not (cfg.tls and auth.enabled):
+        print(f"kvstore serve: WARNING: --insecure: {cfg.listen} is served beyond loopback "
+              f"{'without TLS' if not cfg.tls else ''}{' and ' if not cfg.tls and not auth.enabled else ''}"
+              f"{'without tokens' if not auth.enabled else ''}: anyone who reaches it "
+              f"{'reads, writes and deletes every object' if not auth.enabled else 'can read the traffic'}",
+              file=sys.stderr, flush=True)
+    mhost = cfg.metrics_host or cfg.listen_host
+    if cfg.metrics_port is not None and not is_loopback(mhost):
+        print(f"kvstore serve: WARNING: /metrics on {mhost} is reachable beyond this host, without "
+              f"authentication (it shows every tenant's counters)", file=sys.stderr, flush=True)
 
 
 def write_ready(path: Path, target: str) -> None:
@@ -125,8 +174,9 @@ def _bind(server: grpc.aio.Server, cfg: ServerConfig, creds: grpc.ServerCredenti
 
 
 def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metrics_url: str | None,
-              data_port: int) -> str:
-    parts = [f"host pool {cfg.host_capacity / 2**20:.1f} MiB at {store.segment_path}"]
+              data_port: int, gate: ShmGate) -> str:
+    pools = store.host.pools
+    parts = [f"host pools {cfg.host_capacity / 2**20:.1f} MiB for {len(pools)} tenant(s), shm socket {gate.path}"]
     if data_port:
         parts.append(describe_data(cfg.tls, data_port))
     if cfg.ssd_dir is not None:
@@ -167,14 +217,20 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     """Run the store process until ``stop`` is set (default: SIGTERM/SIGINT); 0 when it
     shut down gracefully."""
     auth = Authenticator.from_file(cfg.auth_tokens)
+    tenants = plan_tenants(cfg, auth)
     creds = credentials(cfg)
+    warn_exposure(cfg, auth)
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
-    store = await ServerStore.open(cfg, metrics)
-    http, server, data = None, None, None
+    store = await ServerStore.open(cfg, metrics, tenants)
+    http, server, data, gate = None, None, None, None
     try:
-        server = grpc.aio.server(options=grpc_options(cfg))
-        servicer = KVStoreServicer(store, auth, segment_of(store))
+        gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket)
+        seal_read_only_pools(store, auth)
+        server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+        servicer = KVStoreServicer(store, auth, boot_id())
+        await gate.start()
+        servicer.gate = gate
         add_to_server(servicer, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -200,7 +256,7 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         if cfg.ready_file is not None:
             write_ready(cfg.ready_file, target)
         print(f"kvstore serve: listening on {target} "
-              f"({_describe(cfg, store, auth, metrics_url, servicer.data_port)})",
+              f"({_describe(cfg, store, auth, metrics_url, servicer.data_port, gate)})",
               flush=True)
         await stop.wait()
         await health.enter_graceful_shutdown()
@@ -211,6 +267,8 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
             await server.stop(0)  # no-op after a graceful stop; ends a failed start-up
         if data is not None:
             await data.aclose(0)  # idempotent; cuts what a failed start-up left
+        if gate is not None:
+            await gate.aclose()
         await store.aclose(cfg.shutdown_grace)
         if http is not None:
             http.shutdown()
@@ -240,8 +298,22 @@ def tune_malloc() -> bool:
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
+def harden_process() -> bool:
+    """``prctl(PR_SET_DUMPABLE, 0)``: no ptrace, no ``/proc/<pid>/fd`` or ``mem`` for other
+    processes of our uid (root excepted), no core dumps of tenants' bytes.  Linux only."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE = 4
+    except (OSError, AttributeError):
+        return False
+
+
 def run(cfg: ServerConfig) -> int:
     tune_malloc()
+    harden_process()
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -253,4 +325,4 @@ def run(cfg: ServerConfig) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-__all__ = ["credentials", "grpc_options", "run", "serve", "write_ready"]
+__all__ = ["credentials", "grpc_options", "harden_process", "plan_tenants", "run", "serve", "write_ready"]

@@ -17,7 +17,8 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   put_tcp, promote, write_through.
 * ``leases_held`` (gauge), ``leases_expired_total``, ``leases_granted_total``,
   ``lease_release_calls_total`` (ReleaseLease calls; clients batch their releases),
-  ``puts_in_flight`` (gauge), ``evictions_total{tier}``, ``tier_objects{tier}``,
+  ``puts_in_flight`` (gauge), ``tenant_refused_total{tenant,what}`` (a quota reached, a
+  stream cut at its deadline), ``evictions_total{tier}``, ``tier_objects{tier}``,
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
   ``failures_total{reason}``.
 """
@@ -88,6 +89,7 @@ class Snapshot:
     leases_expired: int
     puts_in_flight: int
     tiers: dict[str, dict[str, object]]  # tier name -> TierStats.as_dict()
+    refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refusals
 
 
 class ServerMetrics:
@@ -164,6 +166,8 @@ class _Collector:
                        {(): snap.leases_expired})
         yield _counter("evictions", "Objects evicted, by tier", ["tier"],
                        {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
+        yield _counter("tenant_refused", "Calls refused at a tenant's quota (or cut at a stream deadline), "
+                       "by tenant and what", ["tenant", "what"], dict(snap.refused))
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
         for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),

@@ -4,11 +4,12 @@ Server side, one event loop.  Keys arriving here are already tenant-scoped by th
 ``client_key`` is the key the client wrote into the object's header.
 
 * ``reserve`` answers EXISTS when any tier holds the scoped key (``TieredStore.contains``: a
-  failing tier holds nothing), NO_ROOM when the host pool
-  has nothing evictable (both final), else reserves a PENDING slot (invisible, never
-  evicted) and registers it in the ``PutTable``: with a TTL for ``PutStart`` (the reaper
-  aborts it when the client never commits), without one for a ``PutStream`` handler, which
-  owns its slot and frees it on every exit path.
+  failing tier holds nothing), NO_ROOM when the tenant's host pool cannot make room (both
+  final), else reserves a PENDING slot (invisible, never evicted) and registers it in the
+  ``PutTable``: with a TTL and its shared-memory session for ``PutStart`` (counted against
+  the tenant's ``reservations`` quota until resolved; an expired one is fenced until its
+  commit or its session's end, ``kvstore.server.leases``), without one for a stream's
+  handler, which owns its slot and frees it on every exit path.
 * ``finish`` verifies the whole object (``codec.verify`` against ``client_key`` and the
   reserved size: header, key, payload checksum), rewrites the header to the scoped key
   (``codec.rekey``) and publishes it.  A bad object raises ``ObjectFormatError`` after the
@@ -32,6 +33,7 @@ from kvstore.keys import ObjectKey
 from kvstore.server.config import ServerConfig
 from kvstore.server.leases import ExpiredPutError, PendingPut, PutTable
 from kvstore.server.metrics import ServerMetrics
+from kvstore.server.tenants import Tenants
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult
 
@@ -42,10 +44,11 @@ _VERIFY_INLINE = 1 << 20  # smaller objects are hashed on the loop (a thread hop
 class PutPath:
     """Puts into the host pool of the store process (see the module docstring)."""
 
-    def __init__(self, core: TieredStore, cfg: ServerConfig, metrics: ServerMetrics,
+    def __init__(self, core: TieredStore, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.core, self.host = core, core.host
         self.cfg, self.metrics = cfg, metrics
+        self.tenants = tenants
         self.table = PutTable()
         self._clock = clock
 
@@ -58,16 +61,36 @@ class PutPath:
             raise CapacityError(f"object size {size} exceeds max_object_bytes {self.cfg.max_object_bytes}")
 
     async def reserve(self, tenant: str, client_key: ObjectKey, key: ObjectKey, size: int,
-                      parent: ObjectKey | None, streamed: bool) -> PutResult | PendingPut:
+                      parent: ObjectKey | None, streamed: bool, session: int | None = None
+                      ) -> PutResult | PendingPut:
         """A final outcome (EXISTS, NO_ROOM) or a reservation to fill and then finish."""
         self.check_size(size)
         if await self.core.contains(key):
             return PutResult.EXISTS
-        handle = self.host.put_start_sync(key, size, parent)  # CapacityError: never fits
+        if not streamed:
+            self.tenants.take(tenant, "reservations")  # CapacityError at the quota
+        try:
+            handle = self.host.put_start_sync(key, size, parent)  # CapacityError: never fits
+        except BaseException as err:
+            self._give(tenant, streamed)
+            if isinstance(err, CapacityError):
+                self.tenants.refuse(tenant, "host_bytes")          # larger than the tenant's pool
+            raise
         if handle is None:
+            self._give(tenant, streamed)
+            self.tenants.refuse(tenant, "host_room")
             return PutResult.NO_ROOM
         expires = None if streamed else self._clock() + self.cfg.put_ttl_s
-        return self.table.add(tenant, client_key, key, handle, expires)
+        return self.table.add(tenant, client_key, key, handle, expires, session)
+
+    def _give(self, tenant: str, streamed: bool) -> None:
+        if not streamed:
+            self.tenants.give(tenant, "reservations")
+
+    def _free(self, pending: PendingPut) -> None:
+        """Free an unpublished reservation's slot (and its quota count)."""
+        self.host.put_commit_sync(pending.handle, False)
+        self._give(pending.tenant, pending.expires_at is None)
 
     # --- commit / abort -----------------------------------------------------------------
 
@@ -78,17 +101,18 @@ class PutPath:
             return self.table.claim(put_id, tenant, self._clock())
         except ExpiredPutError as err:
             self.abort(err.pending)
-            self.metrics.counters.puts_reaped += 1
+            self.metrics.counters.puts_reaped += not err.fenced
             raise
 
     def abort(self, pending: PendingPut) -> None:
         """Free an unpublished reservation (idempotent per reservation via the table)."""
         self.table.forget(pending)
-        self.host.put_commit_sync(pending.handle, False)
+        self._free(pending)
 
     async def finish(self, pending: PendingPut, path: str) -> PutResult:
         """Verify, rekey and publish the reservation's bytes (see the module docstring)."""
         self.table.forget(pending)
+        self._give(pending.tenant, pending.expires_at is None)
         handle = pending.handle
         c = self.metrics.counters
         with self.metrics.timer("put_commit"):
@@ -126,17 +150,27 @@ class PutPath:
     # --- reaper and shutdown ------------------------------------------------------------
 
     def reap(self) -> int:
-        """Abort ``PutStart`` reservations past their TTL; how many."""
+        """Abort ``PutStart`` reservations past their TTL (fencing those of a session); how
+        many expired."""
+        before = self.table.fenced
         gone = self.table.claim_expired(self._clock())
         for pending in gone:
-            self.host.put_commit_sync(pending.handle, False)
-        self.metrics.counters.puts_reaped += len(gone)
+            self._free(pending)
+        expired = len(gone) + self.table.fenced - before
+        self.metrics.counters.puts_reaped += expired
+        return expired
+
+    def end_session(self, session: int) -> int:
+        """A shared-memory session ended: free its reservations, live or fenced; how many."""
+        gone = self.table.claim_session(session)
+        for pending in gone:
+            self._free(pending)
         return len(gone)
 
     async def aclose(self, timeout: float) -> None:
         """Abort uncommitted reservations and let write-throughs finish (``timeout`` s)."""
         for pending in self.table.claim_all():
-            self.host.put_commit_sync(pending.handle, False)
+            self._free(pending)
         await self.core.writer.aclose(timeout)
 
 

@@ -14,22 +14,30 @@ A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``_DRAIN_FIRS
 answered only after the client's frames are read (at most one object's worth), so the
 client sees that status rather than a failed write.
 
-Every handler runs under the call's deadline (``asyncio.timeout``).  Tenant binding
-(``kvstore.server.scoping``, shared with the data channel): the client's (namespace N, hash
-H, tag T) is stored as ``ObjectKey(N.scoped(tenant), H, T)``; a wrong-tenant read is a plain
-miss.  ``OpenData`` mints a data-channel ticket (``kvstore.server.tickets``); the channel
-itself is ``kvstore.server.dataserver``, and ``Hello`` advertises its port.  Lease and put ids are bound to the tenant that got them.
-The lifecycle (ports, TLS, health, signals) lives in ``kvstore.server.main``.
+Every handler runs under the call's deadline (``asyncio.timeout``).  Streams also run under
+the server's own: ``GetStream`` and ``PutStream`` must move their object at
+``stream_min_rate`` on average after ``stream_grace`` (``ServerConfig.stream_deadline``), and
+a ``PutStream`` silent for ``stream_grace`` is cut; a cut stream's reference or reservation
+is given back on the way out.  Each stream counts against its tenant's ``streams`` quota.
+
+Tenant binding (``kvstore.server.scoping``, shared with the data channel): the client's
+(namespace N, hash H, tag T) is stored as ``ObjectKey(N.scoped(tenant), H, T)``; a
+wrong-tenant read is a plain miss.  ``OpenData`` mints a single-use ticket
+(``kvstore.server.tickets``) that opens a data-channel connection
+(``kvstore.server.dataserver``, whose port ``Hello`` advertises) or a shared-memory session
+(``kvstore.server.shmgate``, whose socket ``Hello`` names).  ``PutStart`` must name a live
+session of the caller's tenant.  Lease and put ids are bound to the tenant that got them.
+``Stats`` answers the caller's tenant only, unless its token has ``admin``.  The lifecycle
+(ports, TLS, health, signals) lives in ``kvstore.server.main``.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import grpc
 
 from kvstore import __version__
@@ -40,11 +48,12 @@ from kvstore.errors import (CapacityError, ConfigError, KVStoreError, LeaseError
 from kvstore.keys import ObjectKey
 from kvstore.server.core import ServerStore
 from kvstore.server.scoping import Scoper, scoped_keys
+from kvstore.server.statsdoc import flat_counters, flat_tenant
 from kvstore.server.wire import InFrame, Malformed, OutFrame
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
-READ, WRITE, SHM = Permission.READ, Permission.WRITE, Permission.SHM
+READ, WRITE, SHM, ADMIN = Permission.READ, Permission.WRITE, Permission.SHM, Permission.ADMIN
 TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
 OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
             PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
@@ -76,16 +85,6 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(err, kind):
             return code, str(err) or type(err).__name__
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__} (see the server log)"
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """What ``Hello`` tells a client with the shm permission about the shared pool."""
-
-    path: str
-    size: int
-    inode: int
-    boot_id: str
 
 
 Handler = Callable[..., Awaitable[object]]
@@ -127,13 +126,14 @@ def _tier_codes(tiers: list[str]) -> list[int]:
 class KVStoreServicer:
     """One instance per server; handlers are named after the RPCs."""
 
-    def __init__(self, store: ServerStore, auth: Authenticator, segment: Segment) -> None:
+    def __init__(self, store: ServerStore, auth: Authenticator, boot_id: str = "") -> None:
         self.store = store
         self.auth = auth
-        self.segment = segment
+        self.boot_id = boot_id
         self.cfg = store.cfg
         self.scope = Scoper()          # shared with the data channel (one event loop)
         self.data_port = 0             # set by kvstore.server.main once the data channel listens
+        self.gate = None               # the ShmGate, set by kvstore.server.main once it listens
 
     def admit(self, request, context, needed: tuple[Permission, ...], method: str) -> Principal:
         self.store.check_open()
@@ -155,11 +155,10 @@ class KVStoreServicer:
             max_object_bytes=self.cfg.max_object_bytes, max_keys_per_call=self.cfg.max_keys_per_call,
             lease_ms=_ms(self.cfg.lease_ttl), frame_bytes=self.cfg.frame_bytes,
             server_version=__version__, data_port=self.data_port)
-        if who.allows(SHM):
-            reply.segment_path = self.segment.path
-            reply.segment_size = self.segment.size
-            reply.segment_inode = self.segment.inode
-            reply.boot_id = self.segment.boot_id
+        if who.allows(SHM) and self.gate is not None and who.tenant in self.store.host.pools:
+            reply.shm_socket = str(self.gate.path)
+            reply.segment_size = self.store.host.pool_stats(who.tenant)["capacity_bytes"]
+            reply.boot_id = self.boot_id
         return reply
 
     @rpc(READ)
@@ -184,36 +183,63 @@ class KVStoreServicer:
     @rpc(READ)
     async def GetStream(self, request, context, who: Principal) -> None:
         _, key = self._keys(who, request.namespace, request.chunk_hash, request.tag)
-        opened = await self.store.acquire(key)
-        if opened is None:
-            await context.write(pb.GetFrame(found=False))
-            return
-        view, tier = opened
-        step, total, sent = self.cfg.frame_bytes, len(view), 0
+        with self._stream(who):
+            opened = await self.store.acquire(key)
+            if opened is None:
+                await context.write(pb.GetFrame(found=False))
+                return
+            view, tier = opened
+            step, total, sent = self.cfg.frame_bytes, len(view), 0
+            try:
+                with self.store.metrics.timer("get_stream"):
+                    async with self._deadline(who, total):
+                        for off in range(0, total, step):
+                            first = off == 0
+                            await context.write(OutFrame(view[off:off + step], off, first,
+                                                         total if first else 0,
+                                                         TIER_CODES.get(tier, 0) if first else 0))
+                            sent += min(step, total - off)
+            finally:
+                self.store.release(key, sent)
+
+    @contextlib.contextmanager
+    def _stream(self, who: Principal) -> Iterator[None]:
+        """One of the tenant's ``streams`` for the block (RESOURCE_EXHAUSTED at its quota)."""
+        self.store.tenants.take(who.tenant, "streams")
         try:
-            with self.store.metrics.timer("get_stream"):
-                for off in range(0, total, step):
-                    first = off == 0
-                    await context.write(OutFrame(view[off:off + step], off, first,
-                                                 total if first else 0,
-                                                 TIER_CODES.get(tier, 0) if first else 0))
-                    sent += min(step, total - off)
+            yield
         finally:
-            self.store.release(key, sent)
+            self.store.tenants.give(who.tenant, "streams")
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self, who: Principal, nbytes: int) -> AsyncIterator[None]:
+        """The stream's own deadline (see the module docstring); counted when it cuts."""
+        seconds = self.cfg.stream_deadline(nbytes)
+        try:
+            async with asyncio.timeout(seconds):
+                yield
+        except TimeoutError as err:
+            self.store.tenants.refuse(who.tenant, "stream_deadline")
+            raise TimeoutError(f"stream of {nbytes} bytes cut after {seconds:g} s (slower than "
+                               f"stream_min_rate)") from err
 
     @rpc(WRITE, SHM)
     async def PutStart(self, request, context, who: Principal) -> pb.PutStartResponse:
-        result = await self._reserve(who, request, streamed=False)
+        session = self.gate.session_of(request.session, who.tenant) if self.gate is not None else None
+        if session is None or not session.writable:
+            raise PermissionDeniedError("PutStart needs a writable shared-memory session of the caller's "
+                                        "tenant (connect to Hello.shm_socket; name it in 'session')")
+        result = await self._reserve(who, request, streamed=False, session=session.session_id)
         if isinstance(result, PutResult):
             self.store.puts.count_final("shm", result)
             return pb.PutStartResponse(outcome=OUTCOMES[result])
         return pb.PutStartResponse(put_id=result.put_id, offset=result.handle.offset,
                                    length=result.handle.size, ttl_ms=_ms(self.cfg.put_ttl_s))
 
-    async def _reserve(self, who: Principal, req: pb.PutStartRequest, streamed: bool):
+    async def _reserve(self, who: Principal, req: pb.PutStartRequest, streamed: bool, session: int | None = None):
         client_key, key = self._keys(who, req.namespace, req.chunk_hash, req.tag)
         parent = self.scope.parent_of(key, req.parent_hash)
-        return await self.store.puts.reserve(who.tenant, client_key, key, req.size, parent, streamed)
+        return await self.store.puts.reserve(who.tenant, client_key, key, req.size, parent, streamed, session)
 
     @rpc(WRITE)
     async def PutCommit(self, request, context, who: Principal) -> pb.PutCommitResponse:
@@ -227,12 +253,18 @@ class KVStoreServicer:
     @rpc(WRITE)
     async def PutStream(self, frames: AsyncIterator[InFrame], context, who: Principal) -> pb.PutCommitResponse:
         frames = frames.__aiter__()
-        first = await self._next_frame(frames)
-        if first is None or first.start is None:
-            raise ConfigError("PutStream: the first frame must be 'start'" +
-                              (" (the stream was empty)" if first is None else ", got data"))
+        with self._stream(who):
+            first = await self._next_frame(frames)
+            if first is None or first.start is None:
+                raise ConfigError("PutStream: the first frame must be 'start'" +
+                                  (" (the stream was empty)" if first is None else ", got data"))
+            async with self._deadline(who, first.start.size):
+                return await self._put_stream(who, first.start, frames)
+
+    async def _put_stream(self, who: Principal, start: pb.PutStartRequest,
+                          frames: AsyncIterator[InFrame]) -> pb.PutCommitResponse:
         with self.store.metrics.timer("put_stream"):
-            result = await self._reserve(who, first.start, streamed=True)
+            result = await self._reserve(who, start, streamed=True)
             if isinstance(result, PutResult):
                 await self._drain(frames)
                 self.store.puts.count_final("stream", result)
@@ -248,14 +280,14 @@ class KVStoreServicer:
         return pb.PutCommitResponse(outcome=OUTCOMES[outcome])
 
     async def _next_frame(self, frames: AsyncIterator[InFrame]) -> InFrame | None:
-        """The next frame, None at the end; a client silent for ``put_ttl`` is cut off."""
+        """The next frame, None at the end; a client silent for ``stream_grace`` is cut off."""
         try:
-            async with asyncio.timeout(self.cfg.put_ttl_s):
+            async with asyncio.timeout(self.cfg.stream_grace):
                 frame = await anext(frames)
         except StopAsyncIteration:
             return None
         except TimeoutError as err:
-            raise TimeoutError(f"PutStream: no frame for {self.cfg.put_ttl_s:g} s") from err
+            raise TimeoutError(f"PutStream: no frame for {self.cfg.stream_grace:g} s") from err
         if isinstance(frame, Malformed):
             raise ConfigError(f"PutStream: malformed frame ({frame.reason})")
         return frame
@@ -283,9 +315,11 @@ class KVStoreServicer:
 
     async def _drain_refused(self, frames: AsyncIterator[InFrame]) -> None:
         """``_drain`` before a refusal (``_DRAIN_FIRST``); a stream that misbehaves while
-        drained (malformed, silent for ``put_ttl``, broken) is simply answered."""
+        drained (malformed, silent for ``stream_grace``, slower than the deadline of one
+        object of ``max_object_bytes``, broken) is simply answered."""
         try:
-            await self._drain(frames.__aiter__())
+            async with asyncio.timeout(self.cfg.stream_deadline(self.cfg.max_object_bytes)):
+                await self._drain(frames.__aiter__())
         except (KVStoreError, TimeoutError, grpc.RpcError, StopAsyncIteration):
             pass
 
@@ -308,14 +342,17 @@ class KVStoreServicer:
 
     @rpc()
     async def OpenData(self, request, context, who: Principal) -> pb.OpenDataResponse:
-        if not self.data_port:
-            raise TierUnavailableError("this store serves no data channel (data_channel off)")
+        if not self.data_port and self.gate is None:
+            raise TierUnavailableError("this store serves neither a data channel nor shared memory")
         ticket = self.store.tickets.mint(who)
         return pb.OpenDataResponse(ticket=ticket, ttl_ms=_ms(self.store.tickets.ttl_s),
                                    data_port=self.data_port)
 
     @rpc(READ)
     async def Stats(self, request, context, who: Principal) -> pb.StatsResponse:
+        if not who.allows(ADMIN):
+            doc = self.store.tenant_doc(who.tenant)
+            return pb.StatsResponse(json=json.dumps(doc, default=str), counters=flat_tenant(doc))
         doc = self.store.stats_doc()
         return pb.StatsResponse(json=json.dumps(doc, default=str), counters=flat_counters(doc))
 
@@ -325,29 +362,4 @@ def _ms(seconds: float) -> int:
     return min(int(seconds * 1000), 2**32 - 1)
 
 
-def flat_counters(doc: dict) -> dict[str, float]:
-    """Numeric leaves of the stats document as ``dotted.names`` (``leases_held``,
-    ``puts_in_flight``, ``host.bytes_used``, ``store.lookup_hits.ssd``, ...)."""
-    out: dict[str, float] = {
-        "leases_held": doc["leases"]["held"], "leases_expired": doc["leases"]["expired"],
-        "puts_in_flight": doc["puts_in_flight"],
-        "data_tickets_refused": doc["data_tickets"]["refused"],
-        "write_throughs_in_flight": doc["write_throughs_in_flight"],
-    }
-
-    def walk(prefix: str, value: object) -> None:
-        if isinstance(value, bool):
-            out[prefix] = float(value)
-        elif isinstance(value, (int, float)):
-            out[prefix] = float(value)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-
-    for name, stats in doc["tiers"].items():
-        walk(name, stats)
-    walk("store", doc["store"])
-    return out
-
-
-__all__ = ["KVStoreServicer", "Segment", "flat_counters", "rpc", "status_of"]
+__all__ = ["KVStoreServicer", "rpc", "status_of"]

@@ -58,6 +58,7 @@ class StoreCounters:
     write_down: dict[str, int] = field(default_factory=dict)    # "tier:result" -> objects
     write_down_dropped: int = 0
     write_down_abandoned: int = 0   # still queued or dirty when a close timed out
+    write_down_corrupt: int = 0     # failed the check before the copy (``verify``): not written
 
     def add(self, table: str, label: str, n: float = 1) -> None:
         d = getattr(self, table)

@@ -7,7 +7,11 @@ Runs on the core's event loop (``kvstore.store.tiered``).
   published only when the whole object arrived, with its parent (from the header) so host
   eviction still drops chain tails first.  A read that fails tries the next tier.
 * **Single flight.**  Concurrent callers for one key share one promotion task (each waits
-  for it under ``asyncio.shield``: a cancelled caller does not cancel the others).
+  for it under ``asyncio.shield``: a cancelled caller does not cancel the others).  When the
+  last caller waiting for it is cancelled, the promotion is cancelled too: a read nobody
+  waits for only takes bandwidth from the reads someone does (a congested link).  Tiers
+  are cancel-safe: a cancelled read never touches the slot after it returns, so the
+  reservation is released only then.
 * **Errors are misses.**  A ``TierError`` from a tier (down, disk error) is counted
   (``StoreCounters.tier_errors``, ``StoreObserver.tier_failed``) and the next tier is tried;
   no room in the host pool is a counted miss.
@@ -34,6 +38,7 @@ class Promoter:
         self.host, self.lower = host, list(lower)
         self._counters, self._observer = counters, observer
         self._running: dict[ObjectKey, asyncio.Task] = {}  # on the loop only
+        self._waiters: dict[ObjectKey, int] = {}            # callers awaiting each (on the loop only)
 
     async def promote(self, key: ObjectKey) -> str | None:
         """Make ``key`` resident in the host pool; the name of the tier it came from ("host"
@@ -45,7 +50,20 @@ class Promoter:
             task = asyncio.get_running_loop().create_task(self._promote(key))
             self._running[key] = task
             task.add_done_callback(lambda t, k=key: self._forget(k, t))
-        return await asyncio.shield(task)
+        self._waiters[key] = self._waiters.get(key, 0) + 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self._waiters[key] == 1 and not task.done():
+                # Nobody waits for it any more (a prefetch given up): stop using the tier for it.
+                # The tiers stop touching the slot before the cancellation returns, and the
+                # reservation is then released (``_read``'s ``finally``).
+                task.cancel()
+            raise
+        finally:
+            self._waiters[key] -= 1
+            if not self._waiters[key]:
+                del self._waiters[key]
 
     def _forget(self, key: ObjectKey, task: asyncio.Task) -> None:
         if self._running.get(key) is task:

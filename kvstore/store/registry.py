@@ -4,8 +4,10 @@ Runs wherever a store is opened (the embedded store, the store process, the conn
 
 Specs, and the keyword options each takes:
 
-    host:                    the host DRAM pool: capacity (required), shared, pin, alignment, name
-    ssd:PATH                 an SSD directory: capacity (required), fsync, name
+    host:                    the host DRAM pool: capacity (required), shared, pin, alignment, name,
+                             pools and pool_of (one memfd pool per name: ``tiers.host``)
+    ssd:PATH                 an SSD directory: capacity (required), fsync, name, partition and
+                             quotas (bytes per partition: ``tiers.ssd_index``)
     redis://HOST:PORT/DB     Redis; also rediss:// (TLS), redis+cluster://, rediss+cluster://:
                              ``tiers.redis_config.RedisConfig`` options (over the query string)
     kvstore://HOST:PORT      a store process (``kvstore serve``): token, tls_ca, tls_cert,
@@ -29,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
-from kvstore.config import parse_size
+from kvstore.config import parse_size, redact_url as _redact
 from kvstore.errors import ConfigError, TierError
 from tiers.base import Tier
 
@@ -40,8 +42,8 @@ EXPECTED = ("host:, ssd:PATH, redis://HOST:PORT, rediss://HOST:PORT, redis+clust
             "or kvstore://HOST:PORT")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 _OPTIONS = {
-    "host": {"capacity", "shared", "pin", "alignment", "name"},
-    "ssd": {"capacity", "fsync", "name"},
+    "host": {"capacity", "shared", "pin", "alignment", "name", "pools", "pool_of"},
+    "ssd": {"capacity", "fsync", "name", "partition", "quotas"},
     "remote": {"token", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "transport",
                "timeout_s", "release_delay_s", "lease_ttl_s", "name", "retry_s"},
 }
@@ -169,17 +171,6 @@ def _remote(spec: TierSpec, options: dict[str, object]) -> Opener:
 
 _RESOLVERS: dict[str, Callable[[TierSpec, dict[str, object]], Opener]] = {
     "host": _host, "ssd": _ssd, "redis": _redis, "remote": _remote}
-
-
-def _redact(spec: str) -> str:
-    """``spec`` with a URL password replaced by ``***``."""
-    head, sep, rest = spec.partition("://")
-    netloc = rest.split("/", 1)[0]
-    if not sep or "@" not in netloc:
-        return spec
-    auth, _, tail = rest.partition("@")
-    user, colon, _ = auth.partition(":")
-    return f"{head}://{user}{':***' if colon else ''}@{tail}"
 
 
 __all__ = ["EXPECTED", "REDIS_SCHEMES", "TierSpec", "open_tier", "open_tiers", "parse_spec", "resolve"]

@@ -62,15 +62,16 @@ class GetResult:
 
 class TieredStore:
     """Host DRAM on top, then ``lower`` tiers in order (see the module docstring).  Keyword
-    options: ``observer``; the write-down's ``max_writes_in_flight``, ``write_queue_bytes``
-    and ``dirty_fraction`` (``kvstore.store.writedown``); ``put_wait_s``, how long ``put``
-    and ``put_payload`` wait for room in a full write-through queue before dropping."""
+    options: ``observer``; the write-down's ``max_writes_in_flight``, ``write_queue_bytes``,
+    ``dirty_fraction`` and ``verify_writes`` (``kvstore.store.writedown``); ``put_wait_s``,
+    how long ``put`` and ``put_payload`` wait for room in a full write-through queue before
+    dropping."""
 
     def __init__(self, host: HostTier, lower: Sequence[Tier] = (),
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *,
                  observer: StoreObserver | None = None, max_writes_in_flight: int = 2,
                  write_queue_bytes: int | None = None, dirty_fraction: float = 0.5,
-                 put_wait_s: float = 10.0) -> None:
+                 put_wait_s: float = 10.0, verify_writes: bool = False) -> None:
         self.host = host
         self.put_wait_s = put_wait_s
         self.lower = list(lower)
@@ -80,7 +81,7 @@ class TieredStore:
         self.promoter = Promoter(host, self.lower, self.counters, self.observer)
         self.writer = WriteDown(host, self.lower, write_policy, self.counters, self.observer,
                                 max_in_flight=max_writes_in_flight, queue_bytes=write_queue_bytes,
-                                dirty_fraction=dirty_fraction)
+                                dirty_fraction=dirty_fraction, verify=verify_writes)
         self._closed = False
 
     @classmethod

@@ -31,6 +31,10 @@ Bounds and backpressure:
   (a pool full of dirty objects answers NO_ROOM to new puts: write-back's backpressure).
 * A lower tier that fails (raises, has no room, refuses) is counted per tier (``written``
   hook, ``StoreCounters.write_down``) and never fails the object: it is in host memory.
+* ``verify=True`` (the store process, whose pools its clients may write) checks each object
+  (header, key, payload checksum) right before copying it down; one that fails is not
+  written anywhere and is counted (``write_down_corrupt``).  Lower tiers check the key and
+  checksum again on every read, so bytes changed after this check are a miss there.
 
 ``settle_key`` (before a delete) takes a key out of the queue or the dirty set and cancels
 its copy in flight, so a late copy cannot bring a deleted object back.  ``aclose(timeout)``
@@ -48,8 +52,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from kvstore import codec
 from kvstore.config import WritePolicy
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
 from kvstore.store.events import StoreCounters, StoreObserver
 from tiers.base import PutResult, Tier, put_bytes
@@ -76,7 +81,7 @@ class WriteDown:
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], policy: WritePolicy,
                  counters: StoreCounters, observer: StoreObserver, *, max_in_flight: int = 2,
-                 queue_bytes: int | None = None, dirty_fraction: float = 0.5) -> None:
+                 queue_bytes: int | None = None, dirty_fraction: float = 0.5, verify: bool = False) -> None:
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
         if not 0 < dirty_fraction <= 1:
@@ -87,6 +92,7 @@ class WriteDown:
         self.queue_bytes = capacity // 4 if queue_bytes is None else queue_bytes
         self.dirty_limit = int(capacity * dirty_fraction)
         self.written = 0  # objects stored in at least one lower tier
+        self.verify = verify
         self._counters, self._observer = counters, observer
         # _lock guards _queue, _queued, _dirty, _dirty_bytes, _active, _flush_to and _closed
         # (offers come from other threads).  Never held across an await or a host call.
@@ -233,6 +239,10 @@ class WriteDown:
 
     async def _copy(self, key: ObjectKey, item: _Item) -> None:
         t0, stored = time.perf_counter(), False
+        if self.verify and not await _intact(key, item.view):
+            self._counters.write_down_corrupt += 1
+            log.warning("write-down of %r refused: the object in the host pool is damaged", key)
+            return
         for tier in self.lower:
             result, err = await self._put_one(tier, key, item)
             self._counters.add("write_down", f"{tier.name}:{result.value}")
@@ -324,6 +334,20 @@ class WriteDown:
         if left or tasks:
             self._counters.write_down_abandoned += len(left) + len(tasks)
             log.warning("write-down: %d objects abandoned after %.1f s at close", len(left) + len(tasks), timeout)
+
+
+async def _intact(key: ObjectKey, view: memoryview) -> bool:
+    """Whether the object holds ``key`` and its checksum (large ones hashed off the loop;
+    the view is under the copy's host reference, so it stays valid)."""
+    check = lambda: codec.verify(view, expected_key=key, length=len(view))  # noqa: E731
+    try:
+        if len(view) > 1 << 20:
+            await asyncio.to_thread(check)
+        else:
+            check()
+    except ObjectFormatError:
+        return False
+    return True
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

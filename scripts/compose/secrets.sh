@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Generate the secrets docker-compose.yml mounts (Docker secrets, files under /run/secrets/):
 #
-#   store-tokens.yaml  the store's tokens file (--auth-tokens): one token, tenant "engines"
-#   engine-token       that token alone, for the engine (--store-token-file)
+#   store-tokens.yaml  the store's tokens file (--auth-tokens): tenant "engines" (read, write,
+#                      shm) and "ops" (read, admin), tokens only as sha256 digests, as
+#                      `kvstore tokens` writes them
+#   engine-token       that token, for the engine (--store-token-file)
+#   ops-token          a token of tenant "ops" (read, admin): the whole Stats, for operators
+#                      and the compose test (`kvstore stats --token-file`); no container has it
 #   ca.crt             the CA that signed the store's certificate (engine and health check)
 #   store.crt, .key    the store's TLS certificate (DNS:kvstore, DNS:localhost, IP:127.0.0.1)
 #
@@ -15,7 +19,7 @@
 set -euo pipefail
 dir=${1:?usage: $0 DIR}
 uid=${KVSTORE_UID:-10001}
-files=(store-tokens.yaml engine-token ca.crt store.crt store.key)
+files=(store-tokens.yaml engine-token ops-token ca.crt store.crt store.key)
 if [ -d "$dir" ] && (cd "$dir" && ls "${files[@]}" >/dev/null 2>&1); then
   echo "secrets in $dir: kept"; exit 0
 fi
@@ -31,10 +35,14 @@ printf '%s\n' 'basicConstraints=CA:FALSE' 'keyUsage=critical,digitalSignature' \
   'extendedKeyUsage=serverAuth' 'subjectAltName=DNS:kvstore,DNS:localhost,IP:127.0.0.1' > "$tmp/ext"
 openssl x509 -req -in "$tmp/store.csr" -CA "$dir/ca.crt" -CAkey "$tmp/ca.key" -set_serial "0x$(openssl rand -hex 8)" \
   -days 825 -extfile "$tmp/ext" -out "$dir/store.crt" 2>/dev/null
-token=$(openssl rand -hex 32)
-printf '%s\n' "$token" > "$dir/engine-token"
-printf 'tokens:\n  - {token: "%s", tenant: "engines", permissions: [read, write, shm]}\n' "$token" \
-  > "$dir/store-tokens.yaml"
+echo tokens: > "$dir/store-tokens.yaml"
+for entry in "engine engines read,write,shm" "ops ops read,admin"; do
+  read -r file tenant perms <<<"$entry"
+  token=$(openssl rand -hex 32)
+  (umask 077 && printf '%s\n' "$token" > "$dir/$file-token")
+  printf '  - {sha256: "%s", tenant: "%s", permissions: [%s]}\n' \
+    "$(printf '%s' "$token" | sha256sum | cut -d' ' -f1)" "$tenant" "${perms//,/, }" >> "$dir/store-tokens.yaml"
+done
 chmod 0644 "$dir/ca.crt" "$dir/store.crt"
 if [ "$(id -u)" = 0 ]; then
   chown "$uid:$uid" "$dir/store.key" "$dir/engine-token" "$dir/store-tokens.yaml"
@@ -42,4 +50,4 @@ if [ "$(id -u)" = 0 ]; then
 else
   chmod 0644 "$dir/store.key" "$dir/engine-token" "$dir/store-tokens.yaml"
 fi
-echo "secrets in $dir: made (token for tenant engines, TLS for kvstore/localhost/127.0.0.1)"
+echo "secrets in $dir: made (tokens of tenants engines and ops, TLS for kvstore/localhost/127.0.0.1)"

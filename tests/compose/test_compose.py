@@ -8,8 +8,8 @@ free here) and secrets made for this run, as one compose session:
 1. ``up``: Redis, then ``kvstore serve`` (healthy: grpc.health.v1 over TLS), then the
    engine: the main job (reference, engine 1, engine 2 in a new process; ``--no-ssd``, so
    engine 2's hits can only come from the store), paused before request doc-1 of engine 2.
-2. There the store's ``/metrics`` must show lookup hits, and the engine's hits so far came
-   from it.  Fault: ``docker kill`` of the store; engine 2 goes on and must recompute the
+2. There the store's ``/metrics`` must show lookup hits, and its counters puts and gets
+   through shared memory (the pool handed over the socket in the shared volume).  Fault: ``docker kill`` of the store; engine 2 goes on and must recompute the
    rest with outputs still matching: the engine container exits 0 with ``result: PASS``.
 3. Fault: the store's container started again after that SIGKILL on the same SSD volume,
    then restarted gracefully: each time every SSD object is back (indexed by its scan).
@@ -94,7 +94,9 @@ def test_compose_file_keeps_its_own_network_and_secrets():
     for name, svc in services.items():
         assert "network_mode" not in svc and "ports" not in svc, name
         assert not any("TOKEN" in k or "KEY" in k for k in svc.get("environment", {})), name
-    assert services["engine"]["ipc"] == "service:kvstore"
+    assert "kvstore-run:/run/kvstore" in services["engine"]["volumes"]  # the store's shm socket
+    assert "kvstore-run:/run/kvstore" in services["kvstore"]["volumes"]
+    assert "/run/kvstore/shm.sock" in services["kvstore"]["command"]
     assert set(services["kvstore"]["secrets"]) >= {"store_tokens", "store_tls_cert", "store_tls_key"}
     loopback = yaml.safe_load((ROOT / "docker-compose.loopback.yml").read_text())["services"]
     assert all(s["network_mode"] == "host" for s in loopback.values())
@@ -119,6 +121,10 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
         assert hits > 0, "the store's /metrics shows no lookup hits from engine 2"
         before = settled_ssd(env)
         assert before["objects"] > 0, before
+        planes = store_stats(env)["store"]
+        print("store puts and gets by plane:", planes["puts"], planes["gets"])
+        for way in ("puts", "gets"):  # the same-host data plane, across containers (the socket volume)
+            assert sum(n for k, n in planes[way].items() if k.startswith("shm.")) > 0, planes
 
         docker("kill", store)                                  # fault 1: the store dies mid-run
         (tmp_path / "barriers" / f"{PAUSE}.go").touch()
@@ -171,7 +177,7 @@ def store_stub(env: dict[str, str]):
     secrets = Path(env["KVSTORE_SECRETS"])
     creds = grpc.ssl_channel_credentials((secrets / "ca.crt").read_bytes())
     channel = grpc.secure_channel(f"127.0.0.1:{env['KVSTORE_PORT']}", creds)
-    token = (secrets / "engine-token").read_text().strip()
+    token = (secrets / "ops-token").read_text().strip()  # tenant ops: read, admin (the whole Stats)
     return channel, pb_grpc.KVStoreStub(channel), [("authorization", f"Bearer {token}")]
 
 

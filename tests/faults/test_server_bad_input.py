@@ -169,7 +169,8 @@ def test_tags_that_are_not_utf8(store, method, tag):
        parent=st.one_of(st.just(b""), digest, any_bytes), seed=st.integers(0, 2**32 - 1))
 def test_put_start_sizes_and_parents(client, size, parent, seed):
     key = random_key(np.random.default_rng([seed, 1]))
-    request = pb.PutStartRequest(size=size, parent_hash=parent, **key_fields(key))
+    request = pb.PutStartRequest(size=size, parent_hash=parent, session=client.open_session().session_id,
+                                 **key_fields(key))
     if len(parent) not in (0, 32) or size < 256:
         expected = INVALID
     elif size > MAX_OBJECT or size > HOST:  # larger than allowed, or than the pool can ever hold

@@ -118,7 +118,7 @@ def test_full_ssd_puts_land_in_host_and_reads_continue(tmp_path, objects, full_d
         assert proc.terminate() == 0
 
 
-def test_sigterm_drains_inflight_stream_and_unlinks_segment(tmp_path, objects):
+def test_sigterm_drains_inflight_stream_and_removes_the_shm_socket(tmp_path, objects):
     send, expect = objects
     key = random_key(np.random.default_rng(2))
     size = 40 * MiB
@@ -126,8 +126,8 @@ def test_sigterm_drains_inflight_stream_and_unlinks_segment(tmp_path, objects):
     try:
         with StoreClient(proc.target) as c:
             assert c.put_stream(key, send.make(key, size, seed=2)) == pb.PUT_OUTCOME_STORED
-            segment = c.hello().segment_path
-        assert Path(segment).exists()
+            segment = c.hello().shm_socket   # the pools have no name; the gate's socket has
+        assert Path(segment).is_socket()
         with StoreClient(proc.target, options=SLOW_READER) as slow:
             watch = health_pb2_grpc.HealthStub(slow.channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
@@ -149,7 +149,7 @@ def test_sigterm_drains_inflight_stream_and_unlinks_segment(tmp_path, objects):
         assert np.array_equal(out[256:], np.frombuffer(expect.make(key, size, seed=2), np.uint8)[256:])
         assert proc.terminate(timeout=15) == 0
         assert "kvstore serve: stopped" in proc.log_text()
-        assert not Path(segment).exists()
+        assert not Path(segment).exists() and not Path(segment).parent.exists()
     finally:
         proc.kill()
 

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ("ours host hit TTFT / miss TTFT", "ours SSD hit TTFT / miss TTFT",
            "ours hit vs ExampleConnector hit", "connector overhead on a miss")
-SCENARIO_TARGETS = ("restart (bfloat16): ours vs example hit", "restart (bfloat16): ours hit vs floor",
-                    "restart (bfloat16): tokens hit (min)", "throttled (bfloat16): TTFT while slow")
+SCENARIO_TARGETS = ("restart (float32): ours vs example hit", "restart (float32): ours hit vs floor",
+                    "restart (float32): tokens hit (min)", "throttled (float32): TTFT while slow")
 
 
 def _req(label: str, logprob: float, ttft: float = 0.1, token: int = 7) -> kit.RequestResult:
@@ -99,7 +99,7 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     cmd = [sys.executable, "-m", "kvstore", "bench", "e2e", "--geometry", "tiny", "--prompts", "2",
            "--shorts", "1", "--max-tokens", "4", "--single-process", "--skip-lmcache",
            "--restart-prompts", "2", "--restart-len", "600", "--restart-shared", "400",
-           "--throttle-prompts", "2", "--throttle-rate", "1e6",
+           "--throttle-prompts", "2", "--throttle-rate", "1e6", "--explore-after", "0.05",
            "--model-dir", str(tmp_path / "model"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -114,10 +114,18 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     assert set(TARGETS) <= set(targets)
     assert set(SCENARIO_TARGETS) <= set(targets)
     restart = doc["scenarios"]["restart"]
-    assert restart["outputs_match"] and list(restart["tokens_hit_per_prompt"].values()) == [512, 512]
+    # every whole block but the last (512 of 600), unless a cold read on this shared machine
+    # ran past its deadline (the first prompt's, which also learns the disk): then it recomputed
+    assert restart["outputs_match"] and list(restart["tokens_hit_per_prompt"].values())[1:] == [512]
+    # The throttled-tier proof: engine 2 reaches engine 1's Redis through a 1 MB/s link (a
+    # prompt's KV takes ~1 s to load against tens of ms to recompute), then the link recovers.
     throttled = doc["scenarios"]["throttled"]
     assert throttled["outputs_match"]
-    assert throttled["decisions"]["slow-1"]["outcome"] == "recompute"  # the link is slower than compute
+    decisions = throttled["decisions"]
+    slow = decisions["slow-1"]      # slow-0 learns that the link is slow
+    assert slow["hit"] > 0 and slow["tiers"][0] == "redis" and slow["outcome"] == "recompute", slow
+    recovered = [d for label, d in decisions.items() if label.startswith("fast-") and d["outcome"] == "load"]
+    assert recovered and all(d["tiers"][0] == "redis" for d in recovered), decisions  # hits came back
     (by_setup,) = doc["passes"]
     for key in ("ours-1", "ours-2", "example"):
         assert by_setup[key]["ran"] and by_setup[key]["outputs_match"] is True, by_setup[key]

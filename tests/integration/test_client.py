@@ -464,8 +464,9 @@ def test_grpc_codes_are_translated_in_one_place():
 
 async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
     """No call fails in between, so only the objects tell the client the segment changed:
-    the getter's first read finds another object at its offset (a key mismatch), the
-    putter's first commit is refused; each remaps once and retries, nothing counts as
+    the getter's first read finds another object at its offset (a key mismatch: its mapping
+    is the old server's pool), the putter's first PutStart names a session the new server
+    never opened (refused); each opens a new session once and retries, nothing counts as
     damaged and nothing is deleted."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -480,7 +481,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
                 await StoreClient.connect(proc.target, transport="shm") as putter:
             for key, obj in zip(keys[:2], objs[:2]):   # keys[0] first in the old segment
                 assert await putter.put(key, obj) is PutResult.STORED
-            old = getter.info.segment_path
+            old = {client: client._segment_id for client in (getter, putter)}   # their sessions
             assert proc.terminate(30) == 0
             proc.start()
             for client in (getter, putter):
@@ -489,7 +490,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
             assert np.array_equal(buf, objs[1])
             assert await putter.put(keys[2], objs[2]) is PutResult.STORED
             for client in (getter, putter):
-                assert client.info.segment_path != old
+                assert client._segment_id not in (None, old[client])
                 assert (client.counters.corrupt, client.counters.put_failures) == (0, 0)
             assert (await getter.lookup(keys)).hits == 3
     finally:

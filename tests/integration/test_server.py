@@ -189,7 +189,9 @@ def test_lease_expiry_renewal_and_release(tmp_path, objects):
         assert c.stats()[1]["leases_held"] == 0
 
 
-def test_uncommitted_put_start_is_reaped_and_space_reused(tmp_path, objects):
+def test_uncommitted_put_start_is_fenced_then_freed_by_its_commit(tmp_path, objects):
+    """An expired reservation stays reserved (fenced: its client may still be copying into
+    it) until its PutCommit says the client is done; then its room is reused."""
     rng = np.random.default_rng(12)
     size = 3 * MiB
     with StoreProcess(tmp_path, "--host-capacity", "4MiB", "--lease-ttl", "1") as proc, \
@@ -201,11 +203,15 @@ def test_uncommitted_put_start_is_reaped_and_space_reused(tmp_path, objects):
         counters = c.stats()[1]
         assert counters["puts_in_flight"] == 1 and counters["host.bytes_used"] == base + size
         assert c.put_start(second, size).outcome == pb.PUT_OUTCOME_NO_ROOM  # the room is held
-        assert wait_until(lambda: c.stats()[1]["puts_in_flight"] == 0, timeout=5)
+        assert wait_until(lambda: c.stats()[1]["puts_fenced"] == 1, timeout=5)
         counters = c.stats()[1]
-        assert counters["host.bytes_used"] == base and counters["store.puts_reaped"] == 1
+        assert counters["host.bytes_used"] == base + size and counters["store.puts_reaped"] == 1
+        assert c.put_start(second, size).outcome == pb.PUT_OUTCOME_NO_ROOM  # fenced, not reused
         assert rpc_code(lambda: c.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == \
             grpc.StatusCode.NOT_FOUND
+        counters = c.stats()[1]
+        assert (counters["puts_in_flight"], counters["puts_fenced"]) == (0, 0)
+        assert counters["host.bytes_used"] == base and counters["store.puts_reaped"] == 1
         assert c.put_shm(second, objects[0].make(second, size)) == pb.PUT_OUTCOME_STORED
 
 

@@ -69,9 +69,10 @@ def _stream_code(c: StoreClient, method: str, key) -> grpc.StatusCode:
 def test_hello_names_the_tenant_and_offers_shm_only_with_permission(clients):
     a, noshm = clients["a"].hello(), clients["noshm"].hello()
     assert (a.tenant, list(a.permissions)) == ("a", ["read", "write", "shm"])
-    assert a.segment_path.startswith("/dev/shm/kvstore-pool-") and a.segment_size == 32 << 20
+    assert a.shm_socket.endswith(".sock") and a.segment_path == ""   # a socket, no pool name
+    assert a.segment_size == 16 << 20                                  # a's pool: half of 32 MiB
     assert (noshm.tenant, list(noshm.permissions)) == ("a", ["read", "write"])
-    assert noshm.segment_path == "" and noshm.segment_size == 0 and noshm.segment_inode == 0
+    assert noshm.shm_socket == "" and noshm.segment_size == 0 and noshm.segment_inode == 0
     assert noshm.boot_id == "" and a.boot_id == open("/proc/sys/kernel/random/boot_id").read().strip()
     assert clients["b"].hello().tenant == "b"
 

@@ -25,7 +25,7 @@ def test_load_maps_tokens_to_principals(tmp_path):
     table = TokenTable.load(write(tmp_path, GOOD))
     assert len(table) == 3
     assert table.tenants == {"a", "b"}
-    assert table.principal("tok-a") == Principal("a", ALL_PERMISSIONS)
+    assert table.principal("tok-a") == Principal("a", ALL_PERMISSIONS - {Permission.ADMIN})
     assert table.principal("tok-a-ro") == Principal("a", frozenset({Permission.READ}))
     assert table.principal("tok-b").permission_names == ["read", "write"]
     assert table.principal("tok-c") is None
@@ -34,11 +34,19 @@ def test_load_maps_tokens_to_principals(tmp_path):
 @pytest.mark.parametrize("text,needle", [
     ("tokens: [{token: x, tenant: a, permissions: [read]}, {token: x, tenant: b, permissions: [read]}]",
      "tokens[1] repeats the token of tokens[0]"),
-    ("tokens: [{token: x, tenant: a, permissions: [read, admin]}]", "unknown permission 'admin'"),
+    ("tokens: [{token: x, tenant: a, permissions: [read, root]}]", "unknown permission 'root'"),
     ("tokens: [{token: x, tenant: '', permissions: [read]}]", "'tenant' must be a non-empty string"),
     ("tokens: [{token: x, tenant: '  ', permissions: [read]}]", "'tenant' must be a non-empty string"),
     ("tokens: [{token: x, permissions: [read]}]", "'tenant' must be a non-empty string, got None"),
     ("tokens: [{token: '', tenant: a, permissions: [read]}]", "'token' must be a non-empty string"),
+    ("tokens: [{tenant: a, permissions: [read]}]", "give the token exactly one way"),
+    ("tokens: [{token: x, sha256: ab, tenant: a, permissions: [read]}]", "got token, sha256"),
+    ("tokens: [{sha256: abcd, tenant: a, permissions: [read]}]", "'sha256' must be 64 hex digits"),
+    ("tokens: [{token_env: NO_SUCH_VAR_X, tenant: a, permissions: [read]}]", "NO_SUCH_VAR_X (token_env) is unset"),
+    ("tokens: [{token_file: /no/such/file, tenant: a, permissions: [read]}]", "token file /no/such/file"),
+    ("tokens: [{token: x, tenant: a, permissions: [read]}]\ntenants: {b: {leases: 3}}", "tenants.b: no token"),
+    ("tokens: [{token: x, tenant: a, permissions: [read]}]\ntenants: {a: {leases: 0}}", "tenants.a.leases: expected"),
+    ("tokens: [{token: x, tenant: a, permissions: [read]}]\ntenants: {a: {disk: 3}}", "tenants.a: expected a mapping"),
     ("tokens: [{token: 'a b', tenant: a, permissions: [read]}]", "must not contain spaces"),
     ("tokens: [{token: 7, tenant: a, permissions: [read]}]", "'token' must be a non-empty string"),
     ("tokens: [{token: x, tenant: a, permissions: []}]", "'permissions' must be a non-empty list"),
@@ -46,8 +54,8 @@ def test_load_maps_tokens_to_principals(tmp_path):
     ("tokens: [{token: x, tenant: a, permissions: [read], role: admin}]", "unknown key(s) role"),
     ("tokens: [x]", "tokens[0]: expected a mapping"),
     ("tokens: []", "'tokens' must be a non-empty list"),
-    ("users: []", "expected a mapping with one key 'tokens'"),
-    ("- a\n- b", "expected a mapping with one key 'tokens'"),
+    ("users: []", "expected a mapping with 'tokens'"),
+    ("- a\n- b", "expected a mapping with 'tokens'"),
     ("tokens: [unclosed", "is not valid YAML"),
 ])
 def test_bad_files_are_named(tmp_path, text, needle):
@@ -64,6 +72,27 @@ def test_duplicate_error_does_not_echo_the_token(tmp_path):
     with pytest.raises(ConfigError) as info:
         TokenTable.load(path)
     assert "s3cret" not in str(info.value)
+
+
+def test_tokens_from_files_the_environment_or_digests_and_quotas(tmp_path, monkeypatch):
+    import hashlib
+
+    (tmp_path / "b.token").write_text("tok-from-file\n")
+    monkeypatch.setenv("KV_TEST_TOKEN", "tok-from-env")
+    digest = hashlib.sha256(b"tok-from-digest").hexdigest()
+    table = TokenTable.load(write(tmp_path, f"""
+tokens:
+  - {{token_file: {tmp_path / "b.token"}, tenant: b, permissions: [read]}}
+  - {{token_env: KV_TEST_TOKEN, tenant: c, permissions: [read, admin]}}
+  - {{sha256: "{digest}", tenant: d, permissions: [write]}}
+tenants:
+  b: {{host_bytes: 64MiB, leases: 7}}
+"""))
+    assert table.principal("tok-from-file").tenant == "b"
+    assert table.principal("tok-from-env") == Principal("c", frozenset({Permission.READ, Permission.ADMIN}))
+    assert table.principal("tok-from-digest").tenant == "d"
+    assert table.limits["b"].host_bytes == 64 << 20 and table.limits["b"].leases == 7
+    assert "tok-" not in repr(table)
 
 
 def test_missing_file_is_named(tmp_path):

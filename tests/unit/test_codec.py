@@ -6,6 +6,7 @@ byte that changes afterwards — in the header or in the payload — must be cau
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -340,3 +341,27 @@ def test_sample_ratio_measures_instead_of_assuming():
     assert sample_ratio(bytes(1 << 20)) > 2
     assert sample_ratio(bytes(64 << 10) + noise, sample_bytes=64 << 10) > 2  # only the sample
     assert sample_ratio(noise + bytes(1 << 20), sample_bytes=1 << 20) <= 1.0
+
+
+def test_generated_tokens_travel_in_the_header_and_survive_rekey_and_lz4():
+    g = codec.ObjectGeometry(2, 2, 64, "bf16", "t", 256)
+    buf = bytearray(codec.object_size(g))
+    codec.encode_into(buf, KEY, g, bytes(range(256)) * 1, H[0], generated=100)
+    assert codec.verify(buf).generated == 100
+    other = ObjectKey(KEY.namespace, H[1])
+    assert codec.rekey(buf, other).generated == 100 and codec.verify(buf, expected_key=other).generated == 100
+    packed = codec.compress(buf)
+    out = bytearray(len(buf))
+    assert codec.decompress_into(packed, out).generated == 100
+
+
+def test_older_objects_read_as_all_prompt_and_a_count_above_the_tokens_is_damage():
+    g = codec.ObjectGeometry(2, 2, 64, "bf16", "t", 256)
+    buf = bytearray(codec.object_size(g))
+    codec.encode_into(buf, KEY, g, bytes(256), H[0])
+    assert codec.verify(buf).generated == 0                   # zero bytes there: no generated tokens
+    header = codec.decode_header(buf)
+    forged = codec.pack_header(dataclasses.replace(header, generated=257))
+    buf[:codec.HEADER_SIZE] = forged
+    with pytest.raises(CorruptHeaderError, match="generated"):
+        codec.decode_header(buf)

@@ -177,9 +177,29 @@ def test_every_readme_connector_key_is_read():
          "device": "host", "verify_loads": "false", "prefill_tokens_per_s": "900", "explore_after_s": "7", "load_timeout_s": "5",
          "stats_path": "/tmp/s.json", "lease_ttl": "12", "store_target": "h:1", "store_token": "t",
          "store_tls_ca": "/ca.pem", "store_transport": "stream", "redis_url": "redis://r",
-         "write_policy": "host_only", "lower_tiers_required": "off"}, env={})
+         "write_policy": "host_only", "lower_tiers_required": "off", "store_tls_cert": "/c.pem",
+         "store_tls_key": "/k.pem"}, env={})
     defaults = ConnectorConfig()
-    assert all(getattr(cfg, k) != getattr(defaults, k) for k in keys)
+    assert all(getattr(cfg, k) != getattr(defaults, k) for k in keys - {"store_token_file"})
+    from_file = ConnectorConfig.from_extra_config({"store_token_file": "/run/t"}, env={})
+    assert from_file.store_token_file != defaults.store_token_file
+
+
+def test_the_connector_config_never_shows_its_secrets(tmp_path):
+    """Engines log their connector config: its repr masks the token and the Redis password."""
+    cfg = ConnectorConfig.from_extra_config({"store_token": "s3cret-tok", "store_target": "h:1",
+                                             "redis_url": "rediss://user:pa55word@r:6380/0"}, env={})
+    assert "s3cret-tok" not in repr(cfg) and "pa55word" not in repr(cfg) and "pa55word" not in str(cfg)
+    assert "store_token='***'" in repr(cfg) and "rediss://user:***@r:6380/0" in repr(cfg)
+    assert cfg.bearer_token() == "s3cret-tok"
+    (tmp_path / "t").write_text("tok-from-file\n")
+    assert ConnectorConfig.from_extra_config({"store_token_file": str(tmp_path / "t")}, env={}).bearer_token() \
+        == "tok-from-file"
+    assert ConnectorConfig.from_extra_config({}, env={"KVSTORE_STORE_TOKEN": "tok-env"}).bearer_token() == "tok-env"
+    with pytest.raises(ConfigError, match="one way"):
+        ConnectorConfig.from_extra_config({"store_token": "a", "store_token_file": "/f"}, env={})
+    with pytest.raises(ConfigError, match="store_tls_cert and store_tls_key"):
+        ConnectorConfig.from_extra_config({"store_tls_cert": "/c.pem"}, env={})
 
 
 def test_every_readme_serve_key_is_read():

@@ -21,7 +21,7 @@ import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.keys import (ROOT, ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes,
-                          object_keys, validate_chunk_size)
+                          object_keys, tenant_mark, validate_chunk_size)
 
 IDENT = Identity(model="tiny-llama", revision="abc123", kv_dtype="bf16",
                  layout_id="cpu:LBHNC:bs128", num_layers=4, num_kv_heads=2, head_dim=64)
@@ -303,8 +303,10 @@ def test_chunk_hashes_match_a_hand_computation_of_the_documented_layout():
     got = chunk_hashes(ident.namespace(), tokens, 4, extra_keys=[b"img"], include_partial=True)
     assert [bytes(h) for h in got] == [chunk0, tail]
     assert ROOT == bytes(32)
-    scoped = hashlib.sha256(b"kvstore/ns/v1\x00tenant\x00t1\x00" + ns).digest()
+    mark = hashlib.sha256(b"kvstore/tenant/v1\x00t1").digest()[:8]   # the tenant's mark first
+    scoped = mark + hashlib.sha256(b"kvstore/ns/v1\x00tenant\x00t1\x00" + ns).digest()[8:]
     assert ident.namespace().scoped("t1") == scoped
+    assert ident.namespace().scoped("t1").mark == tenant_mark("t1") == mark
 
 
 # ---- ObjectKey -----------------------------------------------------------------------------

@@ -16,6 +16,25 @@ def handle(key=A) -> PutHandle:
 
 # --- PutTable -----------------------------------------------------------------------------------
 
+def test_an_expired_reservation_of_a_session_is_fenced_until_its_commit_or_its_sessions_end():
+    table = PutTable()
+    by_commit = table.add("a", A, A, handle(), 10.0, session=7)
+    by_end = table.add("a", B, B, handle(B), 10.0, session=7)
+    other = table.add("a", C, C, handle(C), 10.0, session=8)
+    no_session = table.add("a", C, C, handle(C), 10.0)
+    assert table.claim_expired(now=10.0) == [no_session]     # freed at once: nobody maps its slot
+    assert (len(table), table.fenced, table.of("a"), table.of("b")) == (3, 3, 3, 0)
+    with pytest.raises(LeaseError):
+        table.claim(by_commit.put_id, "b", now=11.0)           # another tenant's: unknown, still fenced
+    with pytest.raises(ExpiredPutError) as info:
+        table.claim(by_commit.put_id, "a", now=11.0)           # its commit: now it may be freed
+    assert info.value.pending is by_commit and info.value.fenced
+    assert table.claim_session(7) == [by_end]                  # the session ended
+    assert table.claim_session(7) == [] and table.fenced == 1
+    assert table.claim_all() == [other] and len(table) == 0
+
+
+
 def test_put_ids_are_odd_distinct_and_bound_to_their_reservation():
     table = PutTable()
     puts = [table.add("a", A, B, handle(), 10.0) for _ in range(200)]

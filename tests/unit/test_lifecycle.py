@@ -296,6 +296,25 @@ def test_renew_extends_from_now():
         leases.renew(lease.lease_id, ttl=5.0)  # too late: an expired lease stays expired
 
 
+def test_the_expiry_heap_is_bounded_by_live_leases_however_often_they_are_renewed():
+    """200,000 renewals of one lease once left 200,000 heap entries (issue 12)."""
+    clock = FakeClock()
+    leases = LeaseTable(clock=clock)
+    lease = leases.grant(KEY_A, ttl=5.0)
+    for _ in range(200_000):
+        leases.renew(lease.lease_id, ttl=5.0)
+    assert leases.heap_size <= 2 * len(leases) + 64
+    granted = [leases.grant(KEY_B, ttl=1.0) for _ in range(1000)]
+    for g in granted:
+        leases.release_lease(g.lease_id)
+    leases.grant(KEY_B, ttl=1.0)
+    assert leases.heap_size <= 2 * len(leases) + 64
+    clock.advance(2.0)
+    assert leases.held(KEY_A) and not leases.held(KEY_B)     # expiries still right after compaction
+    clock.advance(4.0)
+    assert not leases.held(KEY_A) and len(leases) == 0
+
+
 def test_renew_can_shorten_a_lease():
     clock = FakeClock()
     leases = LeaseTable(clock=clock)

@@ -92,7 +92,10 @@ def test_a_stale_slow_tier_is_probed_once_per_period_and_a_fresh_reading_replace
     d = cost.plan(spans("redis", "redis"))
     assert d.outcome == "recompute" and d.probe == "redis"     # stale: read one in the background
     assert cost.plan(spans("redis", "redis")).probe is None    # once per period
+    clock.now += 31
+    assert cost.plan(spans("redis", "redis")).probe is None    # and never two at a time
     cost.observe_transfer("redis", MiB, MiB / 2e9)             # the probe finds it recovered
+    cost.probe_done("redis")
     assert cost.plan(spans("redis", "redis")).outcome == "load"
 
 

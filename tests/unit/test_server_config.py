@@ -23,7 +23,7 @@ def test_defaults():
 def test_precedence_flags_over_env_over_file(tmp_path):
     conf = tmp_path / "serve.yaml"
     conf.write_text("host-capacity: 2GiB\nssd_capacity: 3GiB\nlease_ttl: 7\nlisten: 0.0.0.0:1\n"
-                    "max_keys_per_call: 10\n")
+                    "max_keys_per_call: 10\ninsecure: true\n")
     env = {"KVSTORE_SERVE_SSD_CAPACITY": "4GiB", "KVSTORE_SERVE_LEASE_TTL": "8",
            "KVSTORE_SERVE_CONFIG": str(conf)}
     flags = {"lease_ttl": "9", "ssd_dir": str(tmp_path), "redis": None}
@@ -160,6 +160,31 @@ def test_a_refused_value_names_its_flag_or_variable():
     origins = r"below lease_ttl \(60.0\) \(from KVSTORE_SERVE_MAX_LEASE_TTL, --lease-ttl\)$"
     with pytest.raises(ConfigError, match=origins):
         ServerConfig.from_sources({"lease_ttl": "60"}, env={"KVSTORE_SERVE_MAX_LEASE_TTL": "30"})
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:50051", "10.1.2.3:1", "[::]:1", "store.example:1"])
+def test_a_listen_address_beyond_loopback_needs_tls_and_tokens_or_insecure(tmp_path, listen):
+    with pytest.raises(ConfigError, match="not loopback: serving it needs TLS .* and a tokens file"):
+        ServerConfig(listen=listen)
+    with pytest.raises(ConfigError, match="needs a tokens file"):
+        ServerConfig(listen=listen, tls_cert=tmp_path / "c", tls_key=tmp_path / "k")
+    with pytest.raises(ConfigError, match=r"needs TLS \(tls_cert, tls_key\);"):
+        ServerConfig(listen=listen, auth_tokens=tmp_path / "t")
+    assert ServerConfig(listen=listen, tls_cert=tmp_path / "c", tls_key=tmp_path / "k", auth_tokens=tmp_path / "t")
+    assert ServerConfig(listen=listen, insecure=True).insecure
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:1", "localhost:1", "[::1]:1", "127.9.9.9:1"])
+def test_loopback_needs_neither(listen):
+    assert ServerConfig(listen=listen).listen == listen
+
+
+def test_insecure_is_a_plain_flag():
+    from kvstore.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--listen", "0.0.0.0:1", "--insecure"])
+    flag_values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    assert ServerConfig.from_sources(flag_values, env={}).insecure
 
 
 def test_serve_flags_are_the_settings():

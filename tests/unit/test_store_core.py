@@ -194,3 +194,45 @@ async def test_write_back_store_writes_dirty_objects_at_close(tmp_path):
     await store.settle(5)
     assert await ssd.present(ks) == [True] * 3
     await store.aclose()
+
+
+class SlowReads:
+    """Each read of ``tier`` first waits on ``gate`` (a congested link), then reads."""
+
+    def __init__(self, tier, gate: asyncio.Event) -> None:
+        self.inner, self.gate, self.reads = tier.read_into, gate, 0
+        tier.read_into = self
+
+    async def __call__(self, key, buf):
+        self.reads += 1
+        await self.gate.wait()
+        return await self.inner(key, buf)
+
+
+async def test_a_promotion_nobody_waits_for_any_more_is_cancelled_and_its_slot_released(rig):
+    store = rig()
+    (key,) = keys_of(NS, 1)
+    await put_lower(store.lower[0], key)
+    slow = SlowReads(store.lower[0], asyncio.Event())
+    waiter = asyncio.ensure_future(store.promote(key))
+    await asyncio.sleep(0.01)
+    assert slow.reads == 1 and store.host.stats().as_dict()["pending"] == 1   # reading into a slot
+    waiter.cancel()                                                           # the prefetch gave up
+    await asyncio.gather(waiter, return_exceptions=True)
+    await store.promoter.drain(1)
+    assert store.promoter.in_flight == 0
+    assert store.host.stats().as_dict()["pending"] == 0 and not store.host.contains_sync(key)
+
+
+async def test_a_promotion_another_caller_still_waits_for_goes_on(rig):
+    store = rig()
+    (key,) = keys_of(NS, 1)
+    await put_lower(store.lower[0], key)
+    gate = asyncio.Event()
+    slow = SlowReads(store.lower[0], gate)
+    first, second = asyncio.ensure_future(store.promote(key)), asyncio.ensure_future(store.promote(key))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    gate.set()
+    assert await second == "ssd0" and store.host.contains_sync(key) and slow.reads == 1

@@ -1,0 +1,241 @@
+"""The store process's shared-memory gate: a Unix socket that hands a local client its
+tenant's host pool as a file descriptor.  Server side, on the event loop.
+
+Why: a pool that has a name (a file in /dev/shm) can be opened by any process of the same
+uid, token or not, and one pool for all tenants lets each tenant read and rewrite the
+others' objects.  Each tenant's pool is an anonymous memfd instead (``tiers.host``), and it
+leaves the server only here (format: ``kvstore.shmwire``):
+
+1. The peer's credentials (``SO_PEERCRED``) must be the server's own uid (or root): other
+   users get nothing, whatever their token.
+2. The hello carries a single-use ticket (``OpenData``, bound to the gRPC caller's tenant and
+   permissions) and the bearer token, checked as on the data channel; the principal needs
+   ``shm``.  The session counts against the tenant's ``connections`` quota.
+3. The reply carries the tenant's pool descriptor (``SCM_RIGHTS``): the read-write one for
+   a token with ``write``, a fresh read-only one otherwise (a read-only token maps its pool
+   read-only; a tenant with no writing ``shm`` token has its pool sealed against every new
+   writable mapping, so not even a reopened descriptor maps it writable).
+4. The connection stays open for the session's life: the client closes it when it unmaps
+   (or dies).  Then ``on_end(session)`` runs: the store frees that session's reservations,
+   fenced ones included (``kvstore.server.leases``).
+
+A client that sends no complete hello within ``HANDSHAKE_S`` is cut.  ``aclose`` closes the
+listener and ends every session.  ``session_of`` tells ``PutStart`` whether a session id is
+a live one of the caller's tenant.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import stat
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore import shmwire as wire
+from kvstore.errors import ConfigError, KVStoreError, PermissionDeniedError
+from kvstore.server.auth import Authenticator, Permission, Principal
+from kvstore.server.servicer import status_of
+from kvstore.server.tenants import Tenants
+from kvstore.server.tickets import TicketBook
+from tiers.host import HostTier
+
+log = logging.getLogger("kvstore.server.shm")
+HANDSHAKE_S = 5.0
+MAX_SESSIONS = 1024
+_UCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    session_id: int
+    tenant: str
+    writable: bool
+    pid: int
+
+
+class ShmGate:
+    """The Unix socket and the sessions it opened (see the module docstring)."""
+
+    def __init__(self, host: HostTier, auth: Authenticator, tickets: TicketBook, tenants: Tenants,
+                 on_end: Callable[[int], object], path: Path | None = None) -> None:
+        self.host, self.auth, self.tickets, self.tenants = host, auth, tickets, tenants
+        self.on_end = on_end
+        self._own_dir = path is None
+        self.path = path if path is not None else Path(tempfile.mkdtemp(prefix="kvstore-shm-")) / "shm.sock"
+        self.sessions: dict[int, Session] = {}
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.refused = 0
+
+    async def start(self) -> str:
+        """Listen (mode 0600); the socket's path."""
+        _remove_stale(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            os.chmod(self.path, 0o600)
+        except OSError as err:
+            listener.close()
+            raise ConfigError(f"cannot serve the shared-memory socket {self.path}: {err.strerror or err}") from err
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self._spawn(self._accept_forever(listener))
+        return str(self.path)
+
+    def session_of(self, session_id: int, tenant: str) -> Session | None:
+        session = self.sessions.get(session_id)
+        return session if session is not None and session.tenant == tenant else None
+
+    # --- sessions -------------------------------------------------------------------------
+
+    async def _accept_forever(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as err:
+                log.warning("shm gate: accept failed: %s", err)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._tasks) > MAX_SESSIONS:
+                self.refused += 1
+                conn.close()
+                continue
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        session: Session | None = None
+        try:
+            session = await self._open(conn)
+            if session is not None:
+                await _until_closed(conn)
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            conn.close()
+            if session is not None:
+                self._end(session)
+
+    async def _open(self, conn: socket.socket) -> Session | None:
+        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        try:
+            if uid not in (os.getuid(), 0):
+                raise PermissionDeniedError(f"uid {uid} may not map this store's memory (only uid {os.getuid()})")
+            who = await asyncio.wait_for(self._hello(conn), HANDSHAKE_S)
+            who.require(Permission.SHM)
+            self.tenants.take(who.tenant, "connections")
+        except (KVStoreError, TimeoutError, UnicodeDecodeError) as err:
+            self.refused += 1
+            _reply_error(conn, err)
+            return None
+        session = Session(secrets.randbits(63) | 1, who.tenant, who.allows(Permission.WRITE), pid)
+        try:
+            self._send_pool(conn, session)
+        except BaseException:
+            self.tenants.give(who.tenant, "connections")
+            raise
+        self.sessions[session.session_id] = session
+        return session
+
+    async def _hello(self, conn: socket.socket) -> Principal:
+        ticket, token_len = wire.decode_hello(await _recv(conn, wire.HELLO.size))
+        token = (await _recv(conn, token_len)).decode() if token_len else ""
+        who = self.auth.authenticate([("authorization", f"Bearer {token}")] if token else [])
+        return self.tickets.redeem(ticket, who)
+
+    def _send_pool(self, conn: socket.socket, session: Session) -> None:
+        memfd = self.host.pool_memfd(session.tenant)
+        fd = memfd.fd if session.writable else memfd.readonly_fd()
+        try:
+            reply = wire.encode_reply(0, session.writable, session.session_id, memfd.size)
+            socket.send_fds(conn, [reply], [fd])  # a few bytes on a fresh socket: never blocks
+        finally:
+            if fd != memfd.fd:
+                os.close(fd)
+
+    def _end(self, session: Session) -> None:
+        if self.sessions.pop(session.session_id, None) is None:
+            return
+        self.tenants.give(session.tenant, "connections")
+        try:
+            self.on_end(session.session_id)
+        except Exception:  # noqa: BLE001 - a bookkeeping bug must not stop the gate
+            log.exception("shm gate: ending session %d failed", session.session_id)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        """Stop listening and end every session.  Idempotent."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            _remove_stale(self.path)
+            if self._own_dir:
+                try:
+                    self.path.parent.rmdir()
+                except OSError:
+                    pass
+
+
+async def _recv(conn: socket.socket, n: int) -> bytes:
+    loop, buf = asyncio.get_running_loop(), bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(conn, n - len(buf))
+        if not chunk:
+            raise asyncio.IncompleteReadError(bytes(buf), n)
+        buf += chunk
+    return bytes(buf)
+
+
+async def _until_closed(conn: socket.socket) -> None:
+    """Wait for the client to close (it sends nothing after its hello; bytes end the session)."""
+    await asyncio.get_running_loop().sock_recv(conn, 1)
+
+
+def _reply_error(conn: socket.socket, err: BaseException) -> None:
+    code, message = status_of(err if not isinstance(err, TimeoutError) else
+                              TimeoutError("no hello within the handshake time"))
+    try:
+        conn.send(wire.encode_reply(code.value[0], message=message))
+    except OSError:
+        pass
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove a socket left at ``path`` by a dead server; a live one, or anything that is
+    not a socket, is a ``ConfigError``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"shm_socket {path} exists and is not a socket: refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        os.unlink(path)  # nobody listens: a dead server's
+    else:
+        raise ConfigError(f"shm_socket {path} is in use by a running server")
+    finally:
+        probe.close()
+
+
+__all__ = ["HANDSHAKE_S", "Session", "ShmGate"]

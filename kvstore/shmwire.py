@@ -1,0 +1,78 @@
+"""The wire format of the store process's shared-memory gate (a Unix socket): pure encoders
+and decoders, no I/O.  Used by ``kvstore.server.shmgate`` (server) and
+``kvstore.client.shmsession`` (client).
+
+A client opens a session with one hello, answered by one reply::
+
+    hello = "KVM1" | u16 token length | ticket (32 bytes, from OpenData) | token (UTF-8)
+    reply = u8 code | u8 writable | u16 0 | u32 message length | u64 session | u64 pool size
+            | message (UTF-8)
+
+Integers are little-endian; ``code`` is a gRPC status code number (0: OK).  With code 0 the
+reply carries one file descriptor (``SCM_RIGHTS``): the caller's tenant's pool, ``pool
+size`` bytes, writable exactly when ``writable`` is 1.  The client then sends nothing more
+and keeps the connection open while it maps the pool; closing it ends the session
+(``session`` is its id, named by ``PutStart``).  On a refusal the server closes at once.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+
+MAGIC = b"KVM1"
+TICKET_SIZE = 32
+MAX_TOKEN_BYTES = 4096
+MAX_MESSAGE_BYTES = 4096
+HELLO = struct.Struct("<4sH32s")     # magic, token length, ticket
+REPLY = struct.Struct("<BBHIQQ")     # code, writable, 0, message length, session, pool size
+
+
+class ShmWireError(ConfigError):
+    """Bytes that are not what the shared-memory gate's format allows."""
+
+
+@dataclass(frozen=True, slots=True)
+class GateReply:
+    code: int
+    writable: bool
+    session: int
+    pool_size: int
+    message_len: int
+
+
+def encode_hello(ticket: bytes, token: str | None) -> bytes:
+    raw = (token or "").encode()
+    if len(ticket) != TICKET_SIZE:
+        raise ShmWireError(f"a ticket is {TICKET_SIZE} bytes, got {len(ticket)}")
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ShmWireError(f"bearer token longer than {MAX_TOKEN_BYTES} bytes")
+    return HELLO.pack(MAGIC, len(raw), ticket) + raw
+
+
+def decode_hello(head: bytes) -> tuple[bytes, int]:
+    """(ticket, token length) of a hello's fixed part."""
+    magic, token_len, ticket = HELLO.unpack(head)
+    if magic != MAGIC:
+        raise ShmWireError(f"not a kvstore shared-memory client (magic {magic!r})")
+    if token_len > MAX_TOKEN_BYTES:
+        raise ShmWireError(f"token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
+    return ticket, token_len
+
+
+def encode_reply(code: int = 0, writable: bool = False, session: int = 0, pool_size: int = 0,
+                 message: str = "") -> bytes:
+    text = message.encode(errors="replace")[:MAX_MESSAGE_BYTES]
+    return REPLY.pack(code, int(writable), 0, len(text), session, pool_size) + text
+
+
+def decode_reply(head: bytes) -> GateReply:
+    code, writable, zero, message_len, session, pool_size = REPLY.unpack(head)
+    if zero or writable > 1 or message_len > MAX_MESSAGE_BYTES:
+        raise ShmWireError("malformed shared-memory gate reply")
+    return GateReply(code, bool(writable), session, pool_size, message_len)
+
+
+__all__ = ["GateReply", "HELLO", "MAGIC", "REPLY", "ShmWireError", "TICKET_SIZE", "decode_hello",
+           "decode_reply", "encode_hello", "encode_reply"]

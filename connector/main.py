@@ -12,12 +12,15 @@ The lower tiers are, by default, an SSD directory (the embedded default: no Redi
 server).  ``--store-target HOST:PORT`` adds a ``kvstore serve`` store process shared by
 both engines, ``--redis-url`` a Redis tier, and ``--no-ssd`` leaves the SSD out, so that
 engine 2 can only hit what engine 1 left in the shared store (the docker-compose engine).
+``--pause-before LABEL --barrier-dir DIR`` stops engine 2 before that request until a test
+opens the barrier (it kills the store there: the rest must be recomputed, and still match).
 
 Exit status 0 only when outputs matched and engine 2 served hits from a lower tier.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -100,6 +103,14 @@ def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Com
     return "\n".join(lines)
 
 
+def with_barrier(workload: kit.Workload, label: str) -> kit.Workload:
+    """The workload with a barrier named ``label`` before the request of that label."""
+    if label not in {r.label for r in workload.requests}:
+        raise SystemExit(f"connector.main: --pause-before {label}: no such request")
+    return dataclasses.replace(workload, requests=tuple(
+        dataclasses.replace(r, barrier=label) if r.label == label else r for r in workload.requests))
+
+
 def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-run-"))
     model = tinymodel.build_named(Path(args.model_dir or work / f"model-{args.geometry}"), args.geometry)
@@ -111,19 +122,20 @@ def run(args: argparse.Namespace) -> int:
           f"{kit.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
     ssd = None if args.no_ssd else work / "ssd"
     extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
-                               ("store_token_file", args.store_token_file), ("redis_url", args.redis_url),
-                               ("device", args.device)) if v}
+                               ("store_token_file", args.store_token_file), ("store_tls_ca", args.store_tls_ca),
+                               ("redis_url", args.redis_url), ("device", args.device)) if v}
     tiers = ", ".join([*(["SSD directory"] if ssd else []),
                        *(f"{k}={redact_url(v)}" for k, v in extra.items()
-                         if k not in ("store_token", "store_token_file", "device"))])
+                         if k not in ("store_token", "store_token_file", "store_tls_ca", "device"))])
     if not tiers:
         raise SystemExit("connector.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
     ok = True
     for i, name in ((1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
                     (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
         stats_path = work / f"stats-{i}.json"
-        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra), workload,
-                                timeout_s=args.timeout)
+        paused = with_barrier(workload, args.pause_before) if i == 2 and args.pause_before else workload
+        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra), paused,
+                                timeout_s=args.timeout, barriers=args.barrier_dir and Path(args.barrier_dir))
         stats = json.loads(stats_path.read_text())
         cmp = kit.compare_outputs(reference, result)
         print(format_engine(name, result, stats, cmp, reference), flush=True)
@@ -147,11 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-token", help="bearer token for the store process (visible to other users "
                    "in the process list: prefer --store-token-file or KVSTORE_STORE_TOKEN)")
     p.add_argument("--store-token-file", help="a file whose first line is the store process's bearer token")
+    p.add_argument("--store-tls-ca", help="CA certificate (PEM) of a store process that serves TLS")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
     p.add_argument("--device", help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "
                                     "(CUDA's stream semantics on the CPU: copies land later, nothing calls back)")
-    return run(p.parse_args(argv))
+    p.add_argument("--pause-before", metavar="LABEL", help="engine 2 waits before this request until "
+                   "the barrier opens (a test kills the store there)")
+    p.add_argument("--barrier-dir", help="where engine 2 says LABEL.ready and waits for LABEL.go")
+    args = p.parse_args(argv)
+    if bool(args.pause_before) != bool(args.barrier_dir):
+        p.error("--pause-before and --barrier-dir go together")
+    return run(args)
 
 
 if __name__ == "__main__":

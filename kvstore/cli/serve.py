@@ -1,4 +1,5 @@
-"""``kvstore serve`` (the store process) and ``kvstore stats`` (a readable summary of one).
+"""``kvstore serve`` (the store process), ``kvstore stats`` (a readable summary of one) and
+``kvstore health`` (its ``grpc.health.v1`` status: a container health check, no token needed).
 
 The flags are the fields of ``kvstore.server.config.ServerConfig`` (``lease_ttl`` is
 ``--lease-ttl``), with their docs as help.  Flags are not given defaults here: a flag left
@@ -42,6 +43,13 @@ def register(sub) -> None:
     stats.add_argument("--json", action="store_true", help="print the full JSON document")
     stats.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     stats.set_defaults(func=_stats)
+
+    health = sub.add_parser("health", help="exit 0 when a store process answers SERVING (grpc.health.v1)")
+    health.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the store process "
+                        "(default 127.0.0.1:50051)")
+    health.add_argument("--tls-ca", help="CA certificate (PEM) to reach a TLS store")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    health.set_defaults(func=_health, tls_cert=None, tls_key=None)
 
 
 def _metavar(name: str, tp: object) -> str:
@@ -97,6 +105,27 @@ def _stats(args) -> int:
     doc = json.loads(reply.json)
     print(json.dumps(doc, indent=1, sort_keys=True) if args.json else format_stats(doc, args.target))
     return 0
+
+
+def _health(args) -> int:
+    """0 when the store's KVStore service is SERVING; 1 with the reason otherwise."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.server.wire import SERVICE
+
+    channel = _channel(args)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=args.timeout)
+    except grpc.RpcError as err:
+        print(f"{args.target}: {err.code().name}: {err.details()}")
+        return 1
+    finally:
+        channel.close()
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.target}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _channel(args):

@@ -4,7 +4,8 @@ Round trips through shared memory and streams (1 KiB .. 32 MiB, both directions 
 a 512-key Lookup with tiers and sizes, restart on the same SSD directory (objects promoted
 back on Get), Redis as the lowest tier shared by two store processes (and then dead),
 leases (never evicted under pressure, expiry at release, renewal), reaped reservations,
-racing clients, health, reflection, /metrics, ``kvstore stats``, TLS and start-up errors.
+racing clients, health (and ``kvstore health``), reflection, /metrics, ``kvstore stats``, TLS
+and start-up errors.
 """
 import json
 import subprocess
@@ -270,6 +271,11 @@ def test_health_and_reflection(store):
         answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for a in answers for s in a.list_services_response.service}
         assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= names
+    health_cli = [sys.executable, "-m", "kvstore", "health", "--target"]
+    ok = subprocess.run([*health_cli, store.target], capture_output=True, text=True, timeout=30)
+    assert (ok.returncode, ok.stdout.strip()) == (0, f"{store.target}: SERVING")
+    closed = subprocess.run([*health_cli, "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True, timeout=30)
+    assert closed.returncode == 1 and "UNAVAILABLE" in closed.stdout
 
 
 def test_metrics_and_stats_cli(store, client, objects):
@@ -304,6 +310,8 @@ def test_tls_and_client_certificates(tmp_path, objects, tls_files):
             assert c.hello().tenant == "default"
         with StoreClient(proc.target) as plain:
             assert rpc_code(plain.hello) == grpc.StatusCode.UNAVAILABLE
+        health = [sys.executable, "-m", "kvstore", "health", "--target", proc.target, "--tls-ca", str(tls.ca_cert)]
+        assert subprocess.run(health, capture_output=True, timeout=30).returncode == 0
     with StoreProcess(tmp_path / "two", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
                       "--tls-client-ca", str(tls.ca_cert)) as proc:
         with StoreClient(proc.target, credentials=grpc.ssl_channel_credentials(ca)) as anonymous:

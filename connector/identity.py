@@ -58,9 +58,10 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
                                          str(getattr(mc, "model_weights", "") or ""),
                                          getattr(vllm_config.load_config, "download_dir", None))
     settings = engine_settings(vllm_config, kv_cache_config)
+    layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
     identity = Identity(
         model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
-        layout_id=layout, num_layers=len(group.layer_names), num_kv_heads=heads,
+        layout_id=layout, num_layers=layers, num_kv_heads=heads,
         head_dim=spec.head_size, weights=weights, engine_config=settings_digest(settings),
     )
     log.info("engine identity: model=%s revision=%s weights=%s engine_config=%s namespace=%s",
@@ -171,7 +172,8 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
     hf = getattr(mc, "hf_config", None)
     text = getattr(mc, "hf_text_config", None) or hf
     attn = getattr(vllm_config, "attention_config", None)
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec
     settings = {
         "quantization": getattr(mc, "quantization", None),
         "quantization_config": getattr(hf, "quantization_config", None),
@@ -189,6 +191,10 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
         "attention_backend_per_kind": getattr(attn, "backend_per_kind", None),
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None),
         "kv_cache_spec": _canonical_spec(spec, tp_ranks(vllm_config, spec)),
+        # hybrid models: every KV cache group's spec and layers (the object holds them all)
+        "kv_cache_groups": [{"layers": list(g.layer_names), "spec": _canonical_spec(g.kv_cache_spec,
+                                                                                    tp_ranks(vllm_config, g.kv_cache_spec))}
+                            for g in groups] if len(groups) > 1 else None,
         "hf_overrides": getattr(mc, "hf_overrides", None),
         "hf_config": hf.to_dict() if hasattr(hf, "to_dict") else hf,
         "model_impl": getattr(mc, "model_impl", None),

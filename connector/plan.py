@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NULL_BLOCK = 0  # vLLM's null block: in hybrid models, a sliding-window group's blocks outside its window
+
 
 @dataclass(slots=True)
 class ChunkCopy:
@@ -26,6 +28,13 @@ class ChunkCopy:
     parent: bytes = b""   # saves: the parent chunk hash written into the header
     pages: int = 0        # pages per layer of the object; 0: the plan's pages_per_chunk
     generated: int = 0    # saves: how many of its tokens the engine generated (into the header)
+    group_ids: list[list[int]] = field(default_factory=list)  # hybrid models: the blocks per KV
+                                                               # cache group (block_ids is group 0's)
+
+    def groups(self) -> list[list[int]]:
+        """The block ids of each KV cache group (one group: ``block_ids``).  ``NULL_BLOCK``
+        marks a block the engine does not hold (a sliding-window layer outside its window)."""
+        return self.group_ids or [self.block_ids]
 
 
 @dataclass(slots=True)
@@ -36,7 +45,7 @@ class LoadJob:
 
     @property
     def block_ids(self) -> list[int]:
-        return [b for c in self.chunks for b in c.block_ids]
+        return [b for c in self.chunks for g in c.groups() for b in g if not (c.group_ids and b == NULL_BLOCK)]
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ class ReqState:
     keys: list[ObjectKey]
     hashes: list[ChunkHash]
     namespace: Namespace
-    blocks: list[int] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
     saved_upto: int = 0                      # chunks already saved or skipped
     save_stopped: bool = False               # a reservation found no room: later saves would be orphans
     tail_done: bool = False                  # the prompt's tail object was saved or skipped
@@ -76,6 +76,15 @@ class ReqState:
     decision: dict | None = None             # the load-or-recompute decision counted
     first_decision: object = None            # kvstore.policy.Decision of the first lookup
     pins_end_found: int = 0                  # where the hit found by the counted lookup ended
+
+
+def as_groups(blocks) -> list[list[int]]:
+    """Block ids per KV cache group, from vLLM's tuple of lists (hybrid models) or from one
+    flat list (one group)."""
+    blocks = list(blocks)
+    if blocks and not isinstance(blocks[0], int):
+        return [list(g) for g in blocks]
+    return [blocks]
 
 
 def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str,
@@ -117,4 +126,4 @@ def identity_fields(identity: Identity) -> dict[str, object]:
     return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
 
 
-__all__ = ["Piece", "ReqState", "RequestView", "StepInput", "count_request", "identity_fields"]
+__all__ = ["Piece", "ReqState", "as_groups", "RequestView", "StepInput", "count_request", "identity_fields"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from connector.hits import HitFinder
 from connector.ioloop import IOLoop
-from connector.plan import ChunkCopy, SaveJob
+from connector.plan import NULL_BLOCK, ChunkCopy, SaveJob
 from connector.requests import ReqState
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
@@ -109,6 +109,10 @@ class SavePlanner:
         present = self.io.run(self.store.present([w.key for w in wanted]))
         chunks, handles = [], []
         for w, there in zip(wanted, present):
+            if not there and not self._held(st, w):
+                self._fail("host", "save:window")  # a sliding layer already let go of its blocks
+                st.save_stopped = w.end == 0      # later chunks would be orphans
+                break
             if not there and w.key not in self.in_flight:
                 handle = self._reserve(w.key, w.pages, w.parent)
                 if handle is None:
@@ -116,10 +120,11 @@ class SavePlanner:
                         st.save_stopped = True
                         break
                 else:
-                    blocks = st.blocks[w.index * self.pages_per_chunk:][:w.pages]
-                    chunks.append(ChunkCopy(handle.offset, bytes(w.key), blocks,
+                    groups = [g[w.index * self.pages_per_chunk:][:w.pages] for g in st.groups]
+                    chunks.append(ChunkCopy(handle.offset, bytes(w.key), groups[0],
                                             parent=bytes(st.hashes[w.index - 1]) if w.index else b"",
-                                            pages=w.pages, generated=w.generated))
+                                            pages=w.pages, generated=w.generated,
+                                            group_ids=groups if len(groups) > 1 else []))
                     handles.append(_Pending(handle, w.key, chunks[-1]))
             w.done(st)
         if not chunks:
@@ -159,6 +164,14 @@ class SavePlanner:
         start = index * c
         return [_Wanted(index, keys[len(keys) - pages], st.keys[index - 1] if index else None, pages,
                         _generated(start, start + pages * bs, prompt), prompt_tail, start + pages * bs)]
+
+    def _held(self, st: ReqState, w: _Wanted) -> bool:
+        """Whether the engine still holds every block of the object in every KV cache group
+        (a sliding-window group frees blocks that left its window, as a decode goes on)."""
+        start = w.index * self.pages_per_chunk
+        holes = len(st.groups) > 1  # only hybrid models' groups have null blocks
+        return all(len(g) >= start + w.pages and not (holes and NULL_BLOCK in g[start:start + w.pages])
+                   for g in st.groups)
 
     def _reserve(self, key: ObjectKey, pages: int, parent: ObjectKey | None) -> PutHandle | None:
         try:

@@ -50,7 +50,7 @@ from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
-from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
+from connector.requests import Piece, ReqState, RequestView, StepInput, as_groups, count_request, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
@@ -251,11 +251,12 @@ class SchedulerHalf:
 
     # --- after allocation: the load job --------------------------------------------------------
 
-    def after_alloc(self, req_id: str, block_ids: list[int], num_external: int) -> None:
+    def after_alloc(self, req_id: str, block_ids, num_external: int) -> None:
+        """``block_ids``: the request's blocks, one list per KV cache group (or one flat list)."""
         st = self._reqs.get(req_id)
         if st is None:
             return
-        st.blocks = list(block_ids)
+        st.groups = as_groups(block_ids)
         if num_external <= 0 or not st.pins:
             self._unpin(st)
             return
@@ -274,9 +275,9 @@ class SchedulerHalf:
             lo, hi = max(start, p.start), min(end, p.end)
             if lo >= hi:
                 continue
-            blocks = st.blocks[lo // bs:(hi + bs - 1) // bs]
-            out.append(ChunkCopy(st.slots[key], bytes(key), blocks, (lo - p.start) // bs,
-                                 pages=(p.end - p.start) // bs))
+            groups = [g[lo // bs:(hi + bs - 1) // bs] for g in st.groups]
+            out.append(ChunkCopy(st.slots[key], bytes(key), groups[0], (lo - p.start) // bs,
+                                 pages=(p.end - p.start) // bs, group_ids=groups if len(groups) > 1 else []))
         return out
 
     def _job_id(self) -> int:
@@ -309,15 +310,16 @@ class SchedulerHalf:
     def _track_blocks(self, step: StepInput) -> None:
         for req_id, blocks, _ in step.new:
             if req_id in self._reqs:
-                self._reqs[req_id].blocks = list(blocks)
+                self._reqs[req_id].groups = as_groups(blocks)
         for req_id, new_blocks, _, resumed in step.cached:
             st = self._reqs.get(req_id)
             if st is None or new_blocks is None:
                 continue
-            st.blocks = list(new_blocks) if resumed else st.blocks + list(new_blocks)
+            new = as_groups(new_blocks)
+            st.groups = new if resumed or not st.groups else [a + b for a, b in zip(st.groups, new)]
         for req_id in step.preempted:
             if req_id in self._reqs:
-                self._reqs[req_id].blocks = []
+                self._reqs[req_id].groups = []
         self._computed = {r: n for r, _, n in step.new} | {r: n for r, _, n, _ in step.cached}
 
     # --- worker outcomes ---------------------------------------------------------------------

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from connector.plan import NULL_BLOCK
 from kvstore import codec
 from kvstore.errors import ConfigError
 
@@ -67,16 +68,23 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ConfigError(f"unsupported KV cache dtype {dtype}") from err
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(index in block_ids, first block, length)`` of each run of consecutive ids."""
+def _runs(block_ids: Sequence[int], holes: bool = False) -> list[tuple[int, int, int]]:
+    """``(index in block_ids, first block, length)`` of each run of consecutive ids (with
+    ``holes``, null blocks never join a run)."""
     runs: list[tuple[int, int, int]] = []
     for i, b in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
+        if runs and runs[-1][1] + runs[-1][2] == b and not (holes and NULL_BLOCK in (b, runs[-1][1])):
             start, first, count = runs[-1]
             runs[-1] = (start, first, count + 1)
         else:
             runs.append((i, b, 1))
     return runs
+
+
+def _groups(blocks) -> list[Sequence[int]]:
+    """Block ids per KV cache group; a flat list of ids is one group."""
+    blocks = list(blocks)
+    return [blocks] if not blocks or isinstance(blocks[0], int) else blocks
 
 
 def page_shape_of(kv: torch.Tensor, num_blocks: int | None) -> tuple[int, ...]:
@@ -135,7 +143,10 @@ class PagedKV:
     the canonical (topology-free) page, ``local`` this worker's part of it."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str] | None = None,
-                 num_blocks: int | None = None, shard: Shard = Shard()) -> None:
+                 num_blocks: int | None = None, shard: Shard = Shard(),
+                 layer_groups: Sequence[int] | None = None) -> None:
+        """``layer_groups[i]``: the KV cache group of layer i (hybrid models: each group has
+        its own block table); default one group."""
         names = list(layer_names) if layer_names else list(kv_caches)
         missing = [n for n in names if n not in kv_caches]
         if missing or not names:
@@ -156,6 +167,9 @@ class PagedKV:
             canonical[shard.axis] *= shard.ranks
         self.layout = PageLayout(len(names), tuple(canonical), first.dtype, dim, first.device.type)
         self.num_blocks = self.pages[0].shape[0]
+        self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(names)
+        if len(self.layer_groups) != len(names):
+            raise ConfigError(f"{len(self.layer_groups)} layer groups for {len(names)} layers")
 
     def _part(self, payload_layer: torch.Tensor) -> torch.Tensor:
         """This worker's part of ``[pages, *canonical page]`` (a view)."""
@@ -179,30 +193,42 @@ class PagedKV:
             raise ConfigError(f"block id out of range [0, {self.num_blocks}): {list(block_ids)}")
         return torch.tensor(block_ids, dtype=torch.long, device=self.pages[0].device)
 
-    def gather(self, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """Copy the pages of ``block_ids`` from every layer into ``payload[:, :n]`` (this
-        worker's part of each page; nothing on a rank that does not write)."""
+    def gather(self, groups: Sequence[Sequence[int]] | Sequence[int], payload: torch.Tensor) -> None:
+        """Copy the pages of every layer's blocks (``groups[group of the layer]``; one flat
+        list for one group) into ``payload[:, :n]`` (this worker's part of each page; nothing
+        on a rank that does not write).  Every block must be held: a saved object has no holes."""
+        groups = _groups(groups)
         if not self.shard.writes:
             return
-        idx = self._index(block_ids)
-        n = len(block_ids)
+        if len(groups) > 1 and any(b == NULL_BLOCK for g in groups for b in g):
+            raise ConfigError("a saved object cannot have pages the engine does not hold")
+        idx = [self._index(g) for g in groups]
         whole = self.shard.axis is None or self.shard.ranks == 1
         for layer, pages in enumerate(self.pages):
+            block_ids = groups[self.layer_groups[layer]]
+            n = len(block_ids)
             dst = self._part(payload[layer])[:n]
             if pages.device != payload.device:  # device pages → pinned host slot: one D2H copy
-                dst.copy_(pages.index_select(0, idx), non_blocking=True)
+                dst.copy_(pages.index_select(0, idx[self.layer_groups[layer]]), non_blocking=True)
             elif whole:
-                torch.index_select(pages, 0, idx, out=dst)
+                torch.index_select(pages, 0, idx[self.layer_groups[layer]], out=dst)
             else:  # a strided part of each page: copy runs of blocks, no temporary
                 for start, first, count in _runs(block_ids):
                     dst[start:start + count].copy_(pages[first:first + count])
 
-    def scatter_layer(self, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """Copy ``payload[layer, :n]`` into the pages of ``block_ids`` of one layer.
+    def scatter_layer(self, layer: int, groups: Sequence[Sequence[int]] | Sequence[int],
+                      payload: torch.Tensor) -> None:
+        """Copy ``payload[layer, :n]`` into the pages of the layer's blocks, skipping the
+        blocks the engine does not hold (hybrid models: ``NULL_BLOCK``, outside a sliding
+        window; one group never has null blocks).
 
         Runs of consecutive block ids are copied as one slice (``copy_`` runs at memcpy
         speed, about twice ``index_copy_`` on CPU); blocks are usually allocated in runs."""
-        self._index(block_ids)  # range check
+        groups = _groups(groups)
+        block_ids = groups[self.layer_groups[layer]]
+        holes = len(groups) > 1  # only hybrid models' groups have null blocks
+        self._index([b for b in block_ids if not (holes and b == NULL_BLOCK)])  # range check
         pages, src = self.pages[layer], self._part(payload[layer])
-        for start, first, count in _runs(block_ids):
-            pages[first:first + count].copy_(src[start:start + count], non_blocking=True)
+        for start, first, count in _runs(block_ids, holes):
+            if not (holes and first == NULL_BLOCK):
+                pages[first:first + count].copy_(src[start:start + count], non_blocking=True)

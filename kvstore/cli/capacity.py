@@ -28,6 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sliding-window", type=int, help="tokens kept by sliding-window layers")
     p.add_argument("--sliding-layers", type=int,
                    help="how many layers use the window (default: all)")
+    p.add_argument("--recurrent-layers", type=int, default=0,
+                   help="hybrid models: Mamba / linear-attention layers beside --layers")
+    p.add_argument("--state-bytes", type=int, default=0,
+                   help="the fixed state one recurrent layer keeps per request, in bytes")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per request (default 8192)")
     p.add_argument("--requests", type=int, default=1, help="unshared requests (default 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -41,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _geometry(args: argparse.Namespace) -> KVGeometry:
     dtype = DType.parse(args.dtype)
     extra = {"q_heads": args.q_heads, "sliding_window": args.sliding_window,
-             "sliding_layers": args.sliding_layers, "tp": args.tp, "pp": args.pp}
+             "sliding_layers": args.sliding_layers, "tp": args.tp, "pp": args.pp,
+             "recurrent_layers": args.recurrent_layers, "state_bytes": args.state_bytes}
     if args.mla_latent_dim is None:
         if args.mla_rope_dim is not None:
             raise ConfigError("--mla-rope-dim needs --mla-latent-dim")

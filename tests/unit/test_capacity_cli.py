@@ -105,3 +105,20 @@ def test_bad_input_exits_nonzero_with_clear_message(args, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_json_hybrid_groups_window_layers_and_recurrent_state():
+    """Per group: a full layer keeps every token, a sliding layer its window, a recurrent
+    layer a fixed state whatever the length (and per rank, its share over TP and PP)."""
+    d = capacity_json("--layers", "6", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp32",
+              "--sliding-window", "256", "--sliding-layers", "5", "--recurrent-layers", "4",
+              "--state-bytes", "65536", "--tokens", "2000", "--tp", "2", "--pp", "2")
+    per_layer_token = 2 * 2 * 64 * 4
+    assert d["bytes_per_request"] == 1 * 2000 * per_layer_token + 5 * 256 * per_layer_token + 4 * 65536
+    assert d["per_rank"]["bytes_per_request"] - (
+        1 * 2000 + 2 * 256) * per_layer_token // 2 == 2 * 65536 // 2   # 2 recurrent layers, half the state
+
+
+def test_recurrent_layers_need_their_state_size():
+    proc = capacity("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "bf16", "--recurrent-layers", "2")
+    assert proc.returncode != 0 and "state_bytes" in proc.stderr

@@ -22,10 +22,12 @@ Workload ("pairs"): N distinct long prompts, each sent twice in a row, with shor
 prompts in between. Every ratio is to the no-connector miss TTFT of the same long prompts
 (all of its sends, first and repeat, are misses), measured in the same run.
 
-Two more workloads (``--scenarios``; ``connector.bench_e2e.scenarios``): "restart" (prompts
-sharing a long prefix, stored by one engine process and repeated by a new one, beside
-ExampleConnector and the one-block compute floor) and "throttled" (a Redis tier behind a
-bandwidth-limited link: recompute while it is slow, hits again once it recovers).
+More workloads (``--scenarios``): "restart" (prompts sharing a long prefix, stored by one
+engine process and repeated by a new one, beside ExampleConnector and the one-block compute
+floor) and "throttled" (a Redis tier behind a bandwidth-limited link: recompute while it is
+slow, hits again once it recovers), in ``connector.bench_e2e.scenarios``; "chat" (turns
+hitting through earlier answers) and "tp2" (TP=2 and TP=1 engines on the same objects), in
+``connector.bench_e2e.chat_tp``.
 
 The default model is "bench-f32" (Llama-3.2-1B's KV geometry in float32) on CPUs without
 AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16).  The restart and
@@ -49,6 +51,7 @@ from pathlib import Path
 from connector import tinymodel
 from connector.bench_e2e.passes import run_pass
 from connector.bench_e2e.report import build_rows, format_summary, summary
+from connector.bench_e2e.chat_tp import chat_rows, tp2_rows
 from connector.bench_e2e.scenarios import restart_rows, throttled_rows
 from connector.bench_e2e.setups import build_workload
 from kvstore.bench.common import print_rows
@@ -66,16 +69,16 @@ def run(args) -> int:
     passes, summaries, extra_rows, extra = [], [], [], {}
     scenarios = _scenarios(args.scenarios)
     dtype = geo.dtype
-    if scenarios & {"restart", "throttled"}:
+    if scenarios & {"restart", "throttled", "chat", "tp2"}:
         twin = F32_TWIN.get(args.geometry, args.geometry)
         sgeo = tinymodel.GEOMETRIES[twin]
         smodel = tinymodel.build_named(model_dir.expanduser().parent / twin, twin)
-        print(f"scenarios restart/throttled: model {twin} ({sgeo.dtype}) at {smodel}", flush=True)
-    for name in ("restart", "throttled"):
+        print(f"scenarios {', '.join(sorted(scenarios - {'pairs'}))}: model {twin} ({sgeo.dtype}) at {smodel}", flush=True)
+    runners = {"restart": restart_rows, "throttled": throttled_rows, "chat": chat_rows, "tp2": tp2_rows}
+    for name, fn in runners.items():
         if name in scenarios:
             print(f"\nscenario {name}", flush=True)
             with _workdir(args.workdir, name) as work:
-                fn = restart_rows if name == "restart" else throttled_rows
                 rows, extra[name] = fn(smodel, sgeo.vocab, work, args, sgeo.dtype)
             extra_rows += rows
     for i in range(args.repeats if "pairs" in scenarios else 0):
@@ -105,7 +108,7 @@ def _ours_ok(summaries: list[dict]) -> bool:
                for s in summaries for k in ("none", "ours-1", "ours-2"))
 
 
-SCENARIOS = ("pairs", "restart", "throttled")
+SCENARIOS = ("pairs", "restart", "throttled", "chat", "tp2")
 F32_TWIN = {"bench": "bench-f32", "tiny": "tiny-f32"}  # the scenarios' sharp-oracle model
 
 
@@ -153,7 +156,12 @@ def register(suites) -> None:
                    help="model shape (default: bench-f32 on CPUs without AVX512-BF16, else bench)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help="comma-separated: pairs (each prompt twice), restart (store, restart, repeat), "
-                        "throttled (a slow Redis link, then recovered)")
+                        "throttled (a slow Redis link, then recovered), chat (turns through earlier "
+                        "answers), tp2 (tensor parallelism: TP=2 and TP=1 on the same objects)")
+    p.add_argument("--chat-turns", type=positive, default=3, help="chat: turns")
+    p.add_argument("--chat-first", type=positive, default=1000, help="chat: tokens of the first prompt")
+    p.add_argument("--chat-message", type=positive, default=50, help="chat: tokens of each later message")
+    p.add_argument("--chat-answer", type=positive, default=300, help="chat: generated tokens per answer")
     p.add_argument("--chunk-size", type=positive, help="our connector's chunk_size (default: its own)")
     p.add_argument("--restart-prompts", type=positive, default=4, help="restart: prompts")
     p.add_argument("--restart-len", type=positive, default=2000, help="restart and throttled: tokens per prompt")

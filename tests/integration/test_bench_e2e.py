@@ -100,6 +100,7 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
            "--shorts", "1", "--max-tokens", "4", "--single-process", "--skip-lmcache",
            "--restart-prompts", "2", "--restart-len", "600", "--restart-shared", "400",
            "--throttle-prompts", "2", "--throttle-rate", "1e6", "--explore-after", "0.05",
+           "--scenarios", "pairs,restart,throttled,chat", "--chat-first", "300", "--chat-answer", "260",
            "--model-dir", str(tmp_path / "model"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -126,6 +127,9 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     assert slow["hit"] > 0 and slow["tiers"][0] == "redis" and slow["outcome"] == "recompute", slow
     recovered = [d for label, d in decisions.items() if label.startswith("fast-") and d["outcome"] == "load"]
     assert recovered and all(d["tiers"][0] == "redis" for d in recovered), decisions  # hits came back
+    chat = doc["scenarios"]["chat"]                   # turn 2 hits through turn 1's answer
+    assert chat["outputs_match"] and chat["generated_hit_tokens"]["turn-2"] == 212, chat
+    assert "chat (float32): answers reused" in {r["name"] for r in doc["rows"]}
     (by_setup,) = doc["passes"]
     for key in ("ours-1", "ours-2", "example"):
         assert by_setup[key]["ran"] and by_setup[key]["outputs_match"] is True, by_setup[key]

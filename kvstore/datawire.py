@@ -76,23 +76,34 @@ class ReplyHead:
     length: int
 
 
-def encode_hello(ticket: bytes, token: str | None) -> bytes:
-    raw = (token or "").encode()
-    if len(ticket) != TICKET_SIZE:
-        raise WireError(f"a data ticket is {TICKET_SIZE} bytes, got {len(ticket)}")
-    if len(raw) > MAX_TOKEN_BYTES:
-        raise WireError(f"bearer token longer than {MAX_TOKEN_BYTES} bytes")
-    return HELLO.pack(MAGIC, len(raw), ticket) + raw
+class TicketHello:
+    """The first message of a connection that presents an ``OpenData`` ticket and a bearer
+    token: ``magic | u16 token length | ticket (32 bytes) | token (UTF-8)``.  The data
+    channel and the shared-memory gate (``kvstore.shmwire``) differ only in the magic."""
+
+    def __init__(self, magic: bytes, client: str, error: type[Exception]) -> None:
+        self.magic, self.client, self.error = magic, client, error
+
+    def encode(self, ticket: bytes, token: str | None) -> bytes:
+        raw = (token or "").encode()
+        if len(ticket) != TICKET_SIZE:
+            raise self.error(f"a ticket is {TICKET_SIZE} bytes, got {len(ticket)}")
+        if len(raw) > MAX_TOKEN_BYTES:
+            raise self.error(f"bearer token longer than {MAX_TOKEN_BYTES} bytes")
+        return HELLO.pack(self.magic, len(raw), ticket) + raw
+
+    def decode(self, head: bytes) -> tuple[bytes, int]:
+        """(ticket, token length) of a hello's fixed part."""
+        magic, token_len, ticket = HELLO.unpack(head)
+        if magic != self.magic:
+            raise self.error(f"not a {self.client} (magic {magic!r})")
+        if token_len > MAX_TOKEN_BYTES:
+            raise self.error(f"token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
+        return ticket, token_len
 
 
-def decode_hello(head: bytes) -> tuple[bytes, int]:
-    """(ticket, token length) of a hello's fixed part."""
-    magic, token_len, ticket = HELLO.unpack(head)
-    if magic != MAGIC:
-        raise WireError(f"not a kvstore data channel client (magic {magic!r})")
-    if token_len > MAX_TOKEN_BYTES:
-        raise WireError(f"token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
-    return ticket, token_len
+_HELLO = TicketHello(MAGIC, "kvstore data channel client", WireError)
+encode_hello, decode_hello = _HELLO.encode, _HELLO.decode
 
 
 def encode_request(op: Op, key: bytes, size: int = 0, parent: bytes = b"") -> bytes:
@@ -125,5 +136,5 @@ def decode_reply(head: bytes) -> ReplyHead:
 
 
 __all__ = ["HELLO", "MAGIC", "MAX_MESSAGE_BYTES", "MAX_TOKEN_BYTES", "NO_PARENT", "Op", "REPLY", "REQUEST",
-           "ReplyHead", "RequestHead", "TICKET_SIZE", "WireError", "decode_hello", "decode_reply",
+           "ReplyHead", "RequestHead", "TICKET_SIZE", "TicketHello", "WireError", "decode_hello", "decode_reply",
            "decode_request", "encode_hello", "encode_reply", "encode_request"]

@@ -19,13 +19,11 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from kvstore.datawire import HELLO, MAX_TOKEN_BYTES, TICKET_SIZE, TicketHello
 from kvstore.errors import ConfigError
 
 MAGIC = b"KVM1"
-TICKET_SIZE = 32
-MAX_TOKEN_BYTES = 4096
 MAX_MESSAGE_BYTES = 4096
-HELLO = struct.Struct("<4sH32s")     # magic, token length, ticket
 REPLY = struct.Struct("<BBHIQQ")     # code, writable, 0, message length, session, pool size
 
 
@@ -42,23 +40,8 @@ class GateReply:
     message_len: int
 
 
-def encode_hello(ticket: bytes, token: str | None) -> bytes:
-    raw = (token or "").encode()
-    if len(ticket) != TICKET_SIZE:
-        raise ShmWireError(f"a ticket is {TICKET_SIZE} bytes, got {len(ticket)}")
-    if len(raw) > MAX_TOKEN_BYTES:
-        raise ShmWireError(f"bearer token longer than {MAX_TOKEN_BYTES} bytes")
-    return HELLO.pack(MAGIC, len(raw), ticket) + raw
-
-
-def decode_hello(head: bytes) -> tuple[bytes, int]:
-    """(ticket, token length) of a hello's fixed part."""
-    magic, token_len, ticket = HELLO.unpack(head)
-    if magic != MAGIC:
-        raise ShmWireError(f"not a kvstore shared-memory client (magic {magic!r})")
-    if token_len > MAX_TOKEN_BYTES:
-        raise ShmWireError(f"token of {token_len} bytes exceeds {MAX_TOKEN_BYTES}")
-    return ticket, token_len
+_HELLO = TicketHello(MAGIC, "kvstore shared-memory client", ShmWireError)
+encode_hello, decode_hello = _HELLO.encode, _HELLO.decode
 
 
 def encode_reply(code: int = 0, writable: bool = False, session: int = 0, pool_size: int = 0,

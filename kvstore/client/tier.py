@@ -38,7 +38,7 @@ from kvstore.client.store_client import StoreClient
 from kvstore.client.info import Reservation
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, PutResult, TierBase, TierStats
+from tiers.base import PutHandle, PutResult, Removal, TierBase, TierStats
 from tiers.breaker import CircuitBreaker
 
 log = logging.getLogger("kvstore.remote")
@@ -182,6 +182,12 @@ class RemoteTier(TierBase):
         token.written += len(view)
 
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
+        done = await self._commit(handle, ok)
+        if done:
+            self._stored(handle.key)
+        return done
+
+    async def _commit(self, handle: PutHandle, ok: bool) -> bool:
         token = handle.token
         if isinstance(token, _Exists):
             return ok
@@ -198,7 +204,10 @@ class RemoteTier(TierBase):
         return result in _DONE
 
     async def delete(self, key: ObjectKey) -> bool:
-        return await self._guard("delete", lambda: self.client.delete(key), False)
+        deleted = await self._guard("delete", lambda: self.client.delete(key), False)
+        if deleted:
+            self._removed(key, Removal.DELETED)
+        return deleted
 
     # --- stats and lifecycle -------------------------------------------------------------
 

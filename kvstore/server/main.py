@@ -133,6 +133,20 @@ def seal_read_only_pools(store: ServerStore, auth: Authenticator) -> list[str]:
     return sealed
 
 
+def start_events(cfg: ServerConfig, store: ServerStore, tenants: Tenants):
+    """The KV event publisher (``kvstore.server.kvpublish``), started; None without
+    ``kv_events``."""
+    if store.events is None:
+        return None
+    from kvstore.server.kvpublish import EventPublisher, stream_specs
+
+    specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names)
+    publisher = EventPublisher(store.events, specs, buffer=cfg.kv_events_buffer)
+    publisher.start()
+    store.publisher = publisher
+    return publisher
+
+
 def boot_id() -> str:
     try:
         return BOOT_ID.read_text().strip()
@@ -183,6 +197,10 @@ def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metric
         parts.append(f"ssd {cfg.ssd_dir} ({cfg.ssd_capacity / 2**30:.2f} GiB)")
     if cfg.redis:
         parts.append("redis on")
+    if getattr(store, "publisher", None) is not None:
+        streams = ", ".join(f"{t} {pub}" + (f" (replay {rep})" if rep else "")
+                            for t, (pub, rep) in store.publisher.endpoints.items())
+        parts.append(f"kv events epoch {store.publisher.epoch}: {streams}")
     parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
     parts.append("tls on" + (" with client certificates" if cfg.tls_client_ca else "") if cfg.tls else "tls off")
     if metrics_url:
@@ -223,8 +241,9 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
     store = await ServerStore.open(cfg, metrics, tenants)
-    http, server, data, gate = None, None, None, None
+    http, server, data, gate, events = None, None, None, None, None
     try:
+        events = start_events(cfg, store, tenants)
         gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket)
         seal_read_only_pools(store, auth)
         server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
@@ -270,6 +289,8 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         if gate is not None:
             await gate.aclose()
         await store.aclose(cfg.shutdown_grace)
+        if events is not None:
+            events.close()
         if http is not None:
             http.shutdown()
             http.server_close()

@@ -21,6 +21,8 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   stream cut at its deadline), ``evictions_total{tier}``, ``tier_objects{tier}``,
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
   ``failures_total{reason}``.
+* ``kv_events_total{kind}`` (``--kv-events``: stored, removed, cleared, dropped) and
+  ``kv_events_undescribed`` (objects held that no client described: never announced).
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ class Snapshot:
     puts_in_flight: int
     tiers: dict[str, dict[str, object]]  # tier name -> TierStats.as_dict()
     refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refusals
+    events: dict[str, int] = field(default_factory=dict)  # KV events: kind -> count, "undescribed" objects
 
 
 class ServerMetrics:
@@ -168,6 +171,10 @@ class _Collector:
                        {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
         yield _counter("tenant_refused", "Calls refused at a tenant's quota (or cut at a stream deadline), "
                        "by tenant and what", ["tenant", "what"], dict(snap.refused))
+        yield _counter("kv_events", "KV events published (stored, removed, cleared) and dropped unpublished",
+                       ["kind"], {(k,): v for k, v in snap.events.items() if k != "undescribed"})
+        yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",
+                     [], {(): snap.events.get("undescribed", 0)})
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
         for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),

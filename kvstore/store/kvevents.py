@@ -117,10 +117,11 @@ class EventRecorder:
                     self.counts["undescribed"] -= 1
                     self._stored_event(key, entry.desc, tier)
 
-    def described(self, key: ObjectKey) -> bool:
+    def description(self, key: ObjectKey) -> Description | None:
+        """What ``describe`` said of ``key`` (None: nothing, or forgotten)."""
         with self._lock:
             entry = self._entries.get(key)
-            return (entry is not None and entry.desc is not None) or key in self._spare
+            return entry.desc if entry is not None and entry.desc is not None else self._spare.get(key)
 
     # --- residency (tiers.base.Residency) ------------------------------------------------
 

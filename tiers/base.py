@@ -51,6 +51,27 @@ class Residency(Protocol):
     def removed(self, tier: str, key: ObjectKey, reason: Removal) -> None: ...
 
 
+class _Listeners:
+    """Several residency listeners of one tier, told in order."""
+
+    def __init__(self, *listeners: Residency) -> None:
+        self.listeners = listeners
+
+    def stored(self, tier: str, key: ObjectKey) -> None:
+        for listener in self.listeners:
+            listener.stored(tier, key)
+
+    def removed(self, tier: str, key: ObjectKey, reason: Removal) -> None:
+        for listener in self.listeners:
+            listener.removed(tier, key, reason)
+
+
+def listen(tier: "Tier", listener: Residency) -> None:
+    """Add ``listener`` to those ``tier`` tells what it publishes and drops."""
+    current = getattr(tier, "residency", None)
+    tier.residency = listener if current is None else _Listeners(current, listener)
+
+
 class PutResult(Enum):
     STORED = "stored"    # newly published
     EXISTS = "exists"    # already present (content addressing makes this a success)

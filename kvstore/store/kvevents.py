@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.kvwire import Description, KVEvent, Kind, Medium, wire_hash
-from tiers.base import Removal, Tier
+from tiers.base import Removal, Tier, listen
 
 StreamOf = Callable[[ObjectKey], "str | None"]
 
@@ -84,7 +84,7 @@ class EventRecorder:
                 continue
             for key in getattr(tier, "keys", lambda: [])():
                 self.stored(tier.name, key)
-            tier.residency = self
+            listen(tier, self)
 
     def clear(self, streams: Iterable[str]) -> None:
         """Start an epoch: ``AllBlocksCleared`` on each stream (whatever an earlier epoch of

@@ -95,7 +95,7 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
     p["looked_up_tokens"].inc(len(st.view.prompt))
     p["chunks"].inc(full)
     by_tier: dict[str, int] = {}
-    chunks: list[dict] = []
+    provenance: list[dict] = []
     if n > 0:
         start, end = st.window
         s.requests_hit += 1
@@ -106,7 +106,8 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
             lo, hi = max(start, piece.start), min(end, piece.end)
             by_tier[tier] = by_tier.get(tier, 0) + max(0, hi - lo)
             if hi > lo:
-                chunks.append({"start": lo, "end": hi, "tier": tier, "hash": f"{wire_hash(piece.key.chunk_hash):016x}"})
+                provenance.append({"start": lo, "end": hi, "tier": tier,
+                                   "hash": f"{wire_hash(piece.key.chunk_hash):016x}"})
         chunks = sum(1 for piece in st.pins.values() if piece.end - piece.start == c)
         for tier, tokens in by_tier.items():
             s.add("tokens_hit_by_tier", tier, tokens)
@@ -116,7 +117,7 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
         s.tokens_hit_generated += generated
         p["hit_tokens_generated"].inc(generated)
     return s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision,
-                         st.view.req_id, generated, chunks)
+                         st.view.req_id, generated, provenance)
 
 
 def identity_fields(identity: Identity) -> dict[str, object]:

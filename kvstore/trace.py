@@ -106,6 +106,27 @@ class Tracer:
             self._closed = True
 
 
+class Lanes:
+    """Spans of one kind that may overlap (concurrent calls), each put on the first of the
+    tracks ``<name> #1``, ``#2``... where it overlaps nothing: spans are added when they
+    end, so a lane is free when its last span ended before this one started."""
+
+    def __init__(self, tracer: Tracer, name: str, order: int | None = None) -> None:
+        self.tracer, self.name, self.order = tracer, name, order
+        self._lock = threading.Lock()  # guards _ends
+        self._ends: list[float] = []   # per lane: when its last span ended
+
+    def span(self, name: str, start: float, end: float, args: dict | None = None) -> None:
+        with self._lock:
+            lane = next((i for i, t in enumerate(self._ends) if t <= start), len(self._ends))
+            if lane == len(self._ends):
+                self._ends.append(end)
+            else:
+                self._ends[lane] = end
+        tid = self.tracer.track(f"{self.name} #{lane + 1}", None if self.order is None else self.order + lane)
+        self.tracer.span(tid, name, start, end, args)
+
+
 def load(path: str | os.PathLike) -> list[dict]:
     """The events of a trace file (its closing bracket may be missing), empty ``{}`` dropped."""
     text = Path(path).read_text().rstrip()
@@ -114,4 +135,4 @@ def load(path: str | os.PathLike) -> list[dict]:
     return [e for e in json.loads(text) if e]
 
 
-__all__ = ["FLUSH_EVERY", "Tracer", "load"]
+__all__ = ["FLUSH_EVERY", "Lanes", "Tracer", "load"]

@@ -50,6 +50,7 @@ from kvstore.errors import ConfigError
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
+from kvstore.server.observing import start_events, start_trace, trace_tiers
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer, describe as describe_data
 from kvstore.server.shmgate import ShmGate
@@ -131,20 +132,6 @@ def seal_read_only_pools(store: ServerStore, auth: Authenticator) -> list[str]:
     for tenant in sealed:
         store.host.pool_memfd(tenant).seal_writes()
     return sealed
-
-
-def start_events(cfg: ServerConfig, store: ServerStore, tenants: Tenants):
-    """The KV event publisher (``kvstore.server.kvpublish``), started; None without
-    ``kv_events``."""
-    if store.events is None:
-        return None
-    from kvstore.server.kvpublish import EventPublisher, stream_specs
-
-    specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names)
-    publisher = EventPublisher(store.events, specs, buffer=cfg.kv_events_buffer)
-    publisher.start()
-    store.publisher = publisher
-    return publisher
 
 
 def boot_id() -> str:
@@ -240,7 +227,10 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     warn_exposure(cfg, auth)
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
+    tracer = start_trace(cfg, metrics)
     store = await ServerStore.open(cfg, metrics, tenants)
+    if tracer is not None:
+        trace_tiers(tracer, store)
     http, server, data, gate, events = None, None, None, None, None
     try:
         events = start_events(cfg, store, tenants)
@@ -291,6 +281,8 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         await store.aclose(cfg.shutdown_grace)
         if events is not None:
             events.close()
+        if tracer is not None:
+            tracer.close()
         if http is not None:
             http.shutdown()
             http.server_close()

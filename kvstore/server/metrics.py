@@ -105,6 +105,8 @@ class ServerMetrics:
                                 ["stage"], registry=self.registry, buckets=_BUCKETS)
         self._snapshot = snapshot
         self._stage_of = {stage: self._stage.labels(stage) for stage in STAGES}  # labels() locks
+        self._tracer = None                    # kvstore.trace.Tracer with --trace-path
+        self._lanes: dict[str, object] = {}
         self.registry.register(_Collector(self))
 
     def bind(self, snapshot: Callable[[], Snapshot]) -> None:
@@ -115,7 +117,23 @@ class ServerMetrics:
             return Snapshot(0, 0, 0, {})
         return self._snapshot()
 
+    def trace_to(self, tracer) -> None:
+        """Also put every observed stage in ``tracer`` (a ``kvstore.trace.Tracer``): one
+        set of lanes per stage (concurrent calls overlap)."""
+        from kvstore.trace import Lanes
+
+        self._tracer = tracer
+        self._lanes = {stage: Lanes(tracer, stage, 100 * i) for i, stage in enumerate(STAGES)}
+
     def observe(self, stage: str, seconds: float) -> None:
+        if self._tracer is not None:
+            now = time.monotonic()
+            lanes = self._lanes.get(stage)
+            if lanes is None:
+                from kvstore.trace import Lanes
+
+                lanes = self._lanes[stage] = Lanes(self._tracer, stage, 100 * len(self._lanes))
+            lanes.span(stage, now - seconds, now)
         child = self._stage_of.get(stage)
         (child if child is not None else self._stage.labels(stage)).observe(seconds)
         entry = self.counters.stages.setdefault(stage, [0, 0.0])

@@ -8,7 +8,7 @@ its tokens.  Tenant b saves the same chunks: only b's stream says so.  More puts
 objects from a's 4-slot pool (``BlockRemoved``, reason ``evicted``).  A subscriber
 that missed batches gets exactly those back from the replay socket.  After a restart the
 new epoch opens with ``AllBlocksCleared``, and an SSD survivor is announced again once a
-client that knows its tokens reads it.
+client that knows its tokens reads it.  The store's stage trace (``--trace-path``) nests.
 """
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kvstore import kvwire
+from kvstore import kvwire, trace
 from kvstore.client.tier import RemoteTier
 from kvstore.keys import chunk_hashes, object_keys
 from kvstore.kvwire import Description
 from kvstore.testing.serve_proc import StoreProcess
 from tests.kvobjects import namespace, sealed
 from tests.store_helpers import write_tokens
+from tests.trace_kit import check_nesting, track_names
 from tiers.base import put_bytes
 
 SIZE = 240 * 1024  # four per tenant pool of 1 MiB
@@ -130,7 +131,7 @@ def store(tmp_path):
                         "--ssd-capacity", "64MiB", "--auth-tokens", str(tokens),
                         "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
                         "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay",
-                        "--kv-events-topic", "kv@store@{tenant}")
+                        "--kv-events-topic", "kv@store@{tenant}", "--trace-path", str(tmp_path / "trace.json"))
     with proc.start():
         yield proc
 
@@ -200,6 +201,14 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
         subs["b"].close()
     finally:
         ctx.destroy(0)
+    # The store's stage trace (of the run after the restart: one read, promoted from SSD):
+    # lanes of each stage nest, and the host tier's track has what it stored.
+    assert store.terminate() == 0
+    events = trace.load(tmp_path / "trace.json")
+    check_nesting(events)
+    tracks = set(track_names(events).values())
+    assert {"get #1", "promote #1", "tier host"} <= tracks
+    assert {e["name"] for e in events if e["ph"] == "i"} >= {"stored"}
 
 
 async def _delete(target: str, token: str, key) -> None:

@@ -13,7 +13,10 @@ server).  ``--store-target HOST:PORT`` adds a ``kvstore serve`` store process sh
 both engines, ``--redis-url`` a Redis tier, and ``--no-ssd`` leaves the SSD out, so that
 engine 2 can only hit what engine 1 left in the shared store (the docker-compose engine).
 
-Exit status 0 only when outputs matched and engine 2 served hits from a lower tier.
+Exit status 0 only when outputs matched, engine 2 served hits from a lower tier, and each
+engine's per-tier hit tokens sum exactly to its hit tokens.  ``--trace`` writes each
+connector engine's stage trace; ``--kv-events ENDPOINT`` has them publish KV events
+through vLLM's own publisher.
 """
 from __future__ import annotations
 
@@ -85,8 +88,7 @@ def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Com
         lines += format_hits(result, reference, stats)
     for rate in stats["rates"].values():
         lines.append(f"  {rate}")
-    tiers = ", ".join(f"{t} {n}" for t, n in sorted(stats["tokens_hit_by_tier"].items())) or "none"
-    lines.append(f"  hit tokens by tier: {tiers}")
+    lines += format_provenance(stats)
     if stats.get("decisions"):
         lines.append("  load-or-recompute decisions: "
                      + ", ".join(f"{k} {v}" for k, v in sorted(stats["decisions"].items())))
@@ -98,6 +100,28 @@ def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Com
     lines.append(f"  outputs vs recompute: {verdict} (max logprob diff {cmp.max_logprob_diff:.2e}, "
                  f"tolerance {cmp.tolerance:g})")
     return "\n".join(lines)
+
+
+STAGES = ("looked_up", "readable", "in_buffer", "on_device", "consumable", "gather_issued")
+
+
+def tier_split_ok(stats: dict) -> bool:
+    """Per-tier hit tokens sum exactly to the hit tokens, in total and for every request."""
+    return sum(stats["tokens_hit_by_tier"].values()) == stats["tokens_hit"] and all(
+        sum(e["tiers"].values()) == e["hit_tokens"] for e in stats["recent"])
+
+
+def format_provenance(stats: dict) -> list[str]:
+    """The per-tier split of the hit tokens (checked against the total) and stage p50/p99."""
+    hit, by_tier = stats["tokens_hit"], stats["tokens_hit_by_tier"]
+    split = ", ".join(f"{t} {n} ({100.0 * n / hit:.0f}%)" for t, n in sorted(by_tier.items()) if hit) or "none"
+    check = "= total" if tier_split_ok(stats) else "!= total: MISMATCH"
+    lines = [f"  hit tokens by tier: {split}; sum {sum(by_tier.values())} {check} {hit}"]
+    latency = stats.get("stage_latency") or {}
+    shown = [f"{k} {latency[k]['p50'] * 1e3:.2f}/{latency[k]['p99'] * 1e3:.2f}" for k in STAGES if k in latency]
+    if shown:
+        lines.append(f"  stages p50/p99 ms (n={max(q['n'] for q in latency.values())}): " + ", ".join(shown))
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
                                ("store_token_file", args.store_token_file), ("redis_url", args.redis_url),
                                ("device", args.device)) if v}
+    engine_args = {}
+    if args.kv_events:
+        engine_args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": args.kv_events, "topic": args.kv_events_topic}
     tiers = ", ".join([*(["SSD directory"] if ssd else []),
                        *(f"{k}={redact_url(v)}" for k, v in extra.items()
                          if k not in ("store_token", "store_token_file", "device"))])
@@ -122,12 +150,15 @@ def run(args: argparse.Namespace) -> int:
     for i, name in ((1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
                     (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
         stats_path = work / f"stats-{i}.json"
-        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra), workload,
-                                timeout_s=args.timeout)
+        traced = {"trace_path": str(work / f"trace-{i}.json")} if args.trace else {}
+        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra, **traced), workload,
+                                timeout_s=args.timeout, engine_args=engine_args)
         stats = json.loads(stats_path.read_text())
         cmp = kit.compare_outputs(reference, result)
         print(format_engine(name, result, stats, cmp, reference), flush=True)
-        ok = ok and bool(cmp)
+        if traced:
+            print(f"  stage trace: {traced['trace_path']} (open it in https://ui.perfetto.dev)")
+        ok = ok and bool(cmp) and tier_split_ok(stats)
         if i == 2:
             lower = lower_hit_tokens(stats)
             print(f"  engine 2 hit tokens from lower tiers: {lower or 'none'}")
@@ -149,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-token-file", help="a file whose first line is the store process's bearer token")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
+    p.add_argument("--trace", action="store_true", help="write each connector engine's stage trace "
+                   "(trace-1.json, trace-2.json in the work dir: Chrome trace-event JSON, Perfetto opens it)")
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="the connector engines publish KV events through vLLM "
+                   "(--kv-events-config) on this ZMQ endpoint, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-topic", default="", help="topic of those events")
     p.add_argument("--device", help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "
                                     "(CUDA's stream semantics on the CPU: copies land later, nothing calls back)")
     return run(p.parse_args(argv))

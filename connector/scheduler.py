@@ -56,7 +56,7 @@ from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
-from kvstore.metrics import HitStats, prometheus
+from kvstore.metrics import HitStats, prometheus, set_tier_gauges
 from kvstore.policy import CostModel, Decision, Span
 from kvstore.store.tiered import TieredStore
 from connector.lower import open_store
@@ -422,8 +422,9 @@ class SchedulerHalf:
         return st.had_saves
 
     def write_stats(self) -> None:
+        tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
+        set_tier_gauges(self._prom, tiers)
         if self.cfg.stats_path is not None:
-            tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
             with self._stats_lock:
                 self.stats.saves_committed = self.saves.committed
                 self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())

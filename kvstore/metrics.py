@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _LOCK = threading.Lock()  # guards creation of the process-wide Prometheus collectors
 _PROM: dict[str, object] = {}
@@ -126,5 +126,23 @@ def prometheus() -> dict[str, object]:
                 probes=Counter("kvstore_tier_probes", "Background reads that re-measure a stale tier", ["tier"]),
                 waits=Counter("kvstore_lookup_waits", "Lookups that waited, and how they ended",
                               ["on", "outcome"]),
+                breaker_open=Gauge("kvstore_breaker_open", "Circuit breakers open now, per network tier",
+                                   ["tier"]),
+                tier_objects=Gauge("kvstore_tier_objects", "Objects held, per tier", ["tier"]),
+                tier_bytes_used=Gauge("kvstore_tier_bytes_used", "Bytes held, per tier", ["tier"]),
+                tier_capacity=Gauge("kvstore_tier_capacity_bytes", "Capacity, per tier (0: unbounded "
+                                    "or unknown)", ["tier"]),
+                tier_evictions=Gauge("kvstore_tier_evictions", "Objects evicted since start, per tier",
+                                     ["tier"]),
             )
         return _PROM
+
+
+def set_tier_gauges(prom: dict[str, object], tiers: dict[str, dict[str, object]]) -> None:
+    """The per-tier gauges from each tier's ``TierStats.as_dict()``."""
+    for name, t in tiers.items():
+        for gauge, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
+                           ("tier_capacity", "capacity_bytes"), ("tier_evictions", "evictions"),
+                           ("breaker_open", "breaker_open")):
+            if key in t:
+                prom[gauge].labels(name).set(float(t[key]))

@@ -54,7 +54,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
-from kvstore.server.tenants import Tenants
+from kvstore.server.tenants import COUNTED, Tenants
 from kvstore.server.tickets import TicketBook
 from kvstore.store.events import StoreObserver
 from kvstore.store.kvevents import EventRecorder
@@ -320,8 +320,10 @@ class ServerStore:
         tiers = {t.name: t.stats().as_dict() for t in self.tiers}
         host = tiers[self.host.name]
         events = dict(self.events.counts) if self.events is not None else {}
+        quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
+                  for tenant in self.tenants.names for what in COUNTED}
         return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
-                        dict(self.tenants.refused), events)
+                        dict(self.tenants.refused), events, quotas)
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
         """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and
@@ -350,6 +352,7 @@ class ServerStore:
                        "closing": self._closing, "dumpable": _dumpable()},
             "tiers": snap.tiers,
             "store": self.metrics.counters.as_json(),
+            "stage_latency": self.metrics.stage_latency(),
             "leases": {"held": snap.leases_held, "expired": snap.leases_expired,
                        "granted": self.metrics.counters.leases_granted,
                        "released": self.metrics.counters.leases_released,

@@ -21,20 +21,26 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   stream cut at its deadline), ``evictions_total{tier}``, ``tier_objects{tier}``,
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
   ``failures_total{reason}``.
+* ``tenant_held{tenant,what}`` and ``tenant_quota{tenant,what}``: reservations, leases,
+  streams and connections each tenant holds, beside its quota.
 * ``kv_events_total{kind}`` (``--kv-events``: stored, removed, cleared, dropped) and
   ``kv_events_undescribed`` (objects held that no client described: never announced).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram
+
+from kvstore.metrics import quantiles
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "kvstore_server_"
 _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+STAGE_SAMPLES = 4096  # latencies kept per stage for p50/p99 (Stats, kvstore stats)
 STAGES = ("lookup", "get", "get_stream", "get_tcp", "put_commit", "put_stream", "put_tcp", "promote",
           "write_through")
 
@@ -93,6 +99,7 @@ class Snapshot:
     tiers: dict[str, dict[str, object]]  # tier name -> TierStats.as_dict()
     refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refusals
     events: dict[str, int] = field(default_factory=dict)  # KV events: kind -> count, "undescribed" objects
+    quotas: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (tenant, what) -> (held, quota)
 
 
 class ServerMetrics:
@@ -106,6 +113,7 @@ class ServerMetrics:
         self._snapshot = snapshot
         self._stage_of = {stage: self._stage.labels(stage) for stage in STAGES}  # labels() locks
         self._tracer = None                    # kvstore.trace.Tracer with --trace-path
+        self._samples: dict[str, deque[float]] = {}  # stage -> its last latencies (p50/p99)
         self._lanes: dict[str, object] = {}
         self.registry.register(_Collector(self))
 
@@ -139,6 +147,14 @@ class ServerMetrics:
         entry = self.counters.stages.setdefault(stage, [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
+        samples = self._samples.get(stage)
+        if samples is None:
+            samples = self._samples[stage] = deque(maxlen=STAGE_SAMPLES)
+        samples.append(seconds)
+
+    def stage_latency(self) -> dict[str, dict[str, float]]:
+        """n, p50, p99 and max seconds of each stage over its last ``STAGE_SAMPLES``."""
+        return {stage: quantiles(list(s)) for stage, s in list(self._samples.items()) if s}
 
     def timer(self, stage: str) -> "_Timer":
         return _Timer(self, stage)
@@ -194,6 +210,10 @@ class _Collector:
         yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",
                      [], {(): snap.events.get("undescribed", 0)})
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
+        yield _gauge("tenant_held", "What each tenant holds now (reservations, leases, streams, connections)",
+                     ["tenant", "what"], {k: held for k, (held, _) in snap.quotas.items()})
+        yield _gauge("tenant_quota", "Each tenant's quota of what it may hold at once", ["tenant", "what"],
+                     {k: quota for k, (_, quota) in snap.quotas.items()})
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
         for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
                           ("tier_capacity_bytes", "capacity_bytes"), ("breaker_open", "breaker_open")):

@@ -82,6 +82,7 @@ def test_compose_topology_as_local_processes(tmp_path):
     spec = yaml.safe_load(COMPOSE.read_text())["services"]
     env = {"REDIS_HOST": "127.0.0.1", "REDIS_PORT": str(free_port()), "KVSTORE_HOST": "127.0.0.1",
            "KVSTORE_PORT": str(free_port()), "KVSTORE_METRICS_PORT": str(free_port()),
+           "KVSTORE_EVENTS_PORT": str(free_port()), "ENGINE_EVENTS_PORT": str(free_port()),
            "KVSTORE_DATA": str(tmp_path / "data"), "ENGINE_WORKDIR": str(tmp_path / "work"),
            "KVSTORE_RUN": str(tmp_path / "run"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}

@@ -13,14 +13,14 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore.bench.common import Row
 from kvstore.errors import ConfigError
 
 COLORS = {True: "#2e7d32", False: "#c62828", None: "#78909c"}
 
 
-def plot_rows(path: str | Path, title: str, rows: Sequence[Row]) -> Path:
-    """Draw ``rows`` into the PNG ``path`` (see the module docstring); returns the path."""
+def plot_rows(path: str | Path, title: str, rows: Sequence) -> Path:
+    """Draw ``rows`` (``kvstore.bench.common.Row``s) into the PNG ``path`` (see the module
+    docstring); returns the path."""
     try:
         import matplotlib
 

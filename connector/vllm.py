@@ -180,6 +180,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVStoreStats(data=dict(data or {}))
 
+    def get_kv_connector_kv_cache_events(self):
+        """None: the workers hold no tier state; our KV events come from the scheduler half
+        (``take_events``, ``connector.kvcache_events``)."""
+        return None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
 

@@ -157,3 +157,32 @@ def test_a_key_of_no_stream_is_never_published(stream_of, published):
     rec.describe(keys[0], None, tokens[0].tolist())
     rec.stored("host", keys[0])
     assert len(rec.take()) == published
+
+
+@pytest.mark.parametrize("flags, error", [
+    ({"kv_events": "tcp://*:5557"}, "reachable beyond this host"),          # ZMQ authenticates nobody
+    ({"kv_events": "tcp://0.0.0.0:5557"}, "reachable beyond this host"),
+    ({"kv_events": "udp://x:1"}, "expected tcp://HOST:PORT or ipc://PATH"),
+    ({"kv_events_replay": "ipc:///tmp/r"}, "kv_events_replay needs kv_events"),
+    ({"kv_events": "ipc:///tmp/e", "kv_events_buffer": "0"}, "kv_events_buffer must be positive"),
+])
+def test_event_endpoints_are_checked(flags, error):
+    from kvstore.errors import ConfigError
+    from kvstore.server.config import ServerConfig
+
+    with pytest.raises(ConfigError, match=error):
+        ServerConfig.from_sources(flags, env={})
+    if "*" in flags.get("kv_events", ""):
+        assert ServerConfig.from_sources({**flags, "insecure": "true"}, env={}).kv_events == flags["kv_events"]
+
+
+def test_several_tenants_never_share_a_stream():
+    from kvstore.errors import ConfigError
+    from kvstore.server.kvpublish import stream_specs
+
+    with pytest.raises(ConfigError, match="need '{tenant}'"):
+        stream_specs("ipc:///run/ev", None, "", ["a", "b"])
+    specs = stream_specs("ipc:///run/{tenant}.ev", "ipc:///run/{tenant}.rp", "kv@{tenant}", ["a", "b"])
+    assert {t: (s.endpoint, s.replay, s.topic) for t, s in specs.items()} == {
+        "a": ("ipc:///run/a.ev", "ipc:///run/a.rp", "kv@a"), "b": ("ipc:///run/b.ev", "ipc:///run/b.rp", "kv@b")}
+    assert stream_specs("tcp://127.0.0.1:5557", None, "t", ["only"])["only"].endpoint == "tcp://127.0.0.1:5557"

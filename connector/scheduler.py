@@ -60,7 +60,7 @@ from kvstore.metrics import HitStats, prometheus, set_tier_gauges
 from kvstore.policy import CostModel, Decision, Span
 from kvstore.store.tiered import TieredStore
 from connector.lower import open_store
-from tiers.base import listen
+from tiers.base import Removal, listen
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.connector")
@@ -365,7 +365,7 @@ class SchedulerHalf:
             self._prom["stage"].labels(stage).observe(seconds)
         self.observe.reported(report)
         for raw in report.damaged:  # a damaged object is a miss from now on: drop it
-            self.host.delete_sync(ObjectKey.from_bytes(raw))
+            self.host.delete_sync(ObjectKey.from_bytes(raw), Removal.CORRUPT)
         if report.bytes_loaded:
             self.cost.observe_transfer(self.host.name, report.bytes_loaded, report.load_seconds)
             self._bytes(self.host.name, "read", report.bytes_loaded)

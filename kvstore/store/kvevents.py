@@ -11,8 +11,8 @@ Two sources meet here:
   truth of what lives where; the recorder is the listener of every tier it is attached to.
 * **Descriptions**, from whoever knows an object's tokens (``describe``): the connector's
   scheduler when it plans a save or finds a hit (the request's tokens are at hand), the
-  store process when a client's put carries them.  A store only knows keys and bytes, so
-  this is the only way tokens reach an event.
+  store process when a client describes what it put or read (the ``Describe`` RPC).  A
+  store only knows keys and bytes, so this is the only way tokens reach an event.
 
 An object is *announced* in a tier (``BlockStored``) once it is both there and described,
 whichever comes first; it is announced removed (``BlockRemoved``, with the reason) only if it

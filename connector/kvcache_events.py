@@ -16,7 +16,9 @@ event, its 64-bit wire hash (``kvstore.kvwire``), its parent's, its tokens, ``bl
 its tokens, ``group_idx`` 0 (one KV cache group), the LoRA's name.  ``medium``: host DRAM
 ``CPU``; SSD, the store process and Redis ``STORAGE`` with ``locality`` and ``ownership``
 (``ssd``, ``kvstore``, ``redis``).  The store process's own evictions are invisible here:
-its own stream (``kvstore serve --kv-events``) is the truth for what it holds.
+its own stream (``kvstore serve --kv-events``) is the truth for what it holds.  What happens
+after the engine's last step (the write-down drained at exit) is not published: vLLM's
+publisher stops with the engine; the next engine announces those objects as it finds them.
 
 Tokens come from the scheduler half, which knows them: each hit found and each save planned
 is described (``found``, ``saving``).  An SSD object left by an earlier engine process is

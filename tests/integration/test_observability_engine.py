@@ -2,9 +2,11 @@
 process): vLLM started with ``--kv-events-config`` (``kv_events_config``: ZMQ on an ipc
 endpoint, a replay endpoint, a topic) and the connector with ``trace_path``.
 
-Engine 1 saves four 2-chunk prompts into a host pool that holds four objects (so later saves
-evict earlier ones, and the write-through puts every object on SSD), then repeats the first
-prompt (its chunks were evicted: it loads them from SSD through a prefetch).  Engine 2, a new
+Engine 1 saves four 2-chunk prompts into a host pool that holds four objects, written back
+(``write_back``: an object is evicted only once it is on SSD, and every one is there at the
+latest when the engine exits, so the story does not hang on the write-through queue's
+timing), then repeats the first prompt (its chunks were evicted: it loads them from SSD
+through a prefetch).  Engine 2, a new
 process on the same SSD directory, repeats it again.
 
 A pyzmq subscriber decodes every message of both engines with vLLM's own msgspec structs
@@ -103,7 +105,7 @@ def run(model: Path, work: Path, wl: kit.Workload, n: int, ctx: zmq.Context):
     barriers = work / f"barriers-{n}"
     barriers.mkdir()
     cfg = connector_config(work / "ssd", work / f"stats-{n}.json", host_capacity="4400KiB",
-                           trace_path=str(work / f"trace-{n}.json"))
+                           write_policy="write_back", trace_path=str(work / f"trace-{n}.json"))
     engine = {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ev,
                                    "replay_endpoint": rep, "topic": TOPIC.decode()}}
     out: dict = {}
@@ -154,16 +156,18 @@ def test_events_follow_a_store_an_eviction_and_a_restart(runs):
         parents = {e.parent_block_hash for e, _ in cpu + ssd if e.block_hashes == [h]}
         assert parents == ({hashes[(prompt, 0)]} if index else {None})          # the chain
     assert {(e.locality, e.ownership) for e, _ in ssd} == {("LOCAL", "ssd")}
-    assert {e.block_hashes[0] for e, _ in ssd} >= set(hashes.values())         # written through
+    assert {e.block_hashes[0] for e, _ in ssd} <= set(hashes.values()) | {e.block_hashes[0] for e, _ in cpu}
     removed = [(e, raw) for e, raw in ev1 if isinstance(e, BlockRemoved)]
     assert removed and {(e.medium, raw["reason"]) for e, raw in removed} == {("CPU", "evicted")}
     announced = set()
-    for e, raw in ev1:  # in order: never a removal of a block not announced in that medium
-        if isinstance(e, BlockStored):
+    for e, raw in ev1:  # in order: never a removal of a block not announced in that medium, and
+        if isinstance(e, BlockStored):  # write-back evicts only what is on SSD already
             announced.add((e.medium, e.block_hashes[0]))
         elif isinstance(e, BlockRemoved):
             assert (e.medium, e.block_hashes[0]) in announced
+            assert ("STORAGE", e.block_hashes[0]) in announced
             announced.discard((e.medium, e.block_hashes[0]))
+    assert {("STORAGE", hashes[(0, 0)]), ("STORAGE", hashes[(0, 1)])} <= announced
     again = [e for e, _ in cpu if e.block_hashes[0] in (hashes[(0, 0)], hashes[(0, 1)])]
     assert len(again) >= 3  # p0's chunks saved, evicted, then promoted back for p0-again
 

@@ -85,6 +85,9 @@ class ConnectorConfig(LeaseSettings, TierSettings):
     load_timeout_s: Seconds = setting(30.0, "how long a layer waits for its load before it counts as failed")
     stats_path: Path | None = setting(None, "a JSON file kept up to date with hit rates, bytes per tier and "
                                       "failures")
+    trace_path: Path | None = setting(None, "write a Chrome trace-event JSON of each request's lookup, "
+                                      "decision, load and save stages and the copy stream here "
+                                      "(Perfetto opens it)")
     redis_url: str = setting("", "a Redis tier: `redis://`, `rediss://` (TLS), `redis+cluster://`; tier "
                              "options as query parameters; empty: none")
     store_target: str = setting("", "`HOST:PORT` of a `kvstore serve` store process (a tier below host DRAM); "

@@ -15,7 +15,10 @@ engine 2 can only hit what engine 1 left in the shared store (the docker-compose
 ``--pause-before LABEL --barrier-dir DIR`` stops engine 2 before that request until a test
 opens the barrier (it kills the store there: the rest must be recomputed, and still match).
 
-Exit status 0 only when outputs matched and engine 2 served hits from a lower tier.
+Exit status 0 only when outputs matched, engine 2 served hits from a lower tier, and each
+engine's per-tier hit tokens sum exactly to its hit tokens.  ``--trace`` writes each
+connector engine's stage trace; ``--kv-events ENDPOINT`` has them publish KV events
+through vLLM's own publisher.
 """
 from __future__ import annotations
 
@@ -88,8 +91,7 @@ def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Com
         lines += format_hits(result, reference, stats)
     for rate in stats["rates"].values():
         lines.append(f"  {rate}")
-    tiers = ", ".join(f"{t} {n}" for t, n in sorted(stats["tokens_hit_by_tier"].items())) or "none"
-    lines.append(f"  hit tokens by tier: {tiers}")
+    lines += format_provenance(stats)
     if stats.get("decisions"):
         lines.append("  load-or-recompute decisions: "
                      + ", ".join(f"{k} {v}" for k, v in sorted(stats["decisions"].items())))
@@ -111,6 +113,28 @@ def with_barrier(workload: kit.Workload, label: str) -> kit.Workload:
         dataclasses.replace(r, barrier=label) if r.label == label else r for r in workload.requests))
 
 
+STAGES = ("looked_up", "readable", "in_buffer", "on_device", "consumable", "gather_issued")
+
+
+def tier_split_ok(stats: dict) -> bool:
+    """Per-tier hit tokens sum exactly to the hit tokens, in total and for every request."""
+    return sum(stats["tokens_hit_by_tier"].values()) == stats["tokens_hit"] and all(
+        sum(e["tiers"].values()) == e["hit_tokens"] for e in stats["recent"])
+
+
+def format_provenance(stats: dict) -> list[str]:
+    """The per-tier split of the hit tokens (checked against the total) and stage p50/p99."""
+    hit, by_tier = stats["tokens_hit"], stats["tokens_hit_by_tier"]
+    split = ", ".join(f"{t} {n} ({100.0 * n / hit:.0f}%)" for t, n in sorted(by_tier.items()) if hit) or "none"
+    check = "= total" if tier_split_ok(stats) else "!= total: MISMATCH"
+    lines = [f"  hit tokens by tier: {split}; sum {sum(by_tier.values())} {check} {hit}"]
+    latency = stats.get("stage_latency") or {}
+    shown = [f"{k} {latency[k]['p50'] * 1e3:.2f}/{latency[k]['p99'] * 1e3:.2f}" for k in STAGES if k in latency]
+    if shown:
+        lines.append(f"  stages p50/p99 ms (n={max(q['n'] for q in latency.values())}): " + ", ".join(shown))
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-run-"))
     model = tinymodel.build_named(Path(args.model_dir or work / f"model-{args.geometry}"), args.geometry)
@@ -124,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
                                ("store_token_file", args.store_token_file), ("store_tls_ca", args.store_tls_ca),
                                ("redis_url", args.redis_url), ("device", args.device)) if v}
+    engine_args = {}
+    if args.kv_events:
+        engine_args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": args.kv_events, "topic": args.kv_events_topic}
     tiers = ", ".join([*(["SSD directory"] if ssd else []),
                        *(f"{k}={redact_url(v)}" for k, v in extra.items()
                          if k not in ("store_token", "store_token_file", "store_tls_ca", "device"))])
@@ -134,12 +162,16 @@ def run(args: argparse.Namespace) -> int:
                     (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
         stats_path = work / f"stats-{i}.json"
         paused = with_barrier(workload, args.pause_before) if i == 2 and args.pause_before else workload
-        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra), paused,
-                                timeout_s=args.timeout, barriers=args.barrier_dir and Path(args.barrier_dir))
+        traced = {"trace_path": str(work / f"trace-{i}.json")} if args.trace else {}
+        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra, **traced), paused,
+                                timeout_s=args.timeout, engine_args=engine_args,
+                                barriers=args.barrier_dir and Path(args.barrier_dir))
         stats = json.loads(stats_path.read_text())
         cmp = kit.compare_outputs(reference, result)
         print(format_engine(name, result, stats, cmp, reference), flush=True)
-        ok = ok and bool(cmp)
+        if traced:
+            print(f"  stage trace: {traced['trace_path']} (open it in https://ui.perfetto.dev)")
+        ok = ok and bool(cmp) and tier_split_ok(stats)
         if i == 2:
             lower = lower_hit_tokens(stats)
             print(f"  engine 2 hit tokens from lower tiers: {lower or 'none'}")
@@ -162,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-tls-ca", help="CA certificate (PEM) of a store process that serves TLS")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
+    p.add_argument("--trace", action="store_true", help="write each connector engine's stage trace "
+                   "(trace-1.json, trace-2.json in the work dir: Chrome trace-event JSON, Perfetto opens it)")
+    p.add_argument("--kv-events", metavar="ENDPOINT", help="the connector engines publish KV events through vLLM "
+                   "(--kv-events-config) on this ZMQ endpoint, e.g. tcp://*:5557")
+    p.add_argument("--kv-events-topic", default="", help="topic of those events")
     p.add_argument("--device", help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "
                                     "(CUDA's stream semantics on the CPU: copies land later, nothing calls back)")
     p.add_argument("--pause-before", metavar="LABEL", help="engine 2 waits before this request until "

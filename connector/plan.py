@@ -91,6 +91,12 @@ class WorkerReport:
     failures: dict[str, int] = field(default_factory=dict)
     damaged: list[bytes] = field(default_factory=list)  # keys whose slot failed verification
     stages: list[tuple[str, float]] = field(default_factory=list)  # (lifecycle state, seconds)
+    # Timestamps (time.monotonic) for the stats log and the trace (connector.observe):
+    timings: dict[int, list[list[tuple[str, float]]]] = field(default_factory=dict)  # load job -> each
+    #                                                  ticket's (state, t) history
+    save_times: dict[int, tuple[float, list[float]]] = field(default_factory=dict)  # save job -> (issued,
+    #                                                  each chunk's snapshot done)
+    copies: list[tuple[str, float, float]] = field(default_factory=list)  # copy jobs run: (what, t0, t1)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         for job, ok in other.loads.items():
@@ -110,7 +116,10 @@ class WorkerReport:
             self.failures[reason] = self.failures.get(reason, 0) + n
         self.damaged += [k for k in other.damaged if k not in self.damaged]
         self.stages += other.stages
+        self.timings.update(other.timings)      # one rank's timestamps stand for the job
+        self.save_times.update(other.save_times)
+        self.copies += other.copies
         return self
 
     def empty(self) -> bool:
-        return not (self.loads or self.saves or self.failures or self.damaged)
+        return not (self.loads or self.saves or self.failures or self.damaged or self.copies)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey
+from kvstore.kvwire import wire_hash
 from kvstore.metrics import HitStats
 
 
@@ -88,11 +89,13 @@ def as_groups(blocks) -> list[list[int]]:
 
 
 def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str,
-                  generated: int = 0) -> None:
+                  generated: int = 0) -> dict[str, object]:
     """Count a request's lookup: ``n`` tokens promised (``st.window``) from the pinned pieces,
     each hit under the tier it was first found in (``default_tier`` if unknown).  Chunks hit
     count the full chunks among them; a tail counts in tokens only.  ``generated``: how many
-    of the hit tokens an engine had generated (an earlier answer, reused by a later turn)."""
+    of the hit tokens an engine had generated (an earlier answer, reused by a later turn).
+    Returns the request's stats entry: its ``chunks`` say where each hit object came from
+    (its tokens, tier and 64-bit wire hash, as the KV events name it)."""
     full = len(st.view.prompt) // c
     s.requests += 1
     s.tokens_looked_up += len(st.view.prompt)
@@ -101,6 +104,7 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
     p["looked_up_tokens"].inc(len(st.view.prompt))
     p["chunks"].inc(full)
     by_tier: dict[str, int] = {}
+    provenance: list[dict] = []
     if n > 0:
         start, end = st.window
         s.requests_hit += 1
@@ -108,7 +112,11 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
         p["request_hits"].inc()
         for piece in st.pins.values():
             tier = st.origin.get(piece.key, default_tier)
-            by_tier[tier] = by_tier.get(tier, 0) + max(0, min(end, piece.end) - max(start, piece.start))
+            lo, hi = max(start, piece.start), min(end, piece.end)
+            by_tier[tier] = by_tier.get(tier, 0) + max(0, hi - lo)
+            if hi > lo:
+                provenance.append({"start": lo, "end": hi, "tier": tier,
+                                   "hash": f"{wire_hash(piece.key.chunk_hash):016x}"})
         chunks = sum(1 for piece in st.pins.values() if piece.end - piece.start == c)
         for tier, tokens in by_tier.items():
             s.add("tokens_hit_by_tier", tier, tokens)
@@ -117,8 +125,8 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
         p["chunk_hits"].inc(chunks)
         s.tokens_hit_generated += generated
         p["hit_tokens_generated"].inc(generated)
-    s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision, st.view.req_id,
-                  generated)
+    return s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision,
+                         st.view.req_id, generated, provenance)
 
 
 def identity_fields(identity: Identity) -> dict[str, object]:

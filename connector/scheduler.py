@@ -49,16 +49,18 @@ from connector import local
 from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
 from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
+from connector.observe import RequestObserver
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepInput, as_groups, count_request, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
-from kvstore.metrics import HitStats, prometheus
+from kvstore.metrics import HitStats, prometheus, set_tier_gauges
 from kvstore.policy import CostModel, Decision, Span
 from kvstore.store.tiered import TieredStore
 from connector.lower import open_store
+from tiers.base import Removal, listen
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.connector")
@@ -109,6 +111,11 @@ class SchedulerHalf:
         self._step: tuple[float, list[tuple[int, int]]] | None = None
         self._computed: dict[str, int] = {}
         self._closed = False
+        self.kv_events = None  # connector.kvcache_events.ConnectorEvents: told each object's tokens
+        self.observe = RequestObserver(self.stats, self._stats_lock, cfg.trace_path, self.host.name)
+        if cfg.trace_path is not None:
+            for tier in self.store.lower:
+                listen(tier, self.observe)  # "persisted" moments in the trace
         call_before_exit(self.flush_at_exit)
 
     def _geometry(self, pages: int) -> codec.ObjectGeometry:
@@ -150,6 +157,9 @@ class SchedulerHalf:
         if st.prefetch is not None and not self.prefetch.settled(st, self._steps, self._idle):
             return None
         pieces = self.hits.find(st)
+        self.observe.found(st)
+        if self.kv_events is not None:
+            self.kv_events.found(st, pieces)
         if self._save_pending(st, pieces):
             return None  # the next chunk is being saved by an earlier request: ask again soon
         decision = self.cost.plan([Span(p.tier, p.nbytes, p.start, p.end) for p in pieces], self.host.name)
@@ -229,7 +239,8 @@ class SchedulerHalf:
         generated = self._generated_hit(st) if n > 0 else 0
         with self._stats_lock:
             self.stats.add("decisions", outcome)
-            count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name, generated)
+            entry = count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name, generated)
+        self.observe.decided(st, entry)
         self._prom["decisions"].labels(outcome).inc()
         if decision.hit:
             self._prom["decision_seconds"].labels("load").inc(decision.load_s)
@@ -302,9 +313,12 @@ class SchedulerHalf:
                 if job is not None:
                     self._next_job += 1
                     plan.saves.append(job)
+                    if self.kv_events is not None:
+                        self.kv_events.saving(st, job)
         work = [(self._computed.get(r, 0), n) for r, n in step.scheduled.items()]
         self._idle = not work
         self._step = (time.perf_counter(), work)
+        self.observe.planned(plan)
         return plan
 
     def _track_blocks(self, step: StepInput) -> None:
@@ -351,8 +365,9 @@ class SchedulerHalf:
                 self.stats.add("failures", reason, n)
         for stage, seconds in report.stages:
             self._prom["stage"].labels(stage).observe(seconds)
+        self.observe.reported(report)
         for raw in report.damaged:  # a damaged object is a miss from now on: drop it
-            self.host.delete_sync(ObjectKey.from_bytes(raw))
+            self.host.delete_sync(ObjectKey.from_bytes(raw), Removal.CORRUPT)
         if report.bytes_loaded:
             self.cost.observe_transfer(self.host.name, report.bytes_loaded, report.load_seconds)
             self._bytes(self.host.name, "read", report.bytes_loaded)
@@ -397,17 +412,21 @@ class SchedulerHalf:
         if st is None:
             return False
         self._unpin(st)
+        self.observe.finished(req_id)
         if computed is not None:
             job = self.saves.plan(st, min(computed, len(st.view.all_tokens)), self._next_job, final=True)
             if job is not None:
                 self._next_job += 1
                 self._final_saves.append(job)
+                if self.kv_events is not None:
+                    self.kv_events.saving(st, job)
         self.write_stats()
         return st.had_saves
 
     def write_stats(self) -> None:
+        tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
+        set_tier_gauges(self._prom, tiers)
         if self.cfg.stats_path is not None:
-            tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
             with self._stats_lock:
                 self.stats.saves_committed = self.saves.committed
                 self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
@@ -432,6 +451,7 @@ class SchedulerHalf:
         self.io.drain()
         self.io.run(self.store.settle(), timeout=None)
         self.write_stats()
+        self.observe.close()
 
     def close(self) -> None:
         """Finish prefetches, commit sealed saves, write everything down, then close the

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from connector.config import ConnectorConfig
 from connector.device import make_device
 from connector.identity import engine_identity, is_mla, tp_ranks
+from connector.kvcache_events import ConnectorEvents, KVStoreKVEvents, kv_events_of
 from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV, Shard, page_shape_of
@@ -80,14 +81,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         _check_supported(vllm_config, kv_cache_config)
         self._sched: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
+        self._events: ConnectorEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             identity, page_bytes = engine_identity(vllm_config, kv_cache_config)
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
             tp = vllm_config.parallel_config.tensor_parallel_size
             self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp,
                                         parts=tp_ranks(vllm_config, spec) > 1)
+            self._events = kv_events_of(vllm_config, self._sched)
         else:
             self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s)
+            self._worker.tracing = self.cfg.trace_path is not None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -130,6 +134,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Hybrid models (``SupportsHMA``): one call for every KV cache group's blocks."""
         return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
+
+    def take_events(self):
+        """Our tiers' KV events for vLLM's publisher (``connector.kvcache_events``)."""
+        if self._events is None or not self._events.publish:
+            return ()
+        return KVStoreKVEvents(self._events.take()).get_all_events()
 
     # --- worker side -------------------------------------------------------------------------
 
@@ -177,6 +187,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVStoreStats(data=dict(data or {}))
+
+    def get_kv_connector_kv_cache_events(self):
+        """None: the workers hold no tier state; our KV events come from the scheduler half
+        (``take_events``, ``connector.kvcache_events``)."""
+        return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()

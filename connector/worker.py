@@ -77,11 +77,13 @@ class WorkerHalf:
         self._had_saves: set[str] = set()         # req ids that ever had a save job
         self._finished: set[str] = set()          # finished req ids awaiting their gathers
         self._report = WorkerReport()
-        self._lock = threading.Lock()  # guards _report, _saving, _save_oks, _save_left, _had_saves, _finished
+        self._lock = threading.Lock()  # guards _report, _saving, _save_oks, _save_left, _save_issued, _had_saves, _finished
         self._save_oks: dict[int, list[bool]] = {}
         self._save_left: dict[int, int] = {}
         self._interval = _zero_interval()  # guarded by _lock
         self._save_events: list[CopyEvent] = []  # gathers not yet seen complete (worker thread only)
+        self._save_issued: dict[int, tuple[float, list[float]]] = {}  # job -> (issued, done at); _lock
+        self.tracing = False  # time each copy job for the trace (WorkerReport.copies)
         local.register(self)
 
     @property
@@ -127,10 +129,12 @@ class WorkerHalf:
         for t in tickets:
             t.advance(LoadState.READABLE)  # the scheduler pinned the slot before planning
             t.begin_copy()
-        load.verify = self.device.submit(lambda: self._verify(load, pages_per_chunk))
+        load.verify = self.device.submit(self._timed(f"load {job.job_id} verify",
+                                                     lambda: self._verify(load, pages_per_chunk)))
         load.verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
         for layer in range(self.kv.layout.num_layers):
-            load.events.append(self.device.submit(lambda layer=layer: self._scatter(load, layer, pages_per_chunk)))
+            scatter = lambda layer=layer: self._scatter(load, layer, pages_per_chunk)  # noqa: E731
+            load.events.append(self.device.submit(self._timed(f"load {job.job_id} layer {layer}", scatter)))
         load.events[-1].on_complete(lambda ev: self._guarded_on_device(load, ev))
         return load
 
@@ -234,6 +238,7 @@ class WorkerHalf:
             r.loads[load.job.job_id] = ok
             r.load_reports[load.job.job_id] = 1
             r.stages += stages
+            r.timings[load.job.job_id] = [[(s.name, t) for s, t in tk.history] for tk in load.tickets]
             self._interval["loads"] += 1
             self._interval["load_failures"] += not ok
             if ok:
@@ -268,10 +273,12 @@ class WorkerHalf:
                 self._saving[job.req_id] = self._saving.get(job.req_id, 0) + len(job.chunks)
                 self._save_oks[job.job_id] = [False] * len(job.chunks)
                 self._save_left[job.job_id] = len(job.chunks)
+                self._save_issued[job.job_id] = (time.monotonic(), [0.0] * len(job.chunks))
             for i, chunk in enumerate(job.chunks):
                 pages = chunk.pages or plan.pages_per_chunk
                 geometry = self.kv.layout.geometry(pages, plan.chunk_tokens * pages // plan.pages_per_chunk)
-                ev = self.device.submit(lambda c=chunk, p=pages: self._gather(c, p))
+                gather = lambda c=chunk, p=pages: self._gather(c, p)  # noqa: E731
+                ev = self.device.submit(self._timed(f"save {job.job_id} chunk {i}", gather))
                 ev.on_complete(lambda e, j=job, i=i, g=geometry: self._saved(j, i, e, g))
                 self._save_events.append(ev)
 
@@ -301,6 +308,7 @@ class WorkerHalf:
                 self._count("save_seal_error")
         with self._lock:
             self._save_oks[job.job_id][i] = ok
+            self._save_issued[job.job_id][1][i] = time.monotonic()  # SNAPSHOT_DONE (as observed)
             self._save_left[job.job_id] -= 1
             self._saving[job.req_id] -= 1
             nbytes = (self.kv.local.page_bytes * self.kv.local.num_layers * len(job.chunks[i].block_ids)
@@ -314,6 +322,7 @@ class WorkerHalf:
                 del self._save_left[job.job_id]
                 self._report.saves[job.job_id] = self._save_oks.pop(job.job_id)
                 self._report.save_reports[job.job_id] = 1
+                self._report.save_times[job.job_id] = self._save_issued.pop(job.job_id)
 
     def poll(self) -> None:
         """Observe the save gathers that completed (a stream device calls nothing back)."""
@@ -346,6 +355,22 @@ class WorkerHalf:
         return done
 
     # --- reporting -------------------------------------------------------------------------
+
+    def _timed(self, what: str, job):
+        """``job``, timed on the copy engine when tracing (its run: the copy itself on the
+        host device, the enqueueing on a stream device)."""
+        if not self.tracing:
+            return job
+
+        def timed() -> None:
+            t0 = time.monotonic()
+            try:
+                job()
+            finally:
+                t1 = time.monotonic()
+                with self._lock:
+                    self._report.copies.append((f"rank {self.kv.shard.rank}: {what}", t0, t1))
+        return timed
 
     def _count(self, reason: str) -> None:
         with self._lock:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _LOCK = threading.Lock()  # guards creation of the process-wide Prometheus collectors
 _PROM: dict[str, object] = {}
@@ -35,16 +36,37 @@ class HitStats:
     recent: list[dict[str, object]] = field(default_factory=list)  # last requests, in order
     RECENT_MAX = 1000
 
+    STAGE_SAMPLES = 4096  # the last latencies kept per stage, for p50/p99
+
+    def __post_init__(self) -> None:
+        self._stage_samples: dict[str, deque[float]] = {}
+
     def log_request(self, prompt_tokens: int, hit_tokens: int, tiers: dict[str, int], salted: bool,
-                    decision: dict | None = None, req_id: str | None = None, generated: int = 0) -> None:
-        entry = {"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "tiers": tiers, "salted": salted,
-                 "generated_hit_tokens": generated}
+                    decision: dict | None = None, req_id: str | None = None, generated: int = 0,
+                    chunks: list[dict] | None = None) -> dict[str, object]:
+        """Append one request's entry (``chunks``: where each hit object came from) and
+        return it: its load's stage times are added once the worker reports them."""
+        entry: dict[str, object] = {"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "tiers": tiers,
+                                    "salted": salted, "generated_hit_tokens": generated}
         if req_id is not None:
             entry["req_id"] = req_id
         if decision is not None:
             entry["decision"] = decision
+        if chunks is not None:
+            entry["chunks"] = chunks
         self.recent.append(entry)
         del self.recent[:-self.RECENT_MAX]
+        return entry
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        samples = self._stage_samples.get(stage)
+        if samples is None:
+            samples = self._stage_samples[stage] = deque(maxlen=self.STAGE_SAMPLES)
+        samples.append(seconds)
+
+    def stage_latency(self) -> dict[str, dict[str, float]]:
+        """Seconds per stage over the last ``STAGE_SAMPLES`` of each: n, p50, p99, max."""
+        return {stage: quantiles(list(samples)) for stage, samples in self._stage_samples.items() if samples}
 
     def add(self, table: str, key: str, n: int = 1) -> None:
         d = getattr(self, table)
@@ -64,6 +86,7 @@ class HitStats:
     def to_json(self) -> dict[str, object]:
         d = asdict(self)
         d["rates"] = self.rates()
+        d["stage_latency"] = self.stage_latency()
         return d
 
     def write(self, path: Path, **extra: object) -> None:
@@ -71,6 +94,13 @@ class HitStats:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps({**self.to_json(), **extra}, indent=1, default=str))
         tmp.replace(path)
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    """n, p50, p99 and max of ``values`` (nearest rank)."""
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"n": len(ordered), "p50": pick(0.50), "p99": pick(0.99), "max": ordered[-1]}
 
 
 def prometheus() -> dict[str, object]:
@@ -96,5 +126,23 @@ def prometheus() -> dict[str, object]:
                 probes=Counter("kvstore_tier_probes", "Background reads that re-measure a stale tier", ["tier"]),
                 waits=Counter("kvstore_lookup_waits", "Lookups that waited, and how they ended",
                               ["on", "outcome"]),
+                breaker_open=Gauge("kvstore_breaker_open", "Circuit breakers open now, per network tier",
+                                   ["tier"]),
+                tier_objects=Gauge("kvstore_tier_objects", "Objects held, per tier", ["tier"]),
+                tier_bytes_used=Gauge("kvstore_tier_bytes_used", "Bytes held, per tier", ["tier"]),
+                tier_capacity=Gauge("kvstore_tier_capacity_bytes", "Capacity, per tier (0: unbounded "
+                                    "or unknown)", ["tier"]),
+                tier_evictions=Gauge("kvstore_tier_evictions", "Objects evicted since start, per tier",
+                                     ["tier"]),
             )
         return _PROM
+
+
+def set_tier_gauges(prom: dict[str, object], tiers: dict[str, dict[str, object]]) -> None:
+    """The per-tier gauges from each tier's ``TierStats.as_dict()``."""
+    for name, t in tiers.items():
+        for gauge, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
+                           ("tier_capacity", "capacity_bytes"), ("tier_evictions", "evictions"),
+                           ("breaker_open", "breaker_open")):
+            if key in t:
+                prom[gauge].labels(name).set(float(t[key]))

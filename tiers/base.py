@@ -17,6 +17,11 @@ Contract (DESIGN §6):
   or answers a miss; it never answers a key present that is not.
 * ``parent`` (on put) names the previous chunk's key so eviction can drop chain tails
   before their parents.
+* **Residency.**  A tier tells its ``residency`` listener (when one is set) each object it
+  publishes and each it drops, with the reason (``Removal``), as it happens: the truth of
+  what each tier holds, for KV events and traces (``kvstore.store.kvevents``).  Calls may
+  come from any thread, with the tier's own lock held: a listener must be quick, must not
+  block and must never call back into the tier.
 """
 from __future__ import annotations
 
@@ -26,6 +31,45 @@ from enum import Enum
 from typing import Protocol, runtime_checkable
 
 from kvstore.keys import ObjectKey
+
+
+class Removal(Enum):
+    """Why an object left a tier."""
+
+    EVICTED = "evicted"  # its room was needed (or the backend dropped it: Redis maxmemory)
+    EXPIRED = "expired"  # its TTL ran out (Redis ``ttl_s``)
+    CORRUPT = "corrupt"  # it failed verification and was deleted
+    DELETED = "deleted"  # someone deleted it
+
+
+@runtime_checkable
+class Residency(Protocol):
+    """Told what a tier publishes and drops (see the module docstring)."""
+
+    def stored(self, tier: str, key: ObjectKey) -> None: ...
+
+    def removed(self, tier: str, key: ObjectKey, reason: Removal) -> None: ...
+
+
+class _Listeners:
+    """Several residency listeners of one tier, told in order."""
+
+    def __init__(self, *listeners: Residency) -> None:
+        self.listeners = listeners
+
+    def stored(self, tier: str, key: ObjectKey) -> None:
+        for listener in self.listeners:
+            listener.stored(tier, key)
+
+    def removed(self, tier: str, key: ObjectKey, reason: Removal) -> None:
+        for listener in self.listeners:
+            listener.removed(tier, key, reason)
+
+
+def listen(tier: "Tier", listener: Residency) -> None:
+    """Add ``listener`` to those ``tier`` tells what it publishes and drops."""
+    current = getattr(tier, "residency", None)
+    tier.residency = listener if current is None else _Listeners(current, listener)
 
 
 class PutResult(Enum):
@@ -118,9 +162,19 @@ class Tier(Protocol):
 class TierBase:
     """Defaults for the questions a backend may answer better: ``contains`` and ``sizes``
     from ``size_of``, ``present`` from ``sizes``, ``lookup`` from ``present``.  A backend
-    overrides the ones it can batch; it must define ``size_of``."""
+    overrides the ones it can batch; it must define ``size_of``.  ``residency``: the
+    listener told what the tier publishes and drops (None: nobody)."""
 
     name: str
+    residency: Residency | None = None
+
+    def _stored(self, key: ObjectKey) -> None:
+        if self.residency is not None:
+            self.residency.stored(self.name, key)
+
+    def _removed(self, key: ObjectKey, reason: Removal) -> None:
+        if self.residency is not None:
+            self.residency.removed(self.name, key, reason)
 
     async def size_of(self, key: ObjectKey) -> int | None:
         raise NotImplementedError

@@ -51,7 +51,7 @@ from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError, TierU
 from kvstore.keys import ObjectKey
 from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
-from tiers.base import PutHandle, TierBase, TierStats
+from tiers.base import PutHandle, Removal, TierBase, TierStats
 from tiers.host_pool import Backing, HostPool
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
@@ -253,8 +253,9 @@ class HostTier(SlotOps, TierBase):
             self._publish(handle, entry)
             return True
 
-    def delete_sync(self, key: ObjectKey) -> bool:
-        """Remove from lookup now (and drop its leases); free the slot once unreferenced."""
+    def delete_sync(self, key: ObjectKey, reason: Removal = Removal.DELETED) -> bool:
+        """Remove from lookup now (and drop its leases); free the slot once unreferenced.
+        ``reason``: what the residency listener is told (``CORRUPT`` for a damaged object)."""
         with self._lock:
             entry = self._index.pop(key, None)
             if entry is None:
@@ -267,6 +268,7 @@ class HostTier(SlotOps, TierBase):
                 self._doomed[key] = entry
             else:
                 self._free(entry)
+            self._removed(key, reason)
             return True
 
     # --- leases ----------------------------------------------------------------------
@@ -363,8 +365,8 @@ class HostTier(SlotOps, TierBase):
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
         return self.put_commit_sync(handle, ok)
 
-    async def delete(self, key: ObjectKey) -> bool:
-        return self.delete_sync(key)
+    async def delete(self, key: ObjectKey, reason: Removal = Removal.DELETED) -> bool:
+        return self.delete_sync(key, reason)
 
     def close(self) -> None:
         """Refuse new puts.  A private buffer stays readable until the tier is dropped.  A

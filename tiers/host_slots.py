@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle
+from tiers.base import PutHandle, Removal
 from tiers.eviction import pick_victim
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ def transition(entry: Entry, dst: SlotState) -> None:
 
 class SlotOps:
     """Slot moves of ``HostTier`` (mixed into it; every method runs under its ``_lock``).
-    Needs: ``name``, ``_index``, ``_doomed``, ``_leases``, ``_stats``, ``_refs``, ``_on_evict``."""
+    Needs: ``name``, ``_index``, ``_doomed``, ``_leases``, ``_stats``, ``_refs``, ``_on_evict``,
+    and ``TierBase``'s ``_stored``/``_removed`` (the residency listener)."""
 
     def _view(self, entry: Entry) -> memoryview:
         pool = entry.pool
@@ -103,6 +104,7 @@ class SlotOps:
         entry.pool.lru[handle.key] = entry
         self._stats.puts += 1
         self._stats.bytes_written += handle.size
+        self._stored(handle.key)
 
     def _make_room(self, size: int, pool: HostPool) -> int | None:
         """A slot of ``pool`` for ``size`` bytes, evicting victims of that pool until a hole
@@ -136,3 +138,4 @@ class SlotOps:
             self._free(entry)
             self._stats.evictions += 1
             entry.pool.evictions += 1
+            self._removed(key, Removal.EVICTED)

@@ -47,7 +47,7 @@ from redis import exceptions as rx
 from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
-from tiers.base import TierBase, TierStats
+from tiers.base import Removal, TierBase, TierStats
 from tiers.redis_bulk import BulkReader, Outcome, Slot
 from tiers.redis_config import RedisConfig, connect
 from tiers.redis_manifest import (
@@ -236,6 +236,9 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
             self._stats.corrupt += 1
         if outcome is not _Fetch.FAILED:
             await self._drop(key, raw, manifest)
+            # A part gone means Redis dropped it: its TTL (``ttl_s``) or its maxmemory policy.
+            lost = Removal.EXPIRED if self._ttl_ms else Removal.EVICTED
+            self._removed(key, lost if outcome is _Fetch.LOST else Removal.CORRUPT)
         return None
 
     async def _fetch_inline(self, ikey: str, manifest: Manifest, view: memoryview) -> _Fetch:
@@ -313,6 +316,7 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
         if found is None:
             return False
         await self._drop(key, *found)
+        self._removed(key, Removal.DELETED)
         return True
 
 

@@ -54,7 +54,7 @@ class _Put:
 class RedisPuts:
     """Needs from its host class (``RedisTier``): ``cfg``, ``_stats``, ``_puts``, ``_ttl_ms``,
     ``_orphan_ms``, ``_client``, ``_node``, ``_allow``, ``_call``, ``_pipeline``,
-    ``_per_node`` and ``_drop``."""
+    ``_per_node``, ``_drop`` and ``_stored`` (``TierBase``: the residency listener)."""
 
     async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
         if size < codec.HEADER_SIZE:
@@ -159,6 +159,8 @@ class RedisPuts:
             self._stats.puts += visible  # also when another writer's identical object won
             self._stats.put_failures += not visible
             self._stats.bytes_written += handle.size if visible and not state.failed else 0
+        if visible:
+            self._stored(handle.key)
         return visible
 
     async def _publish(self, key: ObjectKey, state: _Put) -> bool:

@@ -43,7 +43,7 @@ from pathlib import Path
 from kvstore import codec
 from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, TierBase, TierStats
+from tiers.base import PutHandle, Removal, TierBase, TierStats
 from tiers.ssd_files import (
     TMP, ReadOutcome, check_written, claim_directory, clear_temp, drop_page_cache, fsync_dir, object_path,
     own_directory, parent_key, pwrite_all, scan_file, scan_objects, unlink_quiet,
@@ -215,8 +215,8 @@ class SSDTier(TierBase):
                 return
             self._stats.misses += 1
             self._stats.corrupt += outcome is ReadOutcome.CORRUPT
-            if outcome is not None:
-                self._index.remove(key, only=entry)
+            if outcome is not None and self._index.remove(key, only=entry) is not None:
+                self._removed(key, Removal.CORRUPT if outcome is ReadOutcome.CORRUPT else Removal.DELETED)
 
     # --- two-phase put ------------------------------------------------------------------
 
@@ -249,6 +249,8 @@ class SSDTier(TierBase):
             victims = self._index.reserve(handle.size, handle.key)
             if victims is not None:
                 self._stats.evictions += len(victims)
+                for key, _entry in victims:
+                    self._removed(key, Removal.EVICTED)
                 self._puts[id(handle.token)] = handle.token
                 handle.token.reserved = handle.size
             return victims
@@ -325,6 +327,7 @@ class SSDTier(TierBase):
             fsync_dir(final.parent)
             if new_shard:
                 fsync_dir(self._dir)
+        self._stored(handle.key)  # durable now: a failed fsync above retracts it unannounced
 
     def _retract(self, key: ObjectKey, state: _PutState) -> None:
         """Undo a publish whose directory fsync failed (the object was briefly visible)."""
@@ -351,9 +354,17 @@ class SSDTier(TierBase):
         with self._lock:
             self._check_open()
             entry = self._index.remove(key)
+            if entry is not None:
+                self._removed(key, Removal.DELETED)
         if entry is not None:
             await _in_thread(self._remove_published, key, entry.ino)
         return entry is not None
+
+    def keys(self) -> list[ObjectKey]:
+        """Every object held now (a residency listener attached after the start-up scan
+        learns what survived a restart)."""
+        with self._lock:
+            return list(self._index.entries)
 
     async def aclose(self) -> None:
         """Close the tier.  Puts still in progress are abandoned (their temp files removed)."""

@@ -54,7 +54,7 @@ from connector.bench_e2e.report import build_rows, format_summary, summary
 from connector.bench_e2e.chat_tp import chat_rows, tp2_rows
 from connector.bench_e2e.scenarios import restart_rows, throttled_rows
 from connector.bench_e2e.setups import build_workload
-from kvstore.bench.common import print_rows
+from kvstore.bench.common import print_rows, write_plot
 
 
 def run(args) -> int:
@@ -91,8 +91,10 @@ def run(args) -> int:
             print(format_summary(key, d), flush=True)
     rows = build_rows(passes) + extra_rows
     elapsed = time.perf_counter() - t0
-    print_rows(f"kvstore bench e2e ({args.geometry}, {dtype}; TTFT p50 over {args.prompts} prompts x "
-               f"{args.repeats} pass(es); limits measured in this run; {elapsed:.0f} s)", rows)
+    title = (f"kvstore bench e2e ({args.geometry}, {dtype}; TTFT p50 over {args.prompts} prompts x "
+             f"{args.repeats} pass(es); limits measured in this run; {elapsed:.0f} s)")
+    print_rows(title, rows)
+    write_plot(args.plot, title, rows)
     if args.json:
         doc = {"rows": [r.as_dict() for r in rows], "passes": summaries, "scenarios": extra,
                "elapsed_s": elapsed, "dtype": dtype,
@@ -152,6 +154,7 @@ def register(suites) -> None:
 
     p = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")
     p.add_argument("--json", help="write rows and per-setup results as JSON to this file")
+    p.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
     p.add_argument("--geometry", default=default_geometry(), choices=sorted(GEOMETRIES),
                    help="model shape (default: bench-f32 on CPUs without AVX512-BF16, else bench)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),

@@ -39,6 +39,10 @@ def _make_llm(spec: dict):
     if spec.get("eager"):
         kw["enforce_eager"] = True
     kw.update(spec.get("engine_args") or {})
+    if isinstance(kw.get("kv_events_config"), dict):  # as --kv-events-config takes it
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
     if spec["connector"]:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     return LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False,

@@ -36,7 +36,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port", "shm_socket")
+    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port", "shm_socket", "kv_events")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class HelloResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     permissions: _containers.RepeatedScalarFieldContainer[str]
     segment_path: str
@@ -63,7 +64,8 @@ class HelloResponse(_message.Message):
     server_version: str
     data_port: int
     shm_socket: str
-    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_socket: _Optional[str] = ...) -> None: ...
+    kv_events: bool
+    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "chunk_hashes", "tag")
@@ -253,3 +255,31 @@ class StatsResponse(_message.Message):
     json: str
     counters: _containers.ScalarMap[str, float]
     def __init__(self, json: _Optional[str] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ObjectDescription(_message.Message):
+    __slots__ = ("chunk_hash", "parent_hash", "token_ids", "lora_name")
+    CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    chunk_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    lora_name: str
+    def __init__(self, chunk_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("namespace", "tag", "objects")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    tag: str
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectDescription]
+    def __init__(self, namespace: _Optional[bytes] = ..., tag: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[ObjectDescription, _Mapping]]] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("described",)
+    DESCRIBED_FIELD_NUMBER: _ClassVar[int]
+    described: int
+    def __init__(self, described: _Optional[int] = ...) -> None: ...

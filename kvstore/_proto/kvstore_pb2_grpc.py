@@ -94,6 +94,11 @@ class KVStoreStub:
                 request_serializer=kvstore__pb2.OpenDataRequest.SerializeToString,
                 response_deserializer=kvstore__pb2.OpenDataResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/kvstore.v1.KVStore/Describe',
+                request_serializer=kvstore__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvstore__pb2.DescribeResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -181,6 +186,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """The tokens of objects, for the store's KV events (kvstore serve --kv-events): a store
+        only knows keys and bytes, and every BlockStored event carries its tokens.  Idempotent;
+        an object not held yet is announced once it is (descriptions are kept a while).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +257,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.OpenData,
                     request_deserializer=kvstore__pb2.OpenDataRequest.FromString,
                     response_serializer=kvstore__pb2.OpenDataResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvstore__pb2.DescribeRequest.FromString,
+                    response_serializer=kvstore__pb2.DescribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +588,33 @@ class KVStore:
             '/kvstore.v1.KVStore/OpenData',
             kvstore__pb2.OpenDataRequest.SerializeToString,
             kvstore__pb2.OpenDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Describe',
+            kvstore__pb2.DescribeRequest.SerializeToString,
+            kvstore__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,3 +67,11 @@ def print_rows(title: str, rows: list[Row]) -> None:
 def write_json(path: str | None, rows: list[Row]) -> None:
     if path:
         Path(path).write_text(json.dumps([r.as_dict() for r in rows], indent=2))
+
+
+def write_plot(path: str | None, title: str, rows: list[Row]) -> None:
+    """``--plot FILE.png``: the rows beside their limits (``kvstore.bench.plot``)."""
+    if path:
+        from kvstore.bench.plot import plot_rows
+
+        print(f"plot: {plot_rows(path, title, rows)}")

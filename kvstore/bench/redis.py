@@ -24,7 +24,7 @@ import redis
 import redis.cluster
 
 from kvstore import codec
-from kvstore.bench.common import Row, gbps, print_rows, write_json
+from kvstore.bench.common import Row, gbps, print_rows, write_json, write_plot
 from kvstore.bench.loopback import measure_loopback
 from kvstore.keys import Identity, ObjectKey, chunk_hashes, object_keys
 from tiers.redis import RedisTier
@@ -190,6 +190,8 @@ def run(args) -> int:
             with RedisServer(Path(tmp)).start() as server:
                 rows = asyncio.run(_run(server.url, args.repeat))
                 where = f"{server.url} (started by the benchmark)"
-    print_rows(f"kvstore bench redis on {where} (median of {args.repeat}; limits measured in this run)", rows)
+    title = f"kvstore bench redis on {where} (median of {args.repeat}; limits measured in this run)"
+    print_rows(title, rows)
     write_json(args.json, rows)
+    write_plot(getattr(args, "plot", None), title, rows)
     return 0

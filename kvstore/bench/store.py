@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore import codec
-from kvstore.bench.common import Row, gbps, print_rows, write_json
+from kvstore.bench.common import Row, gbps, print_rows, write_json, write_plot
 from kvstore.bench.loopback import measure_loopback
 from kvstore.bench.store_peers import RawGrpcPeer, run_clients
 from kvstore.client.store_client import StoreClient
@@ -274,8 +274,10 @@ def run(args) -> int:
             finally:
                 proc.terminate(30)
         where = f"own store process, host pool {capacity // MiB} MiB"
-    print_rows(f"kvstore bench store ({where}; median of {args.repeat}; limits measured in this run)", rows)
+    title = f"kvstore bench store ({where}; median of {args.repeat}; limits measured in this run)"
+    print_rows(title, rows)
     write_json(args.json, rows)
+    write_plot(getattr(args, "plot", None), title, rows)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore import codec
-from kvstore.bench.common import Row, gbps, print_rows, write_json
+from kvstore.bench.common import Row, gbps, print_rows, write_json, write_plot
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import put_bytes
@@ -265,6 +265,8 @@ async def _run(args) -> list[Row]:
 
 def run(args) -> int:
     rows = asyncio.run(_run(args))
-    print_rows(f"kvstore bench tiers (median of {args.repeat}; limits measured in this run)", rows)
+    title = f"kvstore bench tiers (median of {args.repeat}; limits measured in this run)"
+    print_rows(title, rows)
     write_json(args.json, rows)
+    write_plot(getattr(args, "plot", None), title, rows)
     return 0

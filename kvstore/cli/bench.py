@@ -8,6 +8,7 @@ def register(sub) -> None:
     tiers = suites.add_parser("tiers", help="host DRAM and SSD tiers, hashing and lookup")
     tiers.add_argument("--dir", help="directory for SSD files (default: system temp dir)")
     tiers.add_argument("--json", help="write the rows as JSON to this file")
+    tiers.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
     tiers.add_argument("--repeat", type=int, default=7, help="repetitions per figure (median)")
     tiers.set_defaults(func=_tiers)
     _register_store(suites)
@@ -30,6 +31,7 @@ def _register_redis(suites) -> None:
     red.add_argument("--redis", metavar="URL",
                      help="benchmark this Redis (default: start a redis-server on a free port)")
     red.add_argument("--json", help="write the rows as JSON to this file")
+    red.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
     red.add_argument("--repeat", type=positive, default=5, help="repetitions per figure (median)")
     red.set_defaults(func=_redis)
 
@@ -48,6 +50,7 @@ def _register_store(suites) -> None:
     store.add_argument("--target", help="HOST:PORT of a running store (default: start one here)")
     add_token_args(store)
     store.add_argument("--json", help="write the rows as JSON to this file")
+    store.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
     store.add_argument("--repeat", type=positive, default=7, help="repetitions per figure (median)")
     store.add_argument("--sizes", type=_size_list, default=[1 << 20, 32 << 20],
                        help="object sizes for get/put rows, comma-separated (default 1MiB,32MiB)")

@@ -179,7 +179,8 @@ def format_stats(doc: dict, target: str) -> str:
         return format_tenant(doc, target)
     s, tiers = doc["store"], doc["tiers"]
     hits = sum(s["lookup_hits"].values())
-    by_tier = ", ".join(f"{t} {int(n)}" for t, n in sorted(s["lookup_hits"].items())) or "none"
+    by_tier = ", ".join(f"{t} {int(n)} ({100.0 * n / hits:.0f}%)" for t, n in sorted(s["lookup_hits"].items())) \
+        or "none"
     lines = [
         f"kvstore store at {target} (pid {doc['server']['pid']}, up {doc['server']['uptime_s']:.0f} s)",
         f"  hit rate     {_rate(hits, s['lookup_keys'], 'hit keys / looked-up keys')}"
@@ -197,12 +198,26 @@ def format_stats(doc: dict, target: str) -> str:
     for name, b in doc.get("breakers", {}).items():
         lines.append(f"  breaker {name}: {'OPEN' if b.get('breaker_open') else 'closed'}")
     lines.append(f"  write-through {_counts(s['write_through'])}")
+    if doc.get("stage_latency"):
+        lines.append("  stages       " + format_latency(doc["stage_latency"]))
+    events = doc.get("kv_events")
+    if events:
+        rec = events.get("recorded", {})
+        lines.append(f"  kv events    epoch {events.get('epoch', '-')}: stored {rec.get('stored', 0)}, removed "
+                     f"{rec.get('removed', 0)}, undescribed objects {rec.get('undescribed', 0)}, "
+                     f"dropped {rec.get('dropped', 0)}; streams " + ", ".join(sorted(events.get("streams", {}))))
     lines.append(f"  failures     {_counts(s['failures'])}")
     for name, t in doc.get("tenants", {}).items():
         refused = sum(t["refused"].values())
         lines.append(f"  tenant {name}: host {_size(t['tiers'].get('host', {}).get('bytes_used', 0))} of "
                      f"{_size(t['quota']['host_bytes'])}, leases {t['held']['leases']}, refused {refused}")
     return "\n".join(lines)
+
+
+def format_latency(latency: dict[str, dict[str, float]]) -> str:
+    """``stage p50/p99 ms`` of each stage (``kvstore.metrics.quantiles``)."""
+    return ", ".join(f"{stage} {q['p50'] * 1e3:.2f}/{q['p99'] * 1e3:.2f} ms"
+                     for stage, q in latency.items()) + " (p50/p99)"
 
 
 def _pairs(table: dict[str, float]) -> list[tuple[tuple[str, str], float]]:

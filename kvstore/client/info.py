@@ -76,12 +76,13 @@ class ServerInfo:
     frame_bytes: int
     server_version: str
     data_port: int = 0      # the raw TCP data channel (0: none)
+    kv_events: bool = False  # the store publishes KV events: clients Describe what they put
 
     @classmethod
     def from_pb(cls, r: pb.HelloResponse) -> ServerInfo:
         return cls(r.tenant, frozenset(r.permissions), r.shm_socket, r.segment_size, r.boot_id,
                    r.max_object_bytes, r.max_keys_per_call, r.lease_ms, r.frame_bytes,
-                   r.server_version, r.data_port)
+                   r.server_version, r.data_port, r.kv_events)
 
     def shm_refusal(self, boot_id: str) -> str:
         """Why this process cannot try the shared memory ("" when it can)."""

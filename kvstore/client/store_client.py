@@ -56,7 +56,7 @@ from kvstore.client.put import PutMixin
 from kvstore.client.shmsession import ShmSession
 from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
                             TierUnavailableError)
-from kvstore.keys import ChunkHash, Namespace, ObjectKey
+from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -280,6 +280,22 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         req = pb.DeleteRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag)
         r = await self._unary("Delete", req, answers=answers)
         return not isinstance(r, Code) and r.deleted
+
+    @property
+    def publishes_events(self) -> bool:
+        """Whether the store publishes KV events (``Hello``): then it wants ``describe``."""
+        return self.info is not None and self.info.kv_events
+
+    async def describe(self, key: ObjectKey, parent_hash: ChunkHash | None, tokens: Sequence[int],
+                       lora: str | None = None) -> bool:
+        """Tell the store the tokens of ``key`` (for its KV events); False when it publishes
+        none (then nothing is sent)."""
+        if not self._info.kv_events:
+            return False
+        parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
+        obj = pb.ObjectDescription(chunk_hash=key[32:64], parent_hash=parent, token_ids=tokens, lora_name=lora or "")
+        r = await self._unary("Describe", pb.DescribeRequest(namespace=key[:32], tag=key.tag, objects=[obj]))
+        return r.described > 0
 
     async def stats(self) -> dict[str, object]:
         """The server's stats document and flat counters, and this client's counters."""

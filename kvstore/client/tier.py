@@ -25,11 +25,18 @@ Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClie
   (a refused put, a permission error) does not trip it: it is a miss / failed put, counted
   in ``stats().extra["errors"]``.  Buffers too small and objects above the store's limit
   raise ``ConfigError`` / ``CapacityError`` as in every tier.
+* **Descriptions.**  A store only knows keys and bytes; for its KV events it must be told an
+  object's tokens (``Describe``).  With a ``describer`` (the owner's: key → its
+  ``kvstore.kvwire.Description``, or None), each object put or read here is described to a
+  store that publishes events, once per key (the last ``TOLD`` remembered), in the
+  background: a read never waits for it.  Reads matter after a store restart: its SSD
+  objects are announced again once an engine that knows their tokens reads them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -38,13 +45,15 @@ from kvstore.client.store_client import StoreClient
 from kvstore.client.info import Reservation
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, PutResult, TierBase, TierStats
+from kvstore.kvwire import Description
+from tiers.base import PutHandle, PutResult, Removal, TierBase, TierStats
 from tiers.breaker import CircuitBreaker
 
 log = logging.getLogger("kvstore.remote")
 T = TypeVar("T")
 _DONE = (PutResult.STORED, PutResult.EXISTS)
 PROBES = 16  # single-key Lookups in flight when ``sizes`` asks about keys after a miss
+TOLD = 4096  # keys remembered as described (not described again)
 
 
 @dataclass(slots=True)
@@ -68,6 +77,9 @@ class RemoteTier(TierBase):
         self.breaker = CircuitBreaker(f"store {client.target}", client.refresh, retry_s=retry_s)
         self._failed_reads = 0   # reads answered "miss" by the open breaker or a failure
         self._errors: dict[str, int] = {}
+        self.describer: Callable[[ObjectKey], Description | None] | None = None
+        self._told: OrderedDict[ObjectKey, None] = OrderedDict()  # on the loop only
+        self._telling: set[asyncio.Task] = set()
 
     @classmethod
     async def open(cls, target: str, *, name: str = "remote", retry_s: float = 1.0,
@@ -142,7 +154,24 @@ class RemoteTier(TierBase):
         if n == sentinel:
             self._failed_reads += 1
             return None
+        if n is not None:
+            self._describe_later(key)
         return n
+
+    def _describe_later(self, key: ObjectKey) -> None:
+        """Describe ``key`` to the store in the background (module docstring)."""
+        if self.describer is None or key in self._told or not self.client.publishes_events:
+            return
+        desc = self.describer(key)
+        if desc is None:
+            return
+        self._told[key] = None
+        if len(self._told) > TOLD:
+            self._told.popitem(last=False)
+        call = lambda: self.client.describe(key, desc.parent, desc.tokens.tolist(), desc.lora)  # noqa: E731
+        task = asyncio.get_running_loop().create_task(self._guard("describe", call, False))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
 
     # --- puts ----------------------------------------------------------------------------
 
@@ -182,6 +211,13 @@ class RemoteTier(TierBase):
         token.written += len(view)
 
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
+        done = await self._commit(handle, ok)
+        if done:
+            self._stored(handle.key)
+            self._describe_later(handle.key)
+        return done
+
+    async def _commit(self, handle: PutHandle, ok: bool) -> bool:
         token = handle.token
         if isinstance(token, _Exists):
             return ok
@@ -198,7 +234,10 @@ class RemoteTier(TierBase):
         return result in _DONE
 
     async def delete(self, key: ObjectKey) -> bool:
-        return await self._guard("delete", lambda: self.client.delete(key), False)
+        deleted = await self._guard("delete", lambda: self.client.delete(key), False)
+        if deleted:
+            self._removed(key, Removal.DELETED)
+        return deleted
 
     # --- stats and lifecycle -------------------------------------------------------------
 
@@ -216,6 +255,8 @@ class RemoteTier(TierBase):
                          put_failures=c.put_failures, corrupt=c.corrupt, extra=extra)
 
     async def aclose(self) -> None:
+        if self._telling:
+            await asyncio.wait(list(self._telling), timeout=self.client.timeout_s)
         await self.breaker.aclose()
         await self.client.close()
 

@@ -66,6 +66,16 @@ class ServerConfig(LeaseSettings, TierSettings):
     max_concurrent_rpcs: int = setting(1024, "gRPC calls served at once (beyond: RESOURCE_EXHAUSTED)")
     max_streams_per_connection: int = setting(128, "gRPC calls at once on one client connection")
     idle_timeout: Seconds = setting(300.0, "seconds an idle client connection (gRPC or data channel) is kept")
+    kv_events: str | None = setting(None, "publish the store's KV events in vLLM's format on this ZMQ "
+                                    "endpoint (`tcp://127.0.0.1:5557`, `ipc://PATH`; none: off); with "
+                                    "several tenants it must contain `{tenant}`: each tenant its own stream")
+    kv_events_replay: str | None = setting(None, "ZMQ ROUTER endpoint answering replay requests as vLLM's "
+                                           "does (`{tenant}` as for kv_events; none: no replay)")
+    kv_events_topic: str = setting("", "topic of every KV event message (`{tenant}` is replaced), e.g. "
+                                   "llm-d's `kv@HOST:PORT@MODEL`")
+    kv_events_buffer: int = setting(10000, "KV event batches kept for replay, per stream")
+    trace_path: Path | None = setting(None, "write a Chrome trace-event JSON of the store's stages here "
+                                      "(Perfetto and chrome://tracing open it)")
 
     def __post_init__(self) -> None:
         TierSettings.__post_init__(self)
@@ -86,6 +96,7 @@ class ServerConfig(LeaseSettings, TierSettings):
             raise ConfigError(f"max_lease_ttl ({self.max_lease_ttl}) is below lease_ttl ({self.lease_ttl})")
         self._check_limits()
         self._check_exposure()
+        self._check_events()
 
     def _check_exposure(self) -> None:
         """A listen address beyond loopback needs TLS and a tokens file, or ``insecure``."""
@@ -96,6 +107,28 @@ class ServerConfig(LeaseSettings, TierSettings):
                                if not ok)
         raise ConfigError(f"listen address {self.listen} is not loopback: serving it needs {missing}; "
                           f"insecure (--insecure) serves it without them, to anyone who can reach it")
+
+    def _check_events(self) -> None:
+        """ZMQ has no authentication: a TCP endpoint beyond loopback (the events carry token
+        ids) needs ``insecure``, as a plaintext listen address does."""
+        if self.kv_events_buffer <= 0:
+            raise ConfigError(f"kv_events_buffer must be positive, got {self.kv_events_buffer}")
+        if self.kv_events_replay and not self.kv_events:
+            raise ConfigError("kv_events_replay needs kv_events (replay answers for a stream)")
+        for name in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(self, name)
+            if not endpoint:
+                continue
+            scheme, sep, rest = endpoint.partition("://")
+            if not sep or scheme not in ("tcp", "ipc") or not rest:
+                raise ConfigError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+            host = rest.rpartition(":")[0] if scheme == "tcp" else "localhost"
+            if scheme == "tcp" and not host:
+                raise ConfigError(f"{name}: expected tcp://HOST:PORT, got {endpoint!r}")
+            if not self.insecure and not is_loopback(host):
+                raise ConfigError(f"{name}: {endpoint} is reachable beyond this host and ZMQ authenticates "
+                                  f"nobody (the events carry token ids): use a loopback or ipc:// "
+                                  f"endpoint, or insecure (--insecure)")
 
     def _check_limits(self) -> None:
         if self.max_object_bytes < 256:

@@ -32,6 +32,11 @@ this module never sees protobufs or tokens.
   queued releases, say).
 * ``aclose`` (graceful shutdown): abort uncommitted puts, finish promotions and
   write-throughs, release leases and their pins, close the tiers (the shm file is unlinked).
+* ``events`` (``--kv-events``): the tiers' residency and the clients' descriptions
+  (``Describe``: a store only knows keys and bytes) as KV events, routed to each key's
+  tenant (``kvstore.store.kvevents``; published by ``kvstore.server.kvpublish``).  The host
+  pool is ``CPU`` (ownership ``kvstore``: the store's DRAM, not an engine's), SSD and Redis
+  ``STORAGE``.
 """
 from __future__ import annotations
 
@@ -43,14 +48,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import LeaseError, TierUnavailableError
-from kvstore.keys import ObjectKey
+from kvstore.keys import ChunkHash, ObjectKey
+from kvstore.kvwire import CPU, LOCAL, REMOTE, STORAGE, Medium
 from kvstore.server.config import ServerConfig
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
-from kvstore.server.tenants import Tenants
+from kvstore.server.tenants import COUNTED, Tenants
 from kvstore.server.tickets import TicketBook
 from kvstore.store.events import StoreObserver
+from kvstore.store.kvevents import EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers
 from kvstore.store.tiered import TieredStore
@@ -58,6 +65,8 @@ from tiers.base import PutResult, Tier
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.server.servicer")
+MEDIA = {"host": Medium(CPU, LOCAL, "kvstore"), "ssd": Medium(STORAGE, LOCAL, "ssd"),
+         "redis": Medium(STORAGE, REMOTE, "redis")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +133,8 @@ class ServerStore:
         self._reaper: asyncio.Task | None = None
         self._closing = False
         self.started = time.time()
+        self.events: EventRecorder | None = None   # KV events (cfg.kv_events), set by ``open``
+        self.publisher = None                       # their publisher, set by kvstore.server.main
         metrics.bind(self.snapshot)
 
     @classmethod
@@ -140,6 +151,9 @@ class ServerStore:
             specs.append((cfg.redis, {}))
         tiers = await open_tiers(specs)
         store = cls(tiers[0], tiers[1:], cfg, metrics, tenants)  # type: ignore[arg-type]
+        if cfg.kv_events:
+            store.events = EventRecorder(MEDIA, stream_of=tenants.tenant_of)
+            store.events.attach(tiers)
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
 
@@ -276,6 +290,14 @@ class ServerStore:
         so neither can bring it back)."""
         return await self.core.delete(key)
 
+    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int], lora: str) -> bool:
+        """A client's description of ``key`` (its tokens) for the KV events; False when the
+        store publishes none."""
+        if self.events is None:
+            return False
+        self.events.describe(key, parent, tokens, lora or None)
+        return True
+
     # --- reaper, stats, shutdown --------------------------------------------------------
 
     async def _reap_forever(self) -> None:
@@ -297,8 +319,11 @@ class ServerStore:
         pins its slot, even when its object was deleted."""
         tiers = {t.name: t.stats().as_dict() for t in self.tiers}
         host = tiers[self.host.name]
+        events = dict(self.events.counts) if self.events is not None else {}
+        quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
+                  for tenant in self.tenants.names for what in COUNTED}
         return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
-                        dict(self.tenants.refused))
+                        dict(self.tenants.refused), events, quotas)
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
         """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and
@@ -327,6 +352,7 @@ class ServerStore:
                        "closing": self._closing, "dumpable": _dumpable()},
             "tiers": snap.tiers,
             "store": self.metrics.counters.as_json(),
+            "stage_latency": self.metrics.stage_latency(),
             "leases": {"held": snap.leases_held, "expired": snap.leases_expired,
                        "granted": self.metrics.counters.leases_granted,
                        "released": self.metrics.counters.leases_released,
@@ -338,7 +364,17 @@ class ServerStore:
                              "redeemed": self.tickets.redeemed, "refused": self.tickets.refused},
             "puts_fenced": self.puts.table.fenced,
             "tenants": tenants,
+            "kv_events": self._events_doc(snap),
         }
+
+    def _events_doc(self, snap: Snapshot) -> dict[str, object] | None:
+        if self.events is None:
+            return None
+        doc: dict[str, object] = {"recorded": snap.events, "held": self.events.holdings()}
+        if self.publisher is not None:
+            doc.update(epoch=self.publisher.epoch, published=dict(self.publisher.published),
+                       streams={t: {"endpoint": e, "replay": r} for t, (e, r) in self.publisher.endpoints.items()})
+        return doc
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """Graceful end (see the module docstring).  Idempotent."""

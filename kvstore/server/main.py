@@ -50,6 +50,7 @@ from kvstore.errors import ConfigError
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
+from kvstore.server.observing import start_events, start_trace, trace_tiers
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer, describe as describe_data
 from kvstore.server.shmgate import ShmGate
@@ -183,6 +184,10 @@ def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metric
         parts.append(f"ssd {cfg.ssd_dir} ({cfg.ssd_capacity / 2**30:.2f} GiB)")
     if cfg.redis:
         parts.append("redis on")
+    if getattr(store, "publisher", None) is not None:
+        streams = ", ".join(f"{t} {pub}" + (f" (replay {rep})" if rep else "")
+                            for t, (pub, rep) in store.publisher.endpoints.items())
+        parts.append(f"kv events epoch {store.publisher.epoch}: {streams}")
     parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
     parts.append("tls on" + (" with client certificates" if cfg.tls_client_ca else "") if cfg.tls else "tls off")
     if metrics_url:
@@ -222,9 +227,13 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     warn_exposure(cfg, auth)
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
+    tracer = start_trace(cfg, metrics)
     store = await ServerStore.open(cfg, metrics, tenants)
-    http, server, data, gate = None, None, None, None
+    if tracer is not None:
+        trace_tiers(tracer, store)
+    http, server, data, gate, events = None, None, None, None, None
     try:
+        events = start_events(cfg, store, tenants)
         gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket)
         seal_read_only_pools(store, auth)
         server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
@@ -270,6 +279,10 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         if gate is not None:
             await gate.aclose()
         await store.aclose(cfg.shutdown_grace)
+        if events is not None:
+            events.close()
+        if tracer is not None:
+            tracer.close()
         if http is not None:
             http.shutdown()
             http.server_close()

@@ -21,18 +21,26 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   stream cut at its deadline), ``evictions_total{tier}``, ``tier_objects{tier}``,
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
   ``failures_total{reason}``.
+* ``tenant_held{tenant,what}`` and ``tenant_quota{tenant,what}``: reservations, leases,
+  streams and connections each tenant holds, beside its quota.
+* ``kv_events_total{kind}`` (``--kv-events``: stored, removed, cleared, dropped) and
+  ``kv_events_undescribed`` (objects held that no client described: never announced).
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram
+
+from kvstore.metrics import quantiles
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "kvstore_server_"
 _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+STAGE_SAMPLES = 4096  # latencies kept per stage for p50/p99 (Stats, kvstore stats)
 STAGES = ("lookup", "get", "get_stream", "get_tcp", "put_commit", "put_stream", "put_tcp", "promote",
           "write_through")
 
@@ -90,6 +98,8 @@ class Snapshot:
     puts_in_flight: int
     tiers: dict[str, dict[str, object]]  # tier name -> TierStats.as_dict()
     refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refusals
+    events: dict[str, int] = field(default_factory=dict)  # KV events: kind -> count, "undescribed" objects
+    quotas: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (tenant, what) -> (held, quota)
 
 
 class ServerMetrics:
@@ -102,6 +112,9 @@ class ServerMetrics:
                                 ["stage"], registry=self.registry, buckets=_BUCKETS)
         self._snapshot = snapshot
         self._stage_of = {stage: self._stage.labels(stage) for stage in STAGES}  # labels() locks
+        self._tracer = None                    # kvstore.trace.Tracer with --trace-path
+        self._samples: dict[str, deque[float]] = {}  # stage -> its last latencies (p50/p99)
+        self._lanes: dict[str, object] = {}
         self.registry.register(_Collector(self))
 
     def bind(self, snapshot: Callable[[], Snapshot]) -> None:
@@ -112,12 +125,36 @@ class ServerMetrics:
             return Snapshot(0, 0, 0, {})
         return self._snapshot()
 
+    def trace_to(self, tracer) -> None:
+        """Also put every observed stage in ``tracer`` (a ``kvstore.trace.Tracer``): one
+        set of lanes per stage (concurrent calls overlap)."""
+        from kvstore.trace import Lanes
+
+        self._tracer = tracer
+        self._lanes = {stage: Lanes(tracer, stage, 100 * i) for i, stage in enumerate(STAGES)}
+
     def observe(self, stage: str, seconds: float) -> None:
+        if self._tracer is not None:
+            now = time.monotonic()
+            lanes = self._lanes.get(stage)
+            if lanes is None:
+                from kvstore.trace import Lanes
+
+                lanes = self._lanes[stage] = Lanes(self._tracer, stage, 100 * len(self._lanes))
+            lanes.span(stage, now - seconds, now)
         child = self._stage_of.get(stage)
         (child if child is not None else self._stage.labels(stage)).observe(seconds)
         entry = self.counters.stages.setdefault(stage, [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
+        samples = self._samples.get(stage)
+        if samples is None:
+            samples = self._samples[stage] = deque(maxlen=STAGE_SAMPLES)
+        samples.append(seconds)
+
+    def stage_latency(self) -> dict[str, dict[str, float]]:
+        """n, p50, p99 and max seconds of each stage over its last ``STAGE_SAMPLES``."""
+        return {stage: quantiles(list(s)) for stage, s in list(self._samples.items()) if s}
 
     def timer(self, stage: str) -> "_Timer":
         return _Timer(self, stage)
@@ -168,7 +205,15 @@ class _Collector:
                        {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
         yield _counter("tenant_refused", "Calls refused at a tenant's quota (or cut at a stream deadline), "
                        "by tenant and what", ["tenant", "what"], dict(snap.refused))
+        yield _counter("kv_events", "KV events published (stored, removed, cleared) and dropped unpublished",
+                       ["kind"], {(k,): v for k, v in snap.events.items() if k != "undescribed"})
+        yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",
+                     [], {(): snap.events.get("undescribed", 0)})
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
+        yield _gauge("tenant_held", "What each tenant holds now (reservations, leases, streams, connections)",
+                     ["tenant", "what"], {k: held for k, (held, _) in snap.quotas.items()})
+        yield _gauge("tenant_quota", "Each tenant's quota of what it may hold at once", ["tenant", "what"],
+                     {k: quota for k, (_, quota) in snap.quotas.items()})
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
         for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
                           ("tier_capacity_bytes", "capacity_bytes"), ("breaker_open", "breaker_open")):

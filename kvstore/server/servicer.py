@@ -27,7 +27,8 @@ wrong-tenant read is a plain miss.  ``OpenData`` mints a single-use ticket
 (``kvstore.server.dataserver``, whose port ``Hello`` advertises) or a shared-memory session
 (``kvstore.server.shmgate``, whose socket ``Hello`` names).  ``PutStart`` must name a live
 session of the caller's tenant.  Lease and put ids are bound to the tenant that got them.
-``Stats`` answers the caller's tenant only, unless its token has ``admin``.  The lifecycle
+``Stats`` answers the caller's tenant only, unless its token has ``admin``.  ``Describe``
+(``write``) gives the store an object's tokens for its KV events, under the caller's tenant.  The lifecycle
 (ports, TLS, health, signals) lives in ``kvstore.server.main``.
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
 READ, WRITE, SHM, ADMIN = Permission.READ, Permission.WRITE, Permission.SHM, Permission.ADMIN
+MAX_DESCRIBED_TOKENS = 1 << 16  # tokens of one described object (a chunk holds a few hundred)
 TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
 OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
             PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
@@ -154,7 +156,7 @@ class KVStoreServicer:
             tenant=who.tenant, permissions=who.permission_names,
             max_object_bytes=self.cfg.max_object_bytes, max_keys_per_call=self.cfg.max_keys_per_call,
             lease_ms=_ms(self.cfg.lease_ttl), frame_bytes=self.cfg.frame_bytes,
-            server_version=__version__, data_port=self.data_port)
+            server_version=__version__, data_port=self.data_port, kv_events=self.store.events is not None)
         if who.allows(SHM) and self.gate is not None and who.tenant in self.store.host.pools:
             reply.shm_socket = str(self.gate.path)
             reply.segment_size = self.store.host.pool_stats(who.tenant)["capacity_bytes"]
@@ -347,6 +349,20 @@ class KVStoreServicer:
         ticket = self.store.tickets.mint(who)
         return pb.OpenDataResponse(ticket=ticket, ttl_ms=_ms(self.store.tickets.ttl_s),
                                    data_port=self.data_port)
+
+    @rpc(WRITE)
+    async def Describe(self, request, context, who: Principal) -> pb.DescribeResponse:
+        objects = request.objects
+        if len(objects) > self.cfg.max_keys_per_call:
+            raise CapacityError(f"{len(objects)} objects exceed max_keys_per_call {self.cfg.max_keys_per_call}")
+        described = 0
+        for obj in objects:
+            if len(obj.token_ids) > MAX_DESCRIBED_TOKENS:
+                raise ConfigError(f"{len(obj.token_ids)} token ids exceed {MAX_DESCRIBED_TOKENS} per object")
+            _, key = self._keys(who, request.namespace, obj.chunk_hash, request.tag)
+            parent = self.scope.chunk_hash(obj.parent_hash, "parent_hash") if obj.parent_hash else None
+            described += self.store.describe(key, parent, obj.token_ids, obj.lora_name)
+        return pb.DescribeResponse(described=described)
 
     @rpc(READ)
     async def Stats(self, request, context, who: Principal) -> pb.StatsResponse:

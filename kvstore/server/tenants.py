@@ -143,6 +143,11 @@ class Tenants:
     def refuse(self, tenant: str, what: str) -> None:
         self.refused[tenant, what] += 1
 
+    def held_and_quota(self, tenant: str, what: str) -> tuple[int, int]:
+        """What ``tenant`` holds of ``what`` now, and its quota (no iteration: the metrics'
+        thread may ask while the loop counts)."""
+        return self.usage[tenant, what], self.limits.get(tenant, DEFAULT).count(what)
+
     def doc(self, tenant: str) -> dict[str, object]:
         """Quotas, holdings and refusals of one tenant (its part of ``Stats``)."""
         lim = self.limits.get(tenant, DEFAULT)

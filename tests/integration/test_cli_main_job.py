@@ -33,7 +33,8 @@ def test_demo_rejects_bad_capacity():
 
 def test_bench_tiers_rows_carry_limits(tmp_path):
     out = tmp_path / "rows.json"
-    proc = run_cli("bench", "tiers", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out))
+    proc = run_cli("bench", "tiers", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out),
+                   "--plot", str(tmp_path / "rows.png"))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     names = {r["name"] for r in rows}
@@ -47,6 +48,7 @@ def test_bench_tiers_rows_carry_limits(tmp_path):
         assert r["limit_value"] > 0 and r["value"] > 0
         assert abs(r["ratio"] - r["value"] / r["limit_value"]) < 1e-3
     assert "limit (same run)" in proc.stdout
+    assert (tmp_path / "rows.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_rejects_zero_repeat():

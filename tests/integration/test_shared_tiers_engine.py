@@ -37,6 +37,10 @@ def test_two_engines_share_one_redis(redis_server, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "result: PASS" in run.stdout and "MISMATCH" not in run.stdout, run.stdout
     stats2 = json.loads((tmp_path / "stats-2.json").read_text())
+    for stats in (json.loads((tmp_path / "stats-1.json").read_text()), stats2):  # per-tier truth
+        assert sum(stats["tokens_hit_by_tier"].values()) == stats["tokens_hit"] > 0
+        assert all(sum(e["tiers"].values()) == e["hit_tokens"] for e in stats["recent"])
+    assert run.stdout.count(" = total ") == 2, run.stdout
     assert stats2["tokens_hit_by_tier"].get("redis", 0) > 0
     assert stats2["tiers"]["redis"]["hits"] > 0
     assert stats2["tokens_hit_by_tier"].get("ssd", 0) == 0

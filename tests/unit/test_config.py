@@ -175,7 +175,8 @@ def test_every_readme_connector_key_is_read():
     cfg = ConnectorConfig.from_extra_config(
         {"host_capacity": "64MiB", "ssd_dir": "/tmp/kv", "ssd_capacity": "1GiB", "chunk_size": "512",
          "device": "host", "verify_loads": "false", "prefill_tokens_per_s": "900", "explore_after_s": "7", "load_timeout_s": "5",
-         "stats_path": "/tmp/s.json", "lease_ttl": "12", "store_target": "h:1", "store_token": "t",
+         "stats_path": "/tmp/s.json", "trace_path": "/tmp/t.json", "lease_ttl": "12", "store_target": "h:1",
+         "store_token": "t",
          "store_tls_ca": "/ca.pem", "store_transport": "stream", "redis_url": "redis://r",
          "write_policy": "host_only", "lower_tiers_required": "off", "store_tls_cert": "/c.pem",
          "store_tls_key": "/k.pem"}, env={})

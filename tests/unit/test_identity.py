@@ -207,6 +207,8 @@ NOT_VARIED = {
     "convert_type": "a pooling conversion needs a pooling model",
     "attention_backend_per_kind": "changes with the backend map, recorded like attention_backend",
     "versions": "needs another vLLM or torch install",
+    "kv_cache_groups": "set only for hybrid models (several KV cache groups); the Gemma-3-like engine "
+                       "test (tests/integration/test_hybrid_engine.py) runs one",
 }
 
 

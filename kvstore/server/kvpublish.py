@@ -1,0 +1,201 @@
+"""The store process's KV event publisher (``kvstore serve --kv-events ENDPOINT``): vLLM's
+ZMQ protocol, one stream per tenant.  Server side, one thread of its own.
+
+Each stream is what vLLM's ``ZmqEventPublisher`` serves, frame for frame:
+
+* a PUB socket; each message is three frames: the topic, an 8-byte big-endian sequence
+  number (0, 1, 2, ... per stream), and a msgpack batch (``kvstore.kvwire``: vLLM's events,
+  plus the restart epoch and removal reasons);
+* optionally a ROUTER socket for replay: a request is ``[identity, b"", start_seq]`` (8
+  bytes, big-endian), answered with ``[identity, b"", topic, seq, payload]`` for every
+  buffered batch from ``start_seq`` on, then the end marker ``[identity, b"", b"", -1, b""]``;
+  the last ``buffer`` batches are kept.
+
+**Tenants.**  Each tenant has its own stream (its own sockets, topic and sequence), fed only
+with its own objects' events (the recorder routes each key to its tenant by the tenant mark
+of its namespace), so one tenant's subscriber never sees another tenant's hashes or tokens.
+With several tenants the endpoints must contain ``{tenant}`` (``ipc:///run/kvstore/{tenant}.events``);
+a shared stream is refused.  ZMQ authenticates nobody: ``ipc://`` sockets are made 0600, and
+TCP beyond loopback needs ``--insecure`` (``ServerConfig``).
+
+**Epochs.**  A new process starts a new epoch (``kvstore.kvwire.new_epoch``) carried in
+every batch; its first batch on each stream starts with ``AllBlocksCleared``.
+
+The thread owns every socket (ZMQ sockets are not thread-safe): it takes the recorder's
+events every ``interval`` seconds, publishes one batch per stream that has any, and answers
+replay requests meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvstore.errors import ConfigError
+from kvstore.kvwire import END_SEQ, KVEvent, encode_batch, new_epoch
+from kvstore.store.kvevents import EventRecorder
+
+log = logging.getLogger("kvstore.server.events")
+HWM = 100_000
+
+
+@dataclass
+class StreamSpec:
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+
+
+@dataclass
+class _Stream:
+    spec: StreamSpec
+    pub: object
+    replay: object | None
+    topic: bytes
+    buffer: deque = field(default_factory=deque)
+    seq: int = 0
+
+
+def stream_specs(endpoint: str, replay: str | None, topic: str, tenants: list[str]) -> dict[str, StreamSpec]:
+    """Each tenant's stream: ``{tenant}`` replaced in the endpoints and the topic.  Several
+    tenants on one endpoint are refused (each would see the others' hashes and tokens)."""
+    if len(tenants) > 1 and "{tenant}" not in endpoint:
+        raise ConfigError(f"kv_events {endpoint}: {len(tenants)} tenants need '{{tenant}}' in the endpoint "
+                          f"(one stream each: a shared one would show every tenant the others' hashes "
+                          f"and tokens)")
+    if len(tenants) > 1 and replay and "{tenant}" not in replay:
+        raise ConfigError(f"kv_events_replay {replay}: {len(tenants)} tenants need '{{tenant}}' in it")
+    return {t: StreamSpec(endpoint.replace("{tenant}", t), replay.replace("{tenant}", t) if replay else None,
+                          topic.replace("{tenant}", t)) for t in tenants}
+
+
+class EventPublisher:
+    """Publishes a recorder's events on one stream per tenant (see the module docstring)."""
+
+    def __init__(self, recorder: EventRecorder, streams: dict[str, StreamSpec], *, buffer: int = 10_000,
+                 interval: float = 0.02, epoch: int | None = None) -> None:
+        import zmq  # lazily: only a store with --kv-events needs pyzmq
+
+        self._zmq = zmq
+        self.recorder = recorder
+        self.epoch = new_epoch() if epoch is None else epoch
+        self.interval = interval
+        self._ctx = zmq.Context()
+        self._streams: dict[str, _Stream] = {}
+        self._buffer = buffer
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.published = {"batches": 0, "events": 0, "replays": 0}  # written by the thread only
+        try:
+            for tenant, spec in streams.items():
+                self._streams[tenant] = self._open(spec)
+        except BaseException:
+            self._close_sockets()
+            raise
+        # Tenant → (bound endpoint, replay endpoint): a ``tcp://…:0`` endpoint shows its port.
+        last = zmq.LAST_ENDPOINT
+        self.endpoints = {t: (s.pub.getsockopt_string(last),
+                              s.replay.getsockopt_string(last) if s.replay is not None else None)
+                          for t, s in self._streams.items()}
+
+    def _open(self, spec: StreamSpec) -> _Stream:
+        zmq = self._zmq
+        pub = self._ctx.socket(zmq.PUB)
+        pub.set_hwm(HWM)
+        pub.setsockopt(zmq.LINGER, 0)
+        stream = _Stream(spec, pub, None, spec.topic.encode(), deque(maxlen=self._buffer))
+        _bind(pub, spec.endpoint)
+        if spec.replay:
+            stream.replay = self._ctx.socket(zmq.ROUTER)
+            stream.replay.setsockopt(zmq.LINGER, 0)
+            _bind(stream.replay, spec.replay)
+        return stream
+
+
+    def start(self) -> None:
+        """Begin the epoch (``AllBlocksCleared`` first on every stream) and the thread."""
+        self.recorder.clear(self._streams)
+        self._thread = threading.Thread(target=self._run, name="kvstore-kv-events", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Publish what is pending, then close the sockets."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in self._streams.values():
+            s.pub.close(0)
+            if s.replay is not None:
+                s.replay.close(0)
+        self._ctx.term()
+
+    # --- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        poller = zmq.Poller()
+        replays = {s.replay: s for s in self._streams.values() if s.replay is not None}
+        for sock in replays:
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                self._publish(self.recorder.take())
+                ready = dict(poller.poll(0 if stopping else self.interval * 1000)) if replays else {}
+                if not replays and not stopping:
+                    time.sleep(self.interval)
+                for sock in ready:
+                    self._serve_replay(replays[sock])
+            except Exception:  # noqa: BLE001 - a broken batch must not end the stream
+                log.exception("kv events: publishing failed")
+                time.sleep(self.interval)
+            if stopping:
+                return
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        by_stream: dict[str, list[KVEvent]] = {}
+        for e in events:
+            by_stream.setdefault(e.stream, []).append(e)
+        now = time.time()
+        for tenant, batch in by_stream.items():
+            stream = self._streams.get(tenant)
+            if stream is None:
+                continue  # a tenant no stream serves (not configured)
+            payload = encode_batch(batch, now, self.epoch)
+            seq = stream.seq.to_bytes(8, "big")
+            stream.pub.send_multipart((stream.topic, seq, payload))
+            stream.buffer.append((stream.seq, payload))
+            stream.seq += 1
+            self.published["batches"] += 1
+            self.published["events"] += len(batch)
+
+    def _serve_replay(self, stream: _Stream) -> None:
+        frames = stream.replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("kv events: malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(stream.buffer):
+            if seq >= first:
+                stream.replay.send_multipart((client, b"", stream.topic, seq.to_bytes(8, "big"), payload))
+        stream.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self.published["replays"] += 1
+
+
+def _bind(sock, endpoint: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except Exception as err:  # zmq.ZMQError: address in use, bad endpoint
+        raise ConfigError(f"cannot publish KV events on {endpoint}: {err}") from err
+    if endpoint.startswith("ipc://"):
+        os.chmod(endpoint[len("ipc://"):], 0o600)  # this uid only, as the shm socket
+
+
+__all__ = ["EventPublisher", "StreamSpec", "stream_specs"]

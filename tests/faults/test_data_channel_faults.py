@@ -229,7 +229,10 @@ async def test_client_sees_a_server_killed_mid_get_as_an_error_and_the_tier_as_a
 
 
 async def test_a_cancelled_get_never_writes_the_buffer_afterwards(tmp_path):
-    proc = StoreProcess(tmp_path, "--host-capacity", "300MiB").start()
+    # The stream deadline of a 128 MiB object is 2 + 128/32 = 6 s here: the server gives the
+    # cut get's reference back when it sees the connection go, or by then at the latest.
+    proc = StoreProcess(tmp_path, "--host-capacity", "300MiB", "--stream-grace", "2",
+                        "--stream-min-rate", "32MiB").start()
     key = random_key(np.random.default_rng(7))
     size = 128 * MiB
     out = np.full(size, 0xA5, np.uint8)
@@ -250,7 +253,7 @@ async def test_a_cancelled_get_never_writes_the_buffer_afterwards(tmp_path):
             await asyncio.sleep(0.3)
             assert np.array_equal(out, snapshot)                                # nothing landed after
             assert client.uses_tcp and await client.read_into(key, memoryview(out)) == size  # a new connection
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(12):   # twice that deadline: a reference never given back fails
                 while (await watcher.stats())["server_counters"]["host.refs_held"] != 0:
                     await asyncio.sleep(0.02)
     finally:

@@ -96,11 +96,12 @@ def test_workload_sends_each_long_prompt_twice_in_a_row():
 
 def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     out = tmp_path / "e2e.json"
-    cmd = [sys.executable, "-m", "kvstore", "bench", "e2e", "--geometry", "tiny", "--prompts", "2",
+    cmd = [sys.executable, "-m", "kvstore", "bench", "e2e", "--geometry", "tiny-f32", "--prompts", "2",
            "--shorts", "1", "--max-tokens", "4", "--single-process", "--skip-lmcache",
            "--restart-prompts", "2", "--restart-len", "600", "--restart-shared", "400",
            "--throttle-prompts", "2", "--throttle-rate", "1e6", "--explore-after", "0.05",
-           "--scenarios", "pairs,restart,throttled,chat", "--chat-first", "300", "--chat-answer", "260",
+           "--scenarios", "pairs,restart,throttled,chat", "--chat-turns", "2", "--chat-first", "300",
+           "--chat-answer", "260",
            "--model-dir", str(tmp_path / "model"), "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from connector import kit, tinymodel
-from connector.kit.runner import EAGER_ENV
 from connector.main import connector_config
 from kvstore.testing.serve_proc import StoreProcess
 
@@ -28,12 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_engines_share_one_redis(redis_server, tmp_path):
-    """The main job as a user runs it, on Redis, with vLLM's default compiled model (the
-    other engine tests run eager to start faster)."""
-    env = {k: v for k, v in os.environ.items() if k != EAGER_ENV}
+    """The main job as a user runs it, on Redis (eager, as the other engine tests: vLLM's
+    default compiled model runs with the connector in tests/compose, the main job in a
+    container, and in test_mla_engine.py)."""
     run = subprocess.run([sys.executable, "-m", "connector.main", "--no-ssd", "--redis-url", redis_server.url,
-                          "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                         env=env)
+                          "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "result: PASS" in run.stdout and "MISMATCH" not in run.stdout, run.stdout
     stats2 = json.loads((tmp_path / "stats-2.json").read_text())

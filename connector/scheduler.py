@@ -108,6 +108,7 @@ class SchedulerHalf:
         self._next_job = 1
         self._steps = 0                # build_plan calls so far
         self._idle = False             # whether the last step computed nothing
+        self._prefill_steps = 0        # prefill-dominated steps seen (the first is not fitted)
         self._step: tuple[float, list[tuple[int, int]]] | None = None
         self._computed: dict[str, int] = {}
         self._closed = False
@@ -389,7 +390,12 @@ class SchedulerHalf:
         if self._step is not None:
             t0, work = self._step
             if sum(n for _, n in work) >= 64:  # prefill-dominated steps only
-                self.cost.observe_step(work, time.perf_counter() - t0)
+                # ... but not the process's first: it pays one-time costs (kernels built for
+                # new shapes, pages faulted in), often 10x a warm step, and one such step
+                # would tell the fit that recompute is slow until it is forgotten.
+                if self._prefill_steps:
+                    self.cost.observe_step(work, time.perf_counter() - t0)
+                self._prefill_steps += 1
             self._step = None
 
     def _bytes(self, tier: str, direction: str, n: int) -> None:

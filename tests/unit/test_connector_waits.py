@@ -154,3 +154,19 @@ def test_a_prefetch_slower_than_predicted_is_given_up_and_the_tier_learned_slow(
     assert host["pending"] == 0 and host["objects"] == 0               # ... and its slots released
     assert run_request(e, "c", tokens, [10, 11, 12, 13, 14]) == 0      # the tier is known slow now
     e.close()
+
+
+def test_the_first_prefill_step_of_a_process_is_not_fitted(tmp_path, tokens, dev):
+    """A fresh engine's first forward pays one-time costs; fitted, it would overstate the
+    recompute cost of the next prompts (and with it how long a slow tier is waited for)."""
+    e = Engine(tmp_path, dev())
+    fitted: list[int] = []
+    e.sched.cost.observe_step = lambda work, seconds: fitted.append(sum(n for _, n in work))
+    compute_without_report(e, "a", tokens, [0, 1, 2, 3, 4])
+    e.step()                                                          # the report of a's step
+    assert fitted == []
+    other = prompt(len(tokens), seed=11)
+    compute_without_report(e, "b", other, [10, 11, 12, 13, 14])
+    e.step()
+    assert fitted == [len(other)]                                     # the next one is
+    e.close()

@@ -167,7 +167,8 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
         # ones depends on what the write-through still reads), each announced removed.
         mark = subs["a"].seen[-1][0] + 1
         asyncio.run(save(store.target, "tok-a", keys[:6], descs, first=3))
-        events = subs["a"].poll(lambda ev: len(stored(ev, "CPU")) >= 3)
+        # Wait for the write-through too: its SSD announcements must not fall into the gap below.
+        events = subs["a"].poll(lambda ev: len(stored(ev, "CPU")) >= 3 and len(stored(ev, "STORAGE")) >= 3)
         removed = [e for e in events if isinstance(e, BlockRemoved)]
         assert len(removed) == 2 and all(len(e.block_hashes) == 1 for e in removed)
         assert {e.block_hashes[0] for e in removed} < {kvwire.wire_hash(h) for h in hashes[:5]}

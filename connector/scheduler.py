@@ -86,6 +86,7 @@ class SchedulerHalf:
         self.io = IOLoop()
         self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
         self.stats = HitStats()
+        self._not_cached: OrderedDict[str, None] = OrderedDict()  # requests counted in stats.not_cached
         self._prom = prometheus()
         if store is None:
             try:
@@ -402,6 +403,23 @@ class SchedulerHalf:
         with self._stats_lock:
             self.stats.add("bytes_by_tier", f"{tier}:{direction}", n)
         self._prom["bytes"].labels(tier, direction).inc(n)
+
+    def not_cached(self, req_id: str, reason: str) -> None:
+        """``req_id`` is neither looked up nor saved (``reason``: ``multimodal``).  Counted once
+        per request (the engine may ask again after a preemption); the first of each reason
+        is logged, so a service that sends images sees why they never hit."""
+        with self._stats_lock:
+            if req_id in self._not_cached:
+                return
+            self._not_cached[req_id] = None
+            if len(self._not_cached) > NAMESPACE_CACHE:
+                self._not_cached.popitem(last=False)
+            first = reason not in self.stats.not_cached
+            self.stats.add("not_cached", reason)
+        self._prom["not_cached"].labels(reason).inc()
+        if first:
+            log.warning("KVStoreConnector: %s requests are not cached (request %s): they are recomputed, "
+                        "never loaded or saved; counted in kvstore_requests_not_cached", reason, req_id)
 
     def _fail(self, tier: str, reason: str) -> None:
         with self._stats_lock:

@@ -101,7 +101,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.mm_features or request.prompt_token_ids is None:
-            return 0, False  # multimodal placeholders are not keyed yet: never guess
+            # Placeholder tokens of images are not keyed by their items yet: never guess.
+            self._sched.not_cached(request.request_id, "multimodal" if request.mm_features else "no_prompt_tokens")
+            return 0, False
         lora = request.lora_request.lora_name if request.lora_request else ""
         view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
                            request.all_token_ids)

@@ -30,6 +30,7 @@ class HitStats:
     tokens_hit_by_tier: dict[str, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)  # "<tier>:<read|write>"
     failures: dict[str, int] = field(default_factory=dict)
+    not_cached: dict[str, int] = field(default_factory=dict)  # reason -> requests neither looked up nor saved
     prefetches: int = 0
     saves_committed: int = 0
     decisions: dict[str, int] = field(default_factory=dict)  # load-or-recompute outcome -> requests
@@ -117,6 +118,9 @@ def prometheus() -> dict[str, object]:
                                              "Hit tokens that an engine had generated (earlier answers)"),
                 bytes=Counter("kvstore_bytes", "Bytes moved", ["tier", "direction"]),
                 failures=Counter("kvstore_failures", "Failures by tier and reason", ["tier", "reason"]),
+                not_cached=Counter("kvstore_requests_not_cached", "Requests the connector neither looks "
+                                   "up nor saves, by reason (multimodal: not keyed by their items yet)",
+                                   ["reason"]),
                 stage=Histogram("kvstore_stage_seconds", "Time to reach each lifecycle stage", ["stage"]),
                 decisions=Counter("kvstore_load_decisions", "Load-or-recompute decisions per request "
                                   "(miss, load, partial, recompute)", ["outcome"]),

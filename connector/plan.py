@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 NULL_BLOCK = 0  # vLLM's null block: in hybrid models, a sliding-window group's blocks outside its window
 
 
+def as_groups(blocks) -> list[list[int]]:
+    """Block ids per KV cache group, from vLLM's tuple of lists (hybrid models) or from one
+    flat list of ids (one group)."""
+    blocks = list(blocks)
+    if blocks and not isinstance(blocks[0], int):
+        return [list(g) for g in blocks]
+    return [blocks]
+
+
 @dataclass(slots=True)
 class ChunkCopy:
     """One object of ``pages`` pages per layer at byte offset ``slot`` of the pool, and the

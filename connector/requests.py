@@ -79,15 +79,6 @@ class ReqState:
     pins_end_found: int = 0                  # where the hit found by the counted lookup ended
 
 
-def as_groups(blocks) -> list[list[int]]:
-    """Block ids per KV cache group, from vLLM's tuple of lists (hybrid models) or from one
-    flat list (one group)."""
-    blocks = list(blocks)
-    if blocks and not isinstance(blocks[0], int):
-        return [list(g) for g in blocks]
-    return [blocks]
-
-
 def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str,
                   generated: int = 0) -> dict[str, object]:
     """Count a request's lookup: ``n`` tokens promised (``st.window``) from the pinned pieces,
@@ -134,4 +125,4 @@ def identity_fields(identity: Identity) -> dict[str, object]:
     return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
 
 
-__all__ = ["Piece", "ReqState", "as_groups", "RequestView", "StepInput", "count_request", "identity_fields"]
+__all__ = ["Piece", "ReqState", "RequestView", "StepInput", "count_request", "identity_fields"]

@@ -48,10 +48,10 @@ from connector.ioloop import IOLoop
 from connector import local
 from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
-from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport
+from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport, as_groups
 from connector.observe import RequestObserver
 from connector.prefetch import Prefetcher
-from connector.requests import Piece, ReqState, RequestView, StepInput, as_groups, count_request, identity_fields
+from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.errors import ObjectFormatError

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.plan import NULL_BLOCK
+from connector.plan import NULL_BLOCK, as_groups
 from kvstore import codec
 from kvstore.errors import ConfigError
 
@@ -79,12 +79,6 @@ def _runs(block_ids: Sequence[int], holes: bool = False) -> list[tuple[int, int,
         else:
             runs.append((i, b, 1))
     return runs
-
-
-def _groups(blocks) -> list[Sequence[int]]:
-    """Block ids per KV cache group; a flat list of ids is one group."""
-    blocks = list(blocks)
-    return [blocks] if not blocks or isinstance(blocks[0], int) else blocks
 
 
 def page_shape_of(kv: torch.Tensor, num_blocks: int | None) -> tuple[int, ...]:
@@ -197,7 +191,7 @@ class PagedKV:
         """Copy the pages of every layer's blocks (``groups[group of the layer]``; one flat
         list for one group) into ``payload[:, :n]`` (this worker's part of each page; nothing
         on a rank that does not write).  Every block must be held: a saved object has no holes."""
-        groups = _groups(groups)
+        groups = as_groups(groups)
         if not self.shard.writes:
             return
         if len(groups) > 1 and any(b == NULL_BLOCK for g in groups for b in g):
@@ -224,7 +218,7 @@ class PagedKV:
 
         Runs of consecutive block ids are copied as one slice (``copy_`` runs at memcpy
         speed, about twice ``index_copy_`` on CPU); blocks are usually allocated in runs."""
-        groups = _groups(groups)
+        groups = as_groups(groups)
         block_ids = groups[self.layer_groups[layer]]
         holes = len(groups) > 1  # only hybrid models' groups have null blocks
         self._index([b for b in block_ids if not (holes and b == NULL_BLOCK)])  # range check

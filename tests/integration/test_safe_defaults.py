@@ -150,3 +150,40 @@ async def test_the_connector_presents_its_client_certificate(tmp_path):
             await store.aclose()
     finally:
         assert proc.terminate(30) == 0
+
+
+def test_kvstore_tokens_writes_private_digests_that_a_real_store_accepts(tmp_path):
+    """``kvstore tokens`` as an operator runs it: the server's file holds digests only, each
+    tenant's token file is private, a rerun keeps the tokens (a restart must not lock clients
+    out) unless ``--force``, a bad spec is refused with a clear message, and a real store
+    started on the file authenticates each tenant's token with its permissions."""
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvstore", "tokens", "--dir", str(tmp_path / "t"), *a],  # noqa: E731
+                                    capture_output=True, text=True, cwd=ROOT, timeout=60)
+    made = run("--tenant", "engine=read,write,shm", "--tenant", "ops=read,admin")
+    assert made.returncode == 0, made.stderr
+    table, engine, ops = tmp_path / "t" / "tokens.yaml", tmp_path / "t" / "engine.token", tmp_path / "t" / "ops.token"
+    assert made.stdout.split() == [str(table), str(engine), str(ops)]
+    assert stat.S_IMODE(os.stat(tmp_path / "t").st_mode) == 0o700
+    assert {stat.S_IMODE(os.stat(p).st_mode) for p in (table, engine, ops)} == {0o600}
+    secret = {p: p.read_text().strip() for p in (engine, ops)}
+    assert all(len(t) == 64 and t not in table.read_text() for t in secret.values())
+
+    kept = run("--tenant", "engine=read")
+    assert kept.returncode == 0 and "kept" in kept.stdout and engine.read_text().strip() == secret[engine]
+    bad = run("--tenant", "engine=read,fly", "--force")
+    assert bad.returncode != 0 and "expected NAME=PERM" in bad.stderr and engine.read_text().strip() == secret[engine]
+
+    proc = StoreProcess(tmp_path / "store", "--host-capacity", "16MiB", "--auth-tokens", str(table)).start()
+    try:
+        objects, key = Objects(64 * KiB), keys(1, seed=41)[0]
+        with StoreClient(proc.target, secret[engine]) as e, StoreClient(proc.target, secret[ops]) as o, \
+                StoreClient(proc.target, "not-a-token") as nobody:
+            assert e.put_stream(key, objects.make(key, 64 * KiB)) == pb.PUT_OUTCOME_STORED
+            assert o.stats()[0]["tenants"]["engine"]["tiers"]["host"]["objects"] == 1   # admin sees all
+            assert rpc_code(lambda: o.put_stream(key, objects.make(key, 64 * KiB))) == grpc.StatusCode.PERMISSION_DENIED
+            assert rpc_code(lambda: nobody.stats()) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert proc.terminate(30) == 0
+
+    forced = run("--tenant", "engine=read", "--force")
+    assert forced.returncode == 0 and engine.read_text().strip() != secret[engine]

@@ -8,6 +8,7 @@ racing clients, health (and ``kvstore health``), reflection, /metrics, ``kvstore
 and start-up errors.
 """
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -297,6 +298,12 @@ def test_metrics_and_stats_cli(store, client, objects):
     summary = subprocess.run(cli, capture_output=True, text=True, timeout=30, check=True).stdout
     assert f"kvstore store at {store.target}" in summary
     assert "hit keys / looked-up keys" in summary and "tier ssd" in summary and "leases" in summary
+    # Hits by tier with their shares (of every hit so far), and each stage's p50/p99.
+    shares = re.search(r"hits by tier: (.*)$", summary, re.M).group(1)
+    split = re.findall(r"(\w+) (\d+) \((\d+)%\)", shares)
+    assert split and "host" in {t for t, _, _ in split} and abs(sum(int(p) for _, _, p in split) - 100) <= len(split)
+    stages = re.search(r"^  stages +(.*) \(p50/p99\)$", summary, re.M).group(1)
+    assert re.search(r"\blookup \d+\.\d\d/\d+\.\d\d ms", stages), stages
     doc = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True, timeout=30,
                                     check=True).stdout)
     assert doc["store"]["lookup_keys"] == before["store.lookup_keys"] + 5

@@ -8,6 +8,7 @@ Everything goes through real processes and sockets: ``tests.store_helpers.StoreC
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +81,15 @@ def get_request(key: ObjectKey, lease_ms: int = 0) -> pb.GetRequest:
 
 __all__ = ["GRACE", "PUT_TTL", "QUOTAS", "STREAM_RATE", "TOKENS", "admin_counters", "admin_doc",
            "get_request", "keys", "quiet", "start_store", "write_tokens"]
+
+
+def fd_links(pid: int) -> list[str]:
+    """Where each open descriptor of process ``pid`` points.  A descriptor that closes
+    between the listing and its readlink (a connection going away meanwhile) is left out."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return links

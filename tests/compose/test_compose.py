@@ -11,6 +11,8 @@ free here) and secrets made for this run, as one compose session:
 2. There the store's ``/metrics`` must show lookup hits, and its counters puts and gets
    through shared memory (the pool handed over the socket in the shared volume).  Fault: ``docker kill`` of the store; engine 2 goes on and must recompute the
    rest with outputs still matching: the engine container exits 0 with ``result: PASS``.
+   Meanwhile a SUB socket on the engine's vLLM publisher decodes, with vLLM's structs, our
+   host tier's ``BlockStored`` events (tokens and one hash each) in vLLM's own stream.
 3. Fault: the store's container started again after that SIGKILL on the same SSD volume,
    then restarted gracefully: each time every SSD object is back (indexed by its scan).
 4. Fault: Redis's container stopped and started: the store's Redis breaker opens on the
@@ -129,12 +131,17 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
         for way in ("puts", "gets"):  # the same-host data plane, across containers (the socket volume)
             assert sum(n for k, n in planes[way].items() if k.startswith("shm.")) > 0, planes
 
+        engine_events = EngineEvents(f"tcp://127.0.0.1:{env['ENGINE_EVENTS_PORT']}")  # vLLM's publisher
         docker("kill", store)                                  # fault 1: the store dies mid-run
+        time.sleep(0.5)                                        # the subscription reaches the publisher
         (tmp_path / "barriers" / f"{PAUSE}.go").touch()
         rc = int(docker("wait", engine, timeout=900).strip())
         out = docker("logs", engine, timeout=60)
         print(out[out.find("== engine 2"):], compose("ps"), sep="\n")
         assert rc == 0, out[-6000:]
+        ours = engine_events.close()   # engine 2's rest: our host tier's stores, through vLLM's stream
+        print(f"engine 2's KV events after the pause: {len(ours)} of our BlockStored (CPU)")
+        assert ours and all(e.token_ids and len(e.block_hashes) == 1 for e in ours), ours[:3]
         assert "result: PASS" in out and "MISMATCH" not in out, out[-6000:]
         assert "engine 2 hit tokens from lower tiers: {'remote'" in out, out[-6000:]
         failures = [line for line in out.split("== engine 2")[1].splitlines() if line.startswith("  failures:")]
@@ -154,6 +161,44 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
     finally:
         compose("down", "-v", "--remove-orphans", timeout=120)
     assert_nothing_left(compose.name, ids, shm_before)
+
+
+class EngineEvents:
+    """A SUB socket on the engine container's vLLM publisher (``--kv-events-config``), read on
+    a thread and decoded with vLLM's own structs: what a router next to the engine gets."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq  # the test extra (pyzmq, msgspec) and vLLM's structs, from the test's venv
+
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.batches: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        while not self._stop.is_set():
+            if self.sub.poll(50):
+                _topic, seq, payload = self.sub.recv_multipart()
+                assert len(seq) == 8
+                self.batches.append(decode(payload))
+
+    def close(self) -> list:
+        """Stop reading; our tiers' ``BlockStored`` events in host DRAM (medium ``CPU``)."""
+        from vllm.distributed.kv_events import BlockStored
+
+        self._stop.set()
+        self._thread.join(5)
+        self.sub.close(0)
+        self.ctx.term()
+        return [e for b in self.batches for e in b.events if isinstance(e, BlockStored) and e.medium == "CPU"]
 
 
 # ------------------------------------------------------------------------------ the set-up

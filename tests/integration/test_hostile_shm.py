@@ -16,7 +16,7 @@ from kvstore import codec, shmwire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import ObjectKey
 from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import admin_counters, admin_doc, get_request, keys, quiet, start_store
+from tests.hostile_kit import admin_counters, admin_doc, fd_links, get_request, keys, quiet, start_store
 from tests.store_helpers import MiB, Objects, StoreClient, rpc_code, wait_until
 
 Code = grpc.StatusCode
@@ -138,7 +138,7 @@ def test_no_process_reaches_a_pool_by_name_or_through_proc(store):
     doc = admin_doc(store.target)
     assert doc["server"]["dumpable"] is False               # no ptrace, no /proc/<pid>/fd for its uid
     assert not [p for p in os.listdir("/dev/shm") if str(store.pid) in p]
-    links = [os.readlink(f"/proc/{store.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{store.pid}/fd")]
+    links = fd_links(store.pid)
     memfds = [link for link in links if link.startswith("/memfd:kvstore-")]
     assert len(memfds) >= 2 and not [link for link in links if link.startswith("/dev/shm")]
     with StoreClient(store.target, "tok-a") as a, StoreClient(store.target, "tok-b") as b:

@@ -20,7 +20,7 @@ import yaml
 
 from kvstore.testing.serve_proc import StoreProcess
 from tests import tenant_load_kit as kit
-from tests.hostile_kit import admin_doc, quiet
+from tests.hostile_kit import admin_doc, fd_links, quiet
 from tests.store_helpers import StoreClient, wait_until
 
 LOAD_S = float(os.environ.get("KVSTORE_LOAD_S", "20"))
@@ -39,7 +39,7 @@ WORKERS = [("good", "tok-good", f"{transport}:{i}") for i, transport in enumerat
 def usage(pid: int) -> dict[str, int]:
     """The server's anonymous memory (KiB), open descriptors, memfd pools, /dev/shm files."""
     status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
-    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    links = fd_links(pid)
     return {"rss_anon_kib": int(status["RssAnon"].split()[0]), "fds": len(links),
             "memfds": sum(link.startswith("/memfd:") for link in links),
             "dev_shm": sum(link.startswith("/dev/shm") for link in links)}

@@ -17,6 +17,14 @@ import numpy as np
 from connector.ioloop import IOLoop
 from connector.requests import Piece, ReqState
 from kvstore.keys import ROOT, ObjectKey, chunk_hashes, object_keys
+
+STATE_TAG = "state"  # the object tag of a recurrent-state snapshot (beside the chunk's "r0")
+
+
+def state_key(key: ObjectKey) -> ObjectKey:
+    """The key of the recurrent state at the end of the chunk or tail object ``key``: the
+    state at token t depends on the whole prefix, so it is keyed by the same chain hash."""
+    return ObjectKey(key.namespace, key.chunk_hash, STATE_TAG)
 from kvstore.store.tiered import TieredStore
 
 
@@ -93,6 +101,42 @@ class HitFinder:
                     k = len(keys) - keys.index(key)
                     return Piece(key, index * c, index * c + k * bs, self.object_size(k), found.tiers[0])
         return None
+
+    def boundary_key(self, st: ReqState, t: int) -> ObjectKey | None:
+        """The key of the object whose last token is prompt token ``t - 1`` (a full chunk, or
+        the tail of ``t % chunk`` tokens), None where no object ends there."""
+        c, bs = self.chunk_size, self.block_size
+        if t <= 0 or t % bs or t > len(st.view.prompt):
+            return None
+        if t % c == 0:
+            return st.keys[t // c - 1] if t // c <= len(st.keys) else None
+        keys = self.tail_keys(st, t // c)
+        k = (t % c) // bs
+        return keys[len(keys) - k] if len(keys) >= k else None
+
+    def with_state(self, st: ReqState, pieces: list[Piece], state_bytes: int, after: int) -> list[Piece]:
+        """Recurrent hybrids: a hit must end where a state snapshot is stored, and carries it.
+        The deepest block boundary past ``after`` (the engine's own hit) inside ``pieces``
+        and before the prompt's last token whose snapshot the store holds; the pieces cut
+        there, then the snapshot as a piece of no tokens.  No snapshot: no hit."""
+        bs = self.block_size
+        reach = min(pieces[-1].end if pieces else 0, (len(st.view.prompt) - 1) // bs * bs)
+        bounds = [t for t in range(reach, after, -bs) if self.boundary_key(st, t) is not None]
+        if not bounds:
+            return []
+        keys = [state_key(self.boundary_key(st, t)) for t in bounds]
+        present = self.io.run(self.store.present(keys))
+        for t, key, there in zip(bounds, keys, present):
+            if not there:
+                continue
+            found = self.io.run(self.store.lookup([key], sized=False))
+            if not found.hits:
+                continue
+            cut = [p if p.end <= t else Piece(p.key, p.start, t, p.nbytes, p.tier)
+                   for p in pieces if p.start < t]
+            st.origin.setdefault(key, found.tiers[0])
+            return [*cut, Piece(key, t, t, state_bytes, found.tiers[0], state=True)]
+        return []
 
     def extensions(self, st: ReqState, end: int) -> list[ObjectKey]:
         """Keys of the objects that could extend a hit ending at token ``end``: the next full

@@ -47,8 +47,8 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
     the objects hold all of them (``connector.transfer.Shard``), so the identity names the
     whole model's heads and page, never the rank or the TP size: engines of every TP size
     share the same objects.  MLA's latent KV is the same on every rank: its page is a rank's."""
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
+    attn = [g for g in kv_cache_config.kv_cache_groups if type(g.kv_cache_spec).__name__ != "MambaSpec"]
+    spec = attn[0].kv_cache_spec
     mc = vllm_config.model_config
     device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
     ranks = tp_ranks(vllm_config, spec)
@@ -58,7 +58,7 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
                                          str(getattr(mc, "model_weights", "") or ""),
                                          getattr(vllm_config.load_config, "download_dir", None))
     settings = engine_settings(vllm_config, kv_cache_config)
-    layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    layers = sum(len(g.layer_names) for g in attn)  # recurrent layers: in their snapshots (engine_config)
     identity = Identity(
         model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
         layout_id=layout, num_layers=layers, num_kv_heads=heads,

@@ -39,6 +39,10 @@ class ChunkCopy:
     generated: int = 0    # saves: how many of its tokens the engine generated (into the header)
     group_ids: list[list[int]] = field(default_factory=list)  # hybrid models: the blocks per KV
                                                                # cache group (block_ids is group 0's)
+    state: bool = False   # a recurrent-state snapshot: one page per state layer, from the block
+                          # ``group_ids[g][0]`` of each state group g (empty for the others), or
+                          # into every block listed there (the boundary's, then the step's running one)
+    boundary: int = 0     # state loads: the token the snapshot stands at
 
     def groups(self) -> list[list[int]]:
         """The block ids of each KV cache group (one group: ``block_ids``).  ``NULL_BLOCK``
@@ -54,7 +58,8 @@ class LoadJob:
 
     @property
     def block_ids(self) -> list[int]:
-        return [b for c in self.chunks for g in c.groups() for b in g if not (c.group_ids and b == NULL_BLOCK)]
+        return [b for c in self.chunks if not c.state
+                for g in c.groups() for b in g if not (c.group_ids and b == NULL_BLOCK)]
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class StepPlan:
     pages_per_chunk: int
     chunk_tokens: int
     page_bytes: int  # the scheduler's view of one page; the worker checks it matches its own
+    state_page_bytes: int = 0  # recurrent hybrids: one state layer's page (the worker checks it too)
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)

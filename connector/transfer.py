@@ -30,7 +30,7 @@ from kvstore import codec
 from kvstore.errors import ConfigError
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                torch.uint8: "uint8"}
+                torch.uint8: "uint8", torch.int8: "uint8"}  # int8: recurrent state as opaque bytes
 for _name, _label in (("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2")):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = _label

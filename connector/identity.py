@@ -47,7 +47,7 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
     the objects hold all of them (``connector.transfer.Shard``), so the identity names the
     whole model's heads and page, never the rank or the TP size: engines of every TP size
     share the same objects.  MLA's latent KV is the same on every rank: its page is a rank's."""
-    attn = [g for g in kv_cache_config.kv_cache_groups if type(g.kv_cache_spec).__name__ != "MambaSpec"]
+    attn = attention_groups(kv_cache_config.kv_cache_groups)
     spec = attn[0].kv_cache_spec
     mc = vllm_config.model_config
     device = vllm_config.device_config.device_type if vllm_config.device_config else "cpu"
@@ -68,6 +68,16 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
              identity.model, identity.revision or "-", identity.weights, identity.engine_config,
              identity.namespace().hex())
     return identity, spec.page_size_bytes * ranks
+
+
+def is_state(spec) -> bool:
+    """A recurrent layer's state (Mamba kind), not attention KV."""
+    return type(spec).__name__ == "MambaSpec"
+
+
+def attention_groups(groups) -> list:
+    """The KV cache groups that hold attention KV (a recurrent hybrid's others hold states)."""
+    return [g for g in groups if not is_state(g.kv_cache_spec)]
 
 
 def is_mla(spec) -> bool:

@@ -24,10 +24,27 @@ class RequestView:
     salt: str = ""
     lora: str = ""
     tokens: Sequence[int] | None = None
+    mm: tuple[tuple[int, int, str], ...] = ()  # multimodal items: (offset, length, vLLM's identifier)
 
     @property
     def all_tokens(self) -> Sequence[int]:
         return self.prompt if self.tokens is None else self.tokens
+
+    def extras(self, start: int, end: int) -> list[str] | None:
+        """What besides its tokens changes the KV of tokens ``start..end``: every multimodal
+        item whose placeholder overlaps them, by vLLM's identifier (a hash of the item's
+        content, or the uuid the client gave it) and where it begins relative to ``start``.
+        An image's placeholder tokens are one id repeated, the same for every image: without
+        this, two images with the same text would share keys.  None: nothing (text only)."""
+        out = [f"mm:{ident}:{offset - start}" for offset, length, ident in self.mm
+               if offset < end and offset + length > start]
+        return out or None
+
+    def chunk_extras(self, first: int, last: int, chunk: int) -> list[list[str] | None] | None:
+        """``extras`` of chunks ``first..last - 1`` of ``chunk`` tokens (None: text only)."""
+        if not self.mm:
+            return None
+        return [self.extras(i * chunk, (i + 1) * chunk) for i in range(first, last)]
 
 
 @dataclass(slots=True)

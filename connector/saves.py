@@ -108,32 +108,35 @@ class SavePlanner:
         if not wanted:
             return None
         present = self.io.run(self.store.present([w.key for w in wanted]))
-        chunks, handles = [], []
+        handles = []
         for w, there in zip(wanted, present):
             if not there and not self._held(st, w):
                 self._fail("host", "save:window")  # a sliding layer already let go of its blocks
                 st.save_stopped = w.end == 0      # later chunks would be orphans
                 break
             if not there and w.key not in self.in_flight:
-                handle = self._reserve(w.key, w.pages, w.parent)
+                handle = self._reserve(w.key, self.object_size(w.pages), w.parent)
                 if handle is None:
                     if not self.host.writing_sync(w.key):  # no room: later chunks would be orphans
                         st.save_stopped = True
                         break
                 else:
                     groups = [g[w.index * self.pages_per_chunk:][:w.pages] for g in self.kv_groups(st)]
-                    chunks.append(ChunkCopy(handle.offset, bytes(w.key), groups[0],
-                                            parent=bytes(st.hashes[w.index - 1]) if w.index else b"",
-                                            pages=w.pages, generated=w.generated,
-                                            group_ids=groups if len(groups) > 1 else []))
-                    handles.append(_Pending(handle, w.key, chunks[-1]))
+                    handles.append(_Pending(handle, w.key, ChunkCopy(
+                        handle.offset, bytes(w.key), groups[0],
+                        parent=bytes(st.hashes[w.index - 1]) if w.index else b"", pages=w.pages,
+                        generated=w.generated, group_ids=groups if len(groups) > 1 else [])))
             w.done(st)
-        if not chunks:
+        return self._job(st, job_id, handles, self.chunk_size)
+
+    def _job(self, st: ReqState, job_id: int, handles: list[_Pending], chunk_tokens: int) -> SaveJob | None:
+        """The save job of the slots reserved in ``handles`` (None if there are none)."""
+        if not handles:
             return None
         self.jobs[job_id] = handles
         self.in_flight.update(dict.fromkeys((p.key for p in handles), job_id))
         st.had_saves = True
-        return SaveJob(job_id, st.view.req_id, chunks, self.chunk_size)
+        return SaveJob(job_id, st.view.req_id, [p.chunk for p in handles], chunk_tokens)
 
     def plan_states(self, st: ReqState, entries: list[tuple[int, int, int]], state_groups: list[int],
                     nbytes: int, job_id: int) -> SaveJob | None:
@@ -147,7 +150,7 @@ class SavePlanner:
         for group, block, boundary in entries:
             if group in state_groups and block != NULL_BLOCK:
                 by_boundary.setdefault(boundary, {})[group] = block
-        chunks, handles = [], []
+        handles = []
         for t, blocks in sorted(by_boundary.items()):
             base = self.keys.boundary_key(st, t)
             if base is None or len(blocks) != len(state_groups):
@@ -155,23 +158,13 @@ class SavePlanner:
             key = state_key(base)
             if key in self.in_flight or self.io.run(self.store.present([key]))[0]:
                 continue
-            try:
-                handle = self.host.put_start_sync(key, nbytes, base)
-            except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
-                self._fail("host", f"reserve:{type(err).__name__}")
-                continue
+            handle = self._reserve(key, nbytes, base)
             if handle is None:
                 continue
             groups = [[blocks[i]] if i in blocks else [] for i in range(max(len(st.groups), max(blocks) + 1))]
-            chunks.append(ChunkCopy(handle.offset, bytes(key), [], parent=bytes(base.chunk_hash), pages=1,
-                                    group_ids=groups, state=True))
-            handles.append(_Pending(handle, key, chunks[-1]))
-        if not chunks:
-            return None
-        self.jobs[job_id] = handles
-        self.in_flight.update(dict.fromkeys((p.key for p in handles), job_id))
-        st.had_saves = True
-        return SaveJob(job_id, st.view.req_id, chunks, self.block_size)
+            handles.append(_Pending(handle, key, ChunkCopy(handle.offset, bytes(key), [], parent=bytes(base.chunk_hash),
+                                                           pages=1, group_ids=groups, state=True)))
+        return self._job(st, job_id, handles, self.block_size)
 
     def _wanted(self, st: ReqState, done: int, final: bool) -> list[_Wanted]:
         """The objects ``done`` tokens complete: full chunks (prompt or generated), the
@@ -219,9 +212,9 @@ class SavePlanner:
             return st.groups
         return [[] if i in self.state_groups else g for i, g in enumerate(st.groups)]
 
-    def _reserve(self, key: ObjectKey, pages: int, parent: ObjectKey | None) -> PutHandle | None:
+    def _reserve(self, key: ObjectKey, size: int, parent: ObjectKey | None) -> PutHandle | None:
         try:
-            return self.host.put_start_sync(key, self.object_size(pages), parent)
+            return self.host.put_start_sync(key, size, parent)
         except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
             self._fail("host", f"reserve:{type(err).__name__}")
             return None

@@ -152,7 +152,9 @@ class SchedulerHalf:
         st = self._reqs.get(view.req_id)
         if st is None:
             ns = self._namespace(view.salt, view.lora)
-            hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), self.cfg.chunk_size)
+            c = self.cfg.chunk_size
+            hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), c,
+                                  extra_keys=view.chunk_extras(0, len(view.prompt) // c, c))
             st = self._reqs[view.req_id] = ReqState(view, object_keys(ns, hashes), hashes, ns)
         return st
 
@@ -451,7 +453,8 @@ class SchedulerHalf:
         self._prom["bytes"].labels(tier, direction).inc(n)
 
     def not_cached(self, req_id: str, reason: str) -> None:
-        """``req_id`` is neither looked up nor saved (``reason``: ``multimodal``).  Counted once
+        """``req_id`` is neither looked up nor saved (``reason``: ``no_prompt_tokens``, an
+        embeddings prompt; ``multimodal_unhashed``, an item vLLM gave no identifier).  Counted once
         per request (the engine may ask again after a preemption); the first of each reason
         is logged, so a service that sends images sees why they never hit."""
         with self._stats_lock:

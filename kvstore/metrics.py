@@ -119,7 +119,8 @@ def prometheus() -> dict[str, object]:
                 bytes=Counter("kvstore_bytes", "Bytes moved", ["tier", "direction"]),
                 failures=Counter("kvstore_failures", "Failures by tier and reason", ["tier", "reason"]),
                 not_cached=Counter("kvstore_requests_not_cached", "Requests the connector neither looks "
-                                   "up nor saves, by reason (multimodal: not keyed by their items yet)",
+                                   "up nor saves, by reason (no_prompt_tokens: an embeddings prompt; "
+                                   "multimodal_unhashed: an item without an identifier)",
                                    ["reason"]),
                 stage=Histogram("kvstore_stage_seconds", "Time to reach each lifecycle stage", ["stage"]),
                 decisions=Counter("kvstore_load_decisions", "Load-or-recompute decisions per request "

@@ -45,7 +45,10 @@ def _make_llm(spec: dict):
         kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
     if spec["connector"]:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
-    return LLM(model=spec["model"], skip_tokenizer_init=True, disable_log_stats=False,
+    images = any(d.get("image") is not None for d in spec["workload"])
+    if images:  # the image processor needs the tokenizer; prompts stay token ids
+        kw["limit_mm_per_prompt"] = {"image": 1}
+    return LLM(model=spec["model"], skip_tokenizer_init=not images, disable_log_stats=False,
                enable_prefix_caching=spec["enable_prefix_caching"], seed=0,
                dtype=spec.get("dtype", "auto"), **kw)
 
@@ -82,7 +85,8 @@ def _run_requests(llm, spec: dict) -> list[dict]:
                 parent_prompt, parent_out = done[d["extends"]]
                 prompt = parent_prompt + parent_out + prompt
             prompts.append(prompt)
-        outs = _generate(llm, prompts, [d.get("cache_salt") for d in group], _sampling(spec))
+        outs = _generate(llm, prompts, [d.get("cache_salt") for d in group], _sampling(spec),
+                         [d.get("image") for d in group])
         for d, prompt, r in zip(group, prompts, outs):
             done[d["label"]] = (prompt, r["token_ids"])
             results.append({"label": d["label"], "cache_salt": d.get("cache_salt"), **r})
@@ -100,14 +104,19 @@ def _wait_barrier(spec: dict, name: str) -> None:
         time.sleep(0.01)
 
 
-def _generate(llm, prompts: list[list[int]], salts: list[str | None], params) -> list[dict]:
+def _generate(llm, prompts: list[list[int]], salts: list[str | None], params,
+              images: list[int | None] | None = None) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
+    from connector.tinymodel import image
+
     inputs = []
-    for prompt, salt in zip(prompts, salts):
+    for prompt, salt, seed in zip(prompts, salts, images or [None] * len(prompts)):
         inp = TokensPrompt(prompt_token_ids=prompt)
         if salt is not None:
             inp["cache_salt"] = salt
+        if seed is not None:
+            inp["multi_modal_data"] = {"image": image(seed)}
         inputs.append(inp)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
@@ -122,7 +131,7 @@ def _result(out, prompt: list[int], e2e: float) -> dict:
     toks = list(comp.token_ids)
     tops = [{int(t): float(lp.logprob) for t, lp in comp.logprobs[i].items()}
             for i in range(len(toks))]
-    return {"request_id": out.request_id, "prompt_len": len(prompt), "token_ids": toks, "top_logprobs": tops,
+    return {"request_id": out.request_id, "prompt_len": len(out.prompt_token_ids or prompt), "token_ids": toks, "top_logprobs": tops,
             "logprobs": [tops[i][t] for i, t in enumerate(toks)], "e2e_s": e2e,
             "ttft_s": m.first_token_latency, "prefill_s": m.first_token_ts - m.scheduled_ts}
 

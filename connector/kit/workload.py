@@ -17,7 +17,9 @@ class Request:
     `together`, it is submitted in the same `generate` call as the request before it (the
     engine schedules them back to back, in the same steps where they fit).  With `barrier`,
     the child stops before sending it until the parent opens that barrier
-    (`run_engine(barriers=...)`): a test changes the world (throttles, kills) in between."""
+    (`run_engine(barriers=...)`): a test changes the world (throttles, kills) in between.
+    With `image` (a seed), a random image (`tinymodel.image`) goes with the prompt; an image
+    model's processor inserts its placeholder tokens (the result's `prompt_len` counts them)."""
 
     label: str
     tokens: tuple[int, ...]
@@ -25,6 +27,7 @@ class Request:
     extends: str | None = None
     together: bool = False
     barrier: str | None = None
+    image: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ class Workload:
     @classmethod
     def from_json(cls, items: list[dict]) -> Workload:
         reqs = [Request(d["label"], tuple(d["tokens"]), d.get("cache_salt"), d.get("extends"),
-                        d.get("together", False), d.get("barrier")) for d in items]
+                        d.get("together", False), d.get("barrier"), d.get("image")) for d in items]
         return cls(tuple(reqs))
 
 

@@ -12,8 +12,9 @@ checks and its scheduler half are the real ones.
 * Groups of different block or page sizes: refused (one object holds one page of every
   layer per block).
 * Full attention beside sliding window of one page size: accepted (``SupportsHMA``).
-* Multimodal requests: served, never looked up or saved; counted per request and logged
-  once, so an operator sees why images never hit.
+* Multimodal requests: keyed by their items (vLLM's identifier and placeholder offset), so
+  two images behind the same placeholder ids never share a key; an item without an
+  identifier is served uncached, counted per request and logged once.
 """
 from __future__ import annotations
 
@@ -102,38 +103,63 @@ def sched():
     half.close()
 
 
-def request(req_id: str, tokens: list[int], images: int = 0):
-    mm = [SimpleNamespace(identifier=f"img-{i}") for i in range(images)]
+def request(req_id: str, tokens: list[int], items=()):
+    """An engine request; ``items``: its multimodal items as (offset, length, identifier)."""
+    mm = [SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=off, length=n))
+          for off, n, ident in items]
     return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, mm_features=mm, lora_request=None,
                            cache_salt=None, all_token_ids=tokens)
 
 
-def test_a_multimodal_request_is_never_looked_up_or_saved_and_is_counted_and_logged_once(sched, caplog):
-    connector = SimpleNamespace(_sched=sched)  # the adapter's method on the real scheduler half
-    ask = lambda req: KVStoreConnector.get_num_new_matched_tokens(connector, req, 0)  # noqa: E731
-    metric = prometheus()["not_cached"].labels("multimodal")
+def ask(sched, req):
+    """The adapter's method on the real scheduler half."""
+    return KVStoreConnector.get_num_new_matched_tokens(SimpleNamespace(_sched=sched), req, 0)
+
+
+IMAGE_TOKEN = 7  # one placeholder id for every image, as in vLLM's prompts
+
+
+def test_multimodal_requests_are_keyed_by_their_items_content_and_place(sched):
+    """Two images behind the same placeholder ids must never share a key; a chunk no item
+    touches keeps its text key (a shared text prefix before an image still hits)."""
+    tokens = list(range(100, 140)) + [IMAGE_TOKEN] * 32 + list(range(200, 248))  # 120: 3 chunks + a block
+    for rid, items in {"a": [(40, 32, "img-A")], "a-again": [(40, 32, "img-A")], "b": [(40, 32, "img-B")],
+                       "a-moved": [(41, 31, "img-A")], "text": [], "a+c": [(40, 32, "img-A"), (100, 8, "img-C")],
+                       "a+d": [(40, 32, "img-A"), (100, 8, "img-D")]}.items():
+        assert ask(sched, request(rid, tokens, items)) == (0, False)
+    keys = {rid: st.keys for rid, st in sched._reqs.items()}
+    assert keys["a"] == keys["a-again"]                                 # the same image: the same keys
+    assert keys["a"][0] == keys["b"][0] == keys["text"][0]              # chunk 0 (0..31): text only
+    for other in ("b", "a-moved", "text"):
+        assert keys["a"][1] != keys[other][1], other                    # the image's chunk: its content, its place
+        assert keys["a"][2] != keys[other][2], other                    # and every chunk after it
+    assert keys["a"] == keys["a+c"] == keys["a+d"]                      # an item in the tail only: full chunks equal
+    tails = {rid: sched.hits.tail_keys(sched._reqs[rid], 3) for rid in ("a", "a+c", "a+d")}
+    assert len(tails["a"]) == 1 and len({t[0] for t in tails.values()}) == 3  # ... but the tails differ
+    assert sched.stats.requests == 7 and sched.stats.not_cached == {}
+
+
+def test_a_multimodal_item_without_an_identifier_is_never_looked_up_or_saved_and_is_counted_once(sched, caplog):
+    metric = prometheus()["not_cached"].labels("multimodal_unhashed")
     before = metric._value.get()
     tokens = list(np.arange(100, 164))
     with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
-        assert ask(request("img-1", tokens, images=1)) == (0, False)
-        assert ask(request("img-1", tokens, images=1)) == (0, False)   # asked again: counted once
-        assert ask(request("img-2", tokens, images=2)) == (0, False)
-    assert sched.stats.not_cached == {"multimodal": 2}
+        assert ask(sched, request("img-1", tokens, [(0, 8, "")])) == (0, False)
+        assert ask(sched, request("img-1", tokens, [(0, 8, "")])) == (0, False)   # asked again: counted once
+        assert ask(sched, request("img-2", tokens, [(0, 8, "x"), (9, 8, None)])) == (0, False)
+    assert sched.stats.not_cached == {"multimodal_unhashed": 2}
     assert metric._value.get() - before == 2
-    assert sum("multimodal requests are not cached" in r.getMessage() for r in caplog.records) == 1
+    assert sum("multimodal_unhashed requests are not cached" in r.getMessage() for r in caplog.records) == 1
     assert "img-1" not in sched._reqs and "img-2" not in sched._reqs      # no state: nothing is saved
     assert sched.stats.requests == 0                                       # and no lookup was counted
-
-    # The same tokens without an image are looked up as usual.
-    ask(request("text", tokens))
+    ask(sched, request("text", tokens))                                   # the same tokens as text: looked up
     assert "text" in sched._reqs and sched.stats.requests == 1
-    assert sched.stats.not_cached == {"multimodal": 2}
 
 
 def test_not_cached_requests_are_remembered_within_a_bound(sched):
     for i in range(5000):
-        sched.not_cached(f"r{i}", "multimodal")
-    assert sched.stats.not_cached == {"multimodal": 5000}
+        sched.not_cached(f"r{i}", "multimodal_unhashed")
+    assert sched.stats.not_cached == {"multimodal_unhashed": 5000}
     assert len(sched._not_cached) <= 4096
 
 

@@ -91,13 +91,26 @@ def tp_ranks(vllm_config, spec) -> int:
 
 
 def _canonical_spec(spec, ranks: int) -> dict[str, object]:
-    """The KV cache spec of the whole model (per-rank head counts scaled by the TP size)."""
+    """The KV cache spec of the whole model (per-rank head counts, and a recurrent state's
+    channels, scaled by the TP size)."""
     fields = _fields(spec)
     for name in ("num_kv_heads", "num_head_slots"):
         if isinstance(fields.get(name), int) and ranks > 1:
             fields[name] = fields[name] * ranks
     fields.pop("max_tp_shards", None)  # how far this engine could shard: not the bytes
+    if is_state(spec):
+        axis = state_channel_axis()
+        fields["shapes"] = [[n * ranks if i == axis else n for i, n in enumerate(shape)] for shape in spec.shapes]
+        fields.pop("page_size_padded", None)  # vLLM pads to the attention page: not the state's bytes
     return {"type": type(spec).__name__, **fields}
+
+
+def state_channel_axis() -> int:
+    """The axis of a short convolution's state (one block's: (state_len, channels), or
+    (channels, state_len) in vLLM's "DS" layout) that tensor parallelism splits."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return 0 if is_conv_state_dim_first() else 1
 
 
 # ---- weights and revision ------------------------------------------------------------------
@@ -215,6 +228,10 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
         "batch_invariant": _vllm_env("VLLM_BATCH_INVARIANT"),
         "versions": _versions(),
     }
+    if any(is_state(g.kv_cache_spec) for g in groups):  # recurrent hybrids: the state's layout
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        settings["conv_state_layout"] = get_conv_state_layout()
     return {k: plain(v) for k, v in settings.items()}
 
 

@@ -99,6 +99,7 @@ class WorkerReport:
     load_reports: dict[int, int] = field(default_factory=dict)  # job -> workers that reported it
     save_reports: dict[int, int] = field(default_factory=dict)  # job -> workers that reported it
     layout: tuple[str, str] | None = None  # (dtype, layout id) of the canonical page
+    state_layout: str | None = None        # layout id of the canonical state page (recurrent hybrids)
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     bytes_saved: int = 0
@@ -123,6 +124,7 @@ class WorkerReport:
             for job, n in theirs.items():
                 mine[job] = mine.get(job, 0) + n
         self.layout = self.layout or other.layout
+        self.state_layout = self.state_layout or other.state_layout
         self.bytes_loaded += other.bytes_loaded
         self.load_seconds = max(self.load_seconds, other.load_seconds)
         self.bytes_saved += other.bytes_saved

@@ -94,6 +94,7 @@ class SavePlanner:
         # Under tensor parallelism the workers each write a part of an object and the
         # scheduler seals it: pages per layer -> the objects' geometry (None: workers seal).
         self.geometry_of: Callable[[int], codec.ObjectGeometry] | None = None
+        self.state_geometry: codec.ObjectGeometry | None = None  # a state snapshot's, likewise
         self.in_flight: dict[ObjectKey, int] = {}  # key -> save job reserving its slot
         self.state_groups: set[int] = set()  # recurrent groups: in snapshots, never in KV objects
         self.committed = 0
@@ -233,7 +234,12 @@ class SavePlanner:
         """Seal an object the workers wrote in parts (tensor parallelism): its header and
         the checksum of the whole payload, now that every part has landed."""
         try:
-            geometry = self.geometry_of(p.chunk.pages or self.pages_per_chunk)
+            if p.chunk.state:
+                geometry = self.state_geometry
+                if geometry is None:
+                    raise LookupError("no worker reported its state layout")
+            else:
+                geometry = self.geometry_of(p.chunk.pages or self.pages_per_chunk)
         except Exception as err:  # noqa: BLE001 - no layout reported yet, or a bad one: not saved
             self._fail("host", f"seal:{type(err).__name__}")
             return False

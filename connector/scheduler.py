@@ -86,9 +86,9 @@ class SchedulerHalf:
         self.page_bytes = page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
         self.object_size = codec.object_size(self.geometry)
-        self.state_groups, state_layers, self.state_page_bytes = states or ([], 0, 0)
+        self.state_groups, self.state_layers, self.state_page_bytes = states or ([], 0, 0)
         self.state_bytes = codec.object_size(codec.ObjectGeometry(
-            state_layers, 1, self.state_page_bytes, "uint8", "planned", block_size)) if states else 0
+            self.state_layers, 1, self.state_page_bytes, "uint8", "planned", block_size)) if states else 0
         self.io = IOLoop()
         self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
         self.stats = HitStats()
@@ -396,6 +396,9 @@ class SchedulerHalf:
             dtype, layout_id = report.layout
             self.saves.geometry_of = lambda pages: codec.ObjectGeometry(
                 self.identity.num_layers, pages, self.page_bytes, dtype, layout_id, pages * self.block_size)
+        if self.parts and report.state_layout is not None and self.saves.state_geometry is None:
+            self.saves.state_geometry = codec.ObjectGeometry(
+                self.state_layers, 1, self.state_page_bytes, "uint8", report.state_layout, self.block_size)
         for job_id, ok in report.loads.items():
             ok = self._all_reported("load", job_id, report.load_reports.get(job_id, 1), ok, operator.and_)
             if ok is None:

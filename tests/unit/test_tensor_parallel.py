@@ -184,3 +184,53 @@ def test_the_kv_head_axis_is_found_or_tensor_parallelism_is_refused():
     assert Shard.of((16, 16, 64), None, 1, 2) == Shard(None, 1, 2)          # MLA: replicated
     with pytest.raises(Exception, match="KV-head axis"):
         Shard.of((4, 4, 64), 4, 0, 2, block_size=16)                        # two axes of 4
+
+
+def test_recurrent_state_pages_hold_every_channel_once_whatever_the_tp_size():
+    """vLLM registers a short convolution's state per rank as int8 ``[blocks, 1, 1, padded]``
+    with the rank's channels, ``(state_len, channels / TP)`` float32 ("SD" layout).  Gathered
+    by every rank of TP=2, a snapshot holds the same bytes as TP=1's; loaded by TP=2, each
+    rank gets back its own channels."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from connector.identity import state_channel_axis
+    from connector.vllm import state_pages
+
+    blocks, rows, channels, padded = 6, 2, 8, 256
+    full = torch.randn(blocks, rows, channels)  # TP=1's states, block by block
+
+    def registered(states: torch.Tensor) -> torch.Tensor:
+        raw = torch.zeros(blocks, 1, 1, padded, dtype=torch.int8)
+        raw.flatten(1)[:, :states[0].numel() * 4] = states.contiguous().view(torch.int8).flatten(1)
+        return raw
+
+    def spec(ch: int) -> MambaSpec:
+        return MambaSpec(block_size=16, shapes=((rows, ch),), dtypes=(torch.float32,), mamba_cache_mode="align")
+
+    assert state_channel_axis() == 1  # vLLM's default "SD" layout
+    half = channels // 2
+    one = PagedKV({"s": state_pages(registered(full), spec(channels), blocks)}, ["s"], blocks)
+    ranks = [registered(full[:, :, r * half:(r + 1) * half]) for r in range(2)]
+    two = [PagedKV({"s": state_pages(t, spec(half), blocks)}, ["s"], blocks, Shard(1, r, 2))
+           for r, t in enumerate(ranks)]
+    assert one.layout.page_bytes == two[0].layout.page_bytes == rows * channels * 4
+    assert one.layout.layout_id == two[0].layout.layout_id
+
+    order = [4, 0, 2]
+    by_one = torch.zeros(1, len(order), rows, channels * 4, dtype=torch.int8)
+    one.gather(order, by_one)
+    by_two = torch.zeros_like(by_one)
+    for part in two:
+        part.gather(order, by_two)
+    assert torch.equal(by_two, by_one)
+    assert torch.equal(by_one[0].view(torch.float32), full[order])
+
+    for t in ranks:  # TP=2 loads the snapshots into other blocks: each rank, its channels
+        t.zero_()
+    for part in two:
+        part.scatter_layer(0, [1, 3, 5], by_one)
+    for r, t in enumerate(ranks):
+        got = t.flatten(1)[:, :rows * half * 4].contiguous().view(torch.float32).view(blocks, rows, half)
+        assert torch.equal(got[[1, 3, 5]], full[order][:, :, r * half:(r + 1) * half])
+        assert not got[[0, 2, 4]].any()
+        assert not t.flatten(1)[:, rows * half * 4:].any()  # vLLM's padding is never written

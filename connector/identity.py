@@ -59,6 +59,8 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
                                          getattr(vllm_config.load_config, "download_dir", None))
     settings = engine_settings(vllm_config, kv_cache_config)
     layers = sum(len(g.layer_names) for g in attn)  # recurrent layers: in their snapshots (engine_config)
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:  # the scheduler sees stage 0's layers only
+        layers = mc.get_total_num_hidden_layers()
     identity = Identity(
         model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
         layout_id=layout, num_layers=layers, num_kv_heads=heads,

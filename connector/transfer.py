@@ -98,12 +98,16 @@ def _block_dim(shape: Sequence[int], num_blocks: int | None) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """This worker's part of every canonical page: along page ``axis`` (its KV heads), part
-    ``rank`` of ``ranks``; ``axis`` None: the whole page, the same on every rank (MLA)."""
+    """This worker's part of every object: along page ``axis`` (its KV heads), part ``rank``
+    of ``ranks`` (``axis`` None: the whole page, the same on every rank: MLA); and under
+    pipeline parallelism its stage's layers, the object's ``first_layer`` on, of ``layers``
+    (0: this worker holds every layer)."""
 
     axis: int | None = None
     rank: int = 0
     ranks: int = 1
+    first_layer: int = 0
+    layers: int = 0
 
     @property
     def writes(self) -> bool:
@@ -113,7 +117,7 @@ class Shard:
     @property
     def whole(self) -> bool:
         """Whether this worker alone writes the whole object (so it may seal it)."""
-        return self.ranks == 1 or self.axis is None
+        return (self.ranks == 1 or self.axis is None) and not self.layers
 
     @classmethod
     def of(cls, page_shape: Sequence[int], local_heads: int | None, rank: int, ranks: int,
@@ -159,7 +163,12 @@ class PagedKV:
         canonical = list(local)
         if shard.axis is not None:
             canonical[shard.axis] *= shard.ranks
-        self.layout = PageLayout(len(names), tuple(canonical), first.dtype, dim, first.device.type)
+        total = shard.layers or len(names)
+        if shard.first_layer < 0 or shard.first_layer + len(names) > total:
+            raise ConfigError(f"a stage holding layers {shard.first_layer}..{shard.first_layer + len(names) - 1} "
+                              f"of a {total}-layer model")
+        self.first_layer = shard.first_layer  # this worker's layer i is the object's first_layer + i
+        self.layout = PageLayout(total, tuple(canonical), first.dtype, dim, first.device.type)
         self.num_blocks = self.pages[0].shape[0]
         self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(names)
         if len(self.layer_groups) != len(names):
@@ -201,7 +210,7 @@ class PagedKV:
         for layer, pages in enumerate(self.pages):
             block_ids = groups[self.layer_groups[layer]]
             n = len(block_ids)
-            dst = self._part(payload[layer])[:n]
+            dst = self._part(payload[self.first_layer + layer])[:n]
             if pages.device != payload.device:  # device pages → pinned host slot: one D2H copy
                 dst.copy_(pages.index_select(0, idx[self.layer_groups[layer]]), non_blocking=True)
             elif whole:
@@ -222,7 +231,7 @@ class PagedKV:
         block_ids = groups[self.layer_groups[layer]]
         holes = len(groups) > 1  # only hybrid models' groups have null blocks
         self._index([b for b in block_ids if not (holes and b == NULL_BLOCK)])  # range check
-        pages, src = self.pages[layer], self._part(payload[layer])
+        pages, src = self.pages[layer], self._part(payload[self.first_layer + layer])
         for start, first, count in _runs(block_ids, holes):
             if not (holes and first == NULL_BLOCK):
                 pages[first:first + count].copy_(src[start:start + count], non_blocking=True)

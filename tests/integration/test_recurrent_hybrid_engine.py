@@ -13,6 +13,8 @@ chain hash of the object ending there, and a hit ends only where a snapshot is s
   up to 0.12 in logprob (one token flipped) when only ``max_num_batched_tokens`` changes,
   without any connector (measured), against 3.6e-6 for the Llama-like "tiny-f32".  Our
   loads are bit for bit where the data was computed in the same shapes.
+* A chat's next turn hits at the previous prompt's last step boundary: vLLM 0.32 hands off
+  boundary states at the end of prefill steps only, none while it decodes.
 * Under TP=2 each rank snapshots its channels of every state into one object that holds
   them all in channel order, so TP=2 and TP=1 share snapshots: the same keys, and the same
   floats up to TP's all-reduce rounding.  A TP=2 engine after a restart equals TP=2's own
@@ -136,3 +138,28 @@ def test_conv_hybrid_snapshots_are_shared_by_tp2_and_tp1(tmp_path):
     stats = json.loads((tmp_path / "s4.json").read_text())
     hits = {label: e["hit_tokens"] for label, e in log_entries(ours1, stats).items()}
     assert hits == {"a+": 1280, "c2": 896}, hits  # TP=1 on TP=2's snapshots (a+'s own, 1280, since the restart)
+
+
+def test_a_conv_hybrid_chat_turn_hits_at_the_previous_prompts_last_step_boundary(tmp_path):
+    """vLLM 0.32 hands off a boundary state only at the end of a prefill step (measured: one
+    per step, none while decoding), so the next turn of a chat (prompt, answer, message)
+    hits at the previous prompt's last block boundary, after a restart, like vLLM's own cache."""
+    model = tinymodel.build_named(tmp_path / "model", GEO)
+    g = kit.TokenSource(31, tinymodel.GEOMETRIES[GEO].vocab)
+    question, message = tuple(g.take(600)), tuple(g.take(100))
+    run = dict(max_tokens=40, eager=True, enable_prefix_caching=True, engine_args=ALIGN)
+    ssd = tmp_path / "ssd"
+    first = kit.run_engine(model, connector_config(ssd, tmp_path / "s1.json"),
+                           kit.Workload((kit.Request("q", question),)), **run)
+    turn = question + first.by_label()["q"].token_ids + message
+    # The oracle: one engine, no connector; the turn hits its own prefix cache.
+    ref = kit.run_engine(model, None, kit.Workload((kit.Request("q", question), kit.Request("q2", turn))), **run)
+    assert ref.by_label()["q"].token_ids == first.by_label()["q"].token_ids
+    ours = kit.run_engine(model, connector_config(ssd, tmp_path / "s2.json"),
+                          kit.Workload((kit.Request("q2", turn),)), **run)
+    stats = json.loads((tmp_path / "s2.json").read_text())
+    entry = log_entries(ours, stats)["q2"]
+    assert (entry["hit_tokens"], entry["generated_hit_tokens"]) == (512, 0), entry
+    oracle = dataclasses.replace(ref, requests=tuple(r for r in ref.requests if r.label == "q2"))
+    verdict = compare_outputs(ours, oracle, logprob_tol=EXACT)
+    assert verdict, verdict.mismatches

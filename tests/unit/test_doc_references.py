@@ -8,8 +8,8 @@ A clone must be able to follow each one, so:
 * a cited ``*.md`` path (or any ``docs/...`` path) must exist, relative to the repository
   root or to the citing file's folder;
 * a ``#anchor`` after a markdown path must be the GitHub anchor of one of its headings;
-* the old form of citing private notes (a capitalised name, a section sign and a number) is
-  a reference to a document no clone has, so it fails too.
+* the old forms of citing private notes (a capitalised name, a section sign and a number;
+  "seed section" and a number) cite documents no clone has, so they fail too.
 
 The checker is tested on deliberately broken text first, so it is known to be able to fail.
 """
@@ -32,7 +32,8 @@ MD_REF = re.compile(r"(?<![\w./:-])((?:[\w-]+/|\.\./|\./)*[\w.-]+" + re.escape(_
 # Any path under docs/ (a folder, an image, a document).
 DOCS_REF = re.compile(r"(?<![\w./:-])((?:\.\./)*docs/[\w./-]*[\w/])(?:#([\w-]+))?")
 # The private notes' section marks: a capitalised name, a section sign, a number.
-SECTION_REF = re.compile(r"\b([A-Z][A-Z_]+)(?:" + re.escape(_MD) + r")? ?\u00a7 ?\d+")
+SECTION_REF = re.compile(r"\b([A-Z][A-Z_]+)(?:" + re.escape(_MD) + r")? ?\u00a7 ?\d+"
+                         r"|\b(?i:seeds? section) \d+")
 
 
 def slug(heading: str) -> str:
@@ -118,6 +119,7 @@ def test_checker_fails_on_an_old_section_mark(tmp_path):
     mark = "DESIGN \u00a73"
     found = problems(f"# keys ({mark})", tmp_path / "mod.py", tmp_path)
     assert len(found) == 1 and "\u00a7" in found[0]
+    assert problems("Rules (seed " + "section 3):", tmp_path / "mod.py", tmp_path)
 
 
 def test_checker_fails_on_a_missing_anchor(tmp_path):

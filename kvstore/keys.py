@@ -1,6 +1,6 @@
 """Content-addressed keys: namespaces, chained chunk hashes and object keys.
 
-Used on every side (scheduler, worker, server).  The contract (DESIGN §3):
+Used on every side (scheduler, worker, server).  The contract (docs/architecture.md#object-keys):
 
 * ``Namespace`` is a sha256 digest of the canonical encoding of the full computation
   identity (``Identity``) plus the sharing scope (tenant or ``cache_salt``).  Two

@@ -1,4 +1,4 @@
-"""Metrics with named denominators (DESIGN §10) and their Prometheus counters.
+"""Metrics with named denominators (docs/architecture.md#metrics) and their Prometheus counters.
 
 ``HitStats`` is the plain record the connector keeps and prints; every rate it reports
 names its denominator.  ``prometheus()`` returns process-wide counters (created once, so

@@ -1,6 +1,6 @@
 """The one small interface every storage tier implements (host DRAM, SSD, Redis, remote).
 
-Contract (DESIGN §6):
+Contract (docs/architecture.md#tiers):
 
 * Objects are whole, self-describing byte strings in the ``kvstore.codec`` format, named by
   ``ObjectKey``.  A tier never exposes half an object: puts are two-phase

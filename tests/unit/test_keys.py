@@ -1,4 +1,4 @@
-"""Keys (DESIGN §3): the chain, namespace separation, typed keys, determinism across processes.
+"""Keys (docs/architecture.md#object-keys): the chain, namespace separation, typed keys, determinism across processes.
 
 The story: a prompt is cut into chunks, each chunk's hash chains over everything before it
 inside a namespace that names the full computation identity.  Two processes, hosts or

@@ -82,6 +82,7 @@ class StepPlan:
     saves: list[SaveJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # requests whose final saves a reset cancelled
+    undelayed: list[str] = field(default_factory=list)  # finished, every gather reported: blocks freed
 
     @property
     def has_sync_loads(self) -> bool:

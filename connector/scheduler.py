@@ -116,6 +116,9 @@ class SchedulerHalf:
         self._refused: OrderedDict[str, str] = OrderedDict()  # req id -> why the connector refused it
         self._warned: set[str] = set()  # refusal and unknown-key warnings already logged once
         self._released: list[str] = []  # requests whose final saves a reset cancelled (next plan)
+        self._undelayed: list[str] = []  # finished requests whose gathers all reported (next plan)
+        self._unreported: dict[str, set[int]] = {}  # req id -> its save jobs the workers have not reported
+        self._job_owner: dict[int, str] = {}         # save job -> req id, while unreported
         self._interval_base: dict[str, int] = {}  # counters at the last get_kv_connector_stats
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
@@ -384,8 +387,9 @@ class SchedulerHalf:
         self._track_blocks(step)
         plan = StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
                         self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
-                        loads=self._queued_loads, preempted=sorted(step.preempted), released=self._released)
-        self._queued_loads, self._released = [], []
+                        loads=self._queued_loads, preempted=sorted(step.preempted), released=self._released,
+                        undelayed=self._undelayed)
+        self._queued_loads, self._released, self._undelayed = [], [], []
         for job in plan.loads:
             self._running_state_blocks(job, step.scheduled.get(job.req_id, 0))
         plan.saves, self._final_saves = self._final_saves, []
@@ -396,7 +400,7 @@ class SchedulerHalf:
                 job = self.saves.plan(st, done, self._next_job)
                 if job is not None:
                     self._next_job += 1
-                    plan.saves.append(job)
+                    plan.saves.append(self._unreported_job(job))
                     if self.kv_events is not None:
                         self.kv_events.saving(st, job)
         for req_id, entries in step.states.items():
@@ -405,7 +409,7 @@ class SchedulerHalf:
                 job = self.saves.plan_states(st, entries, self.state_groups, self.state_bytes, self._next_job)
                 if job is not None:
                     self._next_job += 1
-                    plan.saves.append(job)
+                    plan.saves.append(self._unreported_job(job))
         work = [(self._computed.get(r, 0), n) for r, n in step.scheduled.items()]
         self._idle = not work
         self._step = (time.perf_counter(), work)
@@ -469,6 +473,7 @@ class SchedulerHalf:
                                      lambda a, b: [x and y for x, y in zip(a, b)])
             if oks is not None:
                 self.saves.report(job_id, oks)
+                self._reported_job(job_id)
         with self._stats_lock:
             self.stats.saves_committed = self.saves.committed
             for reason, n in report.failures.items():
@@ -543,6 +548,8 @@ class SchedulerHalf:
         blocks past the last saved chunk are saved with the next step."""
         st = self._reqs.pop(req_id, None)
         if st is None:
+            if req_id in self._refused:  # served without us: its refusal is counted in the stats
+                self.write_stats()
             return False
         self._unpin(st)
         self.observe.finished(req_id)
@@ -550,11 +557,29 @@ class SchedulerHalf:
             job = self.saves.plan(st, min(computed, len(st.view.all_tokens)), self._next_job, final=True)
             if job is not None:
                 self._next_job += 1
-                self._final_saves.append(job)
+                self._final_saves.append(self._unreported_job(job))
                 if self.kv_events is not None:
                     self.kv_events.saving(st, job)
         self.write_stats()
-        return st.had_saves
+        if self._unreported.get(req_id):
+            return True
+        if st.had_saves:  # every gather reported: the blocks may go now, the worker is told
+            self._undelayed.append(req_id)
+        return False
+
+    def _unreported_job(self, job: SaveJob) -> SaveJob:
+        """A save job sent to the workers: its request's blocks are needed until they report it."""
+        self._unreported.setdefault(job.req_id, set()).add(job.job_id)
+        self._job_owner[job.job_id] = job.req_id
+        return job
+
+    def _reported_job(self, job_id: int) -> None:
+        req_id = self._job_owner.pop(job_id, None)
+        jobs = self._unreported.get(req_id)
+        if jobs is not None:
+            jobs.discard(job_id)
+            if not jobs:
+                del self._unreported[req_id]
 
     def output_params(self, req_id: str) -> dict[str, object] | None:
         """What the request's output carries in ``kv_transfer_params`` (why the connector
@@ -582,6 +607,7 @@ class SchedulerHalf:
         cancelled = 0
         for job in self._final_saves:
             cancelled += self.saves.cancel(job.job_id)
+            self._reported_job(job.job_id)
             self._released.append(job.req_id)
         self._final_saves = []
         self.epoch.reset()

@@ -157,9 +157,13 @@ class WorkerHalf:
             raise ConfigError(f"scheduler plans {plan.state_page_bytes}-byte state pages, this worker's "
                               f"are {self.states.layout.page_bytes} bytes ({self.states.layout})")
         self._plan = plan
-        if plan.released:  # final saves a reset cancelled: their requests' blocks may go
+        if plan.released or plan.undelayed:
             with self._lock:
-                self._had_saves.update(plan.released)
+                self._had_saves.update(plan.released)    # final saves a reset cancelled: blocks may go
+                self._had_saves.difference_update(plan.undelayed)  # vLLM freed these already
+                self._finished.difference_update(plan.undelayed)
+                for r in plan.undelayed:
+                    self._saving.pop(r, None)
         self.poll()
         if self._pool is None or self._pool.path != plan.pool_path:
             self._attach(plan.pool_path, plan.pool_size)

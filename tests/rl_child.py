@@ -9,6 +9,9 @@ what each gave:
   output weight of the model's files times ``scale``, through ``collective_rpc`` and the
   model runner's ``reload_weights`` (what RL frameworks call);
 * ``["reset"]``: ``reset_prefix_cache(reset_connector=True)``, timed.
+
+At the end, vLLM's own metrics (``LLM.get_metrics``): its per-source cached prompt tokens and
+our counters on its registry (``vllm:kvstore_*``).
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ def main(spec_path: str, out_path: str) -> None:
                             "logprobs": [lp[t].logprob for t, lp in zip(seq.token_ids, seq.logprobs)],
                             "kv_transfer_params": out.kv_transfer_params,
                             "num_cached_tokens": out.num_cached_tokens, "stats": _totals(spec["stats_path"])})
+    metrics = [{"name": m.name, "labels": m.labels, "value": m.value} for m in llm.get_metrics()
+               if m.name.startswith(("vllm:kvstore_", "vllm:prompt_tokens_cached_by_source"))]
+    results.append({"action": "metrics", "metrics": metrics})
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(results))
     os.replace(tmp, out_path)

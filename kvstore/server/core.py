@@ -55,7 +55,7 @@ from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
-from kvstore.server.tickets import TicketBook
+from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
 from kvstore.store.events import StoreObserver
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.lookup import trusted_key
@@ -128,7 +128,9 @@ class ServerStore:
         self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
         self.leases = LeaseBook(on_drop=lambda tenant: self.tenants.give(tenant, "leases"))
         self.puts = PutPath(self.core, cfg, metrics, self.tenants, clock)
-        self.tickets = TicketBook(cfg.data_ticket_ttl, clock=clock)   # data-channel tickets (kvstore.server.tickets)
+        # data-channel tickets (kvstore.server.tickets): each tenant its own budget, the table their sum
+        budget = sum(limits.tickets for limits in self.tenants.limits.values()) or DEFAULT_TICKETS
+        self.tickets = TicketBook(cfg.data_ticket_ttl, budget, clock=clock, tenants=self.tenants)
         self._clock = clock
         self._reaper: asyncio.Task | None = None
         self._closing = False

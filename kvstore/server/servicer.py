@@ -10,9 +10,13 @@ errors become status codes in ONE place (``_STATUS`` via the ``rpc`` decorator):
     TierError            → UNAVAILABLE         TimeoutError          → DEADLINE_EXCEEDED
     anything else        → INTERNAL (logged with its traceback)
 
-A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``_DRAIN_FIRST``) is
-answered only after the client's frames are read (at most one object's worth), so the
-client sees that status rather than a failed write.
+A ``PutStream`` refused before it holds one of its tenant's ``streams`` (no token, no
+``write``, the tenant's ``streams`` quota reached) ends at once, counted (``permission``,
+``streams`` refusals of the tenant): it holds no RPC slot while its client goes on sending.
+One refused after it took a stream (a bad start frame, a put of an existing object, ...:
+``_DRAIN_FIRST``) is answered only after the client's frames are read (at most one object's
+worth, while it still holds that stream), so the client sees that status rather than a
+failed write.
 
 Every handler runs under the call's deadline (``asyncio.timeout``).  Streams also run under
 the server's own: ``GetStream`` and ``PutStream`` must move their object at
@@ -109,8 +113,6 @@ def rpc(*needed: Permission) -> Callable[[Handler], Handler]:
                 code, message = status_of(err)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("%s failed", fn.__name__)
-                if code in _DRAIN_FIRST and hasattr(request, "__aiter__"):
-                    await self._drain_refused(request)
                 await context.abort(code, message)
 
         return handler
@@ -140,7 +142,11 @@ class KVStoreServicer:
     def admit(self, request, context, needed: tuple[Permission, ...], method: str) -> Principal:
         self.store.check_open()
         who = self.auth.authenticate(context.invocation_metadata())
-        who.require(*needed)
+        try:
+            who.require(*needed)
+        except PermissionDeniedError:
+            self.store.tenants.refuse(who.tenant, "permission")
+            raise
         if isinstance(request, Malformed):
             raise ConfigError(f"{method}: malformed request ({request.reason})")
         return who
@@ -255,13 +261,18 @@ class KVStoreServicer:
     @rpc(WRITE)
     async def PutStream(self, frames: AsyncIterator[InFrame], context, who: Principal) -> pb.PutCommitResponse:
         frames = frames.__aiter__()
-        with self._stream(who):
-            first = await self._next_frame(frames)
-            if first is None or first.start is None:
-                raise ConfigError("PutStream: the first frame must be 'start'" +
-                                  (" (the stream was empty)" if first is None else ", got data"))
-            async with self._deadline(who, first.start.size):
-                return await self._put_stream(who, first.start, frames)
+        with self._stream(who):        # refused here (quota): answered at once, nothing drained
+            try:
+                first = await self._next_frame(frames)
+                if first is None or first.start is None:
+                    raise ConfigError("PutStream: the first frame must be 'start'" +
+                                      (" (the stream was empty)" if first is None else ", got data"))
+                async with self._deadline(who, first.start.size):
+                    return await self._put_stream(who, first.start, frames)
+            except Exception as err:
+                if status_of(err)[0] in _DRAIN_FIRST:
+                    await self._drain_refused(frames)   # still one of the tenant's streams
+                raise
 
     async def _put_stream(self, who: Principal, start: pb.PutStartRequest,
                           frames: AsyncIterator[InFrame]) -> pb.PutCommitResponse:

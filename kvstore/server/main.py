@@ -240,7 +240,7 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         servicer = KVStoreServicer(store, auth, boot_id())
         await gate.start()
         servicer.gate = gate
-        add_to_server(servicer, server)
+        add_to_server(servicer, server, servicer.guard())
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(

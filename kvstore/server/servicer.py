@@ -10,13 +10,14 @@ errors become status codes in ONE place (``_STATUS`` via the ``rpc`` decorator):
     TierError            → UNAVAILABLE         TimeoutError          → DEADLINE_EXCEEDED
     anything else        → INTERNAL (logged with its traceback)
 
-A ``PutStream`` refused before it holds one of its tenant's ``streams`` (no token, no
-``write``, the tenant's ``streams`` quota reached) ends at once, counted (``permission``,
-``streams`` refusals of the tenant): it holds no RPC slot while its client goes on sending.
-One refused after it took a stream (a bad start frame, a put of an existing object, ...:
-``_DRAIN_FIRST``) is answered only after the client's frames are read (at most one object's
-worth, while it still holds that stream), so the client sees that status rather than a
-failed write.
+A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``_DRAIN_FIRST``) is
+answered only after the client's frames are read (at most one object's worth), so the
+client sees that status rather than a failed write, but only while it holds one of its
+tenant's ``streams``: a tenant's refused streams never hold more call slots
+(``max_concurrent_rpcs``) than its ``streams`` quota.  Without a free stream (the quota
+reached, counted as ``streams``; or no ``write`` at the quota, counted as ``permission``) it
+ends at once, and a call without a valid token is refused before anything is read
+(``kvstore.server.wire.Guard``).
 
 Every handler runs under the call's deadline (``asyncio.timeout``).  Streams also run under
 the server's own: ``GetStream`` and ``PutStream`` must move their object at
@@ -54,7 +55,7 @@ from kvstore.keys import ObjectKey
 from kvstore.server.core import ServerStore
 from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.statsdoc import flat_counters, flat_tenant
-from kvstore.server.wire import InFrame, Malformed, OutFrame
+from kvstore.server.wire import Guard, InFrame, Malformed, OutFrame
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
@@ -139,17 +140,39 @@ class KVStoreServicer:
         self.data_port = 0             # set by kvstore.server.main once the data channel listens
         self.gate = None               # the ShmGate, set by kvstore.server.main once it listens
 
+    def guard(self) -> Guard:
+        """What every call goes through before its handler (``kvstore.server.wire.Guard``):
+        its token, from the metadata alone, and ``request_timeout`` for its request."""
+        return Guard(self._preauth, self.cfg.request_timeout,
+                     lambda method: self.store.metrics.counters.fail("grpc_request_timeout"))
+
+    async def _preauth(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a caller without a valid token before anything is read (counted in
+        ``failures{reason="grpc_unauthenticated"}``: it has no tenant)."""
+        try:
+            self.auth.authenticate(context.invocation_metadata())
+        except UnauthenticatedError as err:
+            self.store.metrics.counters.fail("grpc_unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
     def admit(self, request, context, needed: tuple[Permission, ...], method: str) -> Principal:
         self.store.check_open()
         who = self.auth.authenticate(context.invocation_metadata())
-        try:
-            who.require(*needed)
-        except PermissionDeniedError:
-            self.store.tenants.refuse(who.tenant, "permission")
-            raise
+        denied = self._denied(who, needed)
+        if denied is not None:
+            raise denied
         if isinstance(request, Malformed):
             raise ConfigError(f"{method}: malformed request ({request.reason})")
         return who
+
+    def _denied(self, who: Principal, needed: tuple[Permission, ...]) -> PermissionDeniedError | None:
+        """The refusal (counted as the tenant's ``permission``) when ``who`` lacks ``needed``."""
+        try:
+            who.require(*needed)
+        except PermissionDeniedError as err:
+            self.store.tenants.refuse(who.tenant, "permission")
+            return err
+        return None
 
     def _keys(self, who: Principal, namespace: bytes, chunk_hash: bytes, tag: str) -> tuple[ObjectKey, ObjectKey]:
         return self.scope.keys(who, namespace, chunk_hash, tag)
@@ -258,11 +281,17 @@ class KVStoreServicer:
             return pb.PutCommitResponse(outcome=pb.PUT_OUTCOME_FAILED)
         return pb.PutCommitResponse(outcome=OUTCOMES[await self.store.puts.finish(pending, "shm")])
 
-    @rpc(WRITE)
+    @rpc()
     async def PutStream(self, frames: AsyncIterator[InFrame], context, who: Principal) -> pb.PutCommitResponse:
         frames = frames.__aiter__()
+        denied = self._denied(who, (WRITE,))
+        if denied is not None and self.store.tenants.held_and_quota(who.tenant, "streams")[0] >= \
+                self.store.tenants.held_and_quota(who.tenant, "streams")[1]:
+            raise denied               # no stream to drain it under: answered at once
         with self._stream(who):        # refused here (quota): answered at once, nothing drained
             try:
+                if denied is not None:
+                    raise denied
                 first = await self._next_frame(frames)
                 if first is None or first.start is None:
                     raise ConfigError("PutStream: the first frame must be 'start'" +
@@ -372,7 +401,7 @@ class KVStoreServicer:
                 raise ConfigError(f"{len(obj.token_ids)} token ids exceed {MAX_DESCRIBED_TOKENS} per object")
             _, key = self._keys(who, request.namespace, obj.chunk_hash, request.tag)
             parent = self.scope.chunk_hash(obj.parent_hash, "parent_hash") if obj.parent_hash else None
-            described += self.store.describe(key, parent, obj.token_ids, obj.lora_name)
+            described += self.store.describe(key, parent, obj.token_ids, obj.lora_name, who.tenant)
         return pb.DescribeResponse(described=described)
 
     @rpc(READ)

@@ -4,13 +4,14 @@ attacker while tenant a keeps being served (docs/store-bounds.md)."""
 from __future__ import annotations
 
 import threading
+import urllib.request
 
 import grpc
 import pytest
 
 from kvstore._proto import kvstore_pb2 as pb
 from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import admin_counters, keys, quiet, start_store
+from tests.hostile_kit import QUOTAS, admin_counters, keys, quiet, start_store
 from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
 
 Code = grpc.StatusCode
@@ -74,9 +75,10 @@ def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 
 
 def test_refused_put_streams_end_at_once_and_hold_no_rpc_slot(store, objects):
-    """b's read-only token opens PutStreams it may not, and b opens more than its 2 streams;
-    each is refused at once (counted) while its client still sends, so 2 x MAX_RPCS refused
-    streams never fill the server's call slots and a's puts and hellos go on."""
+    """While b's 2 streams are in use, b's read-only token opens PutStreams it may not and b
+    opens more streams: each is refused at once (counted) while its client still sends (a
+    refused stream is drained only under one of its tenant's streams), so 2 x MAX_RPCS
+    refused streams never fill the server's call slots and a's puts and hellos go on."""
     before = refused(store.target, "tok-b")
     mine = keys(3, seed=300)
     with StoreClient(store.target, "tok-b") as b, StoreClient(store.target, "tok-b-ro") as ro, \
@@ -124,3 +126,98 @@ def test_a_read_only_token_cannot_take_the_ticket_table(store):
             ticket, port = ticket_of(a)
             with RawData(port) as raw:
                 assert raw.hello(ticket, "tok-a")[0].code == 0
+
+
+class Silent:
+    """A call of ``method`` (a single-request RPC) whose request never comes: its headers
+    (and ``token``'s metadata) are sent, then nothing until ``stop()``.  ``code`` is how the
+    server ended it and ``while_silent`` whether that came before ``stop()``."""
+
+    def __init__(self, channel: grpc.Channel, method: str, token: str | None = None) -> None:
+        self.release = threading.Event()
+        self.code: Code | None = None
+        self.while_silent: bool | None = None
+        call = channel.stream_unary(f"/kvstore.v1.KVStore/{method}", request_serializer=lambda m: m,
+                                    response_deserializer=lambda raw: raw)
+        meta = (("authorization", f"Bearer {token}"),) if token else None
+        self.future = call.future(self._nothing(), metadata=meta, timeout=60)
+        self.future.add_done_callback(self._done)
+
+    def _nothing(self):
+        self.release.wait(60)
+        return
+        yield
+
+    def _done(self, fut) -> None:
+        self.while_silent = not self.release.is_set()
+        self.code = fut.code()
+
+    def stop(self) -> None:
+        self.release.set()
+        self.future.cancel()
+
+
+def test_calls_without_a_token_or_without_a_request_hold_no_call_slot(store):
+    """3 x MAX_RPCS calls with no token that never send their request are refused at once
+    (counted, before any request is read); calls with b's token that never send theirs are
+    cut after request_timeout; a's hellos and lookups are served all along."""
+    before = admin_counters(store.target)
+    channel = grpc.insecure_channel(store.target)
+    calls: list[Silent] = []
+    try:
+        grpc.channel_ready_future(channel).result(timeout=20)
+        for i in range(3 * MAX_RPCS):
+            calls.append(Silent(channel, ("Hello", "Lookup", "GetStream", "OpenData")[i % 4]))
+        with StoreClient(store.target, "tok-b") as b:           # b's own: cut when late
+            late = [Silent(b.channel, m, "tok-b") for m in ("Hello", "Lookup")]
+            calls += late
+            assert wait_until(lambda: all(c.code is not None for c in calls), timeout=30)
+        assert all(c.while_silent for c in calls)
+        assert [c.code for c in calls] == [Code.UNAUTHENTICATED] * (3 * MAX_RPCS) + [Code.DEADLINE_EXCEEDED] * 2
+        with StoreClient(store.target, "tok-a") as a:
+            for _ in range(MAX_RPCS + 1):
+                assert a.call("Hello", pb.HelloRequest()).tenant == "a"
+            assert a.lookup(keys(2, seed=310)).hits == 0
+    finally:
+        for c in calls:
+            c.stop()
+        channel.close()
+    after = admin_counters(store.target)
+    assert after["store.failures.grpc_unauthenticated"] - before.get("store.failures.grpc_unauthenticated", 0) == 3 * MAX_RPCS
+    assert after["store.failures.grpc_request_timeout"] - before.get("store.failures.grpc_request_timeout", 0) == 2
+
+
+def describe(client: StoreClient, keys_, n_tokens: int) -> list[Code]:
+    """Describe each of ``keys_`` (one call each) with ``n_tokens`` tokens; the codes."""
+    codes = []
+    for k in keys_:
+        req = pb.DescribeRequest(namespace=bytes(k.namespace), tag=k.tag, objects=[pb.ObjectDescription(
+            chunk_hash=bytes(k.chunk_hash), token_ids=list(range(n_tokens)))])
+        codes.append(rpc_code(lambda: client.call("Describe", req)))
+    return codes
+
+
+def test_descriptions_count_against_their_tenant(tmp_path, objects):
+    """b describes 40 objects it holds with the most tokens a call allows (256 KiB each):
+    beyond its 1 MiB of descriptions it is refused (counted on /metrics) and holds no more,
+    while a's descriptions are taken."""
+    quotas = {**QUOTAS, "b": {**QUOTAS["b"], "described_bytes": "1MiB"}}
+    proc = start_store(tmp_path, "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events", quotas=quotas)
+    try:
+        mine, theirs = keys(3, seed=320), keys(40, seed=321)
+        with StoreClient(proc.target, "tok-b") as b, StoreClient(proc.target, "tok-a") as a:
+            for k in theirs:
+                assert b.put_stream(k, objects.make(k, 64 * KiB)) == pb.PUT_OUTCOME_STORED
+            codes = describe(b, theirs, 65536)
+            assert codes == [Code.OK] * 3 + [Code.RESOURCE_EXHAUSTED] * 37     # 3 x (256 KiB + entry)
+            held = b.stats()[1]
+            assert held["held.described"] == 3 and held["held.described_bytes"] <= MiB
+            assert held["refused.described_bytes"] == 37
+            for k in mine:
+                assert a.put_stream(k, objects.make(k, 64 * KiB)) == pb.PUT_OUTCOME_STORED
+            assert describe(a, mine, 256) == [Code.OK] * 3
+            assert a.stats()[1]["held.described"] == 3
+        metrics = urllib.request.urlopen(proc.metrics_url, timeout=10).read().decode()
+        assert 'kvstore_server_tenant_refused_total{tenant="b",what="described_bytes"} 37.0' in metrics
+    finally:
+        assert proc.terminate(30) == 0

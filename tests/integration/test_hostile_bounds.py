@@ -3,6 +3,10 @@ test the attack runs (its attempts are counted) and fails: the server refuses or
 attacker while tenant a keeps being served (docs/store-bounds.md)."""
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -221,3 +225,99 @@ def test_descriptions_count_against_their_tenant(tmp_path, objects):
         assert 'kvstore_server_tenant_refused_total{tenant="b",what="described_bytes"} 37.0' in metrics
     finally:
         assert proc.terminate(30) == 0
+
+
+def _open_now(sock: socket.socket) -> bool:
+    """Whether the server still holds ``sock`` open: what it sent (an error reply) is read
+    and dropped; open until EOF or a reset."""
+    try:
+        while sock.recv(4096, socket.MSG_DONTWAIT):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+STRANGERS = 600     # more than the data channel's 512 global connection slots
+
+
+def test_strangers_holding_data_connections_take_no_slot_of_a(store):
+    """600 connections from 127.0.0.2 that never send a hello: at most 16 are held (the
+    rest closed at once, counted), none takes a global slot, and those held are cut after
+    hello_timeout, while a (from 127.0.0.1) opens data connections all along."""
+    before = admin_counters(store.target)
+    socks: list[socket.socket] = []
+    with StoreClient(store.target, "tok-a") as a:
+        port = ticket_of(a)[1]
+        try:
+            for _ in range(STRANGERS):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=20,
+                                                      source_address=("127.0.0.2", 0)))
+            for _ in range(3):
+                ticket, _ = ticket_of(a)
+                with RawData(port) as raw:
+                    assert raw.hello(ticket, "tok-a")[0].code == 0
+            assert sum(_open_now(s) for s in socks) <= 16
+            assert wait_until(lambda: not any(_open_now(s) for s in socks), timeout=30)   # cut: no hello
+        finally:
+            for s in socks:
+                s.close()
+    grown_ = admin_counters(store.target)["store.failures.data_unauthenticated_per_peer"] - \
+        before.get("store.failures.data_unauthenticated_per_peer", 0)
+    assert grown_ >= STRANGERS - 16 * 8         # refused at once (a few more were held if some were cut meanwhile)
+
+
+GATE_ATTACKER = r"""
+import json, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    socks.append(s)
+def open_now(s):  # the server's error reply is read and dropped; open until EOF or reset
+    try:
+        while s.recv(4096, socket.MSG_DONTWAIT):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+print(json.dumps({"opened": len(socks)}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"open": sum(open_now(s) for s in socks)}), flush=True)
+deadline = time.monotonic() + 60
+while any(open_now(s) for s in socks) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(json.dumps({"open": sum(open_now(s) for s in socks)}), flush=True)
+"""
+GATE_STRANGERS = 1100   # more than the gate's 1024 sessions
+
+
+def test_strangers_holding_gate_connections_take_no_session_of_a(store):
+    """Another process of the server's uid opens 1100 gate connections and never sends a
+    hello: at most 16 are held (the rest closed at once, counted) and those are cut after
+    hello_timeout, while a opens its shared-memory sessions all along."""
+    before = admin_counters(store.target)
+    with StoreClient(store.target, "tok-a") as a:
+        path = a.hello().shm_socket
+        attacker = subprocess.Popen([sys.executable, "-c", GATE_ATTACKER, path, str(GATE_STRANGERS)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(attacker.stdout.readline()) == {"opened": GATE_STRANGERS}
+            for _ in range(3):
+                with StoreClient(store.target, "tok-a") as session_a:
+                    assert session_a.open_session().session_id
+            attacker.stdin.write("report\n")
+            attacker.stdin.flush()
+            assert json.loads(attacker.stdout.readline())["open"] <= 16
+            assert json.loads(attacker.stdout.readline()) == {"open": 0}                 # cut: no hello
+        finally:
+            attacker.kill()
+            attacker.wait()
+    grown_ = admin_counters(store.target)["store.failures.shm_unauthenticated_per_peer"] - \
+        before.get("store.failures.shm_unauthenticated_per_peer", 0)
+    assert grown_ >= GATE_STRANGERS - 16 * 8

@@ -84,6 +84,8 @@ class ServerConfig(LeaseSettings, TierSettings):
     kv_events_topic: str = setting("", "topic of every KV event message (`{tenant}` is replaced), e.g. "
                                    "llm-d's `kv@HOST:PORT@MODEL`")
     kv_events_buffer: int = setting(10000, "KV event batches kept for replay, per stream")
+    kv_events_buffer_bytes: Size = setting(64 * MiB, "bytes of KV event batches kept for replay, per stream "
+                                           "(the oldest go first)")
     trace_path: Path | None = setting(None, "write a Chrome trace-event JSON of the store's stages here "
                                       "(Perfetto and chrome://tracing open it)")
 
@@ -125,6 +127,8 @@ class ServerConfig(LeaseSettings, TierSettings):
         ids) needs ``insecure``, as a plaintext listen address does."""
         if self.kv_events_buffer <= 0:
             raise ConfigError(f"kv_events_buffer must be positive, got {self.kv_events_buffer}")
+        if self.kv_events_buffer_bytes <= 0:
+            raise ConfigError(f"kv_events_buffer_bytes must be positive, got {self.kv_events_buffer_bytes}")
         if self.kv_events_replay and not self.kv_events:
             raise ConfigError("kv_events_replay needs kv_events (replay answers for a stream)")
         for name in ("kv_events", "kv_events_replay"):

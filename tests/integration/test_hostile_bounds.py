@@ -321,3 +321,49 @@ def test_strangers_holding_gate_connections_take_no_session_of_a(store):
     grown_ = admin_counters(store.target)["store.failures.shm_unauthenticated_per_peer"] - \
         before.get("store.failures.shm_unauthenticated_per_peer", 0)
     assert grown_ >= GATE_STRANGERS - 16 * 8
+
+
+def replayed(endpoint: str) -> list[tuple[int, int]]:
+    """(seq, payload bytes) of every batch a stream's replay socket holds."""
+    import zmq
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            _, _topic, seq, payload = dealer.recv_multipart()
+            if not payload and not _topic:
+                return got
+            got.append((int.from_bytes(seq, "big"), len(payload)))
+    finally:
+        dealer.close(0)
+        ctx.term()
+
+
+def test_a_tenant_churning_described_objects_keeps_a_bounded_replay_buffer(tmp_path, objects):
+    """b describes one object with 65,536 tokens, then puts and deletes it 24 times: each put
+    announces it again, tokens and all (~320 KiB a batch).  b's replay buffer keeps at most
+    1 MiB of them, the oldest dropped; a's stream keeps its own batches."""
+    proc = start_store(tmp_path, "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
+                       "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay",
+                       "--kv-events-buffer-bytes", "1MiB")
+    try:
+        k, mine = keys(1, seed=330)[0], keys(1, seed=331)[0]
+        with StoreClient(proc.target, "tok-b") as b, StoreClient(proc.target, "tok-a") as a:
+            assert a.put_stream(mine, objects.make(mine, 64 * KiB)) == pb.PUT_OUTCOME_STORED
+            assert describe(a, [mine], 256) == [Code.OK]
+            assert describe(b, [k], 65536) == [Code.OK]
+            for i in range(24):
+                assert b.put_stream(k, objects.make(k, 64 * KiB, seed=i)) == pb.PUT_OUTCOME_STORED
+                assert wait_until(lambda: admin_counters(proc.target)["write_throughs_in_flight"] == 0)
+                assert b.delete(k)
+            assert wait_until(lambda: replayed(f"ipc://{tmp_path}/b.replay")[-1][0] >= 24, timeout=30)
+        theirs = replayed(f"ipc://{tmp_path}/b.replay")
+        assert sum(n for _, n in theirs) <= MiB and theirs[0][0] > 0           # the oldest went first
+        assert [seq for seq, _ in replayed(f"ipc://{tmp_path}/a.replay")][0] == 0   # a's: all kept
+    finally:
+        assert proc.terminate(30) == 0

@@ -285,8 +285,8 @@ class KVStoreServicer:
     async def PutStream(self, frames: AsyncIterator[InFrame], context, who: Principal) -> pb.PutCommitResponse:
         frames = frames.__aiter__()
         denied = self._denied(who, (WRITE,))
-        if denied is not None and self.store.tenants.held_and_quota(who.tenant, "streams")[0] >= \
-                self.store.tenants.held_and_quota(who.tenant, "streams")[1]:
+        held, quota = self.store.tenants.held_and_quota(who.tenant, "streams")
+        if denied is not None and held >= quota:
             raise denied               # no stream to drain it under: answered at once
         with self._stream(who):        # refused here (quota): answered at once, nothing drained
             try:

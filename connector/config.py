@@ -15,6 +15,7 @@ takes it as it is.
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -28,6 +29,7 @@ from kvstore.config import (LeaseSettings, Seconds, TierSettings, check_seconds,
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 
+log = logging.getLogger("kvstore.connector")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
@@ -141,7 +143,12 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                           env: Mapping[str, str] | None = None) -> ConnectorConfig:
         """``extra`` over ``KVSTORE_<KEY>`` variables of ``env`` (``os.environ`` when None)
         over the defaults."""
-        return load(cls, given(cls, extra, "kv_connector_extra_config"), from_env(cls, env, "KVSTORE_"))
+        cfg = load(cls, given(cls, extra, "kv_connector_extra_config"), from_env(cls, env, "KVSTORE_"))
+        if cfg.store_token:
+            where = ("kv_connector_extra_config (vLLM logs it at start)" if extra and "store_token" in extra
+                     else "KVSTORE_STORE_TOKEN (any process of this uid can read /proc/PID/environ)")
+            log.warning("KVStoreConnector: the store token comes from %s; prefer store_token_file, a 0600 file", where)
+        return cfg
 
     def check_block_size(self, block_size: int) -> None:
         """The chunk must cover whole engine blocks."""

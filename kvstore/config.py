@@ -25,6 +25,7 @@ once for the embedded store's ``StoreConfig``, the connector and the store proce
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -238,6 +239,9 @@ def read_token_file(path: str | os.PathLike) -> str:
         raise ConfigError(f"token file {path} is not readable: {getattr(err, 'strerror', None) or err}") from err
     if not token:
         raise ConfigError(f"token file {path} is empty")
+    if os.stat(path).st_mode & 0o077:
+        logging.getLogger("kvstore").warning("token file %s can be read by other users (mode %o): make it 0600",
+                                             path, os.stat(path).st_mode & 0o777)
     return token
 
 

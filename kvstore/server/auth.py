@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from kvstore.errors import ConfigError, PermissionDeniedError, UnauthenticatedEr
 from kvstore.server.tenants import Limits, parse_limits
 
 __all__ = ["PermissionDeniedError", "UnauthenticatedError"]  # re-exported for the server
+log = logging.getLogger("kvstore.server")
 
 
 class Permission(Enum):
@@ -122,10 +124,14 @@ class TokenTable:
             raise ConfigError(f"auth tokens file {path} does not exist") from err
         except (OSError, UnicodeDecodeError) as err:
             raise ConfigError(f"auth tokens file {path} is not readable: {err}") from err
+        at = None
         try:
             doc = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"auth tokens file {path} is not valid YAML: {err}") from err
+        except yaml.YAMLError as err:  # its text quotes the line, which may hold a token: where only
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        if at is not None:  # raised outside the handler: no exception of yaml's rides along
+            raise ConfigError(f"auth tokens file {path} is not valid YAML{at}")
         return cls.from_document(doc, str(path))
 
     @classmethod
@@ -182,6 +188,10 @@ def _entry_digest(entry: dict, where: str, env: Mapping[str, str]) -> bytes:
         if len(raw) != 32:
             raise ConfigError(f"{where}: 'sha256' must be 64 hex digits (the token's sha256)")
         return raw
+    if source == "token":
+        log.warning("%s: an inline token: whoever reads this file (or the store's /proc/PID/cmdline, which names "
+                    "it) can use it; give only its digest instead (sha256: <hex of sha256(token)>; "
+                    "`kvstore tokens` writes such a file and each token to a 0600 file of its own)", where)
     token = _token_from(source, value, where, env)
     if any(c.isspace() for c in token) or not token.isprintable():
         raise ConfigError(f"{where}: the token must not contain spaces or control characters")

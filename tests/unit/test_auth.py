@@ -142,3 +142,30 @@ def test_require_names_the_missing_permission():
     who.require(Permission.READ)
     with pytest.raises(PermissionDeniedError, match="tenant 'a': token lacks permission write, shm"):
         who.require(Permission.WRITE, Permission.READ, Permission.SHM)
+
+
+SECRET = "s3cret-never-shown-9f2c"
+
+
+@pytest.mark.parametrize("text", [
+    f'tokens:\n  - {{token: "{SECRET}", tenant: a, permissions: [read]\n',         # unclosed flow mapping
+    f"tokens:\n  - token: {SECRET}\n   tenant: a\n",                             # bad indentation
+    f'tokens:\n  - {{token: "{SECRET}\t\x07", tenant: a}}\n',                      # control character
+    f"tokens: [{{token: {SECRET}, tenant: a, permissions: [read]}}]\n  x: : y\n",  # stray mapping
+])
+def test_a_yaml_error_never_shows_a_token(tmp_path, caplog, text):
+    with pytest.raises(ConfigError) as err:
+        TokenTable.load(write(tmp_path, text))
+    assert "is not valid YAML" in str(err.value)
+    shown = str(err.value) + repr(err.value) + "".join(map(str, [err.value.__cause__, err.value.__context__]))
+    assert SECRET not in shown and SECRET not in caplog.text
+
+
+def test_an_inline_token_gets_a_warning_that_says_how_to_convert_it(tmp_path, caplog):
+    table = TokenTable.load(write(tmp_path, f"tokens:\n  - {{token: {SECRET}, tenant: a, permissions: [read]}}\n"))
+    assert table.principal(SECRET).tenant == "a"
+    assert "an inline token" in caplog.text and "sha256:" in caplog.text and "kvstore tokens" in caplog.text
+    assert SECRET not in caplog.text
+    caplog.clear()
+    TokenTable.load(write(tmp_path, "tokens:\n  - {sha256: " + "ab" * 32 + ", tenant: a, permissions: [read]}\n"))
+    assert "inline token" not in caplog.text

@@ -14,9 +14,11 @@ each part; the tests here (under ``.venv``) assert on them:
    our class defines 0.33's sleep-mode methods;
 4. 0.33's ``Scheduler`` with our connector: a prompt saved by one request is matched from
    our store for its repeat (``num_computed_tokens``, vLLM's external prefix-cache stats);
-5. the worker side through 0.33's own plumbing (model runner V2's ``KVConnector`` and the
-   worker's connector agent) over CPU tensors: the repeat's blocks are loaded with exactly
-   the KV the first request computed, also after a sleep-mode unregister/restore.
+5. the worker side through 0.33's own plumbing (the engine core's KV cache planning and
+   layout resolution for flash attention, ``allocate_kv_cache`` on the host: per-layer
+   ``[blocks, heads, tokens, K|V]`` views of one buffer in the LBNHC layout, model runner
+   V2's ``KVConnector`` and the worker's connector agent): the repeat's blocks are loaded
+   with exactly the KV the first request computed, also after a sleep-mode unregister/restore.
 """
 from __future__ import annotations
 
@@ -117,6 +119,9 @@ def test_worker_033_loads_what_was_saved(report):
     steps = report["steps"]
     assert "error" not in steps, steps.get("traceback")
     assert "model runner V2 ActiveKVConnector: register_kv_caches ran" in steps["log"]
+    # 0.33's own views (not contiguous per block: tokens before heads in memory)
+    assert report["env"]["kv_cache_layout"] == "LBNHC"
+    assert "allocate_kv_cache: LBNHC [151, 2, 16, 128] strides [4096, 128, 256, 1]" in steps["log"]
     assert steps["loaded_blocks_equal_saved"] is True  # the KV cache was wiped before the repeat
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import FunctionType
 
 BLOCK_SIZE = 16          # vLLM's GPU block size
-NUM_BLOCKS = 97          # a block count no other KV dimension equals
+NUM_BLOCKS = 151         # covers max_model_len (2048 tokens); no other KV dimension equals it
 PROMPT_TOKENS = 2 * 256 + 40   # two full 256-token chunks and a tail
 
 
@@ -65,7 +65,8 @@ def vllm_config(model_dir: str, work: Path):
     vc = VllmConfig(
         model_config=model,
         # vLLM's own prefix cache off: a repeated prompt must reach the connector.
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False,
+                                 num_gpu_blocks_override=NUM_BLOCKS),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=2048,
                                          is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(
@@ -74,24 +75,33 @@ def vllm_config(model_dir: str, work: Path):
                                        "ssd_dir": str(work / "ssd"), "stats_path": str(work / "stats.json")}),
         device_config=DeviceConfig("cpu"),
     )
-    vc.cache_config.num_gpu_blocks = NUM_BLOCKS  # what the engine core sets after profiling
     return vc
 
 
-def kv_cache_config(vc):
-    """One full-attention group over the model's layers, each layer its own tensor."""
+def kv_cache_configs(vc):
+    """The KV cache plan as vLLM 0.33's engine core makes it: the layout resolved from flash
+    attention's supported layouts, the global groups, then the workers' and the scheduler's
+    ``KVCacheConfig`` (one backing allocation; ``num_gpu_blocks_override`` fixes its blocks)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     mc = vc.model_config
-    heads, head = mc.get_total_num_kv_heads(), mc.get_head_size()
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(mc.get_total_num_hidden_layers())]
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head, dtype=torch.float32)
-    size = spec.page_size_bytes * NUM_BLOCKS
-    tensors = [KVCacheTensor(size=size, layers=[n], layer_stride=size, block_stride=spec.page_size_bytes)
-               for n in names]
-    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=tensors,
-                         kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=mc.get_total_num_kv_heads(),
+                             head_size=mc.get_head_size(), dtype=torch.float32)
+    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_total_num_hidden_layers())}
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts([FlashAttentionBackend])]
+    layout = resolve_kv_cache_layout(vc, [layouts], specs.values())
+    groups = get_global_kv_cache_groups(vc, [specs])
+    workers = get_kv_cache_configs(vc, [specs], [1 << 30], groups)
+    for w in workers:
+        w.kv_cache_layout = vc.cache_config.kv_cache_layout
+    scheduler = generate_scheduler_kv_cache_config(workers)
+    vc.cache_config.num_gpu_blocks = scheduler.num_blocks
+    return scheduler, workers[0], layout.name
 
 
 def factory_part(vc, kcc) -> tuple[dict, dict]:
@@ -171,7 +181,7 @@ class Steps:
     vLLM's attention wrapper (``maybe_transfer_kv_layer``) makes, around writing the
     scheduled tokens' KV."""
 
-    def __init__(self, vc, kcc, log: list) -> None:
+    def __init__(self, vc, kcc, worker_kcc, log: list) -> None:
         import torch
         from vllm.config import set_current_vllm_config
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -180,6 +190,7 @@ class Steps:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.gpu.kv_connector import get_kv_connector
+        from vllm.v1.worker.utils import allocate_kv_cache
 
         self.vc, self.log = vc, log
         self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc,
@@ -189,15 +200,19 @@ class Steps:
                    f"{type(self.scheduler.connector).__qualname__}")
         self.spec = kcc.kv_cache_groups[0].kv_cache_spec
         self.names = kcc.kv_cache_groups[0].layer_names
-        # flash attention's (legacy) layout: [2 (K, V), blocks, block_size, kv_heads, head_size]
-        self.kv = {n: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, self.spec.num_kv_heads, self.spec.head_size)
-                   for n in self.names}
+        # 0.33's own allocation, on the host: one buffer, each layer a [blocks, heads, tokens,
+        # K|V channels] view in the resolved physical layout
+        self.kv = allocate_kv_cache(worker_kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(),
+                                    [BLOCK_SIZE])
+        first = self.kv[self.names[0]]
+        log.append(f"allocate_kv_cache: {vc.cache_config.kv_cache_layout} {list(first.shape)} "
+                   f"strides {list(first.stride())}")
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
             initialize_model_parallel(1, 1)
             log.append("one-rank distributed environment (gloo)")
-            ensure_kv_transfer_initialized(vc, kcc)
+            ensure_kv_transfer_initialized(vc, worker_kcc)
         self.worker = get_kv_transfer_group()
         log.append(f"worker agent: {type(self.worker).__module__}.{type(self.worker).__qualname__}")
         self.runner_kv = get_kv_connector(vc, self.kv)  # calls register_kv_caches
@@ -210,7 +225,7 @@ class Steps:
         import torch
 
         g = torch.Generator().manual_seed(1000 * layer + token_block)
-        return torch.randn(2, BLOCK_SIZE, self.spec.num_kv_heads, self.spec.head_size, generator=g)
+        return torch.randn(self.kv[self.names[0]].shape[1:], generator=g)
 
     def forward(self, so) -> None:
         """The attention layers' connector calls around writing the scheduled tokens' KV."""
@@ -221,7 +236,7 @@ class Steps:
             for rid, table in blocks.items():
                 n = so.num_scheduled_tokens.get(rid, 0)
                 for tb in range(done[rid] // BLOCK_SIZE, (done[rid] + n + BLOCK_SIZE - 1) // BLOCK_SIZE):
-                    self.kv[name][:, table[tb]] = self.page(tb, li)
+                    self.kv[name][table[tb]] = self.page(tb, li)
             self.worker.save_kv_layer(name, self.kv[name], None)
 
     def step(self) -> dict:
@@ -286,13 +301,13 @@ def make_request(rid: str, tokens: list[int]):
     return Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), None)
 
 
-def steps_part(vc, kcc) -> dict:
+def steps_part(vc, kcc, worker_kcc) -> dict:
     import torch
 
     log: list[str] = []
     out: dict = {"log": log}
     try:
-        steps = Steps(vc, kcc, log)
+        steps = Steps(vc, kcc, worker_kcc, log)
         tokens = [(37 * i + 11) % 1000 for i in range(PROMPT_TOKENS)]
         out["a"] = steps.run(make_request("a", tokens))
         log.append("request a ran")
@@ -304,7 +319,7 @@ def steps_part(vc, kcc) -> dict:
         log.append("request a-again ran")
         first = again["first_step"]
         loaded = first["num_computed_tokens"] // BLOCK_SIZE
-        same = all(torch.equal(steps.kv[n][:, first["blocks"][tb]], steps.page(tb, li))
+        same = all(torch.equal(steps.kv[n][first["blocks"][tb]], steps.page(tb, li))
                    for li, n in enumerate(steps.names) for tb in range(loaded))
         out["loaded_blocks_equal_saved"] = same if loaded else None
         # sleep mode (0.33): the worker drops its registrations, then restores them; the
@@ -318,7 +333,7 @@ def steps_part(vc, kcc) -> dict:
         first = woke["first_step"]
         loaded = first["num_computed_tokens"] // BLOCK_SIZE
         out["after_wake_loaded_equal_saved"] = all(
-            torch.equal(steps.kv[n][:, first["blocks"][tb]], steps.page(tb, li))
+            torch.equal(steps.kv[n][first["blocks"][tb]], steps.page(tb, li))
             for li, n in enumerate(steps.names) for tb in range(loaded)) if loaded else None
         steps.close()
         log.append("closed")
@@ -351,11 +366,12 @@ def main(model_dir: str, work: str) -> dict:
     work_dir = Path(work)
     report: dict = {"env": env_part()}
     vc = vllm_config(model_dir, work_dir)
-    kcc = kv_cache_config(vc)
+    kcc, worker_kcc, layout = kv_cache_configs(vc)
+    report["env"]["kv_cache_layout"] = layout
     report["factory"], _ = factory_part(vc, kcc)
     report["abstract"] = abstract_part()
     report["signatures"] = signatures_part()
-    report["steps"] = steps_part(vc, kcc)
+    report["steps"] = steps_part(vc, kcc, worker_kcc)
     report["engine"] = engine_part(model_dir, work_dir)
     return report
 

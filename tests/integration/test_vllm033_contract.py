@@ -68,6 +68,9 @@ def test_probe_ran_vllm_033_over_the_project_torch(report):
     assert "libcuda.so.1" in env["vllm._C_stable_libtorch"]
     assert report["engine"]["started"] is False
     assert report["engine"]["error"]["message"] == "Device string must not be empty"
+    gpu = report["gpu_worker"]  # GPU workers, model runner V2 (0.33's default) and V1
+    assert (gpu["v2"]["stopped_at"], gpu["v2"]["error"]["message"]) == ("constructor", "Model Runner V2 requires Triton.")
+    assert (gpu["v1"]["stopped_at"], gpu["v1"]["error"]["message"]) == ("init_device", "Unsupported device type: cpu")
 
 
 def test_factory_builds_our_connector_for_both_roles(report):

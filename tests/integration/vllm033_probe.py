@@ -13,6 +13,8 @@ Parts:
   abstract   for each abstract method of ``KVConnectorBase_V1``: the class that defines it
              on our connector's MRO;
   signatures for each method our class defines that the base also has: both signatures;
+  gpu_worker / engine  where vLLM's GPU worker (model runner V2 and V1) and its ``LLM``
+             engine stop on this host (exact errors);
   steps      vLLM's ``Scheduler`` with our connector (scheduler role) and a worker-role
              connector over CPU tensors in the flash-attention layout, driven step by step
              with fabricated ``ModelRunnerOutput``s: request "a" is computed (its KV filled
@@ -362,6 +364,28 @@ def engine_part(model_dir: str, work: Path) -> dict:
         return {"started": False, "error": _error(exc)}
 
 
+def gpu_worker_part(vc) -> dict:
+    """How far vLLM 0.33's GPU worker gets on this host, with each model runner."""
+    import os
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    out = {}
+    for runner, flag in (("v2", "1"), ("v1", "0")):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = flag
+        stage = "constructor"
+        try:
+            worker = Worker(vc, local_rank=0, rank=0, is_driver_worker=True,
+                            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            stage = "init_device"
+            worker.init_device()
+            out[runner] = {"stopped_at": None}
+        except BaseException as exc:  # noqa: BLE001 - recorded: where 0.33 stops on this host
+            out[runner] = {"stopped_at": stage, "error": _error(exc)}
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+    return out
+
+
 def main(model_dir: str, work: str) -> dict:
     work_dir = Path(work)
     report: dict = {"env": env_part()}
@@ -372,6 +396,7 @@ def main(model_dir: str, work: str) -> dict:
     report["abstract"] = abstract_part()
     report["signatures"] = signatures_part()
     report["steps"] = steps_part(vc, kcc, worker_kcc)
+    report["gpu_worker"] = gpu_worker_part(vc)
     report["engine"] = engine_part(model_dir, work_dir)
     return report
 

@@ -81,6 +81,8 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # requests whose final saves a reset cancelled
+    undelayed: list[str] = field(default_factory=list)  # finished, every gather reported: blocks freed
 
     @property
     def has_sync_loads(self) -> bool:

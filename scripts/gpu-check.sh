@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for the connector's copy path (DESIGN §8, §11), as one script under 5 minutes.
+# GPU checks for the connector's copy path (docs/architecture.md#copy-engines), as one script under 5 minutes.
 #
 #   scripts/gpu-check.sh                      # on a machine with a CUDA GPU
 #   GPU_CHECK_PYTHON=/path/python scripts/gpu-check.sh
@@ -12,7 +12,8 @@
 # Steps: the devices; the gpu-marked tests (CudaDevice, PagedKV on cuda:0, and WorkerHalf
 # end to end on an HND paged KV with the pinned shared host pool: saves released without
 # preemption, sealed objects verify, loads reach CONSUMABLE, a stream failure becomes
-# failed blocks); then H2D/D2H of a 32 MiB chunk through the connector's path beside a
+# failed blocks; a real vLLM engine with sleep mode and the connector sleeping and waking,
+# which needs a CUDA build of vLLM here: tests/gpu/test_sleep_engine.py); then H2D/D2H of a 32 MiB chunk through the connector's path beside a
 # plain pinned cudaMemcpy (tensor.copy_) measured in the same run.
 # Exit status: 0 when every step ran and passed; 1 when a step failed; 2 when a step could
 # not run (no GPU, or a missing package).
@@ -75,7 +76,7 @@ fi
 echo "   numpy, xxhash, lz4, pytest, yaml: present"
 
 echo "== gpu tests (tests/gpu, marker gpu)"
-if ! timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/gpu; then
+if ! timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/gpu; then
     failed "gpu tests"
 fi
 

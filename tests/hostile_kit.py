@@ -41,8 +41,8 @@ def write_tokens(path: Path, tokens=TOKENS, quotas=QUOTAS) -> Path:
     return path
 
 
-def start_store(work: Path, *extra: str) -> StoreProcess:
-    tokens = write_tokens(work / "tokens.yaml")
+def start_store(work: Path, *extra: str, quotas=QUOTAS) -> StoreProcess:
+    tokens = write_tokens(work / "tokens.yaml", quotas=quotas)
     return StoreProcess(work, "--host-capacity", HOST, "--auth-tokens", str(tokens),
                         "--ssd-dir", str(work / "ssd"), "--ssd-capacity", SSD,
                         "--put-ttl", str(PUT_TTL), "--lease-ttl", "5",

@@ -200,15 +200,12 @@ class SSDTier(TierBase):
                 return None
             if buf_len < entry.size:
                 raise ConfigError(f"buffer of {buf_len} bytes cannot hold {key!r} ({entry.size} bytes)")
-            self._index.readers[key] += 1  # pins the object against eviction
-            self._index.entries.move_to_end(key)
+            self._index.begin_read(key)  # pins the object against eviction
             return entry
 
     def _end_read(self, key: ObjectKey, entry: Entry, outcome: ReadOutcome | None) -> None:
         with self._lock:
-            self._index.readers[key] -= 1
-            if self._index.readers[key] <= 0:
-                del self._index.readers[key]
+            self._index.end_read(key)
             if outcome is ReadOutcome.OK:
                 self._stats.hits += 1
                 self._stats.bytes_read += entry.size

@@ -51,6 +51,7 @@ def claim_directory(path: Path) -> int:
     """Create ``path`` (+ tmp/), prove it writable, and take its lock; ConfigError if not."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_root(path)
         own_directory(path / TMP)
         probe = path / TMP / f".probe-{os.getpid()}"
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
@@ -64,6 +65,23 @@ def claim_directory(path: Path) -> int:
         os.close(fd)
         raise ConfigError(f"SSD tier directory {path} is in use by another SSDTier") from err
     return fd
+
+
+def _check_root(path: Path) -> None:
+    """The tier's root must be this user's own directory, closed to others: whoever else can
+    write it can replace an object file (its checksum is theirs to compute).  Another
+    owner is refused; group or other permission bits are taken away, loudly."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"SSD tier directory {path} is not a directory (a symlink or a file is refused)")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"SSD tier directory {path} belongs to uid {st.st_uid}, not to this process's uid "
+                          f"{os.geteuid()}: its owner could replace the objects in it; give the store a "
+                          "directory of its own (mode 0700)")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        log.warning("ssd: %s had mode %o: other users could read or replace its objects; it is now 0700",
+                    path, stat.S_IMODE(st.st_mode))
+        os.chmod(path, 0o700)
 
 
 def own_directory(path: Path) -> None:

@@ -10,6 +10,12 @@ plus objects of no known partition (a tenant no longer configured: orphans, evic
 Each partition's quota is therefore also its guaranteed share: another partition's flood
 never evicts it.  A put whose key belongs to no partition never fits.  Eviction plans
 first: a reservation that cannot be satisfied evicts nothing.
+
+**Cost.**  A reservation's work is bounded by its own partition: each partition keeps its
+own LRU order (``lru``) and the bytes of its objects being read (``reading_by``), so the
+evictable bytes are counters and the victims are searched among the partition's own
+objects (plus orphans).  Another tenant's many small objects never lengthen a put (they
+did: every reservation summed and scanned every object, on the event loop).
 """
 from __future__ import annotations
 
@@ -45,8 +51,10 @@ class Index:
             raise ConfigError(f"SSD partitions need a partition function and quotas summing to at most "
                               f"the capacity ({sum(self.quotas.values())} > {capacity}?)")
         self.entries: OrderedDict[ObjectKey, Entry] = OrderedDict()  # LRU first
+        self.lru: dict[str | None, OrderedDict[ObjectKey, Entry]] = {}  # per partition, LRU first
         self.children: Counter[ObjectKey] = Counter()  # present children per parent key
         self.readers: Counter[ObjectKey] = Counter()   # reads in flight per key
+        self.reading_by: Counter[str | None] = Counter()  # bytes of objects being read, per partition
         self.used = 0
         self.reserved = 0
         self.used_by: Counter[str | None] = Counter()       # bytes per partition
@@ -63,6 +71,9 @@ class Index:
         self.remove(key)
         entry.part = self.part_of(key)
         self.entries[key] = entry
+        self.lru.setdefault(entry.part, OrderedDict())[key] = entry
+        if self.readers[key]:
+            self.reading_by[entry.part] += entry.size
         self.used += entry.size
         self.used_by[entry.part] += entry.size
         self.objects_by[entry.part] += 1
@@ -75,6 +86,9 @@ class Index:
         if entry is None or (only is not None and entry is not only):
             return None
         del self.entries[key]
+        del self.lru[entry.part][key]
+        if self.readers[key]:
+            self.reading_by[entry.part] -= entry.size
         self.used -= entry.size
         self.used_by[entry.part] -= entry.size
         self.objects_by[entry.part] -= 1
@@ -83,6 +97,24 @@ class Index:
             if self.children[entry.parent] <= 0:
                 del self.children[entry.parent]
         return entry
+
+    def begin_read(self, key: ObjectKey) -> None:
+        """A read of ``key`` (present) starts: pinned against eviction, most recently used."""
+        entry = self.entries[key]
+        self.readers[key] += 1
+        if self.readers[key] == 1:
+            self.reading_by[entry.part] += entry.size
+        self.entries.move_to_end(key)
+        self.lru[entry.part].move_to_end(key)
+
+    def end_read(self, key: ObjectKey) -> None:
+        self.readers[key] -= 1
+        if self.readers[key] > 0:
+            return
+        del self.readers[key]
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.reading_by[entry.part] -= entry.size
 
     def quota_of(self, key: bytes) -> int:
         """The most bytes ``key``'s object may take (the capacity without partitions; 0
@@ -145,11 +177,11 @@ class Index:
     def _candidates(self, part: object) -> Iterator[tuple[ObjectKey, bool]]:
         """``(key, has_children)`` of objects of ``part`` (``ANY``: every partition) not
         being read, LRU first."""
-        return ((key, bool(self.children[key])) for key, e in self.entries.items()
-                if (part is ANY or e.part == part) and not self.readers[key])
+        entries = self.entries if part is ANY else self.lru.get(part, {})
+        return ((key, bool(self.children[key])) for key in entries if not self.readers[key])
 
     def _evictable_bytes(self, *parts: str | None) -> int:
-        return sum(e.size for k, e in self.entries.items() if e.part in parts and not self.readers[k])
+        return sum(self.used_by[p] - self.reading_by[p] for p in set(parts))
 
     def _has_victim(self, part: object) -> bool:
         return next(self._candidates(part), None) is not None

@@ -63,6 +63,16 @@ class ServerConfig(LeaseSettings, TierSettings):
                                     "seconds, and its references and reservations are dropped")
     stream_grace: Seconds = setting(5.0, "seconds every stream gets on top of its bytes' share, and the "
                                     "longest it may wait for its first frame")
+    request_timeout: Seconds = setting(2.0, "seconds a gRPC call's request may take to arrive once the call "
+                                       "is open (beyond: DEADLINE_EXCEEDED; calls without a valid token are "
+                                       "refused before, from their metadata)")
+    hello_timeout: Seconds = setting(2.0, "seconds a new data-channel or shared-memory gate connection has to "
+                                     "send its hello (TLS handshake included) before it is cut")
+    max_unauthenticated_per_peer: int = setting(16, "data-channel and gate connections not yet authenticated, "
+                                                "per peer (TCP: source address; gate: uid and pid); beyond: "
+                                                "closed at once")
+    max_unauthenticated: int = setting(1024, "data-channel and gate connections not yet authenticated, in all "
+                                       "(each channel); beyond: closed at once")
     max_concurrent_rpcs: int = setting(1024, "gRPC calls served at once (beyond: RESOURCE_EXHAUSTED)")
     max_streams_per_connection: int = setting(128, "gRPC calls at once on one client connection")
     idle_timeout: Seconds = setting(300.0, "seconds an idle client connection (gRPC or data channel) is kept")
@@ -74,6 +84,8 @@ class ServerConfig(LeaseSettings, TierSettings):
     kv_events_topic: str = setting("", "topic of every KV event message (`{tenant}` is replaced), e.g. "
                                    "llm-d's `kv@HOST:PORT@MODEL`")
     kv_events_buffer: int = setting(10000, "KV event batches kept for replay, per stream")
+    kv_events_buffer_bytes: Size = setting(64 * MiB, "bytes of KV event batches kept for replay, per stream "
+                                           "(the oldest go first)")
     trace_path: Path | None = setting(None, "write a Chrome trace-event JSON of the store's stages here "
                                       "(Perfetto and chrome://tracing open it)")
 
@@ -82,10 +94,12 @@ class ServerConfig(LeaseSettings, TierSettings):
         LeaseSettings.__post_init__(self)
         split_listen(self.listen)
         for name in ("max_object_bytes", "max_keys_per_call", "max_message_bytes", "frame_bytes",
-                     "stream_min_rate", "max_concurrent_rpcs", "max_streams_per_connection"):
+                     "stream_min_rate", "max_concurrent_rpcs", "max_streams_per_connection",
+                     "max_unauthenticated_per_peer", "max_unauthenticated"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_lease_ttl", "shutdown_grace", "data_ticket_ttl", "stream_grace", "idle_timeout"):
+        for name in ("max_lease_ttl", "shutdown_grace", "data_ticket_ttl", "stream_grace", "idle_timeout",
+                     "request_timeout", "hello_timeout"):
             check_seconds(name, getattr(self, name))
         if self.put_ttl is not None:
             check_seconds("put_ttl", self.put_ttl)
@@ -113,6 +127,8 @@ class ServerConfig(LeaseSettings, TierSettings):
         ids) needs ``insecure``, as a plaintext listen address does."""
         if self.kv_events_buffer <= 0:
             raise ConfigError(f"kv_events_buffer must be positive, got {self.kv_events_buffer}")
+        if self.kv_events_buffer_bytes <= 0:
+            raise ConfigError(f"kv_events_buffer_bytes must be positive, got {self.kv_events_buffer_bytes}")
         if self.kv_events_replay and not self.kv_events:
             raise ConfigError("kv_events_replay needs kv_events (replay answers for a stream)")
         for name in ("kv_events", "kv_events_replay"):

@@ -55,9 +55,9 @@ from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
-from kvstore.server.tickets import TicketBook
+from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
 from kvstore.store.events import StoreObserver
-from kvstore.store.kvevents import EventRecorder
+from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers
 from kvstore.store.tiered import TieredStore
@@ -128,7 +128,9 @@ class ServerStore:
         self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
         self.leases = LeaseBook(on_drop=lambda tenant: self.tenants.give(tenant, "leases"))
         self.puts = PutPath(self.core, cfg, metrics, self.tenants, clock)
-        self.tickets = TicketBook(cfg.data_ticket_ttl, clock=clock)   # data-channel tickets (kvstore.server.tickets)
+        # data-channel tickets (kvstore.server.tickets): each tenant its own budget, the table their sum
+        budget = sum(limits.tickets for limits in self.tenants.limits.values()) or DEFAULT_TICKETS
+        self.tickets = TicketBook(cfg.data_ticket_ttl, budget, clock=clock, tenants=self.tenants)
         self._clock = clock
         self._reaper: asyncio.Task | None = None
         self._closing = False
@@ -152,7 +154,7 @@ class ServerStore:
         tiers = await open_tiers(specs)
         store = cls(tiers[0], tiers[1:], cfg, metrics, tenants)  # type: ignore[arg-type]
         if cfg.kv_events:
-            store.events = EventRecorder(MEDIA, stream_of=tenants.tenant_of)
+            store.events = EventRecorder(MEDIA, stream_of=tenants.tenant_of, budget=tenants.descriptions)
             store.events.attach(tiers)
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
@@ -290,12 +292,18 @@ class ServerStore:
         so neither can bring it back)."""
         return await self.core.delete(key)
 
-    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int], lora: str) -> bool:
+    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int], lora: str,
+                 tenant: str) -> bool:
         """A client's description of ``key`` (its tokens) for the KV events; False when the
-        store publishes none."""
+        store publishes none.  Beyond ``tenant``'s description quota: ``CapacityError``,
+        counted as its ``described_bytes`` or ``described`` refusal."""
         if self.events is None:
             return False
-        self.events.describe(key, parent, tokens, lora or None)
+        try:
+            self.events.describe(key, parent, tokens, lora or None)
+        except DescriptionRefused as err:
+            self.tenants.refuse(tenant, err.what)
+            raise
         return True
 
     # --- reaper, stats, shutdown --------------------------------------------------------
@@ -335,8 +343,13 @@ class ServerStore:
         for tier in self.lower:
             if hasattr(tier, "partition_stats"):
                 tiers[tier.name] = tier.partition_stats(tenant)
-        return {"tenant": tenant, "tiers": tiers, "puts_in_flight": self.puts.table.of(tenant),
-                **self.tenants.doc(tenant)}
+        doc = {"tenant": tenant, "tiers": tiers, "puts_in_flight": self.puts.table.of(tenant),
+               **self.tenants.doc(tenant)}
+        if self.events is not None:
+            max_bytes, max_entries = self.tenants.descriptions(tenant)
+            doc["quota"].update(described_bytes=max_bytes, described=max_entries)
+            doc["held"].update(described_bytes=self.events.held_bytes[tenant], described=self.events.held[tenant])
+        return doc
 
     def stats_doc(self) -> dict[str, object]:
         """The whole ``Stats`` document, every tenant's part included (on the loop: expired

@@ -1,13 +1,13 @@
 """One data-channel connection of the store process, served on its own thread.
 
 Server side.  ``DataConnection.serve()`` is the thread's body: the hello (within
-``HANDSHAKE_S``; TLS first when the server has it), then requests one at a time until the
+``hello_timeout``; TLS first when the server has it), then requests one at a time until the
 client closes (format: ``kvstore.datawire``).  Bytes move with blocking calls on this thread
 (``sendall`` straight from the host slot, ``recv_into`` straight into the reserved slot: no
 buffer in between, and the GIL is released while the kernel copies); everything that
 touches the store's bookkeeping runs on the event loop through ``DataOps`` (``Bridge``).
 
-Deadlines: the hello must arrive within ``HANDSHAKE_S``; a connection idle between requests
+Deadlines: the hello must arrive within ``hello_timeout``; a connection idle between requests
 for ``idle_timeout`` is closed; each request must move its bytes within
 ``ServerConfig.stream_deadline(size)`` (``stream_grace`` + size / ``stream_min_rate``: every
 blocking call gets the time left as its timeout), or the connection is cut (counted).
@@ -15,7 +15,10 @@ blocking call gets the time left as its timeout), or the connection is cut (coun
 Cleanup is structural: a get's buffer reference is released and a put's reservation
 aborted in ``finally`` blocks, whatever ends the transfer (the client vanishing mid-object,
 a stall past its deadline, the server shutting down), and the connection's quota count is
-given back when it ends.  A request the server refuses
+given back when it ends.  Until its hello is accepted the connection holds a
+pre-authentication slot of its peer (``slots.leave_preauth``); only then does it take one of
+the channel's global slots (``slots.take``, given back by ``slots.give``), so a stranger
+holding connections open never takes them (``kvstore.server.peers``).  A request the server refuses
 (bad key, missing permission, a put of an existing object) is answered with its status and
 the connection goes on; bytes that are not the protocol, a put larger than
 ``max_object_bytes``, or a transport failure end the connection (a get cut short never
@@ -28,6 +31,7 @@ import socket
 import ssl
 import threading
 import time
+from typing import Protocol
 
 from kvstore import datawire as wire
 from kvstore.errors import CapacityError, KVStoreError
@@ -39,7 +43,6 @@ from kvstore.server.servicer import OUTCOMES, TIER_CODES, status_of
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.data")
-HANDSHAKE_S = 5.0
 _SINK = 256 << 10
 
 
@@ -61,18 +64,30 @@ class Deadline:
         return left
 
 
+class Slots(Protocol):
+    """What a connection holds of its server (``DataServer``): a pre-authentication slot of
+    its peer until the hello, then one of the global connection slots."""
+
+    def leave_preauth(self, conn: "DataConnection") -> None: ...
+    def take(self) -> bool: ...
+    def give(self) -> None: ...
+
+
 class DataConnection:
     """One accepted connection (see the module docstring)."""
 
     def __init__(self, sock: socket.socket, ops: DataOps, bridge: Bridge, *, tls: ssl.SSLContext | None,
-                 cfg: ServerConfig) -> None:
+                 cfg: ServerConfig, slots: Slots | None = None, peer: object = None) -> None:
         self.sock = sock
+        self.slots, self.peer = slots, peer
+        self._preauth = slots is not None      # holds its peer's pre-authentication slot
+        self._counted = False                  # holds one of the global slots
         self.ops, self.bridge = ops, bridge
         self.tls = tls
         self.cfg = cfg
         self.max_object_bytes = cfg.max_object_bytes
         self.who: Principal | None = None
-        self._deadline = Deadline(HANDSHAKE_S)
+        self._deadline = Deadline(cfg.hello_timeout)
         # _state_lock guards busy and closing (read by DataServer.aclose on the loop).
         self._state_lock = threading.Lock()
         self.busy = False
@@ -111,13 +126,22 @@ class DataConnection:
                 self.sock.close()
             except OSError:
                 pass
+            self._end_preauth()
+            if self._counted:
+                self.slots.give()
             if self.who is not None:
                 self.bridge.soon(self.ops.closed, self.who)
+
+    def _end_preauth(self) -> None:
+        if self._preauth:
+            self._preauth = False
+            self.slots.leave_preauth(self)
 
     # --- protocol ---------------------------------------------------------------------------
 
     def _handshake(self) -> None:
-        self.sock.settimeout(HANDSHAKE_S)  # the TLS handshake; then the hello's deadline
+        self._deadline = Deadline(self.cfg.hello_timeout)
+        self.sock.settimeout(self.cfg.hello_timeout)  # the TLS handshake; then the hello's deadline
         if self.tls is not None:
             try:
                 self.sock = self.tls.wrap_socket(self.sock, server_side=True)
@@ -132,6 +156,13 @@ class DataConnection:
             self.bridge.soon(self.ops.refused, "hello")
             self._reply_error(err)
             raise Closed(str(err)) from err
+        self._end_preauth()
+        if self.slots is not None:
+            if not self.slots.take():
+                self.bridge.soon(self.ops.refused, "too_many_connections")
+                self._reply_error(CapacityError("the data channel serves its most connections at once"))
+                raise Closed("too many connections")
+            self._counted = True
         self._sendall(wire.encode_reply())
 
     def _one_request(self) -> bool:
@@ -256,4 +287,4 @@ class DataConnection:
             n -= got
 
 
-__all__ = ["DataConnection", "HANDSHAKE_S"]
+__all__ = ["DataConnection", "Slots"]

@@ -1,7 +1,7 @@
 """The store process's raw TCP data channel: the listener and its connection threads.
 
 Server side.  Why it exists: gRPC moves bulk bytes at a fraction of what a socket does in
-Python (every message is a fresh buffer, framed, copied and flow-controlled; LIMITS.md), so
+Python (every message is a fresh buffer, framed, copied and flow-controlled; docs/limits.md#grpc), so
 objects cross hosts here instead, while control stays on gRPC: the bearer token and tenant,
 TLS with the same certificates, and the ticket that opens each connection come from there
 (``OpenData``; ``kvstore.server.tickets``), and a put is the same two-phase reservation,
@@ -11,10 +11,14 @@ served by ``kvstore.server.dataconn`` on its own thread, its bookkeeping by
 
 ``DataServer.start(host, port)`` listens (port 0: a free one; no SO_REUSEPORT, so a port in
 use is a ``ConfigError``) and accepts on the event loop; each accepted socket gets TCP_NODELAY,
-keepalive (a dead peer is found in about 1.5 minutes) and a daemon thread.  At most
-``MAX_CONNECTIONS`` are served at once; a connection beyond is closed at once.  Each
-connection also counts against its tenant's ``connections`` quota once its hello is
-accepted, has a deadline per request and an idle timeout (``kvstore.server.dataconn``).
+keepalive (a dead peer is found in about 1.5 minutes) and a daemon thread.  Until its hello
+is accepted (within ``hello_timeout``) a connection holds one of its source address's
+``max_unauthenticated_per_peer`` slots and one of ``max_unauthenticated``
+(``kvstore.server.peers``; beyond: closed at once, counted as
+``failures{reason="data_unauthenticated_per_peer|_total"}``).  Once authenticated it takes
+one of ``MAX_CONNECTIONS`` (beyond: refused with RESOURCE_EXHAUSTED) and counts against its
+tenant's ``connections`` quota; it has a deadline per request and an idle timeout
+(``kvstore.server.dataconn``).
 
 ``aclose(grace)``: stop accepting, cut idle connections, give those in a request ``grace``
 seconds, cut the rest (their buffer references and reservations are given back by the
@@ -35,6 +39,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.core import ServerStore
 from kvstore.server.dataconn import DataConnection
 from kvstore.server.dataops import Bridge, DataOps
+from kvstore.server.peers import PreAuth
 from kvstore.server.scoping import Scoper
 
 log = logging.getLogger("kvstore.server.data")
@@ -76,6 +81,8 @@ class DataServer:
         # _lock guards _conns (connection threads remove themselves on exit).
         self._lock = threading.Lock()
         self._conns: dict[DataConnection, threading.Thread] = {}
+        self._authenticated = 0   # connections holding a global slot (guarded by _lock)
+        self.preauth = PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated)
 
     @property
     def connections(self) -> int:
@@ -104,26 +111,43 @@ class DataServer:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(listener)
+                conn, addr = await loop.sock_accept(listener)
             except OSError as err:
                 log.warning("data channel: accept failed: %s", err)
                 await asyncio.sleep(0.1)
                 continue
-            self._admit(conn)
+            self._admit(conn, addr[0])
 
-    def _admit(self, sock: socket.socket) -> None:
-        if self.connections >= MAX_CONNECTIONS:
-            self.ops.refused("too_many_connections")
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        refused = self.preauth.enter(peer)
+        if refused is not None:
+            self.ops.refused(f"unauthenticated_{refused}")
             sock.close()
             return
         sock.setblocking(True)
         _tune(sock)
         assert self._bridge is not None
-        conn = DataConnection(sock, self.ops, self._bridge, tls=self.tls, cfg=self.cfg)
+        conn = DataConnection(sock, self.ops, self._bridge, tls=self.tls, cfg=self.cfg, slots=self, peer=peer)
         thread = threading.Thread(target=self._run, args=(conn,), name="kvstore-data-conn", daemon=True)
         with self._lock:
             self._conns[conn] = thread
         thread.start()
+
+    # --- slots of a connection (dataconn.Slots; connection threads) ---------------------------
+
+    def leave_preauth(self, conn: DataConnection) -> None:
+        self.preauth.leave(conn.peer)
+
+    def take(self) -> bool:
+        with self._lock:
+            if self._authenticated >= MAX_CONNECTIONS:
+                return False
+            self._authenticated += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self._authenticated -= 1
 
     def _run(self, conn: DataConnection) -> None:
         try:

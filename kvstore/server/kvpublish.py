@@ -9,7 +9,9 @@ Each stream is what vLLM's ``ZmqEventPublisher`` serves, frame for frame:
 * optionally a ROUTER socket for replay: a request is ``[identity, b"", start_seq]`` (8
   bytes, big-endian), answered with ``[identity, b"", topic, seq, payload]`` for every
   buffered batch from ``start_seq`` on, then the end marker ``[identity, b"", b"", -1, b""]``;
-  the last ``buffer`` batches are kept.
+  the last ``buffer`` batches are kept, and no more than ``buffer_bytes`` of them (a batch
+  carries its objects' tokens: one tenant churning described objects must not grow the
+  process by ``buffer`` large batches); the oldest go first.
 
 **Tenants.**  Each tenant has its own stream (its own sockets, topic and sequence), fed only
 with its own objects' events (the recorder routes each key to its tenant by the tenant mark
@@ -56,6 +58,7 @@ class _Stream:
     replay: object | None
     topic: bytes
     buffer: deque = field(default_factory=deque)
+    buffered_bytes: int = 0
     seq: int = 0
 
 
@@ -76,7 +79,7 @@ class EventPublisher:
     """Publishes a recorder's events on one stream per tenant (see the module docstring)."""
 
     def __init__(self, recorder: EventRecorder, streams: dict[str, StreamSpec], *, buffer: int = 10_000,
-                 interval: float = 0.02, epoch: int | None = None) -> None:
+                 buffer_bytes: int = 64 << 20, interval: float = 0.02, epoch: int | None = None) -> None:
         import zmq  # lazily: only a store with --kv-events needs pyzmq
 
         self._zmq = zmq
@@ -85,7 +88,7 @@ class EventPublisher:
         self.interval = interval
         self._ctx = zmq.Context()
         self._streams: dict[str, _Stream] = {}
-        self._buffer = buffer
+        self._buffer, self._buffer_bytes = buffer, buffer_bytes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.published = {"batches": 0, "events": 0, "replays": 0}  # written by the thread only
@@ -106,7 +109,7 @@ class EventPublisher:
         pub = self._ctx.socket(zmq.PUB)
         pub.set_hwm(HWM)
         pub.setsockopt(zmq.LINGER, 0)
-        stream = _Stream(spec, pub, None, spec.topic.encode(), deque(maxlen=self._buffer))
+        stream = _Stream(spec, pub, None, spec.topic.encode(), deque())
         _bind(pub, spec.endpoint)
         if spec.replay:
             stream.replay = self._ctx.socket(zmq.ROUTER)
@@ -171,6 +174,9 @@ class EventPublisher:
             seq = stream.seq.to_bytes(8, "big")
             stream.pub.send_multipart((stream.topic, seq, payload))
             stream.buffer.append((stream.seq, payload))
+            stream.buffered_bytes += len(payload)
+            while len(stream.buffer) > self._buffer or stream.buffered_bytes > self._buffer_bytes:
+                stream.buffered_bytes -= len(stream.buffer.popleft()[1])
             stream.seq += 1
             self.published["batches"] += 1
             self.published["events"] += len(batch)

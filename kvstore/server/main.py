@@ -53,6 +53,7 @@ from kvstore.server.metrics import ServerMetrics, start_http
 from kvstore.server.observing import start_events, start_trace, trace_tiers
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer, describe as describe_data
+from kvstore.server.peers import PreAuth
 from kvstore.server.shmgate import ShmGate
 from kvstore.server.tenants import Tenants
 from kvstore.server.wire import SERVICE, add_to_server
@@ -234,13 +235,16 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     http, server, data, gate, events = None, None, None, None, None
     try:
         events = start_events(cfg, store, tenants)
-        gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket)
+        gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket,
+                       hello_timeout=cfg.hello_timeout,
+                       preauth=PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated),
+                       on_refused=lambda reason: metrics.counters.fail(f"shm_{reason}"))
         seal_read_only_pools(store, auth)
         server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         servicer = KVStoreServicer(store, auth, boot_id())
         await gate.start()
         servicer.gate = gate
-        add_to_server(servicer, server)
+        add_to_server(servicer, server, servicer.guard())
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
@@ -295,7 +299,7 @@ def tune_malloc() -> bool:
 
     Every 1 MiB stream frame is a fresh ``bytes`` (grpc needs one per message); above glibc's
     mmap threshold each is a new mapping whose pages fault in one by one, which caps copies
-    near 2 GB/s (LIMITS.md).  Raising the mmap and trim thresholds lets the heap reuse the
+    near 2 GB/s (docs/limits.md#fresh-allocations).  Raising the mmap and trim thresholds lets the heap reuse the
     same pages: GetStream went from 0.78 to 0.96 GB/s here.  The cost is that the heap keeps
     its peak size (bounded by frames in flight)."""
     import ctypes

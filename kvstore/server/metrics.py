@@ -22,7 +22,12 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
   ``failures_total{reason}``.
 * ``tenant_held{tenant,what}`` and ``tenant_quota{tenant,what}``: reservations, leases,
-  streams and connections each tenant holds, beside its quota.
+  streams, connections and data tickets each tenant holds, beside its quota.
+  ``tenant_refused_total`` also counts ``permission`` (a call without the permission it
+  needs), ``tickets`` and ``described_bytes`` / ``described`` (``Describe`` beyond the
+  tenant's description quota); refusals of callers with no tenant yet are ``failures_total``
+  (``grpc_unauthenticated``, ``grpc_request_timeout``, ``data_unauthenticated_per_peer``,
+  ``shm_unauthenticated_per_peer``, ...; docs/store-bounds.md).
 * ``kv_events_total{kind}`` (``--kv-events``: stored, removed, cleared, dropped) and
   ``kv_events_undescribed`` (objects held that no client described: never announced).
 """
@@ -210,7 +215,7 @@ class _Collector:
         yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",
                      [], {(): snap.events.get("undescribed", 0)})
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
-        yield _gauge("tenant_held", "What each tenant holds now (reservations, leases, streams, connections)",
+        yield _gauge("tenant_held", "What each tenant holds now (reservations, leases, streams, connections, tickets)",
                      ["tenant", "what"], {k: held for k, (held, _) in snap.quotas.items()})
         yield _gauge("tenant_quota", "Each tenant's quota of what it may hold at once", ["tenant", "what"],
                      {k: quota for k, (_, quota) in snap.quotas.items()})

@@ -53,7 +53,8 @@ def start_events(cfg: ServerConfig, store: ServerStore, tenants: Tenants):
     from kvstore.server.kvpublish import EventPublisher, stream_specs
 
     specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names)
-    publisher = EventPublisher(store.events, specs, buffer=cfg.kv_events_buffer)
+    publisher = EventPublisher(store.events, specs, buffer=cfg.kv_events_buffer,
+                               buffer_bytes=cfg.kv_events_buffer_bytes)
     publisher.start()
     store.publisher = publisher
     return publisher

@@ -12,7 +12,12 @@ errors become status codes in ONE place (``_STATUS`` via the ``rpc`` decorator):
 
 A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``_DRAIN_FIRST``) is
 answered only after the client's frames are read (at most one object's worth), so the
-client sees that status rather than a failed write.
+client sees that status rather than a failed write, but only while it holds one of its
+tenant's ``streams``: a tenant's refused streams never hold more call slots
+(``max_concurrent_rpcs``) than its ``streams`` quota.  Without a free stream (the quota
+reached, counted as ``streams``; or no ``write`` at the quota, counted as ``permission``) it
+ends at once, and a call without a valid token is refused before anything is read
+(``kvstore.server.wire.Guard``).
 
 Every handler runs under the call's deadline (``asyncio.timeout``).  Streams also run under
 the server's own: ``GetStream`` and ``PutStream`` must move their object at
@@ -50,7 +55,7 @@ from kvstore.keys import ObjectKey
 from kvstore.server.core import ServerStore
 from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.statsdoc import flat_counters, flat_tenant
-from kvstore.server.wire import InFrame, Malformed, OutFrame
+from kvstore.server.wire import Guard, InFrame, Malformed, OutFrame
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
@@ -109,8 +114,6 @@ def rpc(*needed: Permission) -> Callable[[Handler], Handler]:
                 code, message = status_of(err)
                 if code is grpc.StatusCode.INTERNAL:
                     log.exception("%s failed", fn.__name__)
-                if code in _DRAIN_FIRST and hasattr(request, "__aiter__"):
-                    await self._drain_refused(request)
                 await context.abort(code, message)
 
         return handler
@@ -137,13 +140,39 @@ class KVStoreServicer:
         self.data_port = 0             # set by kvstore.server.main once the data channel listens
         self.gate = None               # the ShmGate, set by kvstore.server.main once it listens
 
+    def guard(self) -> Guard:
+        """What every call goes through before its handler (``kvstore.server.wire.Guard``):
+        its token, from the metadata alone, and ``request_timeout`` for its request."""
+        return Guard(self._preauth, self.cfg.request_timeout,
+                     lambda method: self.store.metrics.counters.fail("grpc_request_timeout"))
+
+    async def _preauth(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a caller without a valid token before anything is read (counted in
+        ``failures{reason="grpc_unauthenticated"}``: it has no tenant)."""
+        try:
+            self.auth.authenticate(context.invocation_metadata())
+        except UnauthenticatedError as err:
+            self.store.metrics.counters.fail("grpc_unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(err))
+
     def admit(self, request, context, needed: tuple[Permission, ...], method: str) -> Principal:
         self.store.check_open()
         who = self.auth.authenticate(context.invocation_metadata())
-        who.require(*needed)
+        denied = self._denied(who, needed)
+        if denied is not None:
+            raise denied
         if isinstance(request, Malformed):
             raise ConfigError(f"{method}: malformed request ({request.reason})")
         return who
+
+    def _denied(self, who: Principal, needed: tuple[Permission, ...]) -> PermissionDeniedError | None:
+        """The refusal (counted as the tenant's ``permission``) when ``who`` lacks ``needed``."""
+        try:
+            who.require(*needed)
+        except PermissionDeniedError as err:
+            self.store.tenants.refuse(who.tenant, "permission")
+            return err
+        return None
 
     def _keys(self, who: Principal, namespace: bytes, chunk_hash: bytes, tag: str) -> tuple[ObjectKey, ObjectKey]:
         return self.scope.keys(who, namespace, chunk_hash, tag)
@@ -252,16 +281,27 @@ class KVStoreServicer:
             return pb.PutCommitResponse(outcome=pb.PUT_OUTCOME_FAILED)
         return pb.PutCommitResponse(outcome=OUTCOMES[await self.store.puts.finish(pending, "shm")])
 
-    @rpc(WRITE)
+    @rpc()
     async def PutStream(self, frames: AsyncIterator[InFrame], context, who: Principal) -> pb.PutCommitResponse:
         frames = frames.__aiter__()
-        with self._stream(who):
-            first = await self._next_frame(frames)
-            if first is None or first.start is None:
-                raise ConfigError("PutStream: the first frame must be 'start'" +
-                                  (" (the stream was empty)" if first is None else ", got data"))
-            async with self._deadline(who, first.start.size):
-                return await self._put_stream(who, first.start, frames)
+        denied = self._denied(who, (WRITE,))
+        held, quota = self.store.tenants.held_and_quota(who.tenant, "streams")
+        if denied is not None and held >= quota:
+            raise denied               # no stream to drain it under: answered at once
+        with self._stream(who):        # refused here (quota): answered at once, nothing drained
+            try:
+                if denied is not None:
+                    raise denied
+                first = await self._next_frame(frames)
+                if first is None or first.start is None:
+                    raise ConfigError("PutStream: the first frame must be 'start'" +
+                                      (" (the stream was empty)" if first is None else ", got data"))
+                async with self._deadline(who, first.start.size):
+                    return await self._put_stream(who, first.start, frames)
+            except Exception as err:
+                if status_of(err)[0] in _DRAIN_FIRST:
+                    await self._drain_refused(frames)   # still one of the tenant's streams
+                raise
 
     async def _put_stream(self, who: Principal, start: pb.PutStartRequest,
                           frames: AsyncIterator[InFrame]) -> pb.PutCommitResponse:
@@ -361,7 +401,7 @@ class KVStoreServicer:
                 raise ConfigError(f"{len(obj.token_ids)} token ids exceed {MAX_DESCRIBED_TOKENS} per object")
             _, key = self._keys(who, request.namespace, obj.chunk_hash, request.tag)
             parent = self.scope.chunk_hash(obj.parent_hash, "parent_hash") if obj.parent_hash else None
-            described += self.store.describe(key, parent, obj.token_ids, obj.lora_name)
+            described += self.store.describe(key, parent, obj.token_ids, obj.lora_name, who.tenant)
         return pb.DescribeResponse(described=described)
 
     @rpc(READ)

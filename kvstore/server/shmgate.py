@@ -19,7 +19,11 @@ leaves the server only here (format: ``kvstore.shmwire``):
    (or dies).  Then ``on_end(session)`` runs: the store frees that session's reservations,
    fenced ones included (``kvstore.server.leases``).
 
-A client that sends no complete hello within ``HANDSHAKE_S`` is cut.  ``aclose`` closes the
+A client that sends no complete hello within ``hello_timeout`` is cut.  Until then it holds
+one of its peer's pre-authentication slots (``kvstore.server.peers``: a peer is its (uid, pid)
+from ``SO_PEERCRED``; beyond ``max_unauthenticated_per_peer`` or ``max_unauthenticated`` the
+connection is closed at once, counted); only an accepted hello takes one of the
+``MAX_SESSIONS`` (beyond: RESOURCE_EXHAUSTED).  ``aclose`` closes the
 listener and ends every session.  ``session_of`` tells ``PutStart`` whether a session id is
 a live one of the caller's tenant.
 """
@@ -38,8 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import shmwire as wire
-from kvstore.errors import ConfigError, KVStoreError, PermissionDeniedError
+from kvstore.errors import CapacityError, ConfigError, KVStoreError, PermissionDeniedError
 from kvstore.server.auth import Authenticator, Permission, Principal
+from kvstore.server.peers import PreAuth
 from kvstore.server.servicer import status_of
 from kvstore.server.tenants import Tenants
 from kvstore.server.tickets import TicketBook
@@ -63,9 +68,14 @@ class ShmGate:
     """The Unix socket and the sessions it opened (see the module docstring)."""
 
     def __init__(self, host: HostTier, auth: Authenticator, tickets: TicketBook, tenants: Tenants,
-                 on_end: Callable[[int], object], path: Path | None = None) -> None:
+                 on_end: Callable[[int], object], path: Path | None = None, *,
+                 hello_timeout: float = HANDSHAKE_S, preauth: PreAuth | None = None,
+                 on_refused: Callable[[str], object] = lambda reason: None) -> None:
         self.host, self.auth, self.tickets, self.tenants = host, auth, tickets, tenants
         self.on_end = on_end
+        self.hello_timeout = hello_timeout
+        self.preauth = preauth if preauth is not None else PreAuth(16, MAX_SESSIONS)
+        self.on_refused = on_refused
         self._own_dir = path is None
         self.path = path if path is not None else Path(tempfile.mkdtemp(prefix="kvstore-shm-")) / "shm.sock"
         self.sessions: dict[int, Session] = {}
@@ -104,16 +114,29 @@ class ShmGate:
                 log.warning("shm gate: accept failed: %s", err)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._tasks) > MAX_SESSIONS:
-                self.refused += 1
+            try:
+                pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+            except OSError:
                 conn.close()
                 continue
-            self._spawn(self._serve(conn))
+            reason = self.preauth.enter((uid, pid))
+            if reason is not None:
+                self._refuse(f"unauthenticated_{reason}")
+                conn.close()
+                continue
+            self._spawn(self._serve(conn, (uid, pid)))
 
-    async def _serve(self, conn: socket.socket) -> None:
+    def _refuse(self, reason: str) -> None:
+        self.refused += 1
+        self.on_refused(reason)
+
+    async def _serve(self, conn: socket.socket, peer: tuple[int, int]) -> None:
         session: Session | None = None
         try:
-            session = await self._open(conn)
+            try:
+                session = await self._open(conn)
+            finally:
+                self.preauth.leave(peer)
             if session is not None:
                 await _until_closed(conn)
         except (OSError, asyncio.IncompleteReadError):
@@ -128,11 +151,13 @@ class ShmGate:
         try:
             if uid not in (os.getuid(), 0):
                 raise PermissionDeniedError(f"uid {uid} may not map this store's memory (only uid {os.getuid()})")
-            who = await asyncio.wait_for(self._hello(conn), HANDSHAKE_S)
+            who = await asyncio.wait_for(self._hello(conn), self.hello_timeout)
             who.require(Permission.SHM)
+            if len(self.sessions) >= MAX_SESSIONS:
+                raise CapacityError(f"the gate serves its most sessions ({MAX_SESSIONS}) at once")
             self.tenants.take(who.tenant, "connections")
         except (KVStoreError, TimeoutError, UnicodeDecodeError) as err:
-            self.refused += 1
+            self._refuse("hello")
             _reply_error(conn, err)
             return None
         session = Session(secrets.randbits(63) | 1, who.tenant, who.allows(Permission.WRITE), pid)

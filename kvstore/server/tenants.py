@@ -14,7 +14,11 @@ Server side, event loop only (the data channel's threads reach it through the lo
   counts cap what a tenant holds at once: ``reservations`` (``PutStart`` reservations not
   yet committed, including expired ones still fenced), ``leases`` (leases held),
   ``streams`` (``GetStream``/``PutStream`` calls and data-channel requests in flight) and
-  ``connections`` (data-channel connections and shared-memory sessions open).
+  ``connections`` (data-channel connections and shared-memory sessions open) and
+  ``tickets`` (``OpenData`` tickets minted and not yet redeemed or expired).
+  ``described_bytes`` and ``described`` cap the ``Describe`` descriptions (for KV events)
+  the tenant's objects hold, in bytes and in entries (counted by
+  ``kvstore.store.kvevents.EventRecorder``; refusals as ``described_bytes`` / ``described``).
 * **Usage.**  ``take(tenant, what)`` counts one more of ``what`` or, at the quota, counts a
   refusal and raises ``CapacityError`` (RESOURCE_EXHAUSTED on either channel); ``give``
   gives it back.  ``refuse`` counts a refusal decided elsewhere (a full host pool).
@@ -32,7 +36,7 @@ from kvstore.config import parse_size
 from kvstore.errors import CapacityError, ConfigError
 from kvstore.keys import TENANT_MARK_SIZE, tenant_mark
 
-COUNTED = ("reservations", "leases", "streams", "connections")
+COUNTED = ("reservations", "leases", "streams", "connections", "tickets")
 _MIN_SHARE = 1 << 20   # the least host pool or SSD partition a tenant may be left with
 _UNIT = 4096           # shares are whole 4 KiB units (the host pool's slot alignment)
 
@@ -47,9 +51,17 @@ class Limits:
     leases: int = 4096
     streams: int = 32
     connections: int = 64
+    tickets: int = 64
+    described_bytes: int = 32 << 20
+    described: int = 65536
 
     def count(self, what: str) -> int:
         return getattr(self, what)
+
+    @property
+    def descriptions(self) -> tuple[int, int]:
+        """(bytes, entries) of descriptions the tenant may hold (``kvstore.store.kvevents``)."""
+        return self.described_bytes, self.described
 
 
 DEFAULT = Limits()
@@ -139,6 +151,9 @@ class Tenants:
         if self.usage[tenant, what] <= 0:
             raise RuntimeError(f"tenant {tenant!r} gives back {what} it does not hold")
         self.usage[tenant, what] -= 1
+
+    def descriptions(self, tenant: str) -> tuple[int, int]:
+        return self.limits.get(tenant, DEFAULT).descriptions
 
     def refuse(self, tenant: str, what: str) -> None:
         self.refused[tenant, what] += 1

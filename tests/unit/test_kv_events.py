@@ -186,3 +186,34 @@ def test_several_tenants_never_share_a_stream():
     assert {t: (s.endpoint, s.replay, s.topic) for t, s in specs.items()} == {
         "a": ("ipc:///run/a.ev", "ipc:///run/a.rp", "kv@a"), "b": ("ipc:///run/b.ev", "ipc:///run/b.rp", "kv@b")}
     assert stream_specs("tcp://127.0.0.1:5557", None, "t", ["only"])["only"].endpoint == "tcp://127.0.0.1:5557"
+
+
+def test_each_stream_holds_descriptions_within_its_budget():
+    """Descriptions count per stream in bytes and entries; a stream beyond its budget first
+    loses its own spare descriptions, then is refused; another stream is untouched."""
+    from kvstore.store.kvevents import ENTRY_COST, DescriptionRefused
+
+    tokens, _, keys = chain(8)
+    other = [k for k in chain(4, seed=1)[2]]
+    one = ENTRY_COST + 4 * 16
+    stream_of = lambda key: "b" if key in keys else "a"            # noqa: E731
+    budget = {"b": (3 * one, 100), "a": (100 * one, 2)}
+    rec = EventRecorder(MEDIA, stream_of=stream_of, budget=budget.__getitem__)
+    for i in range(3):
+        rec.stored("host", keys[i])                                # held: not spare
+        rec.describe(keys[i], None, tokens[i].tolist())
+    with pytest.raises(DescriptionRefused) as refused:
+        rec.describe(keys[3], None, tokens[3].tolist())
+    assert refused.value.what == "described_bytes" and rec.held_bytes["b"] == 3 * one
+    rec.describe(other[0], None, tokens[0].tolist())                # a's spare ones: 2 entries
+    rec.describe(other[1], None, tokens[1].tolist())
+    rec.describe(other[2], None, tokens[2].tolist())                # pushes out a's oldest spare
+    assert rec.description(other[0]) is None and rec.description(other[2]) is not None
+    rec.stored("host", other[1])
+    rec.stored("host", other[2])
+    with pytest.raises(DescriptionRefused) as refused:              # none spare left: refused
+        rec.describe(other[3], None, tokens[3].tolist())
+    assert refused.value.what == "described" and rec.held["a"] == 2
+    rec.removed("host", keys[0], Removal.DELETED)                   # b's description goes spare...
+    rec.describe(keys[3], None, tokens[3].tolist())                 # ...and makes room when needed
+    assert rec.held["b"] == 3 and rec.description(keys[0]) is None

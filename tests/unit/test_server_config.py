@@ -68,6 +68,10 @@ def test_env_conversions():
     ({"frame_bytes": "8MiB"}, {}, "max_message_bytes (8388608) must be at least frame_bytes + 64 KiB"),
     ({"max_object_bytes": "100"}, {}, "max_object_bytes must hold at least a 256-byte header"),
     ({"max_keys_per_call": "0"}, {}, "max_keys_per_call must be positive"),
+    ({"max_unauthenticated_per_peer": "0"}, {}, "max_unauthenticated_per_peer must be positive"),
+    ({}, {"KVSTORE_SERVE_MAX_UNAUTHENTICATED": "-1"}, "max_unauthenticated must be positive"),
+    ({"request_timeout": "0"}, {}, "request_timeout must be a positive number"),
+    ({}, {"KVSTORE_SERVE_HELLO_TIMEOUT": "0"}, "hello_timeout must be a positive number"),
     ({"bogus": "1"}, {}, "command line: unknown key 'bogus'"),
     ({}, {"KVSTORE_SERVE_WRITE_POLICY": "maybe"}, "KVSTORE_SERVE_WRITE_POLICY: 'maybe' is not one of"),
     ({"write_policy": "write_back"}, {}, "write_back: the store process writes through or not at all"),
@@ -204,3 +208,12 @@ def test_serve_flags_are_the_settings():
     flag_values = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
     cfg = ServerConfig.from_sources(flag_values, env={"KVSTORE_SERVE_HOST_CAPACITY": "3GiB"})
     assert (cfg.host_capacity, cfg.put_ttl_s, cfg.write_policy) == (2 * GiB, 4.0, WritePolicy.HOST_ONLY)
+
+
+def test_bounds_of_what_clients_hold_have_defaults_and_come_from_every_source():
+    cfg = ServerConfig.from_sources({}, env={})
+    assert (cfg.request_timeout, cfg.hello_timeout, cfg.max_unauthenticated_per_peer,
+            cfg.max_unauthenticated) == (2.0, 2.0, 16, 1024)
+    cfg = ServerConfig.from_sources({"request_timeout": "0.5"}, env={"KVSTORE_SERVE_HELLO_TIMEOUT": "3",
+                                                                    "KVSTORE_SERVE_MAX_UNAUTHENTICATED_PER_PEER": "4"})
+    assert (cfg.request_timeout, cfg.hello_timeout, cfg.max_unauthenticated_per_peer) == (0.5, 3.0, 4)

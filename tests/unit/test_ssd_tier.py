@@ -335,3 +335,52 @@ async def test_batch_sizes_match_size_of(tmp_path):
     await tier.aclose()
     with pytest.raises(TierUnavailableError):  # a closed tier raises: the core counts a miss
         await tier.sizes(ks)
+
+
+def test_a_root_of_another_owner_is_refused_and_an_open_one_is_closed(tmp_path, caplog):
+    """Whoever else can write the root can replace an object file with a valid checksum."""
+    other = tmp_path / "theirs"
+    other.mkdir(mode=0o700)
+    os.chown(other, 65534, 65534)                    # nobody's directory
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        SSDTier(other, 1 << 30)
+    assert os.listdir(other) == []                   # nothing was made in it
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    os.chmod(open_root, 0o777)
+    asyncio.run(SSDTier(open_root, 1 << 30).aclose())
+    assert (os.stat(open_root).st_mode & 0o777) == 0o700
+    assert "other users could read or replace" in caplog.text
+    link = tmp_path / "link"
+    link.symlink_to(open_root)
+    with pytest.raises(ConfigError, match="not a directory"):
+        SSDTier(link, 1 << 30)
+
+
+def test_another_uid_cannot_replace_an_object_in_the_tier(tmp_path):
+    """The attack, run as an unprivileged uid (nobody) against a root that was world-writable."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ssd"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    os.chmod(tmp_path, 0o755)
+    asyncio.run(_put_one(SSDTier(root, 1 << 30)))
+    victim = next(p for p in root.rglob("*.kv"))
+    attack = (f"import os\nos.setgid(65534)\nos.setuid(65534)\n"
+              f"try:\n    os.replace({str(tmp_path / 'forged')!r}, {str(victim)!r})\nexcept OSError as e:\n"
+              f"    print('refused', e.errno)\nelse:\n    print('replaced')\n"
+              f"try:\n    open({str(root / 'x')!r}, 'w')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    (tmp_path / "forged").write_bytes(victim.read_bytes())
+    os.chmod(tmp_path / "forged", 0o666)
+    out = subprocess.run([sys.executable, "-c", attack], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["refused 13", "refused 13"]  # EACCES, twice
+
+
+async def _put_one(tier: SSDTier) -> None:
+    key = chain(1)[0]
+    try:
+        assert await put_bytes(tier, key, make_obj(key)) is PutResult.STORED
+    finally:
+        await tier.aclose()

@@ -68,3 +68,10 @@ def test_bad_tenants_sections_name_the_key(doc, needle):
 def test_a_tenants_section_parses_sizes_and_counts():
     limits = parse_limits({"a": {"host_bytes": "16MiB", "streams": 3}}, "tokens.yaml", {"a"})
     assert limits == {"a": Limits(host_bytes=16 * MiB, streams=3)}
+
+
+def test_the_new_quotas_parse_from_a_tenants_section():
+    limits = parse_limits({"a": {"tickets": 8, "described_bytes": "1MiB", "described": 100}}, "tokens.yaml", {"a"})
+    assert limits == {"a": Limits(tickets=8, described_bytes=MiB, described=100)}
+    assert limits["a"].descriptions == (MiB, 100)
+    assert Limits().tickets == 64 and Limits().descriptions == (32 * MiB, 65536)

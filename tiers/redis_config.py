@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
 import ssl
@@ -42,8 +43,10 @@ from redis.asyncio.connection import BlockingConnectionPool, Connection, SSLConn
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvstore.config import Seconds, Size, convert, field_types
+from kvstore.config import Seconds, Size, convert, field_types, read_token_file
 from kvstore.errors import ConfigError, TierUnavailableError
+
+log = logging.getLogger("tiers.redis")
 
 MiB = 1 << 20
 REDIS_MAX_BULK = 512 * MiB        # Redis' default (and usual) proto-max-bulk-len
@@ -132,6 +135,11 @@ class RedisConfig:
         values = _parse_url(url)
         merged: dict[str, object] = dict(values.pop("query"))  # type: ignore[arg-type]
         merged.update(options)
+        password_file = merged.pop("password_file", None)
+        if password_file is not None:  # the password from a 0600 file, not the URL (logs, /proc)
+            if values.get("password") is not None:
+                raise ConfigError(f"{_redact(url)}: a password and a password_file; give it one way")
+            values["password"] = read_token_file(str(password_file))
         unknown = sorted(set(merged) - _OPTION_FIELDS)
         if unknown:
             raise ConfigError(f"unknown redis option(s) {', '.join(unknown)} in {_redact(url)}; "
@@ -240,6 +248,7 @@ async def connect(cfg: RedisConfig) -> tuple[Any, int]:
         if cfg.part_size > bulk:
             raise ConfigError(f"part_size {cfg.part_size} exceeds proto-max-bulk-len {bulk} of "
                               f"{cfg.redacted_url}; choose a smaller part_size")
+        await _check_policy(cfg, client)
     except BaseException:
         with suppress(Exception):
             await client.aclose()
@@ -334,6 +343,26 @@ def _ssl_cause(err: BaseException | None) -> bool:
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
+
+
+async def _check_policy(cfg: RedisConfig, client: Any) -> None:
+    """Warn when Redis evicts under memory pressure: its eviction cannot be partitioned by
+    tenant, so one tenant's writes would evict another's objects.  Under ``noeviction`` a
+    write beyond ``maxmemory`` is refused instead (a counted put failure of the writer)."""
+    try:
+        async with asyncio.timeout(cfg.op_timeout_s):
+            info = await client.info("memory")
+    except rx.ResponseError:  # INFO not allowed for this user: nothing to tell
+        return
+    except (TimeoutError, *TRANSPORT_ERRORS) as err:
+        raise TierUnavailableError(f"cannot reach redis at {cfg.address}: {err}") from err
+    nodes = info.values() if cfg.cluster and info and isinstance(next(iter(info.values())), dict) else [info]
+    policies = sorted({str(n.get("maxmemory_policy", "noeviction")) for n in nodes} - {"noeviction"})
+    if policies:
+        log.warning("redis at %s evicts under memory pressure (maxmemory-policy %s): in a tier shared by "
+                    "tenants one tenant's writes evict another's objects; run it with maxmemory-policy "
+                    "noeviction (writes beyond maxmemory are then refused, counted)", cfg.address,
+                    ", ".join(policies))
 
 
 async def _bulk_limit(cfg: RedisConfig, client: Any) -> int:

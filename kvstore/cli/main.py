@@ -11,13 +11,14 @@ from kvstore.errors import KVStoreError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvstore.cli import bench, capacity, demo, serve, tokens
+    from kvstore.cli import bench, capacity, demo, keys, serve, tokens
 
     capacity.register(sub)
     bench.register(sub)
     demo.register(sub)
     serve.register(sub)
     tokens.register(sub)
+    keys.register(sub)
     return parser
 
 

@@ -203,11 +203,30 @@ class TieredStore:
     async def put(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
         """Publish a complete encoded object in the host pool (its result is returned), then
         hand it to the write-down (waiting up to ``put_wait_s`` for room in its queue)."""
-        result = await put_bytes(self.host, key, obj, parent)
+        result = await put_bytes(self.host, key, obj, parent) if self.keys is None else \
+            self._put_sealed(key, obj, parent)
         self.counters.count_put(self.host.name, result)
         if result is PutResult.STORED:
             await self.writer.submit(key, parent, self.put_wait_s)
         return result
+
+    def _put_sealed(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None) -> PutResult:
+        """``put_bytes`` into the host pool with the MAC sealed in the slot before it is
+        published (the caller's bytes are not changed)."""
+        if self.host.contains_sync(key):
+            return PutResult.EXISTS
+        view = memoryview(obj).cast("B")
+        handle = self.host.put_start_sync(key, len(view), parent)
+        if handle is None:
+            return PutResult.NO_ROOM
+        ok = False
+        try:
+            handle.buffer[: len(view)] = view
+            self.seal(key, handle.buffer[: len(view)])
+            ok = True
+        finally:
+            published = self.host.put_commit_sync(handle, ok)
+        return PutResult.STORED if published else PutResult.FAILED
 
     async def put_payload(self, key: ObjectKey, geometry: codec.ObjectGeometry, payload,
                           parent_hash: ChunkHash = ROOT) -> PutResult:

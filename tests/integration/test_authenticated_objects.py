@@ -166,3 +166,44 @@ def test_a_store_without_a_keys_file_makes_one_default_secret_and_keeps_it_acros
             assert c.get_stream(key, out) == SIZE and bytes(out) == _obj(key, 1)
             assert "store.failures.ssd_forged" not in c.stats()[1]
 
+
+
+def test_a_tenants_object_moved_under_another_tenants_key_is_refused_by_the_store(tmp_path):
+    """The store verifies with the keys of the tenant the key belongs to: tenant a's sealed
+    object, rekeyed (valid checksum) and planted as tenant b's file, is refused for b."""
+    from kvstore.keys import ObjectKey
+    from tests.store_helpers import write_tokens
+    from tiers.ssd_files import object_path
+
+    keys = tmp_path / "keys.json"
+    keys_cli.create(keys)
+    tokens = write_tokens(tmp_path / "tokens.yaml", [
+        {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
+        {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]},
+        {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}])
+    key = random_key(np.random.default_rng(14))
+    server = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                          "--keys-file", str(keys), "--auth-tokens", str(tokens))
+    with server.start() as proc:
+        with StoreClient(proc.target, token="tok-a") as a:
+            assert a.put_stream(key, memoryview(_obj(key, 1))) == pb.PUT_OUTCOME_STORED
+            assert wait_until(lambda: a.stats()[1]["ssd.objects"] == 1)
+        assert proc.terminate() == 0
+    as_b = ObjectKey(key.namespace.scoped("b"), key.chunk_hash, key.tag)
+    [path] = list((tmp_path / "ssd").rglob("*.kv"))
+    data = bytearray(path.read_bytes())
+    codec.rekey(data, as_b)                                     # MAC kept, checksum valid
+    planted = object_path(tmp_path / "ssd", as_b)
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.write_bytes(data)
+    server = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
+                          "--keys-file", str(keys), "--auth-tokens", str(tokens))
+    with server.start() as proc:
+        out = np.zeros(SIZE, np.uint8)
+        with StoreClient(proc.target, token="tok-b") as b:
+            assert b.get_stream(key, out) is None
+        with StoreClient(proc.target, token="tok-a") as a:
+            assert a.get_stream(key, out) == SIZE and bytes(out) == _obj(key, 1)
+        with StoreClient(proc.target, token="tok-ops") as ops:
+            assert ops.stats()[1]["store.failures.ssd_forged"] == 1
+        assert not planted.exists() and path.exists()

@@ -148,3 +148,22 @@ def test_keys_come_from_a_file_the_environment_or_a_default_file(tmp_path, monke
     with pytest.raises(ConfigError, match="not a kvstore keys file"):
         integrity.load_keys(None, env={"KVSTORE_KEYS": "nope"})
     assert repr(first.keyring()).count("ids=") == 1 and text.split('"1": "')[1][:16] not in repr(first.keyring())
+
+
+def test_the_connector_reads_its_keys_file_and_keys_only_the_tiers_it_writes_itself(tmp_path):
+    from connector.config import ConnectorConfig
+    from connector.lower import keys_of
+
+    deployment, tenant = tmp_path / "keys.json", tmp_path / "a.keys"
+    keys_cli.create(deployment)
+    keys_cli.export(deployment, "a", tenant)
+    want = integrity.read_file(deployment).keyring("a")
+    cfg = ConnectorConfig.from_extra_config({"ssd_dir": str(tmp_path / "ssd"), "keys_file": str(tenant)}, env={})
+    assert keys_of(cfg)(KEY).keys == want.keys
+    from_env = ConnectorConfig.from_extra_config({"redis_url": "redis://h"}, env={"KVSTORE_KEYS_FILE": str(tenant)})
+    assert keys_of(from_env)(KEY).tenant == "a"
+    assert keys_of(ConnectorConfig.from_extra_config({"store_target": "h:1"}, env={})) is None  # the store seals
+    assert "a.keys" in repr(cfg) and want.keys[1].hex() not in repr(cfg)
+    with pytest.raises(ConfigError, match="keys file"):
+        keys_of(ConnectorConfig.from_extra_config({"ssd_dir": str(tmp_path), "keys_file": str(tmp_path / "no")},
+                                                  env={}))

@@ -26,17 +26,18 @@ key that made it, both in the header (``kvstore.codec``).  See docs/integrity.md
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
 import secrets
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
 
+from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
 
 log = logging.getLogger("kvstore.integrity")
@@ -221,24 +222,15 @@ def load_keys(path: Path | str | None = None, env: Mapping[str, str] | None = No
 
 # --- sealing ----------------------------------------------------------------------------------
 
-_KID = struct.Struct("<H")
-
-
 def seal(buf, ring: Keyring) -> None:
     """Write ``ring``'s current key id and the MAC into the header of the whole,
     uncompressed object in ``buf`` (its header checksum is rewritten)."""
-    from kvstore import codec  # codec imports this module's error types only lazily
-
     codec.set_mac(buf, ring.current, ring.mac(ring.current, *codec.mac_input(buf, ring.current)))
 
 
 def check(buf, ring: Keyring) -> int:
     """Verify the MAC of the whole, uncompressed object in ``buf`` under ``ring``; its key id.
     Raises ``ForgedObjectError`` (an unsealed object, an unknown or retired key id, a bad MAC)."""
-    import hmac
-
-    from kvstore import codec
-
     header = codec.decode_header(buf)
     if header.key_id == 0:
         raise ForgedObjectError(f"object {header.key!r} carries no MAC")

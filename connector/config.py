@@ -103,6 +103,10 @@ class ConnectorConfig(LeaseSettings, TierSettings):
     store_tls_key: Path | None = setting(None, "the client certificate's private key (PEM)")
     store_transport: Transport = setting(Transport.AUTO, "`auto` (shared memory when allowed, else the TCP "
                                          "data channel, else gRPC streams), `shm`, `tcp` or `stream`")
+    keys_file: Path | None = setting(None, "MAC keys of the engine's tenant (`kvstore keys export`) or a "
+                                     "deployment secret (`kvstore keys create`: tenant `default`) for the "
+                                     "objects it writes to SSD and Redis; none: `KVSTORE_KEYS`, else the default "
+                                     "file made on first use (docs/integrity.md)")
     lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
                                          "is an error (true) or leaves that tier out, counted (false)")
 

@@ -14,12 +14,19 @@ The core's write-down (``kvstore.store.writedown``) takes committed saves down u
 queue is full a chunk is dropped (counted as ``lower:write_down_dropped``; it stays in host
 memory).  ``ConnectorObserver`` turns the core's events into the connector's failure and
 byte counters; a failing lower tier costs a counted failure, never the chunk in host memory.
+
+Objects are authenticated (``kvstore.integrity``) when the connector itself writes a lower
+tier it shares with others (``ssd_dir``, ``redis_url``): each save is sealed with the
+engine's tenant key (``keys_file``, else ``KVSTORE_KEYS``, else the default deployment
+file) and every object read from those tiers must verify, else it is a counted miss
+(``<tier>:forged``) and is removed.  The store process verifies and seals for its clients.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from connector.config import ConnectorConfig
+from kvstore import integrity
 from kvstore.store.events import StoreObserver
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
@@ -33,6 +40,9 @@ class ConnectorObserver(StoreObserver):
 
     def tier_failed(self, tier: Tier, op: str, err: BaseException) -> None:
         self._on_fail(tier.name, f"{op}:{type(err).__name__}")
+
+    def forged(self, tier: Tier, err: BaseException) -> None:
+        self._on_fail(tier.name, "forged")
 
     def promote_no_room(self) -> None:
         self._on_fail("host", "promote:no_room")
@@ -70,7 +80,16 @@ async def open_store(cfg: ConnectorConfig, on_bytes: Callable[[str, str, int], N
     """The connector's store (on the I/O loop: the write-down binds to it)."""
     return await TieredStore.open(tier_specs(cfg), cfg.write_policy, required=cfg.lower_tiers_required,
                                   on_left_out=lambda kind, _err: on_fail(kind, "open"),
-                                  observer=ConnectorObserver(on_bytes, on_fail))
+                                  observer=ConnectorObserver(on_bytes, on_fail), keys=keys_of(cfg))
 
 
-__all__ = ["ConnectorObserver", "open_store", "tier_specs"]
+def keys_of(cfg: ConnectorConfig):
+    """The MAC keys of the engine's own lower tiers (module docstring): a function of the
+    key giving the engine's tenant's ``Keyring``, or None (no SSD directory nor Redis)."""
+    if cfg.ssd_dir is None and not cfg.redis_url:
+        return None
+    ring = integrity.load_keys(cfg.keys_file).keyring()
+    return lambda _key: ring
+
+
+__all__ = ["ConnectorObserver", "keys_of", "open_store", "tier_specs"]

@@ -257,6 +257,11 @@ class SavePlanner:
         return True
 
     def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
+        if ok:
+            try:
+                self.store.seal(key, handle.buffer[:handle.size])  # the MAC, before anyone sees it
+            except ObjectFormatError:
+                ok = False
         if not self.host.put_commit_sync(handle, ok):
             self._fail("host", "save")
             return

@@ -6,7 +6,8 @@ An object is a fixed 256-byte header followed by the payload::
             layer, page bytes, tokens), raw and stored payload length, xxh3-128 of the
             stored payload, layout id, key (namespace, chunk hash, tag), parent chunk hash,
             how many of its tokens were generated (zero bytes in older objects: none),
-            and finally xxh3-64 of all preceding header bytes.
+            the MAC's key id and 16-byte keyed MAC (``kvstore.integrity``; zero: not
+            sealed), and finally xxh3-64 of all preceding header bytes.
     payload layer-major [layers][pages][page bytes]; pages are opaque (never reinterpreted).
 
 Encoding and decoding work in caller-provided buffers: the hot path never allocates a
@@ -38,9 +39,16 @@ VERSION = 1
 HEADER_SIZE = 256
 _FIELDS = struct.Struct("<4sHHBBHIIQIQQ16s32s32s32sB32s32s")
 _EXTRA = struct.Struct("<I")  # after _FIELDS: generated tokens (0 in objects written before it)
+_SEAL = struct.Struct("<H16s")  # after _EXTRA: MAC key id (0: unsealed) and MAC
+_SEAL_AT = _FIELDS.size + _EXTRA.size
+# What the MAC covers besides the payload (``kvstore.integrity``): the header up to the
+# namespace, then chunk hash, tag, parent and generated tokens, minus codec/stored length/
+# checksum (an lz4 copy keeps its MAC); then the key id.
+_NS_AT, _NS_END = 96, 128
+_MAC_DOMAIN = b"kvstore-object-mac/1\0"
 _CHECK = struct.Struct("<Q")
 _CHECK_AT = HEADER_SIZE - _CHECK.size
-assert _FIELDS.size + _EXTRA.size <= _CHECK_AT
+assert _SEAL_AT + _SEAL.size <= _CHECK_AT
 MAX_OBJECT_BYTES = 1 << 40
 
 _DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "uint8", "fp8")
@@ -92,6 +100,8 @@ class ObjectHeader:
     stored_len: int
     checksum: bytes
     generated: int = 0  # how many of its tokens an engine generated (the rest were prompt)
+    key_id: int = 0     # the MAC's key id (``kvstore.integrity``); 0: not sealed
+    mac: bytes = bytes(16)
 
     @property
     def total_len(self) -> int:
@@ -129,7 +139,7 @@ def pack_header(header: ObjectHeader) -> bytes:
         g.layout_id.encode().ljust(32, b"\0"), bytes(key.namespace), bytes(key.chunk_hash),
         len(tag), tag.ljust(32, b"\0"), bytes(header.parent),
     )
-    body = (fields + _EXTRA.pack(header.generated)).ljust(_CHECK_AT, b"\0")
+    body = (fields + _EXTRA.pack(header.generated) + _SEAL.pack(header.key_id, header.mac)).ljust(_CHECK_AT, b"\0")
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
@@ -183,7 +193,9 @@ def decode_header(buf) -> ObjectHeader:
     (generated,) = _EXTRA.unpack_from(head, _FIELDS.size)
     if generated > max(tokens, 0):
         raise CorruptHeaderError(f"header says {generated} generated tokens of {tokens}")
-    return ObjectHeader(key, ChunkHash(parent), geometry, codec_e, raw_len, stored_len, digest, generated)
+    key_id, mac = _SEAL.unpack_from(head, _SEAL_AT)
+    return ObjectHeader(key, ChunkHash(parent), geometry, codec_e, raw_len, stored_len, digest, generated,
+                        key_id, mac)
 
 
 def verify(buf, expected_key: ObjectKey | None = None, length: int | None = None) -> ObjectHeader:
@@ -227,7 +239,10 @@ def decompress_into(obj, out) -> ObjectHeader:
         raise ChecksumMismatchError(f"lz4 payload does not decode: {err}") from err
     if len(raw) != header.raw_len:  # a valid stream of the wrong size is damage, not a bad argument
         raise ChecksumMismatchError(f"lz4 payload decodes to {len(raw)} bytes, header says {header.raw_len}")
-    return encode_into(out, header.key, header.geometry, raw, header.parent, header.generated)
+    new = encode_into(out, header.key, header.geometry, raw, header.parent, header.generated)
+    if header.key_id:
+        new = set_mac(out, header.key_id, header.mac)
+    return new
 
 
 def sample_ratio(payload, sample_bytes: int = 1 << 20) -> float:
@@ -243,16 +258,43 @@ __all__ = [
 ]
 
 
-def rekey(buf, key: ObjectKey) -> ObjectHeader:
+def rekey(buf, key: ObjectKey, clear_mac: bool = False) -> ObjectHeader:
     """Rewrite the key in a valid object's header in place (header checksum recomputed).
 
     The store process keeps objects under the tenant-scoped key and clients under their own;
     the payload and its checksum are untouched, so this costs one 256-byte header.
+    ``clear_mac``: also drop the MAC (a client of the store process: the store verified it,
+    and the client gets the object as it wrote it, see ``kvstore.integrity``).
     """
     view = memoryview(buf).cast("B")
     header = decode_header(view)
     if len(key.tag.encode()) > 32:
         raise ConfigError(f"key tag too long for the header: {key.tag!r}")
     new = dataclasses.replace(header, key=key)
+    if clear_mac:
+        new = dataclasses.replace(new, key_id=0, mac=bytes(16))
+    view[:HEADER_SIZE] = pack_header(new)
+    return new
+
+
+def mac_input(buf, key_id: int) -> tuple[bytes, memoryview]:
+    """(header fields, payload) a MAC with ``key_id`` covers in the whole, uncompressed
+    object in ``buf`` (``kvstore.integrity``)."""
+    view = memoryview(buf).cast("B")
+    header = decode_header(view)
+    if header.codec is not Codec.NONE:
+        raise ConfigError("a MAC is computed over an uncompressed object")
+    if len(view) < header.total_len:
+        raise CorruptHeaderError(f"object truncated: {len(view)} of {header.total_len} bytes")
+    head = bytes(view[:_SEAL_AT])
+    fields = b"".join((_MAC_DOMAIN, head[:8], head[9:40], head[64:_NS_AT], head[_NS_END:],
+                       key_id.to_bytes(2, "little")))
+    return fields, view[HEADER_SIZE : header.total_len]
+
+
+def set_mac(buf, key_id: int, mac: bytes) -> ObjectHeader:
+    """Write the key id and MAC into a valid object's header (header checksum recomputed)."""
+    view = memoryview(buf).cast("B")
+    new = dataclasses.replace(decode_header(view), key_id=key_id, mac=bytes(mac))
     view[:HEADER_SIZE] = pack_header(new)
     return new

@@ -15,6 +15,19 @@ from connector.kit.runner import EAGER_ENV
 os.environ.setdefault(EAGER_ENV, "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _deployment_secret_dir(tmp_path_factory):
+    """Stores and connectors started without a keys file make their default deployment
+    secret (``kvstore.integrity``) in this session's directory, not the user's state
+    directory; every process of the session shares it, as a deployment's would."""
+    if "KVSTORE_STATE_DIR" in os.environ:
+        yield
+        return
+    os.environ["KVSTORE_STATE_DIR"] = str(tmp_path_factory.mktemp("kvstore-state"))
+    yield
+    os.environ.pop("KVSTORE_STATE_DIR", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The "tiny" random-weight Llama (4 layers, 2 KV heads x 64), built once per session."""

@@ -185,7 +185,7 @@ class StoreClient:
     def _check(self, key: ObjectKey, out: np.ndarray, n: int) -> int:
         view = memoryview(out)[:n]
         codec.verify(view, expected_key=self.scoped(key), length=n)
-        codec.rekey(view, key)
+        codec.rekey(view, key, clear_mac=True)
         return n
 
     # --- the rest -----------------------------------------------------------------------

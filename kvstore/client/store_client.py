@@ -200,7 +200,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         if n is None:
             self.counters.misses += 1
         else:
-            codec.rekey(memoryview(dst)[:n], key)
+            codec.rekey(memoryview(dst)[:n], key, clear_mac=True)
             self.counters.hits += 1
             self.counters.bytes_read += n
         return n

@@ -71,6 +71,11 @@ class _Exists:
 class RemoteTier(TierBase):
     """The store process as a tier (see the module docstring)."""
 
+    # The store process verifies each object's MAC with its tenant's keys when it enters its
+    # pool and seals what its clients commit (``kvstore.integrity``); a client over this
+    # authenticated channel may hold no key (a read-only principal), so it does not re-check.
+    verifies_macs = True
+
     def __init__(self, client: StoreClient, *, name: str = "remote", retry_s: float = 1.0) -> None:
         self.name = name
         self.client = client

@@ -38,6 +38,9 @@ class ServerConfig(LeaseSettings, TierSettings):
     data_port: int = setting(0, "port of the data channel (0: a free port; Hello advertises it)")
     data_ticket_ttl: Seconds = setting(10.0, "seconds a data-channel ticket (OpenData) may wait to be used")
     redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db)")
+    keys_file: Path | None = setting(None, "deployment secret of the objects' MACs (`kvstore keys create`); "
+                                     "none: `KVSTORE_KEYS`, else the default file made on first use "
+                                     "(docs/integrity.md)")
     auth_tokens: Path | None = setting(None, "YAML tokens file; without it every call is tenant 'default'")
     tls_cert: Path | None = setting(None, "server certificate (PEM)")
     tls_key: Path | None = setting(None, "server private key (PEM)")

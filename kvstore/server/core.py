@@ -60,6 +60,7 @@ from kvstore.store.events import StoreObserver
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers
+from kvstore.integrity import DEFAULT_TENANT, KeySource, load_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
 from tiers.host import HostTier
@@ -99,6 +100,10 @@ class ServerObserver(StoreObserver):
     def promote_no_room(self) -> None:
         self.metrics.counters.fail("promote_no_room")
 
+    def forged(self, tier: Tier, err: BaseException) -> None:
+        self.metrics.counters.fail(f"{tier.name}_forged")
+        log.warning("%s: refused and removed a forged object: %s", tier.name, err)
+
     def written(self, tier: Tier, result: PutResult, size: int, err: BaseException | None) -> None:
         c = self.metrics.counters
         c.bump(c.write_through, (tier.name, result.value))
@@ -119,13 +124,13 @@ class ServerStore:
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], cfg: ServerConfig,
                  metrics: ServerMetrics, tenants: Tenants | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, keys: KeySource | None = None) -> None:
+        self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
         self.core = TieredStore(host, lower, cfg.write_policy, observer=ServerObserver(metrics),
-                                verify_writes=True)
+                                verify_writes=True, keys=self._keys_of(keys))
         self.host, self.lower = host, self.core.lower
         self.cfg = cfg
         self.metrics = metrics
-        self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
         self.leases = LeaseBook(on_drop=lambda tenant: self.tenants.give(tenant, "leases"))
         self.puts = PutPath(self.core, cfg, metrics, self.tenants, clock)
         # data-channel tickets (kvstore.server.tickets): each tenant its own budget, the table their sum
@@ -139,6 +144,14 @@ class ServerStore:
         self.publisher = None                       # their publisher, set by kvstore.server.main
         metrics.bind(self.snapshot)
 
+    def _keys_of(self, keys: KeySource | None):
+        """Each object's tenant's MAC keys, by its namespace's tenant mark (``default``
+        without tenants); None without keys (a core built by a test)."""
+        if keys is None:
+            return None
+        tenant_of = self.tenants.tenant_of
+        return lambda key: keys.keyring(tenant_of(key) or DEFAULT_TENANT)
+
     @classmethod
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
@@ -151,8 +164,9 @@ class ServerStore:
                                                  "partition": tenants.tenant_of}))
         if cfg.redis:
             specs.append((cfg.redis, {}))
+        keys = load_keys(cfg.keys_file)  # before opening: a bad keys file fails first
         tiers = await open_tiers(specs)
-        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants)  # type: ignore[arg-type]
+        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys)  # type: ignore[arg-type]
         if cfg.kv_events:
             store.events = EventRecorder(MEDIA, stream_of=tenants.tenant_of, budget=tenants.descriptions)
             store.events.attach(tiers)

@@ -12,7 +12,8 @@ Server side, one event loop.  Keys arriving here are already tenant-scoped by th
   handler, which owns its slot and frees it on every exit path.
 * ``finish`` verifies the whole object (``codec.verify`` against ``client_key`` and the
   reserved size: header, key, payload checksum), rewrites the header to the scoped key
-  (``codec.rekey``) and publishes it.  A bad object raises ``ObjectFormatError`` after the
+  (``codec.rekey``), seals it with its tenant's MAC (``TieredStore.seal``,
+  ``kvstore.integrity``: the client was authenticated by its token) and publishes it.  A bad object raises ``ObjectFormatError`` after the
   slot is freed.  Exactly one of ``finish``/``abort`` resolves each reservation.
 * After a publish the object goes to the core's write-down (``TieredStore.written``,
   ``kvstore.store.writedown``): copied to every lower tier in the background under a host
@@ -119,6 +120,7 @@ class PutPath:
             try:
                 await _verify(handle.buffer, pending.client_key, handle.size)
                 codec.rekey(handle.buffer, pending.key)
+                await _off_loop(handle.size, self.core.seal, pending.key, handle.buffer[:handle.size])
             except BaseException as err:
                 self.host.put_commit_sync(handle, False)
                 if isinstance(err, ObjectFormatError):
@@ -177,10 +179,16 @@ class PutPath:
 async def _verify(buf: memoryview, client_key: ObjectKey, size: int) -> None:
     """``codec.verify`` of a reserved slot; large objects are hashed in a worker thread
     (awaited to the end even when the caller is cancelled: it reads the slot)."""
+    await _off_loop(size, codec.verify, buf, client_key, size)
+
+
+async def _off_loop(size: int, fn, *args) -> None:
+    """``fn(*args)`` over a reserved slot of ``size`` bytes: inline when small, else in a
+    worker thread awaited to the end even when the caller is cancelled."""
     if size <= _VERIFY_INLINE:
-        codec.verify(buf, expected_key=client_key, length=size)
+        fn(*args)
         return
-    task = asyncio.ensure_future(asyncio.to_thread(codec.verify, buf, client_key, size))
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     try:
         await asyncio.shield(task)
     except asyncio.CancelledError:

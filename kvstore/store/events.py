@@ -25,6 +25,10 @@ class StoreObserver:
     def promoted(self, tier: Tier, size: int, seconds: float) -> None:
         """An object of ``size`` bytes was read from ``tier`` into a host slot."""
 
+    def forged(self, tier: Tier, err: BaseException) -> None:
+        """An object read from ``tier`` failed its MAC (``kvstore.integrity``): a miss, and
+        the object was removed from that tier."""
+
     def promote_no_room(self) -> None:
         """A promotion found no room in the host pool (a miss)."""
 
@@ -59,6 +63,8 @@ class StoreCounters:
     write_down_dropped: int = 0
     write_down_abandoned: int = 0   # still queued or dirty when a close timed out
     write_down_corrupt: int = 0     # failed the check before the copy (``verify``): not written
+    forged: dict[str, int] = field(default_factory=dict)  # tier -> objects refused by their MAC, removed
+    sealed: int = 0                 # objects sealed with a MAC at commit
 
     def add(self, table: str, label: str, n: float = 1) -> None:
         d = getattr(self, table)

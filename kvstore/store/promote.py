@@ -12,6 +12,11 @@ Runs on the core's event loop (``kvstore.store.tiered``).
   waits for only takes bandwidth from the reads someone does (a congested link).  Tiers
   are cancel-safe: a cancelled read never touches the slot after it returns, so the
   reservation is released only then.
+* **Authenticated.**  With ``keys`` (a function of the key: that tenant's ``Keyring``, or
+  None), an object read from a tier that does not verify MACs itself (every tier but the
+  store process's, ``verifies_macs``) must carry a MAC that verifies under its tenant's
+  keys before its slot is published; a forged one is a counted miss (``counters.forged``,
+  ``StoreObserver.forged``) and is deleted from that tier.
 * **Errors are misses.**  A ``TierError`` from a tier (down, disk error) is counted
   (``StoreCounters.tier_errors``, ``StoreObserver.tier_failed``) and the next tier is tried;
   no room in the host pool is a counted miss.
@@ -22,8 +27,8 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from kvstore import codec
-from kvstore.errors import CapacityError, CorruptHeaderError, TierError
+from kvstore import codec, integrity
+from kvstore.errors import CapacityError, CorruptHeaderError, ObjectFormatError, TierError
 from kvstore.keys import ROOT, ObjectKey
 from kvstore.store.events import StoreCounters, StoreObserver
 from tiers.base import Tier
@@ -34,8 +39,9 @@ class Promoter:
     """Single-flight promotions into ``host`` from ``lower`` (see the module docstring)."""
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], counters: StoreCounters,
-                 observer: StoreObserver) -> None:
+                 observer: StoreObserver, keys=None) -> None:
         self.host, self.lower = host, list(lower)
+        self.keys = keys
         self._counters, self._observer = counters, observer
         self._running: dict[ObjectKey, asyncio.Task] = {}  # on the loop only
         self._waiters: dict[ObjectKey, int] = {}            # callers awaiting each (on the loop only)
@@ -106,15 +112,20 @@ class Promoter:
 
     async def _read(self, tier: Tier, key: ObjectKey, handle, size: int) -> bool:
         """Read ``key`` from ``tier`` into the reserved slot; publish it when whole."""
-        t0, n = time.perf_counter(), None
+        t0, n, forged = time.perf_counter(), None, None
         try:
             n = await tier.read_into(key, handle.buffer)
             if n == size:
                 handle.parent = _parent(key, handle.buffer)
+                forged = authenticate(self.keys, tier, key, handle.buffer[:n])
+                if forged is not None:
+                    n = None
         except TierError as err:
             self._failed(tier, err)
         finally:
             published = self.host.put_commit_sync(handle, n == size)
+        if forged is not None:
+            await self.refuse(tier, key, forged)
         if not (published and n == size):
             return False
         seconds = time.perf_counter() - t0
@@ -126,9 +137,35 @@ class Promoter:
         self._observer.promoted(tier, size, seconds)
         return True
 
+    async def refuse(self, tier: Tier, key: ObjectKey, err: BaseException) -> None:
+        """A forged object from ``tier``: counted, and deleted there (a failing delete is
+        counted as a tier error)."""
+        self._counters.add("forged", tier.name)
+        self._observer.forged(tier, err)
+        try:
+            await tier.delete(key)
+        except TierError as derr:
+            self._counters.add("tier_errors", f"{tier.name}:delete")
+            self._observer.tier_failed(tier, "delete", derr)
+
     def _failed(self, tier: Tier, err: TierError) -> None:
         self._counters.add("tier_errors", f"{tier.name}:promote")
         self._observer.tier_failed(tier, "promote", err)
+
+
+def authenticate(keys, tier: Tier, key: ObjectKey, obj: memoryview) -> BaseException | None:
+    """None when ``obj`` (read from ``tier``) passes its tenant's MAC or needs none; else why
+    it is refused.  Objects of a tier that verifies MACs itself pass."""
+    if keys is None or getattr(tier, "verifies_macs", False):
+        return None
+    try:
+        ring = keys(key)
+        if ring is None:
+            return None
+        integrity.check(obj, ring)
+    except ObjectFormatError as err:
+        return err
+    return None
 
 
 def _parent(key: ObjectKey, obj: memoryview) -> ObjectKey | None:

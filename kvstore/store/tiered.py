@@ -15,6 +15,11 @@ pool's sync methods may be called from other threads, and so may ``written``.
   its queue; ``written(key, parent)`` is the never-blocking entry for objects published by
   someone else (the store process's reservations, the connector's saves): a full queue
   drops the write-through (counted).
+* **Authenticated objects** (``kvstore.integrity``): with ``keys`` (a function of an
+  object's key: its tenant's ``Keyring``, or None for none), every object committed here
+  is sealed with a MAC (``seal``; the connector's saves and the store process's commits
+  call it too), and every object read from a lower tier is verified before it is used
+  (``kvstore.store.promote.authenticate``): a forged one is a counted miss, removed.
 * Tier errors (``TierError``) are misses everywhere, counted in ``counters.tier_errors`` and
   reported to the ``StoreObserver``.  Every object is whole and verified wherever it comes
   from (``tiers.base`` contract).
@@ -26,13 +31,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore import codec
+from kvstore import codec, integrity
 from kvstore.config import StoreConfig, WritePolicy
 from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.store.events import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
-from kvstore.store.promote import Promoter
+from kvstore.store.promote import Promoter, authenticate
 from kvstore.store.registry import open_tiers
 from kvstore.store.writedown import Offer, WriteDown
 from tiers.base import PutResult, Tier, put_bytes
@@ -71,14 +76,15 @@ class TieredStore:
                  write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *,
                  observer: StoreObserver | None = None, max_writes_in_flight: int = 2,
                  write_queue_bytes: int | None = None, dirty_fraction: float = 0.5,
-                 put_wait_s: float = 10.0, verify_writes: bool = False) -> None:
+                 put_wait_s: float = 10.0, verify_writes: bool = False, keys=None) -> None:
         self.host = host
+        self.keys = keys
         self.put_wait_s = put_wait_s
         self.lower = list(lower)
         self.write_policy = write_policy
         self.counters = StoreCounters()
         self.observer = observer or StoreObserver()
-        self.promoter = Promoter(host, self.lower, self.counters, self.observer)
+        self.promoter = Promoter(host, self.lower, self.counters, self.observer, keys)
         self.writer = WriteDown(host, self.lower, write_policy, self.counters, self.observer,
                                 max_in_flight=max_writes_in_flight, queue_bytes=write_queue_bytes,
                                 dirty_fraction=dirty_fraction, verify=verify_writes)
@@ -183,6 +189,10 @@ class TieredStore:
                 self._failed(tier, "read", err)
                 continue
             if n is not None:
+                forged = authenticate(self.keys, tier, key, buf[:n])
+                if forged is not None:
+                    await self.promoter.refuse(tier, key, forged)
+                    continue
                 self.counters.add("gets", tier.name)
                 self.counters.add("bytes_read", tier.name, n)
                 return tier.name, n
@@ -193,11 +203,30 @@ class TieredStore:
     async def put(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
         """Publish a complete encoded object in the host pool (its result is returned), then
         hand it to the write-down (waiting up to ``put_wait_s`` for room in its queue)."""
-        result = await put_bytes(self.host, key, obj, parent)
+        result = await put_bytes(self.host, key, obj, parent) if self.keys is None else \
+            self._put_sealed(key, obj, parent)
         self.counters.count_put(self.host.name, result)
         if result is PutResult.STORED:
             await self.writer.submit(key, parent, self.put_wait_s)
         return result
+
+    def _put_sealed(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None) -> PutResult:
+        """``put_bytes`` into the host pool with the MAC sealed in the slot before it is
+        published (the caller's bytes are not changed)."""
+        if self.host.contains_sync(key):
+            return PutResult.EXISTS
+        view = memoryview(obj).cast("B")
+        handle = self.host.put_start_sync(key, len(view), parent)
+        if handle is None:
+            return PutResult.NO_ROOM
+        ok = False
+        try:
+            handle.buffer[: len(view)] = view
+            self.seal(key, handle.buffer[: len(view)])
+            ok = True
+        finally:
+            published = self.host.put_commit_sync(handle, ok)
+        return PutResult.STORED if published else PutResult.FAILED
 
     async def put_payload(self, key: ObjectKey, geometry: codec.ObjectGeometry, payload,
                           parent_hash: ChunkHash = ROOT) -> PutResult:
@@ -220,10 +249,21 @@ class TieredStore:
         ok = False
         try:
             codec.encode_into(handle.buffer, key, geometry, payload, parent_hash)
+            self.seal(key, handle.buffer)
             ok = True
         finally:
             published = self.host.put_commit_sync(handle, ok)
         return PutResult.STORED if published else PutResult.FAILED
+
+    def seal(self, key: ObjectKey, buf) -> None:
+        """Seal the whole, uncompressed object in ``buf`` with its tenant's current MAC key
+        (nothing without ``keys``).  Call it before the object is published."""
+        if self.keys is None:
+            return
+        ring = self.keys(key)
+        if ring is not None:
+            integrity.seal(buf, ring)
+            self.counters.sealed += 1
 
     def written(self, key: ObjectKey, parent: ObjectKey | None) -> Offer:
         """``key`` was just published in the host pool: hand it to the write-down (any

@@ -18,10 +18,10 @@ connector-less server's with prefix caching off (recompute): the same greedy tok
 chosen and top logprobs within 1e-4 (float32).
 
 Cost: three server starts (about 30-45 s each on 2 shared cores, eager mode), three rounds
-of nine requests (a few seconds each) and a graceful stop (about 2 s): about 2.5 minutes in
-all (measured 153 s and 185 s in pytest under other sessions' load, building the model included).  The connector-less reference
-server is session-wide (``openai_reference_server``), so later tests that use it pay for its
-start only once.
+of nine requests (a few seconds each) and a graceful stop (about 2 s): about 2.5 to 3
+minutes in all (measured 153 s and 185 s in pytest under other sessions' load, building the
+model included).  The connector-less reference server is session-wide
+(``openai_reference_server``), so later tests that use it pay for its start only once.
 """
 from __future__ import annotations
 

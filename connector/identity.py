@@ -1,4 +1,4 @@
-"""The computation identity of an engine's KV (DESIGN §3): which weights, which revision,
+"""The computation identity of an engine's KV (docs/architecture.md#object-keys): which weights, which revision,
 which engine settings.  Runs in the engine's scheduler process, once at start.
 
 Two engines that could produce different KV bytes must never share a namespace, and two

@@ -3,7 +3,7 @@ its stats entry, and as p50/p99 per stage in the stats file) and, with ``trace_p
 stage trace in Chrome's trace-event JSON (``kvstore.trace``) that Perfetto opens.
 Scheduler side; every hook runs on the scheduler's thread.
 
-A load's stages (DESIGN §5), each the time spent *in* that state until the next one:
+A load's stages (docs/architecture.md#completion-moments), each the time spent *in* that state until the next one:
 
 * ``looked_up``: from the request's first lookup until the decision (a prefetch from a
   lower tier into host memory is inside it);

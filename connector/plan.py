@@ -81,6 +81,7 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # requests whose final saves a reset cancelled
 
     @property
     def has_sync_loads(self) -> bool:

@@ -25,6 +25,7 @@ class RequestView:
     lora: str = ""
     tokens: Sequence[int] | None = None
     mm: tuple[tuple[int, int, str], ...] = ()  # multimodal items: (offset, length, vLLM's identifier)
+    params: object = None  # vLLM's kv_transfer_params of the request (ours: connector.epoch)
 
     @property
     def all_tokens(self) -> Sequence[int]:
@@ -97,6 +98,8 @@ class ReqState:
     decision: dict | None = None             # the load-or-recompute decision counted
     first_decision: object = None            # kvstore.policy.Decision of the first lookup
     pins_end_found: int = 0                  # where the hit found by the counted lookup ended
+    by_tier: dict[str, int] = field(default_factory=dict)  # hit tokens counted, by the tier found in
+    epoch: int = 0                           # the engine's resets when these keys were made
 
 
 def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str,
@@ -136,6 +139,7 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
         p["chunk_hits"].inc(chunks)
         s.tokens_hit_generated += generated
         p["hit_tokens_generated"].inc(generated)
+    st.by_tier = by_tier
     return s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision,
                          st.view.req_id, generated, provenance)
 

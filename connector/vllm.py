@@ -28,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
 from connector.device import make_device
@@ -116,7 +117,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         lora = request.lora_request.lora_name if request.lora_request else ""
         view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
-                           request.all_token_ids, mm)
+                           request.all_token_ids, mm, getattr(request, "kv_transfer_params", None))
         return self._sched.matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -142,12 +143,54 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched.on_report(meta.report if isinstance(meta, KVStoreWorkerMetadata) else None)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
+        """Whether vLLM keeps the blocks for saves in flight, and what the request's output
+        carries in ``kv_transfer_params`` (why the connector refused it: ``connector.epoch``)."""
+        rid = request.request_id
+        return self._sched.request_finished(rid, request.num_computed_tokens), self._sched.output_params(rid)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """Hybrid models (``SupportsHMA``): one call for every KV cache group's blocks."""
-        return self._sched.request_finished(request.request_id, request.num_computed_tokens), None
+        return self.request_finished(request, [])
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The request's external hit tokens by the tier they were found in, in vLLM's terms:
+        host DRAM ``HOST``, SSD ``DISK``, the store process and Redis ``EXTERNAL_UNSPECIFIED``
+        (vLLM has no source for a shared store).  They sum to ``num_external_tokens``."""
+        out: dict[CacheHitSource, int] = {}
+        for tier, n in self._sched.hit_sources(request.request_id, num_external_tokens).items():
+            source = hit_source(tier, self._sched.host.name)
+            out[source] = out.get(source, 0) + n
+        if num_external_tokens > 0 and not out:  # counted before a reset: where is no longer known
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens
+        return out
+
+    # --- the engine's lifecycle: resets, sleep and wake ----------------------------------------
+
+    def reset_cache(self) -> bool:
+        """vLLM calls this from ``reset_prefix_cache(reset_connector=True)``, ``sleep(level>=1)``
+        and ``pause_generation(clear_cache=True)``: the weights in memory may have changed.
+        Nothing this engine stored before is ever loaded into it again (``SchedulerHalf.reset``).
+        Never False: on the sleep and pause paths vLLM raises on it."""
+        if self._sched is not None:
+            self._sched.reset()
+        return True
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """vLLM 0.33: yes, the workers follow the KV caches' remap (unregister, restore)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33, before a sleep frees the KV caches: copies in flight finish, then none
+        touches them until ``restore_kv_caches`` (``WorkerHalf.unregister``)."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33, after wake: copies go to the (remapped) KV caches again."""
+        if self._worker is not None:
+            self._worker.restore()
 
     def take_events(self):
         """Our tiers' KV events for vLLM's publisher (``connector.kvcache_events``)."""
@@ -218,12 +261,23 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.finished_sending(finished_req_ids) or None, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self._worker.take_interval() if self._worker is not None else {}
+        """Counters since the last call: the worker's copies, or the scheduler's hits,
+        decisions, bytes, failures and resets (vLLM sums them; ``KVStorePromMetrics``)."""
+        if self._worker is not None:
+            data = self._worker.take_interval()
+        else:
+            data = self._sched.interval_counters() if self._sched is not None else {}
         return KVStoreStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """Our counters on vLLM's own ``/metrics`` (``vllm:kvstore_*``, with vLLM's engine labels)."""
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_kv_cache_events(self):
         """None: the workers hold no tier state; our KV events come from the scheduler half
@@ -242,6 +296,67 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         if self._sched is not None:
             self._sched.close()
+
+
+def hit_source(tier: str, host: str) -> CacheHitSource:
+    """vLLM's name for where hits from ``tier`` came from (``host``: our host tier's name)."""
+    if tier == host:
+        return CacheHitSource.HOST
+    return CacheHitSource.DISK if tier == "ssd" else CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+# stats key (before the first ":") -> metric name, help, labels of the rest of the key
+PROM_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "requests": ("vllm:kvstore_requests", "Requests the connector looked up", ()),
+    "requests_hit": ("vllm:kvstore_request_hits", "Requests with tokens loaded by the connector", ()),
+    "tokens_looked_up": ("vllm:kvstore_looked_up_tokens", "Prompt tokens the connector looked up", ()),
+    "tokens_hit": ("vllm:kvstore_hit_tokens", "Tokens loaded instead of recomputed", ()),
+    "tokens_hit_generated": ("vllm:kvstore_hit_tokens_generated", "Hit tokens an engine had generated", ()),
+    "chunks_looked_up": ("vllm:kvstore_looked_up_chunks", "Full chunks looked up", ()),
+    "chunks_hit": ("vllm:kvstore_chunk_hits", "Full chunks loaded", ()),
+    "prefetches": ("vllm:kvstore_prefetches", "Prefetches from a lower tier into host DRAM", ()),
+    "saves_committed": ("vllm:kvstore_saves_committed", "Objects saved into host DRAM", ()),
+    "tokens_hit_by_tier": ("vllm:kvstore_hit_tokens_by_tier", "Hit tokens by the tier they were found in",
+                           ("tier",)),
+    "bytes_by_tier": ("vllm:kvstore_tier_bytes", "Bytes moved by tier and direction", ("tier", "direction")),
+    "failures": ("vllm:kvstore_failures", "Failures by tier and reason", ("tier", "reason")),
+    "not_cached": ("vllm:kvstore_requests_not_cached", "Requests served without the connector, by reason",
+                   ("reason",)),
+    "decisions": ("vllm:kvstore_load_decisions", "Load-or-recompute decisions by outcome", ("outcome",)),
+    "resets": ("vllm:kvstore_cache_resets", "Cache resets and what they dropped or cancelled", ("what",)),
+    "loads": ("vllm:kvstore_worker_loads", "Load jobs copied by the workers", ()),
+    "load_failures": ("vllm:kvstore_worker_load_failures", "Load jobs that failed (vLLM recomputes)", ()),
+    "bytes_loaded": ("vllm:kvstore_worker_bytes_loaded", "Bytes copied into the KV cache", ()),
+    "saves": ("vllm:kvstore_worker_saves", "Objects gathered from the KV cache", ()),
+    "save_failures": ("vllm:kvstore_worker_save_failures", "Gathers that failed", ()),
+    "bytes_saved": ("vllm:kvstore_worker_bytes_saved", "Bytes gathered from the KV cache", ()),
+    "sleep_drained": ("vllm:kvstore_worker_sleep_drained", "Gathers finished before a sleep", ()),
+    "cancelled_asleep": ("vllm:kvstore_worker_cancelled_asleep", "Copies refused while asleep", ()),
+}
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """Our counters (``get_kv_connector_stats``' keys, ``PROM_COUNTERS``) as vLLM's
+    Prometheus counters, labelled per engine as vLLM labels its own."""
+
+    def __init__(self, vllm_config, metric_types, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {key: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, *extra])
+                          for key, (name, doc, extra) in PROM_COUNTERS.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        for key, value in transfer_stats_data.items():
+            table, _, rest = key.partition(":")
+            spec = PROM_COUNTERS.get(table)
+            if spec is None or not isinstance(value, (int, float)) or value <= 0:
+                continue
+            extra = spec[2]
+            labels = rest.split(":", len(extra) - 1) if extra else []
+            if len(labels) != len(extra):
+                continue
+            self._counters[table].labels(*engine, *labels).inc(value)
 
 
 def multimodal_items(features) -> tuple[tuple[int, int, str], ...] | None:

@@ -24,6 +24,7 @@ counted; it never kills the thread that observed it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -85,6 +86,7 @@ class WorkerHalf:
         self._save_events: list[CopyEvent] = []  # gathers not yet seen complete (worker thread only)
         self._save_issued: dict[int, tuple[float, list[float]]] = {}  # job -> (issued, done at); _lock
         self.tracing = False  # time each copy job for the trace (WorkerReport.copies)
+        self._asleep: tuple[PagedKV, PagedKV | None] | None = None  # the KV put away by a sleep
         local.register(self)
 
     @property
@@ -96,6 +98,56 @@ class WorkerHalf:
     def register(self, kv: PagedKV, states: PagedKV | None = None) -> None:
         self.kv, self.states = kv, states
         self.device.rank = kv.shard.rank  # fault injection may target one rank
+        if self._asleep is not None:  # new tensors while asleep: they are the ones to wake on
+            self._asleep = (kv, states)
+            self.kv = self.states = None
+
+    # --- sleep and wake (vLLM 0.33's unregister_kv_caches / restore_kv_caches) ------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
+
+    def unregister(self) -> int:
+        """Before a sleep frees or remaps the KV tensors: every copy in flight finishes (the
+        tensors are still valid now), then nothing may touch them until ``restore``: a plan
+        arriving meanwhile has its loads failed (vLLM recomputes) and its saves dropped,
+        counted as ``cancelled_asleep``.  Returns the gathers that were drained.  Idempotent."""
+        if self._asleep is not None:
+            return 0
+        self.poll()
+        in_flight = len(self._save_events)
+        if not self.device.synchronize(DRAIN_LIMIT_S):
+            raise RuntimeError("a KV copy is wedged; refusing to let the engine sleep under it")
+        self.poll()
+        with self._lock:
+            self._interval["sleep_drained"] += in_flight
+        if self.kv is not None:
+            self._asleep, self.kv, self.states = (self.kv, self.states), None, None
+        return in_flight
+
+    def restore(self) -> None:
+        """After wake: copies go to the registered tensors again (the same objects, remapped
+        by vLLM's sleep allocator; new ones if ``register`` was called meanwhile).  Idempotent."""
+        if self._asleep is not None:
+            (self.kv, self.states), self._asleep = self._asleep, None
+
+    def _refuse_asleep(self, plan: StepPlan) -> None:
+        """A plan's copies while the KV tensors are put away: loads fail, saves are dropped."""
+        with self._lock:
+            for job in plan.loads:
+                self._load_errors.update(b for c in job.chunks if not c.state for g in c.groups() for b in g
+                                         if b != NULL_BLOCK)
+                self._report.loads[job.job_id] = False
+                self._report.load_reports[job.job_id] = 1
+            for job in plan.saves:
+                self._had_saves.add(job.req_id)
+                self._report.saves[job.job_id] = [False] * len(job.chunks)
+                self._report.save_reports[job.job_id] = 1
+            n = len(plan.loads) + len(plan.saves)
+            self._interval["cancelled_asleep"] += n
+            f = self._report.failures
+            f["cancelled_asleep"] = f.get("cancelled_asleep", 0) + n
 
     def bind(self, plan: StepPlan) -> None:
         if self.kv is not None and plan.page_bytes != self.kv.layout.page_bytes:
@@ -105,6 +157,9 @@ class WorkerHalf:
             raise ConfigError(f"scheduler plans {plan.state_page_bytes}-byte state pages, this worker's "
                               f"are {self.states.layout.page_bytes} bytes ({self.states.layout})")
         self._plan = plan
+        if plan.released:  # final saves a reset cancelled: their requests' blocks may go
+            with self._lock:
+                self._had_saves.update(plan.released)
         self.poll()
         if self._pool is None or self._pool.path != plan.pool_path:
             self._attach(plan.pool_path, plan.pool_size)
@@ -121,6 +176,9 @@ class WorkerHalf:
     def start_loads(self) -> None:
         plan = self._plan
         if plan is None or not plan.loads:
+            return
+        if self._asleep is not None:
+            self._refuse_asleep(dataclasses.replace(plan, saves=[]))
             return
         if self.kv is None:
             raise RuntimeError("start_load_kv before register_kv_caches")
@@ -302,6 +360,9 @@ class WorkerHalf:
         plan = self._plan
         if plan is None or not plan.saves:
             return
+        if self._asleep is not None:
+            self._refuse_asleep(dataclasses.replace(plan, loads=[]))
+            return
         for job in plan.saves:
             with self._lock:
                 self._had_saves.add(job.req_id)
@@ -455,4 +516,5 @@ class WorkerHalf:
 
 
 def _zero_interval() -> dict[str, int]:
-    return dict.fromkeys(("loads", "load_failures", "bytes_loaded", "saves", "save_failures", "bytes_saved"), 0)
+    return dict.fromkeys(("loads", "load_failures", "bytes_loaded", "saves", "save_failures", "bytes_saved",
+                          "sleep_drained", "cancelled_asleep"), 0)

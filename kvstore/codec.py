@@ -13,7 +13,7 @@ Encoding and decoding work in caller-provided buffers: the hot path never alloca
 payload-sized buffer.  Every read from a tier goes through ``verify()``; any damage raises a
 specific ``ObjectFormatError`` subclass, which the caller turns into a counted miss.
 lz4 exists for tiers where a sampled ratio pays (``sample_ratio``); it allocates, so it is
-off by default (bf16 KV compresses to ~1.00, see LIMITS.md).
+off by default (bf16 KV compresses to ~1.00, see docs/limits.md#compression).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """All domain errors of kvstore, in one hierarchy.
 
-Layers (STYLE.md lesson 9):
+Layers (docs/architecture.md#errors):
   * a broken invariant is an ``assert`` or ``RuntimeError`` and is not listed here;
   * an expected shortfall (a miss, no room in a tier) is a return value, not an error;
   * everything below is a domain error a caller may catch and act on.  Lower-level

@@ -1,6 +1,6 @@
 """Content-addressed keys: namespaces, chained chunk hashes and object keys.
 
-Used on every side (scheduler, worker, server).  The contract (DESIGN §3):
+Used on every side (scheduler, worker, server).  The contract (docs/architecture.md#object-keys):
 
 * ``Namespace`` is a sha256 digest of the canonical encoding of the full computation
   identity (``Identity``) plus the sharing scope (tenant or ``cache_salt``).  Two
@@ -114,6 +114,8 @@ class Identity:
     ``revision`` is the hub commit (or the revision given), ``weights`` a digest of every
     byte of the config and weight files, ``engine_config`` a digest of the engine settings
     that change KV bytes (``connector.identity``; "" where a caller has none).
+    ``weights_version`` names weights updated in memory since the engine loaded its files
+    (``connector.epoch``; "" for the files' own weights, untouched).
     """
 
     model: str
@@ -131,6 +133,7 @@ class Identity:
     scope: str = ""
     weights: str = ""
     engine_config: str = ""
+    weights_version: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model", "kv_dtype", "layout_id"):

@@ -163,13 +163,5 @@ def encode_batch(events: Sequence[KVEvent], ts: float, epoch: int, dp_rank: int 
     return encoder.encode(batch(ts, [_struct(e) for e in events], dp_rank, epoch))
 
 
-def decode_batch(payload: bytes) -> tuple[float, list, int | None, int | None]:
-    """``(ts, events, dp_rank, epoch)`` of a payload, events as our structs (tests, tools)."""
-    import msgspec
-
-    batch = msgspec.msgpack.decode(payload, type=_structs()[3])
-    return batch.ts, batch.events, batch.data_parallel_rank, batch.epoch
-
-
 __all__ = ["CPU", "END_SEQ", "LOCAL", "REMOTE", "STORAGE", "Description", "KVEvent", "Kind", "Medium",
-           "decode_batch", "encode_batch", "new_epoch", "wire_hash"]
+           "encode_batch", "new_epoch", "wire_hash"]

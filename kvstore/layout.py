@@ -7,7 +7,7 @@ seed's formula ``2 x L x Hkv x d x b`` and its variants), ``plan_capacity`` retu
 and ``pages_per_chunk``.  It is stateless and used on every side (scheduler, worker, server,
 CLI).  Every bad input raises ``ConfigError`` naming the field.
 
-Rules (seed section 3, "variants and parallel boundaries"):
+Rules (docs/architecture.md#kv-geometry-and-capacity):
   * MHA / GQA / MQA cache K and V: ``2 x kv_heads x head_dim`` elements per layer per token.
     MHA is GQA with ``q_heads == kv_heads``; MQA is ``kv_heads == 1``.
   * MLA caches ONE vector per layer per token of ``kv_lora_rank + qk_rope_head_dim``

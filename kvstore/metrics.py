@@ -1,4 +1,4 @@
-"""Metrics with named denominators (DESIGN §10) and their Prometheus counters.
+"""Metrics with named denominators (docs/architecture.md#metrics) and their Prometheus counters.
 
 ``HitStats`` is the plain record the connector keeps and prints; every rate it reports
 names its denominator.  ``prometheus()`` returns process-wide counters (created once, so
@@ -34,6 +34,8 @@ class HitStats:
     prefetches: int = 0
     saves_committed: int = 0
     decisions: dict[str, int] = field(default_factory=dict)  # load-or-recompute outcome -> requests
+    resets: dict[str, int] = field(default_factory=dict)  # total, host_objects_dropped, saves_cancelled
+    params_unknown_keys: dict[str, int] = field(default_factory=dict)  # unknown kv_transfer_params keys -> requests
     recent: list[dict[str, object]] = field(default_factory=list)  # last requests, in order
     RECENT_MAX = 1000
 
@@ -72,6 +74,17 @@ class HitStats:
     def add(self, table: str, key: str, n: int = 1) -> None:
         d = getattr(self, table)
         d[key] = d.get(key, 0) + n
+
+    COUNTERS = ("requests", "requests_hit", "tokens_looked_up", "tokens_hit", "tokens_hit_generated",
+                "chunks_looked_up", "chunks_hit", "prefetches", "saves_committed")
+    TABLES = ("tokens_hit_by_tier", "bytes_by_tier", "failures", "not_cached", "decisions", "resets")
+
+    def flat_counters(self) -> dict[str, int]:
+        """Every counter as ``name`` or ``table:key`` (e.g. ``tokens_hit_by_tier:ssd``)."""
+        out = {name: getattr(self, name) for name in self.COUNTERS}
+        for table in self.TABLES:
+            out.update({f"{table}:{k}": v for k, v in getattr(self, table).items()})
+        return out
 
     def rates(self) -> dict[str, str]:
         def r(a: int, b: int, what: str) -> str:
@@ -128,6 +141,11 @@ def prometheus() -> dict[str, object]:
                 decision_seconds=Counter("kvstore_decision_seconds", "Predicted seconds of the decided "
                                          "hits, to load (chosen prefix) and to recompute (whole hit)",
                                          ["kind"]),
+                resets=Counter("kvstore_cache_resets", "Connector cache resets (reset_cache: weights may "
+                               "have changed in memory)"),
+                reset_seconds=Counter("kvstore_cache_reset_seconds", "Seconds spent in connector cache resets"),
+                params_unknown=Counter("kvstore_params_unknown_keys", "Requests whose kv_transfer_params.kvstore "
+                                       "held keys this version does not know (ignored)"),
                 probes=Counter("kvstore_tier_probes", "Background reads that re-measure a stale tier", ["tier"]),
                 waits=Counter("kvstore_lookup_waits", "Lookups that waited, and how they ended",
                               ["on", "outcome"]),

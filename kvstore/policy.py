@@ -1,4 +1,4 @@
-"""Load-or-recompute cost model (DESIGN §9).  Runs on the scheduler side.
+"""Load-or-recompute cost model (docs/architecture.md#load-or-recompute).  Runs on the scheduler side.
 
 A hit is a list of contiguous ``Span``s (tokens ``start..end`` of the prompt, held by one
 object in one tier).  For span ``i``::

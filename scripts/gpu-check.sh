@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks for the connector's copy path (DESIGN §8, §11), as one script under 5 minutes.
+# GPU checks for the connector's copy path (docs/architecture.md#copy-engines), as one script under 5 minutes.
 #
 #   scripts/gpu-check.sh                      # on a machine with a CUDA GPU
 #   GPU_CHECK_PYTHON=/path/python scripts/gpu-check.sh

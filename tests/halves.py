@@ -1,4 +1,4 @@
-"""A connector pair driven in vLLM's recorded hook order, without vLLM (ENGINE.md).
+"""A connector pair driven in vLLM's recorded hook order, without vLLM (docs/engines.md#hook-order).
 
 ``Engine`` holds a real ``SchedulerHalf`` (host pool in shared memory, SSD directory), a
 real ``WorkerHalf`` over a given copy device, and a paged KV cache of a given ``KVShape``

@@ -1,2 +1,3 @@
-"""Storage tiers behind one interface (``tiers.base.Tier``): host DRAM, SSD, and later
-Redis and the remote store process.  Backends are imported lazily by name."""
+"""Storage tiers behind one interface (``tiers.base.Tier``): host DRAM, SSD, and Redis or
+Redis Cluster (the store process's tier is its client, ``kvstore.client.tier.RemoteTier``).
+Backends are imported lazily by name (``kvstore.store.registry``)."""

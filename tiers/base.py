@@ -1,6 +1,6 @@
 """The one small interface every storage tier implements (host DRAM, SSD, Redis, remote).
 
-Contract (DESIGN §6):
+Contract (docs/architecture.md#tiers):
 
 * Objects are whole, self-describing byte strings in the ``kvstore.codec`` format, named by
   ``ObjectKey``.  A tier never exposes half an object: puts are two-phase
@@ -40,6 +40,7 @@ class Removal(Enum):
     EXPIRED = "expired"  # its TTL ran out (Redis ``ttl_s``)
     CORRUPT = "corrupt"  # it failed verification and was deleted
     DELETED = "deleted"  # someone deleted it
+    RESET = "reset"      # its engine reset its cache (weights may have changed in memory)
 
 
 @runtime_checkable

@@ -271,6 +271,13 @@ class HostTier(SlotOps, TierBase):
             self._removed(key, reason)
             return True
 
+    def clear_sync(self, reason: Removal = Removal.DELETED) -> int:
+        """Remove every published object (``delete_sync`` each: a slot still referenced is
+        freed once released); puts in flight are left to finish.  Returns how many."""
+        with self._lock:
+            keys = list(self._index)
+        return sum(self.delete_sync(key, reason) for key in keys)
+
     # --- leases ----------------------------------------------------------------------
 
     def lease(self, key: ObjectKey, ttl: float) -> Lease | None:

@@ -1,6 +1,6 @@
 """LMCache as a peer of ``kvstore bench e2e``: its install into this venv and its server.
 
-Host side.  ``ensure_lmcache()`` installs LMCache ``LMCACHE_VERSION`` by ENGINE.md's recipe
+Host side.  ``ensure_lmcache()`` installs LMCache ``LMCACHE_VERSION`` by the recipe in docs/engines.md#peers
 when it is missing; ``lmcache_server(log)`` runs its multiprocess server in its own process
 group and yields the port.  Either raises ``PeerError`` with the error tail.
 """
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 LMCACHE_VERSION = "0.5.6"
-# ENGINE.md's recipe plus the two flags 0.5.6 needs here: a legacy L1 config must name an
+# The recipe in docs/engines.md#peers plus the two flags 0.5.6 needs here: a legacy L1 config must name an
 # eviction policy, and the metrics exporter needs a package the --no-deps install lacks.
 LMCACHE_ARGS = ("--chunk-size", "256", "--l1-size-gb", "2", "--supported-transfer-mode", "auto",
                 "--eviction-policy", "LRU", "--disable-metrics")
@@ -31,7 +31,7 @@ class PeerError(RuntimeError):
 
 
 def ensure_lmcache() -> None:
-    """ENGINE.md's recipe, into this interpreter's venv: lmcache without its dependencies
+    """The recipe in docs/engines.md#peers, into this interpreter's venv: lmcache without its dependencies
     (so the CPU torch stays), then the two it needs here."""
     from importlib import metadata
 

@@ -11,7 +11,7 @@ over one connection, times request/response rounds in both directions:
 Buffers are allocated (and prefaulted) once, before any timing; each figure is the median
 of ``repeat`` rounds.  ``small_round_trip_us(repeat)`` is the median round trip of a one-byte
 request and a one-byte answer on a fresh connection of the same kind.  Both are the plain
-Python socket path (LIMITS.md: ~2 GB/s at 32 MiB on this machine), the fair limit for a
+Python socket path (docs/limits.md#loopback-tcp: ~2 GB/s at 32 MiB on this machine), the fair limit for a
 Python client.
 """
 from __future__ import annotations

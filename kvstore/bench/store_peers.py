@@ -4,7 +4,7 @@ and the concurrent shared-memory clients.
 * ``RawGrpcPeer`` starts (in a spawned process) a grpc.aio server with one generic handler
   of raw bytes, no protobuf: ``Get`` answers a preallocated payload of the size asked,
   ``Put`` swallows the request and answers one byte, ``Ping`` answers one byte.  It is the
-  naive peer the store's streams are compared with (LIMITS.md: ~0.3 GB/s at 32 MiB).
+  naive peer the store's streams are compared with (docs/limits.md#grpc: ~0.3 GB/s at 32 MiB).
 * ``run_clients(n, ...)`` starts ``n`` processes, each with its own ``StoreClient`` over
   shared memory; they meet at a barrier, then each reads ``gets`` objects into its own
   reused buffer.  The answer: aggregate GB/s over the common window and latency samples.

@@ -7,7 +7,7 @@ ticket (``mint``: the ``OpenData`` RPC), plus the bearer token, TLS when the gRP
 uses it (same CA, client certificate and server name), and is then reused for request
 after request (format: ``kvstore.datawire``).  A get is one round trip: the request goes
 out, the reply's bytes land with ``recv_into`` straight in the caller's buffer (no buffer of
-our own: a fresh one per object would cap the copy near 2 GB/s, LIMITS.md), and the
+our own: a fresh one per object would cap the copy near 2 GB/s, docs/limits.md#fresh-allocations), and the
 payload checksum is computed on the same thread right after (xxh3 releases the GIL); the
 caller verifies the object with it.  A put sends its request and the caller's bytes with
 ``sendall`` straight from its memory, then reads the outcome.

@@ -1,6 +1,6 @@
 """``StoreClient``: the store process's client (grpc.aio), used by ``kvstore.client.tier``.
 
-Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, DESIGN §7):
+Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, docs/architecture.md#the-store-process):
 
 * ``connect`` calls ``Hello`` and picks the data plane (``kvstore.client.planes``): shared
   memory on the same host (the tenant's pool, through a session with the server's gate),

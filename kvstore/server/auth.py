@@ -1,4 +1,4 @@
-"""Bearer-token authentication of the store process (server side; DESIGN §3, §7).
+"""Bearer-token authentication of the store process (server side; docs/architecture.md#tenancy).
 
 * A tokens file is YAML::
 

@@ -1,7 +1,7 @@
 """The store process's raw TCP data channel: the listener and its connection threads.
 
 Server side.  Why it exists: gRPC moves bulk bytes at a fraction of what a socket does in
-Python (every message is a fresh buffer, framed, copied and flow-controlled; LIMITS.md), so
+Python (every message is a fresh buffer, framed, copied and flow-controlled; docs/limits.md#grpc), so
 objects cross hosts here instead, while control stays on gRPC: the bearer token and tenant,
 TLS with the same certificates, and the ticket that opens each connection come from there
 (``OpenData``; ``kvstore.server.tickets``), and a put is the same two-phase reservation,

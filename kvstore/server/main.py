@@ -295,7 +295,7 @@ def tune_malloc() -> bool:
 
     Every 1 MiB stream frame is a fresh ``bytes`` (grpc needs one per message); above glibc's
     mmap threshold each is a new mapping whose pages fault in one by one, which caps copies
-    near 2 GB/s (LIMITS.md).  Raising the mmap and trim thresholds lets the heap reuse the
+    near 2 GB/s (docs/limits.md#fresh-allocations).  Raising the mmap and trim thresholds lets the heap reuse the
     same pages: GetStream went from 0.78 to 0.96 GB/s here.  The cost is that the heap keeps
     its peak size (bounded by frames in flight)."""
     import ctypes

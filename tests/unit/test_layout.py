@@ -1,4 +1,4 @@
-"""Capacity arithmetic worked by hand (seed section 3), one table per variant."""
+"""Capacity arithmetic worked by hand (docs/architecture.md#kv-geometry-and-capacity), one table per variant."""
 from __future__ import annotations
 
 import json

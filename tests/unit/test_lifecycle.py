@@ -1,4 +1,5 @@
-"""Transfer lifecycle (DESIGN §5): one transition table, drained cancellation, leases on a fake clock.
+"""Transfer lifecycle (docs/architecture.md#completion-moments): one transition table,
+drained cancellation, leases on a fake clock.
 
 The story: a load walks LOOKED_UP → … → RELEASED and a save GATHER_ISSUED → … → RELEASED;
 anything off the table raises.  A cancelled or failed ticket is released only after the

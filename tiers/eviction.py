@@ -1,4 +1,6 @@
-"""The eviction choice the tiers share: chain tails before parents, least recently used first.
+"""The eviction choice the tiers share: chain tails before parents, in the order of the
+candidates (least recently used first; the host tier passes objects used once before
+reused ones, ``tiers.host_slots``).
 
 Pure and tiny on purpose: each tier decides what is protected (referenced, leased, being
 read) and what "has a child present" means, and passes only its unprotected objects."""

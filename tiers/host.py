@@ -13,9 +13,17 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
   lease protects the *object* from eviction for a TTL; an expiring lease frees nothing.
   ``delete`` removes an object from lookup at once (dropping its leases) and frees its slot
   when the last reference is released ("doomed" until then).
-* **Eviction** (only when a put needs room) is prefix-aware: among complete objects with
-  no reference and no valid lease, chain tails (no child in this tier) go first, in LRU
-  order, and a parent only when no tail qualifies.  Incomplete objects are never evicted.
+* **Eviction** (only when a put needs room) is prefix-aware and reuse-aware: among complete
+  objects with no reference and no valid lease, chain tails (no child in this tier) go
+  first, and a parent only when no tail qualifies; among either, objects used once (stored,
+  never read, leased or saved again since) go before reused ones, least recently used
+  first within each class (an LRU-2 order: a flood of prompts seen once cannot push out
+  the blocks that are reused).  A use counts as a reuse only ``reuse_window_s`` (default
+  1 s, on the tier's ``clock``) or more after the object's last use.  A key evicted and
+  stored again joins the reused class: the pool remembers the keys it evicted
+  (``HostPool.ghosts``, key hashes only, at most twice as many as it holds).  The
+  write-down's own hold (``acquire(use=False)``) is not a use.  Incomplete objects are
+  never evicted.
   It plans first: a put evicts only when freeing everything it may evict would leave a hole
   it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
 * **Pools.**  One pool by default.  With ``pools={name: bytes}`` and ``pool_of(key) -> name``
@@ -66,12 +74,14 @@ class HostTier(SlotOps, TierBase):
     def __init__(self, capacity_bytes: int, *, alignment: int = 4096, pin: bool | None = None,
                  clock: Clock = time.monotonic, name: str = "host",
                  on_evict: EvictCallback | None = None, shared: bool = False,
-                 pools: Mapping[str, int] | None = None, pool_of: PoolOf | None = None) -> None:
+                 pools: Mapping[str, int] | None = None, pool_of: PoolOf | None = None,
+                 reuse_window_s: float = 1.0) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"host tier capacity must be positive, got {capacity_bytes}")
         self.name = name
         self._pools: dict[str, HostPool] = {}
         self._pool_of = pool_of
+        self._reuse_window = reuse_window_s
         try:
             self._make_pools(capacity_bytes, alignment, pin, shared, pools)
         except BaseException:
@@ -102,7 +112,7 @@ class HostTier(SlotOps, TierBase):
                     pools: Mapping[str, int] | None) -> None:
         if pools is None:
             backing = Backing.NAMED if shared else Backing.PRIVATE
-            self._pools[""] = HostPool("", capacity, alignment, backing, pin)
+            self._pools[""] = HostPool("", capacity, alignment, backing, pin, self._reuse_window)
             return
         if not pools or self._pool_of is None:
             raise ConfigError("host tier pools need at least one pool and a pool_of function")
@@ -110,7 +120,8 @@ class HostTier(SlotOps, TierBase):
             raise ConfigError(f"host tier pools hold {sum(pools.values())} bytes, more than its "
                               f"capacity of {capacity}")
         for pool, size in pools.items():
-            self._pools[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False)
+            self._pools[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False,
+                                         reuse_window=self._reuse_window)
 
     def _release_pools(self) -> None:
         for pool in self._pools.values():
@@ -176,14 +187,15 @@ class HostTier(SlotOps, TierBase):
                 self._unhold(key, entry)
         return size
 
-    def acquire(self, key: ObjectKey) -> memoryview | None:
-        """A view of the stored object, valid until ``release(key)``; None on a miss."""
+    def acquire(self, key: ObjectKey, *, use: bool = True) -> memoryview | None:
+        """A view of the stored object, valid until ``release(key)``; None on a miss.
+        ``use=False``: a hold of the store's own (the write-down), not a reuse."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
                 return None
             view = self._view(entry)
-            self._hold(key, entry)
+            self._hold(key, entry, use)
             return view
 
     def pin(self, key: ObjectKey) -> tuple[int, int] | None:
@@ -260,7 +272,7 @@ class HostTier(SlotOps, TierBase):
             entry = self._index.pop(key, None)
             if entry is None:
                 return False
-            del entry.pool.lru[key]
+            entry.pool.forget(key, evicted=False)
             self._leases.drop_all(key)
             self._unlink(entry)
             if entry.refs:

@@ -17,6 +17,7 @@ evicts nothing.  Bookkeeping only: ``HostTier`` guards every pool with its lock.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ class HostPool:
     """One buffer carved into slots (see the module docstring)."""
 
     def __init__(self, name: str, capacity: int, alignment: int, backing: Backing,
-                 pin: bool | None) -> None:
+                 pin: bool | None, reuse_window: float = 1.0) -> None:
         self.name = name
         self.alloc = SlotAllocator(capacity, alignment)
         self.shm: SharedPoolView | None = None
@@ -54,7 +55,15 @@ class HostPool:
         else:
             self.array, self.tensor = allocate(capacity, pin)
         self.buffer: memoryview | None = memoryview(self.array)  # None once released
-        self.lru: dict[ObjectKey, Any] = {}  # LIVE objects (host_slots.Entry), least recently used first
+        # LIVE objects (host_slots.Entry), each in one class, least recently used first:
+        self.lru: dict[ObjectKey, Any] = {}     # used once (stored, not read since)
+        self.reused: dict[ObjectKey, Any] = {}  # read, leased or saved again since stored
+        # Keys evicted from this pool, as their hash (at most twice as many as it holds,
+        # oldest dropped first): one stored again is a reuse.  A hash collision only
+        # misplaces an object in the eviction order.
+        self.ghosts: OrderedDict[int, bool] = OrderedDict()
+        self.reuse_window = reuse_window
+        self._stamp = float("-inf")
         self.evictions = 0
         self.pending = 0
 
@@ -68,8 +77,28 @@ class HostPool:
         return self.shm if isinstance(self.shm, MemfdPool) else None
 
     def stats(self) -> dict[str, int]:
-        return {"objects": len(self.lru), "bytes_used": self.alloc.used_bytes,
+        return {"objects": len(self.lru) + len(self.reused), "bytes_used": self.alloc.used_bytes,
                 "capacity_bytes": self.alloc.capacity, "evictions": self.evictions, "pending": self.pending}
+
+    def stamp(self, now: float) -> float:
+        """``now``, as one float object shared by every use within a sixteenth of the reuse
+        window (an object's last-use time then costs it a reference, not a float)."""
+        if not now - self._stamp < self.reuse_window / 16:
+            self._stamp = float(now)
+        return self._stamp
+
+    def forget(self, key: ObjectKey, *, evicted: bool) -> None:
+        """``key`` left the pool: an evicted key is remembered as a ghost, a deleted one not."""
+        if self.lru.pop(key, None) is None:
+            del self.reused[key]
+        if evicted:
+            ghosts, mark = self.ghosts, hash(key)
+            ghosts[mark] = True
+            ghosts.move_to_end(mark)
+            while len(ghosts) > max(64, 2 * (len(self.lru) + len(self.reused))):
+                ghosts.popitem(last=False)
+        else:
+            self.ghosts.pop(hash(key), None)
 
     def fits_after_evicting(self, size: int, victims: Iterable[int]) -> bool:
         """Whether a ``size``-byte slot would fit once the slots at offsets ``victims`` are

@@ -45,6 +45,7 @@ class Entry:
     refs: int = 0
     children: int = 0                 # LIVE objects naming this one as parent
     parent: Entry | None = None      # the parent's entry when it was LIVE at our commit
+    used: float = 0.0                 # when last used (the pool's shared stamp: no float each)
 
 
 def transition(entry: Entry, dst: SlotState) -> None:
@@ -65,15 +66,28 @@ class SlotOps:
             raise TierUnavailableError(f"host tier {self.name!r} is closed: its shared pool is released")
         return pool.buffer[entry.offset : entry.offset + pool.alloc.size_of(entry.offset)]
 
-    def _touch(self, key: ObjectKey, entry: Entry) -> None:
-        lru = entry.pool.lru
-        del lru[key]
-        lru[key] = entry  # re-insert: most recently used
+    def _touch(self, key: ObjectKey, entry: Entry, use: bool = True) -> None:
+        """Most recently used now.  A ``use`` (a read, a lease, a second save; not the
+        write-down's own hold) of an object used once, at least ``reuse_window_s`` after its
+        last use, moves it to the reused class (uses closer together are one use: a lookup,
+        its load and its retries)."""
+        pool = entry.pool
+        once = pool.lru
+        now = pool.stamp(self._leases.clock())
+        if key in once:
+            del once[key]
+            reuse = use and now - entry.used >= pool.reuse_window
+            (pool.reused if reuse else once)[key] = entry
+            entry.used = now
+        else:
+            reused = pool.reused
+            del reused[key]
+            reused[key] = entry  # re-insert: most recently used
 
-    def _hold(self, key: ObjectKey, entry: Entry) -> None:
+    def _hold(self, key: ObjectKey, entry: Entry, use: bool = True) -> None:
         entry.refs += 1
         self._refs += 1
-        self._touch(key, entry)
+        self._touch(key, entry, use)
 
     def _unhold(self, key: ObjectKey, entry: Entry) -> None:
         if entry.refs <= 0:
@@ -101,7 +115,11 @@ class SlotOps:
             parent.children += 1
             entry.parent = parent
         self._index[handle.key] = entry
-        entry.pool.lru[handle.key] = entry
+        pool = entry.pool
+        # A key evicted before and stored again is a reuse: it joins the reused class.
+        returning = pool.ghosts.pop(hash(handle.key), False)
+        entry.used = pool.stamp(self._leases.clock())
+        (pool.reused if returning else pool.lru)[handle.key] = entry
         self._stats.puts += 1
         self._stats.bytes_written += handle.size
         self._stored(handle.key)
@@ -112,7 +130,13 @@ class SlotOps:
         offset = pool.alloc.alloc(size)
         if offset is not None:
             return offset
-        if not pool.fits_after_evicting(size, (e.offset for _, e in self._evictable(pool))):
+        first = pick_victim((key, bool(entry.children)) for key, entry in self._evictable(pool))
+        if first is None:
+            return None
+        # The plan: when the first victim's slot alone holds the put, no survey is needed.
+        need, size_of = pool.alloc.aligned(size), pool.alloc.size_of
+        if pool.alloc.aligned(size_of(self._index[first].offset)) < need and \
+                not pool.fits_after_evicting(size, (e.offset for _, e in self._evictable(pool))):
             return None
         while (offset := pool.alloc.alloc(size)) is None:
             victim = pick_victim((key, bool(entry.children)) for key, entry in self._evictable(pool))
@@ -122,14 +146,16 @@ class SlotOps:
         return offset
 
     def _evictable(self, pool: HostPool):
-        """``(key, entry)`` of the pool's objects neither referenced nor leased, least
-        recently used first (a linear scan: cheap while the oldest objects are unpinned)."""
+        """``(key, entry)`` of the pool's objects neither referenced nor leased: those used
+        once, then those reused, least recently used first in each (a linear scan: cheap
+        while the oldest objects are unpinned)."""
         held = self._leases.held
-        return ((key, entry) for key, entry in pool.lru.items() if not (entry.refs or held(key)))
+        return ((key, entry) for objects in (pool.lru, pool.reused) for key, entry in objects.items()
+                if not (entry.refs or held(key)))
 
     def _evict(self, key: ObjectKey) -> None:
         entry = self._index.pop(key)
-        del entry.pool.lru[key]
+        entry.pool.forget(key, evicted=True)
         try:
             if self._on_evict is not None:
                 self._on_evict(key, self._view(entry))

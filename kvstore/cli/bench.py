@@ -13,6 +13,7 @@ def register(sub) -> None:
     tiers.set_defaults(func=_tiers)
     _register_store(suites)
     _register_redis(suites)
+    _register_trace(suites)
     _register_plugins(suites)
 
 
@@ -24,6 +25,45 @@ def _register_plugins(suites) -> None:
     for ep in sorted(entry_points(group="kvstore.bench"), key=lambda e: e.name):
         ep.load()(suites)
 
+
+
+def _register_trace(suites) -> None:
+    trace = suites.add_parser("trace", help="a request trace (Mooncake's JSON lines) through the host "
+                                            "tier's policy, beside plain LRU and Belady's MIN")
+    trace.add_argument("file", help="the trace: one JSON object a line (timestamp, input_length, "
+                                    "output_length, hash_ids)")
+    trace.add_argument("--fractions", type=_fraction_list, default=None,
+                       help="host capacities as fractions of the trace's distinct blocks, "
+                            "comma-separated (default 0.02,0.05,0.1)")
+    trace.add_argument("--capacity-blocks", type=positive, default=None,
+                       help="one host capacity, in blocks (instead of --fractions)")
+    trace.add_argument("--json", help="write {\"rows\": [...]} to this file")
+    trace.set_defaults(func=_trace)
+
+
+def _fraction_list(value: str) -> list[float]:
+    import argparse
+
+    out = []
+    for v in value.split(","):
+        try:
+            f = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a fraction: {v!r}") from None
+        if not 0 < f <= 1:
+            raise argparse.ArgumentTypeError(f"a fraction must be in (0, 1], got {v!r}")
+        out.append(f)
+    return out
+
+
+def _trace(args) -> int:
+    from kvstore.bench import trace
+
+    if args.fractions is not None and args.capacity_blocks is not None:
+        from kvstore.errors import ConfigError
+
+        raise ConfigError("give --fractions or --capacity-blocks, not both")
+    return trace.run(args)
 
 
 def _register_redis(suites) -> None:

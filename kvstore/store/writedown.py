@@ -139,7 +139,7 @@ class WriteDown:
         """``key`` was just published in the host pool: write it down per the policy."""
         if not self.enabled:
             return Offer.SKIPPED
-        view = self.host.acquire(key)
+        view = self.host.acquire(key, use=False)  # ours: not a reuse of the object
         if view is None:
             return Offer.SKIPPED
         with self._lock:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import threading
 import time
 from collections import OrderedDict
 
@@ -49,15 +48,15 @@ from connector.ioloop import IOLoop
 from connector import local
 from connector.hits import HitFinder
 from connector.ioloop import call_before_exit
-from connector.plan import NULL_BLOCK, ChunkCopy, LoadJob, SaveJob, StepPlan, WorkerReport, as_groups
+from connector.counters import SchedulerCounters
+from connector.plan import NULL_BLOCK, ChunkCopy, LoadJob, ReportCollector, SaveJob, StepPlan, WorkerReport, as_groups
 from connector.observe import RequestObserver
 from connector.prefetch import Prefetcher
-from connector.requests import Piece, ReqState, RequestView, StepInput, count_request, identity_fields
+from connector.requests import Piece, ReqState, RequestView, StepInput, identity_fields
 from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import Identity, Namespace, ObjectKey, chunk_hashes, object_keys
-from kvstore.metrics import HitStats, prometheus, set_tier_gauges
 from kvstore.policy import CostModel, Decision, Span
 from kvstore.store.tiered import TieredStore
 from connector.lower import open_store
@@ -82,7 +81,7 @@ class SchedulerHalf:
         cfg.check_block_size(block_size)
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
         self.workers, self.parts = workers, parts
-        self._partial: dict[tuple[str, int], tuple[int, object]] = {}  # (kind, job) -> (reports, outcome)
+        self.reports = ReportCollector(workers)
         self.pages_per_chunk = cfg.chunk_size // block_size
         self.page_bytes = page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
@@ -91,23 +90,21 @@ class SchedulerHalf:
         self.state_bytes = codec.object_size(codec.ObjectGeometry(
             self.state_layers, 1, self.state_page_bytes, "uint8", "planned", block_size)) if states else 0
         self.io = IOLoop()
-        self._stats_lock = threading.Lock()  # guards self.stats: the I/O thread counts bytes too
-        self.stats = HitStats()
-        self._not_cached: OrderedDict[str, None] = OrderedDict()  # requests counted in stats.not_cached
-        self._prom = prometheus()
+        self.counters = SchedulerCounters(NAMESPACE_CACHE)
+        self.stats = self.counters.stats
         if store is None:
             try:
-                store = self.io.run(open_store(cfg, self._bytes, self._fail))
+                store = self.io.run(open_store(cfg, self.counters.moved, self.counters.failed))
             except BaseException:
                 self.io.close()
                 raise
         self.store = store
         self.host: HostTier = self.store.host
         self.cost = CostModel(cfg.prefill_tokens_per_s, cfg.explore_after_s)
-        self.prefetch = Prefetcher(self.store, self.io, self.cost, self._bytes, self._fail)
+        self.prefetch = Prefetcher(self.store, self.io, self.cost, self.counters.moved, self.counters.failed)
         self.hits = HitFinder(self.store, self.io, cfg.chunk_size, block_size, self._size_of)
         self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
-                                 self.hits, self._fail)
+                                 self.hits, self.counters.failed)
         self.saves.state_groups = set(self.state_groups)
         self._final_saves: list[SaveJob] = []  # planned at request_finished, sent with the next step
         self._reqs: dict[str, ReqState] = {}
@@ -119,7 +116,6 @@ class SchedulerHalf:
         self._undelayed: list[str] = []  # finished requests whose gathers all reported (next plan)
         self._unreported: dict[str, set[int]] = {}  # req id -> its save jobs the workers have not reported
         self._job_owner: dict[int, str] = {}         # save job -> req id, while unreported
-        self._interval_base: dict[str, int] = {}  # counters at the last get_kv_connector_stats
         self._queued_loads: list[LoadJob] = []
         self._load_pins: dict[int, list[ObjectKey]] = {}
         self._next_job = 1
@@ -130,7 +126,7 @@ class SchedulerHalf:
         self._computed: dict[str, int] = {}
         self._closed = False
         self.kv_events = None  # connector.kvcache_events.ConnectorEvents: told each object's tokens
-        self.observe = RequestObserver(self.stats, self._stats_lock, cfg.trace_path, self.host.name)
+        self.observe = RequestObserver(self.stats, self.counters.lock, cfg.trace_path, self.host.name)
         if cfg.trace_path is not None:
             for tier in self.store.lower:
                 listen(tier, self.observe)  # "persisted" moments in the trace
@@ -189,9 +185,7 @@ class SchedulerHalf:
             self._refuse(view.req_id, "bad_kv_transfer_params", str(err))
             return False
         if params.unknown:
-            with self._stats_lock:
-                self.stats.add("params_unknown_keys", ",".join(params.unknown))
-            self._prom["params_unknown"].inc()
+            self.counters.unknown_params(params.unknown)
             self._warn_once(f"unknown:{params.unknown}", "kv_transfer_params.%s: unknown keys %s ignored (known: "
                             "weights_version); counted in kvstore_params_unknown_keys", PARAMS_KEY, list(params.unknown))
         before = self.epoch.label
@@ -208,7 +202,7 @@ class SchedulerHalf:
         self._refused[req_id] = message
         if len(self._refused) > NAMESPACE_CACHE:
             self._refused.popitem(last=False)
-        self.not_cached(req_id, reason)
+        self.counters.not_cached(req_id, reason)
         self._warn_once(reason, "KVStoreConnector: request %s: %s", req_id, message)
 
     def _warn_once(self, what: str, *args: object) -> None:
@@ -249,8 +243,7 @@ class SchedulerHalf:
         lower = [p for p in chosen if p.tier != self.host.name]
         if lower and not st.fetched:
             self.prefetch.start(st, lower, decision)
-            with self._stats_lock:
-                self.stats.prefetches += 1
+            self.counters.prefetched()
             return None
         n = self._pin_prefix(st, chosen, num_computed)
         st.pins_end_found = pieces[-1].end if pieces else 0
@@ -267,10 +260,10 @@ class SchedulerHalf:
         now = time.perf_counter()
         if st.save_wait_until is None:
             st.save_wait_until = now + self.cost.recompute_seconds(len(st.view.prompt) - end, end)
-            self._prom["waits"].labels("save", "started").inc()
+            self.counters.waited("save", "started")
         if now < st.save_wait_until:
             return True
-        self._prom["waits"].labels("save", "gave_up").inc()
+        self.counters.waited("save", "gave_up")
         return False
 
     # --- pins ------------------------------------------------------------------------------------
@@ -316,14 +309,8 @@ class SchedulerHalf:
         decision = st.first_decision or decision  # its tiers and predictions: the ones decided on
         st.decision = {**decision.as_dict(), "outcome": outcome}
         generated = self._generated_hit(st) if n > 0 else 0
-        with self._stats_lock:
-            self.stats.add("decisions", outcome)
-            entry = count_request(st, n, self.stats, self._prom, self.cfg.chunk_size, self.host.name, generated)
+        entry = self.counters.decided(st, n, outcome, decision, self.cfg.chunk_size, self.host.name, generated)
         self.observe.decided(st, entry)
-        self._prom["decisions"].labels(outcome).inc()
-        if decision.hit:
-            self._prom["decision_seconds"].labels("load").inc(decision.load_s)
-            self._prom["decision_seconds"].labels("recompute").inc(decision.hit_recompute_s)
 
     def _generated_hit(self, st: ReqState) -> int:
         """Hit tokens that an engine generated: each pinned object's header says how many of
@@ -461,44 +448,28 @@ class SchedulerHalf:
             self.saves.state_geometry = codec.ObjectGeometry(
                 self.state_layers, 1, self.state_page_bytes, "uint8", report.state_layout, self.block_size)
         for job_id, ok in report.loads.items():
-            ok = self._all_reported("load", job_id, report.load_reports.get(job_id, 1), ok, operator.and_)
+            ok = self.reports.collect("load", job_id, report.load_reports.get(job_id, 1), ok, operator.and_)
             if ok is None:
                 continue
             for key in self._load_pins.pop(job_id, []):
                 self.host.release(key)
             if not ok:
-                self._fail("host", "load")
+                self.counters.failed("host", "load")
         for job_id, oks in report.saves.items():
-            oks = self._all_reported("save", job_id, report.save_reports.get(job_id, 1), oks,
+            oks = self.reports.collect("save", job_id, report.save_reports.get(job_id, 1), oks,
                                      lambda a, b: [x and y for x, y in zip(a, b)])
             if oks is not None:
                 self.saves.report(job_id, oks)
                 self._reported_job(job_id)
-        with self._stats_lock:
-            self.stats.saves_committed = self.saves.committed
-            for reason, n in report.failures.items():
-                self.stats.add("failures", reason, n)
-        for stage, seconds in report.stages:
-            self._prom["stage"].labels(stage).observe(seconds)
+        self.counters.reported(self.saves.committed, report.failures, report.stages)
         self.observe.reported(report)
         for raw in report.damaged:  # a damaged object is a miss from now on: drop it
             self.host.delete_sync(ObjectKey.from_bytes(raw), Removal.CORRUPT)
         if report.bytes_loaded:
             self.cost.observe_transfer(self.host.name, report.bytes_loaded, report.load_seconds)
-            self._bytes(self.host.name, "read", report.bytes_loaded)
+            self.counters.moved(self.host.name, "read", report.bytes_loaded)
         if report.bytes_saved:
-            self._bytes(self.host.name, "write", report.bytes_saved)
-
-    def _all_reported(self, kind: str, job_id: int, n: int, outcome, combine):
-        """The outcome of a job once every worker reported it (None before that): workers
-        may report one job in different steps, and a part not yet landed is not a whole."""
-        key = (kind, job_id)
-        count, acc = self._partial.pop(key, (0, None))
-        count, acc = count + n, outcome if acc is None else combine(acc, outcome)
-        if count < self.workers:
-            self._partial[key] = (count, acc)
-            return None
-        return acc
+            self.counters.moved(self.host.name, "write", report.bytes_saved)
 
     def _observe_step(self) -> None:
         if self._step is not None:
@@ -512,33 +483,12 @@ class SchedulerHalf:
                 self._prefill_steps += 1
             self._step = None
 
-    def _bytes(self, tier: str, direction: str, n: int) -> None:
-        with self._stats_lock:
-            self.stats.add("bytes_by_tier", f"{tier}:{direction}", n)
-        self._prom["bytes"].labels(tier, direction).inc(n)
-
     def not_cached(self, req_id: str, reason: str) -> None:
         """``req_id`` is neither looked up nor saved (``reason``: ``no_prompt_tokens``, an
         embeddings prompt; ``multimodal_unhashed``, an item vLLM gave no identifier).  Counted once
         per request (the engine may ask again after a preemption); the first of each reason
         is logged, so a service that sends images sees why they never hit."""
-        with self._stats_lock:
-            if req_id in self._not_cached:
-                return
-            self._not_cached[req_id] = None
-            if len(self._not_cached) > NAMESPACE_CACHE:
-                self._not_cached.popitem(last=False)
-            first = reason not in self.stats.not_cached
-            self.stats.add("not_cached", reason)
-        self._prom["not_cached"].labels(reason).inc()
-        if first:
-            log.warning("KVStoreConnector: %s requests are not cached (request %s): they are recomputed, "
-                        "never loaded or saved; counted in kvstore_requests_not_cached", reason, req_id)
-
-    def _fail(self, tier: str, reason: str) -> None:
-        with self._stats_lock:
-            self.stats.add("failures", f"{tier}:{reason}")
-        self._prom["failures"].labels(tier, reason).inc()
+        self.counters.not_cached(req_id, reason)
 
     # --- end of a request ----------------------------------------------------------------------
 
@@ -614,12 +564,7 @@ class SchedulerHalf:
         self._namespaces.clear()
         dropped = self.host.clear_sync(Removal.RESET)
         seconds = time.perf_counter() - t0
-        with self._stats_lock:
-            self.stats.add("resets", "total")
-            self.stats.add("resets", "host_objects_dropped", dropped)
-            self.stats.add("resets", "saves_cancelled", cancelled)
-        self._prom["resets"].inc()
-        self._prom["reset_seconds"].inc(seconds)
+        self.counters.reset(dropped, cancelled, seconds)
         log.info("KVStoreConnector: cache reset %d: %d host objects dropped, %d saves cancelled in %.1f ms; the "
                  "weights are unlabelled until a request declares their version", self.epoch.resets, dropped,
                  cancelled, seconds * 1e3)
@@ -644,19 +589,12 @@ class SchedulerHalf:
     def interval_counters(self) -> dict[str, int]:
         """Counters since the last call (hits, decisions, bytes, failures, resets), as flat
         ``name`` or ``name:label`` keys for vLLM's connector stats."""
-        with self._stats_lock:
-            now = self.stats.flat_counters()
-        delta = {k: v - self._interval_base.get(k, 0) for k, v in now.items()}
-        self._interval_base = now
-        return {k: v for k, v in delta.items() if v}
+        return self.counters.interval()
 
     def write_stats(self) -> None:
         tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
-        set_tier_gauges(self._prom, tiers)
-        if self.cfg.stats_path is not None:
-            with self._stats_lock:
-                self.stats.saves_committed = self.saves.committed
-                self.stats.write(self.cfg.stats_path, tiers=tiers, cost_model=self.cost.snapshot())
+        self.counters.write(tiers, self.cfg.stats_path, self.saves.committed,
+                            self.cost.snapshot() if self.cfg.stats_path is not None else None)
 
     def drain(self) -> None:
         """Wait for prefetches and write-downs in flight (a write-back flush excepted)."""

@@ -61,8 +61,10 @@ class SchedulerCounters:
         self.prom["failures"].labels(tier, reason).inc()
 
     def not_cached(self, req_id: str, reason: str) -> None:
-        """``req_id`` is neither looked up nor saved (``reason``): counted once per request; the
-        first of each reason is logged."""
+        """``req_id`` is neither looked up nor saved (``reason``: ``no_prompt_tokens``, an
+        embeddings prompt; ``multimodal_unhashed``, an item vLLM gave no identifier).  Counted once
+        per request (the engine may ask again after a preemption); the first of each reason
+        is logged, so a service that sends images sees why they never hit."""
         with self.lock:
             if req_id in self._not_cached:
                 return

@@ -32,6 +32,7 @@ from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.store.events import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
+from kvstore.store.pool import HostPool, SharedHostPool
 from kvstore.store.promote import Promoter
 from kvstore.store.registry import open_tiers
 from kvstore.store.writedown import Offer, WriteDown
@@ -73,6 +74,7 @@ class TieredStore:
                  write_queue_bytes: int | None = None, dirty_fraction: float = 0.5,
                  put_wait_s: float = 10.0, verify_writes: bool = False) -> None:
         self.host = host
+        self.pool: HostPool = SharedHostPool(host)  # what the engine connector may do with the host pool
         self.put_wait_s = put_wait_s
         self.lower = list(lower)
         self.write_policy = write_policy

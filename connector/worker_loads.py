@@ -35,7 +35,6 @@ class _Load:
             t.fail(reason)
 
 
-
 class LoadCopier:
     def __init__(self, device: Device, mapped: Mapped, ledger: Ledger, verify_loads: bool = True,
                  load_timeout_s: float = 30.0) -> None:

@@ -8,7 +8,9 @@ engine's blocks, by job id, and reports the outcome.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 NULL_BLOCK = 0  # vLLM's null block: in hybrid models, a sliding-window group's blocks outside its window
 
@@ -142,3 +144,24 @@ class WorkerReport:
 
     def empty(self) -> bool:
         return not (self.loads or self.saves or self.failures or self.damaged or self.copies)
+
+
+class ReportCollector:
+    """Scheduler side: a job's outcome once every worker reported it.  With TP (and PP) each
+    of ``workers`` workers reports every job, at its own pace, possibly in different steps:
+    a part not yet landed is not a whole."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._partial: dict[tuple[str, int], tuple[int, Any]] = {}  # (kind, job) -> (reports, outcome)
+
+    def collect(self, kind: str, job_id: int, n: int, outcome: Any, combine: Callable[[Any, Any], Any]) -> Any:
+        """``n`` more workers reported ``outcome`` for job ``(kind, job_id)``: the outcome
+        combined over all workers once every one did, None before that."""
+        key = (kind, job_id)
+        count, acc = self._partial.pop(key, (0, None))
+        count, acc = count + n, outcome if acc is None else combine(acc, outcome)
+        if count < self.workers:
+            self._partial[key] = (count, acc)
+            return None
+        return acc

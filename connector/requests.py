@@ -6,12 +6,15 @@ Scheduler side only; no I/O.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from connector.plan import as_groups
 from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey
 from kvstore.kvwire import wire_hash
 from kvstore.metrics import HitStats
+from kvstore.policy import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,4 +152,62 @@ def identity_fields(identity: Identity) -> dict[str, object]:
     return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
 
 
-__all__ = ["Piece", "ReqState", "RequestView", "StepInput", "count_request", "identity_fields"]
+__all__ = ["Piece", "ReqState", "RequestView", "StepClock", "StepInput", "count_request", "hit_sources",
+           "identity_fields", "track_blocks"]
+
+
+def track_blocks(reqs: dict[str, ReqState], step: StepInput) -> dict[str, int]:
+    """Follow each request's blocks through ``step`` (new, grown, resumed, preempted); returns
+    the tokens each scheduled request had computed before the step."""
+    for req_id, blocks, _ in step.new:
+        if req_id in reqs:
+            reqs[req_id].groups = as_groups(blocks)
+    for req_id, new_blocks, _, resumed in step.cached:
+        st = reqs.get(req_id)
+        if st is None or new_blocks is None:
+            continue
+        new = as_groups(new_blocks)
+        st.groups = new if resumed or not st.groups else [a + b for a, b in zip(st.groups, new)]
+    for req_id in step.preempted:
+        if req_id in reqs:
+            reqs[req_id].groups = []
+    return {r: n for r, _, n in step.new} | {r: n for r, _, n, _ in step.cached}
+
+
+def hit_sources(st: ReqState | None, n: int) -> dict[str, int]:
+    """The request's ``n`` external hit tokens split by the tier each was found in (their
+    shares of the counted hit; the rounding goes to the first tier)."""
+    by_tier = {t: k for t, k in (st.by_tier if st is not None else {}).items() if k > 0}
+    total = sum(by_tier.values())
+    if n <= 0 or not total:
+        return {}
+    out = {t: k * n // total for t, k in by_tier.items()}
+    first = next(iter(out))
+    out[first] += n - sum(out.values())
+    return {t: k for t, k in out.items() if k > 0}
+
+
+class StepClock:
+    """Times each planned step until the worker's report of it arrives, and feeds prefill-
+    dominated steps to the cost model (the recompute side of every decision)."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+        self._prefill_steps = 0  # prefill-dominated steps seen (the first is not fitted)
+        self._step: tuple[float, list[tuple[int, int]]] | None = None
+
+    def planned(self, work: list[tuple[int, int]]) -> None:
+        """A step was planned: (tokens computed before, tokens scheduled) per request."""
+        self._step = (time.perf_counter(), work)
+
+    def observe(self) -> None:
+        if self._step is not None:
+            t0, work = self._step
+            if sum(n for _, n in work) >= 64:  # prefill-dominated steps only
+                # ... but not the process's first: it pays one-time costs (kernels built for
+                # new shapes, pages faulted in), often 10x a warm step, and one such step
+                # would tell the fit that recompute is slow until it is forgotten.
+                if self._prefill_steps:
+                    self.cost.observe_step(work, time.perf_counter() - t0)
+                self._prefill_steps += 1
+            self._step = None

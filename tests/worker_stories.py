@@ -58,10 +58,10 @@ def story_every_sealed_object_verifies_and_holds_the_pages(tmp_path, device, kv_
     keys = e.sched._state(RequestView("probe", tokens)).keys[:4]
     pages_per_chunk = CHUNK_TOKENS // SHAPE.block_size
     for i, key in enumerate(keys):
-        size = e.sched.host.size_of_sync(key)
+        size = e.sched.store.host.size_of_sync(key)
         assert size is not None, f"chunk {i} not in host DRAM"
         buf = bytearray(size)
-        assert e.sched.host.read_into_sync(key, buf) == size
+        assert e.sched.store.host.read_into_sync(key, buf) == size
         header = codec.verify(memoryview(buf), expected_key=key)   # checksum over landed bytes
         assert header.geometry.pages_per_layer == pages_per_chunk
         blocks = A_BLOCKS[i * pages_per_chunk:(i + 1) * pages_per_chunk]

@@ -37,6 +37,7 @@ from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.store.events import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
+from kvstore.store.pool import HostPool, SharedHostPool
 from kvstore.store.promote import Promoter, authenticate
 from kvstore.store.registry import open_tiers
 from kvstore.store.writedown import Offer, WriteDown
@@ -79,6 +80,7 @@ class TieredStore:
                  put_wait_s: float = 10.0, verify_writes: bool = False, keys=None) -> None:
         self.host = host
         self.keys = keys
+        self.pool: HostPool = SharedHostPool(host)  # what the engine connector may do with the host pool
         self.put_wait_s = put_wait_s
         self.lower = list(lower)
         self.write_policy = write_policy

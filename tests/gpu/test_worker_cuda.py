@@ -24,8 +24,8 @@ def test_the_worker_pins_the_shared_pool(tmp_path):
     e = stories.engine(tmp_path, make(), "cuda")
     try:
         e.step()  # bind attaches the pool
-        assert e.worker._pool.tensor is not None, "the worker's pool mapping is not page-locked"
-        assert e.worker._pool_t.is_pinned()
+        assert e.worker.mapped.pool.tensor is not None, "the worker's pool mapping is not page-locked"
+        assert e.worker.mapped.pool_t.is_pinned()
     finally:
         e.close()
 

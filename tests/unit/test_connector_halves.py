@@ -114,14 +114,14 @@ def test_corrupted_slot_is_reported_as_failed_blocks(tmp_path, tokens, dev):
     view = RequestView("b", tokens)
     n = e.sched.matched_tokens(view, 0)
     offset = e.sched._reqs["b"].slots[e.sched._reqs["b"].keys[1]]
-    e.sched.host.array[offset + codec.HEADER_SIZE + 7] ^= 0xFF   # damage chunk 1 after the pin
+    e.sched.store.host.array[offset + codec.HEADER_SIZE + 7] ^= 0xFF   # damage chunk 1 after the pin
     e.sched.after_alloc("b", [10, 11, 12, 13, 14], n)
     e.step(new=[("b", [10, 11, 12, 13, 14], n)], scheduled={"b": len(tokens) - n})
     assert e.errors == {12, 13}                           # chunk 1's blocks: vLLM recomputes them
     assert e.sched.stats.failures.get("host:load") == 1
     e.sched.drain()                                       # write-throughs hold references too
-    assert e.sched.host.stats().extra["refs_held"] == 0   # pins released after the drain
-    assert not e.sched.host.contains_sync(e.sched._reqs["b"].keys[1])   # damaged: dropped
+    assert e.sched.store.host.stats().extra["refs_held"] == 0   # pins released after the drain
+    assert not e.sched.store.host.contains_sync(e.sched._reqs["b"].keys[1])   # damaged: dropped
     e.close()
 
 
@@ -149,7 +149,7 @@ def test_timed_out_load_drains_before_the_step_ends(tmp_path, tokens, dev):
     assert slow.synchronize(0)                            # and no copy is still running
     e.sched.drain()
     e.sched.drain()
-    assert e.sched.host.stats().extra["refs_held"] == 0
+    assert e.sched.store.host.stats().extra["refs_held"] == 0
     e.close()
 
 

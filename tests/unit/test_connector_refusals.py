@@ -163,7 +163,7 @@ def test_not_cached_requests_are_remembered_within_a_bound(sched):
     for i in range(5000):
         sched.not_cached(f"r{i}", "multimodal_unhashed")
     assert sched.stats.not_cached == {"multimodal_unhashed": 5000}
-    assert len(sched._not_cached) <= 4096
+    assert len(sched.counters._not_cached) <= 4096
 
 
 def test_a_request_view_of_text_is_unchanged_by_the_refusals(sched):

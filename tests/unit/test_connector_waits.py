@@ -95,7 +95,7 @@ def test_an_unsealed_save_keeps_its_reservation_at_shutdown(tmp_path, tokens, de
     e = Engine(tmp_path, dev(delay=0.5))
     compute_without_report(e, "a", tokens, [0, 1, 2, 3, 4])
     e.sched.saves.adopt(timeout=0.01)        # the gathers have not landed: nothing to commit
-    assert e.sched.saves.committed == 0 and e.sched.host.stats().as_dict()["pending"] == 2
+    assert e.sched.saves.committed == 0 and e.sched.store.host.stats().as_dict()["pending"] == 2
     e.close()
 
 
@@ -150,7 +150,7 @@ def test_a_prefetch_slower_than_predicted_is_given_up_and_the_tier_learned_slow(
     assert st.decision["outcome"] == "recompute"
     e.sched.io.run(e.sched.store.promoter.drain(5))                    # the rest was cancelled ...
     assert e.sched.store.promoter.in_flight == 0
-    host = e.sched.host.stats().as_dict()
+    host = e.sched.store.host.stats().as_dict()
     assert host["pending"] == 0 and host["objects"] == 0               # ... and its slots released
     assert run_request(e, "c", tokens, [10, 11, 12, 13, 14]) == 0      # the tier is known slow now
     e.close()

@@ -58,7 +58,7 @@ def lookup(engine: Engine, req_id: str, tokens, params=None) -> int:
 
 
 def published(engine: Engine) -> int:
-    return engine.sched.host.stats().objects
+    return engine.sched.store.host.stats().objects
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_a_request_running_across_a_reset_saves_nothing_more(engines):
     # Chunks 1 and 2 are computed after it (new weights): they must not be saved under the old keys.
     plan = a.step(cached=[("run", None, 256, False)], scheduled={"run": 512}, compute=lambda: fill(a, blocks[2:6], 0))
     assert plan.saves == []
-    assert a.sched.request_finished("run", len(p)) is False or a.sched._final_saves == []
+    assert a.sched.request_finished("run", len(p)) is False or a.sched.jobs.final == []
     a.settle()
     assert a.sched.saves.committed == saved_before and published(a) == 0
 
@@ -128,16 +128,16 @@ def test_a_final_save_pending_at_a_reset_is_cancelled_and_its_blocks_are_freed(e
     a.settle()
     committed = a.sched.saves.committed
     assert a.sched.request_finished("f", 399) is True   # the answer's whole block waits for the next step
-    assert len(a.sched._final_saves) == 1
+    assert len(a.sched.jobs.final) == 1
     done = a.sched.reset()
-    assert done["cancelled"] == 1 and a.sched._final_saves == []
+    assert done["cancelled"] == 1 and a.sched.jobs.final == []
     a.buf.fill_(float("nan"))                            # a sleep discarded the pages it would read
     plan = a.step(finished={"f"})
     assert plan.saves == [] and plan.released == ["f"]
     assert "f" in a.sent                                 # vLLM may free its blocks
     a.settle()
     assert a.sched.saves.committed == committed and published(a) == 0
-    assert a.sched.host.stats().extra["pending"] == 0   # the reservation was given back
+    assert a.sched.store.host.stats().extra["pending"] == 0   # the reservation was given back
 
 
 def test_a_reset_publishes_the_removal_of_our_host_blocks_with_their_medium(engines):

@@ -31,22 +31,22 @@ def expected(salt: str, lora: str = ""):
 
 def test_many_salts_keep_at_most_the_capacity_and_each_namespace_is_right(sched):
     for i in range(NAMESPACE_CACHE + 100):
-        assert sched._namespace(f"user-{i}", "") == expected(f"user-{i}")
-        assert len(sched._namespaces) <= NAMESPACE_CACHE
-    assert len(sched._namespaces) == NAMESPACE_CACHE
-    assert ("user-0", "", sched.epoch.current) not in sched._namespaces            # the oldest went first
-    assert sched._namespace("user-0", "") == expected("user-0")  # recomputed, the same bytes
-    assert len(sched._namespaces) == NAMESPACE_CACHE
+        assert sched.admission.namespace(f"user-{i}", "") == expected(f"user-{i}")
+        assert len(sched.admission.namespaces) <= NAMESPACE_CACHE
+    assert len(sched.admission.namespaces) == NAMESPACE_CACHE
+    assert ("user-0", "", sched.epoch.current) not in sched.admission.namespaces            # the oldest went first
+    assert sched.admission.namespace("user-0", "") == expected("user-0")  # recomputed, the same bytes
+    assert len(sched.admission.namespaces) == NAMESPACE_CACHE
 
 
 def test_a_salt_in_use_survives_while_idle_ones_are_dropped(sched):
     """Touched (a hit, not a re-insert) every half capacity: the very same entry stays."""
-    hot = sched._namespace("hot", "lora-a")
+    hot = sched.admission.namespace("hot", "lora-a")
     for i in range(3 * NAMESPACE_CACHE):
         if i % (NAMESPACE_CACHE // 2) == 0:
-            assert sched._namespace("hot", "lora-a") is hot     # still cached, never recomputed
-        sched._namespace(f"user-{i}", "")
-    assert sched._namespaces[("hot", "lora-a", sched.epoch.current)] is hot
+            assert sched.admission.namespace("hot", "lora-a") is hot     # still cached, never recomputed
+        sched.admission.namespace(f"user-{i}", "")
+    assert sched.admission.namespaces[("hot", "lora-a", sched.epoch.current)] is hot
     assert hot == expected("hot", "lora-a") != expected("hot")
 
 
@@ -57,8 +57,8 @@ def test_requests_of_a_dropped_salt_get_the_keys_they_had(sched):
     sched.matched_tokens(RequestView("first", tokens, salt="user-0"), 0)
     before = sched._reqs["first"].keys
     for i in range(1, NAMESPACE_CACHE + 10):
-        sched._namespace(f"user-{i}", "")
-    assert ("user-0", "", sched.epoch.current) not in sched._namespaces
+        sched.admission.namespace(f"user-{i}", "")
+    assert ("user-0", "", sched.epoch.current) not in sched.admission.namespaces
     sched.matched_tokens(RequestView("again", tokens, salt="user-0"), 0)
     ns = expected("user-0")
     assert sched._reqs["again"].keys == before == object_keys(ns, chunk_hashes(ns, np.asarray(tokens), 256))

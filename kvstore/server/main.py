@@ -47,6 +47,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.server.auth import DEFAULT_TENANT, Authenticator, Permission
 from kvstore.errors import ConfigError
+from kvstore.localtoken import default_token_path, ensure_token
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
@@ -112,6 +113,16 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_connection_idle_ms", int(cfg.idle_timeout * 1000)),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),   # ping floods are cut (GOAWAY)
     ]
+
+
+def authenticator(cfg: ServerConfig) -> Authenticator:
+    """The tokens file's table; without one the default token (made once, 0600, at
+    ``default_token_file``), unless ``insecure``: then no token at all (docs/exposure.md)."""
+    if cfg.auth_tokens is not None:
+        return Authenticator.from_file(cfg.auth_tokens)
+    if cfg.insecure:
+        return Authenticator(None)
+    return Authenticator.local(ensure_token(cfg.default_token_file))
 
 
 def plan_tenants(cfg: ServerConfig, auth: Authenticator) -> Tenants:
@@ -189,7 +200,10 @@ def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metric
         streams = ", ".join(f"{t} {pub}" + (f" (replay {rep})" if rep else "")
                             for t, (pub, rep) in store.publisher.endpoints.items())
         parts.append(f"kv events epoch {store.publisher.epoch}: {streams}")
-    parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
+    if cfg.auth_tokens is None and auth.table is not None:
+        parts.append(f"auth: the default token in {cfg.default_token_file or default_token_path()}")
+    else:
+        parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
     parts.append("tls on" + (" with client certificates" if cfg.tls_client_ca else "") if cfg.tls else "tls off")
     if metrics_url:
         parts.append(f"metrics {metrics_url}")
@@ -222,12 +236,13 @@ class _Stopper:
 async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     """Run the store process until ``stop`` is set (default: SIGTERM/SIGINT); 0 when it
     shut down gracefully."""
-    auth = Authenticator.from_file(cfg.auth_tokens)
+    auth = authenticator(cfg)
     tenants = plan_tenants(cfg, auth)
     creds = credentials(cfg)
     warn_exposure(cfg, auth)
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
+    metrics.tenant_labels = cfg.metrics_tenant_labels
     tracer = start_trace(cfg, metrics)
     store = await ServerStore.open(cfg, metrics, tenants)
     if tracer is not None:

@@ -50,7 +50,9 @@ class ServerConfig(LeaseSettings, TierSettings):
     tls_key: Path | None = setting(None, "server private key (PEM)")
     tls_client_ca: Path | None = setting(None, "require client certificates signed by this CA (PEM)")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: a free port)")
-    metrics_host: str | None = setting(None, "address of /metrics (default: the host of listen)")
+    metrics_host: str | None = setting(None, "address of /metrics (default: the host of listen); beyond "
+                                       "loopback every scrape needs a token with admin (Authorization: "
+                                       "Bearer), unless insecure")
     max_lease_ttl: Seconds = setting(300.0, "longest lease a client may ask for, seconds")
     put_ttl: Seconds | None = setting(None, "seconds an uncommitted PutStart reservation lives "
                                       "(default: lease_ttl)")

@@ -27,8 +27,10 @@ The gRPC server is created with ``so_reuseport`` off, so a port already in use i
 pings, idle connections closed after ``idle_timeout``.
 
 Exposure: a listen address beyond loopback without TLS and tokens is refused unless
-``insecure`` (``ServerConfig``); with it, and for ``/metrics`` beyond loopback, a warning is
-printed.  ``run`` makes the process non-dumpable, so another process of the same uid can
+``insecure`` (``ServerConfig``); with it a warning is printed.  ``/metrics`` beyond loopback
+answers only scrapes with an ``admin`` token (``metrics_authorizer``), unless ``insecure``:
+then it is open, with a warning.  Without a tokens file every call needs the default token
+(``kvstore.localtoken``; docs/exposure.md).  ``run`` makes the process non-dumpable, so another process of the same uid can
 neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.server.auth import DEFAULT_TENANT, Authenticator, Permission
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, UnauthenticatedError
 from kvstore.localtoken import default_token_path, ensure_token
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
@@ -162,9 +164,24 @@ def warn_exposure(cfg: ServerConfig, auth: Authenticator) -> None:
               f"{'reads, writes and deletes every object' if not auth.enabled else 'can read the traffic'}",
               file=sys.stderr, flush=True)
     mhost = cfg.metrics_host or cfg.listen_host
-    if cfg.metrics_port is not None and not is_loopback(mhost):
+    if cfg.metrics_port is not None and not is_loopback(mhost) and metrics_authorizer(cfg, auth) is None:
         print(f"kvstore serve: WARNING: /metrics on {mhost} is reachable beyond this host, without "
               f"authentication (it shows every tenant's counters)", file=sys.stderr, flush=True)
+
+
+def metrics_authorizer(cfg: ServerConfig, auth: Authenticator):
+    """Beyond loopback, unless ``insecure``: every scrape of ``/metrics`` needs a token with
+    ``admin`` (``Authorization: Bearer``); None where ``/metrics`` is open."""
+    if cfg.insecure or not auth.enabled or is_loopback(cfg.metrics_host or cfg.listen_host):
+        return None
+
+    def authorize(header: str | None) -> int:
+        try:
+            who = auth.authenticate([("authorization", header)] if header else [])
+        except UnauthenticatedError:
+            return 401
+        return 200 if who.allows(Permission.ADMIN) else 403
+    return authorize
 
 
 def write_ready(path: Path, target: str) -> None:
@@ -276,7 +293,7 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         if cfg.metrics_port is not None:
             mhost = cfg.metrics_host or cfg.listen_host
             try:
-                http, mport = start_http(metrics, mhost, cfg.metrics_port)
+                http, mport = start_http(metrics, mhost, cfg.metrics_port, metrics_authorizer(cfg, auth))
             except OSError as err:
                 raise ConfigError(f"cannot serve metrics on {mhost}:{cfg.metrics_port}: {err}") from err
             metrics_url = f"http://{mhost}:{mport}/metrics"

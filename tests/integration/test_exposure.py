@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -278,6 +279,39 @@ def test_metrics_tenant_labels(tmp_path, mode):
                 assert all(len(label) == 13 and label.startswith("t") for label in want)
     finally:
         assert proc.terminate(30) == 0
+
+
+def scrape_code(url: str, token: str | None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=20) as reply:
+            return reply.status if b"kvstore_server_tenant_quota" in reply.read() else -1
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_metrics_beyond_loopback_answer_only_an_admin_token(tmp_path):
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(yaml.safe_dump({"tokens": [
+        {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
+        {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}]}))
+    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--auth-tokens", str(tokens), "--metrics-port", "0",
+                        "--metrics-host", "0.0.0.0").start()
+    try:
+        assert "WARNING: /metrics" not in proc.log_text() and proc.metrics_url.startswith("http://0.0.0.0:")
+        assert {who: scrape_code(proc.metrics_url, token) for who, token in
+                (("nobody", None), ("stranger", "guess"), ("a", "tok-a"), ("ops", "tok-ops"))} == {
+            "nobody": 401, "stranger": 401, "a": 403, "ops": 200}
+    finally:
+        assert proc.terminate(30) == 0
+    assert "tok-" not in proc.log_text()
+    default = StoreProcess(tmp_path / "default", "--host-capacity", "16MiB", "--metrics-port", "0",
+                           "--metrics-host", "0.0.0.0").start()
+    try:     # without a tokens file: the default token (tenant default has admin)
+        assert scrape_code(default.metrics_url, None) == 401
+        assert scrape_code(default.metrics_url, default_token_path().read_text().strip()) == 200
+    finally:
+        assert default.terminate(30) == 0
 
 
 def test_a_bad_metrics_tenant_labels_value_is_refused():

@@ -7,9 +7,10 @@
   delete or ``Stats`` anything; a restart reuses it;
 * a tenant with a ``uid`` has its KV event and replay sockets in a directory of that uid:
   another tenant's uid cannot connect to them, the owner replays its stream;
-* ``--metrics-tenant-labels hash|off`` keeps tenant names out of ``/metrics``.
+* ``--metrics-tenant-labels hash|off`` keeps tenant names out of ``/metrics``;
+* ``/metrics`` beyond loopback answers only a scrape with an ``admin`` token.
 
-Cost: about 10 s (four short store processes, a few subprocesses as other uids).
+Cost: about 10 s (nine short store processes, a few subprocesses as other uids).
 """
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                                 "empty: none")
     store_token: str = setting("", "bearer token for the store process (its tenant and permissions); "
                                "prefer `store_token_file` or `KVSTORE_STORE_TOKEN`: engines log their "
-                               "connector config")
+                               "connector config; neither given: this user's default token file, "
+                               "made by a `kvstore serve` without a tokens file (docs/exposure.md)")
     store_token_file: Path | None = setting(None, "a file whose first line is the store process's bearer token")
     store_tls_ca: Path | None = setting(None, "CA certificate when the store process serves TLS")
     store_tls_cert: Path | None = setting(None, "client certificate (PEM) for a store process that requires one")

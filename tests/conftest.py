@@ -1,7 +1,10 @@
 """Fixtures shared by every test package."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,14 @@ from tests.kits.openai_server import OpenAIServer, attach_log_tails
 # compile cache fails to load), ~12 s per engine.  The main job run as a subprocess by
 # tests/integration/test_shared_tiers_engine.py keeps the compiled path covered.
 os.environ.setdefault(EAGER_ENV, "1")
+
+# Stores started without a tokens file make their default token under $XDG_STATE_HOME
+# (kvstore.localtoken) and the tests' clients find it there: a private one for the run,
+# never the developer's own ~/.local/state.
+_STATE = tempfile.mkdtemp(prefix="kvstore-test-state-")
+os.environ["XDG_STATE_HOME"] = _STATE
+os.environ.pop("KVSTORE_TOKEN_PATH", None)
+atexit.register(shutil.rmtree, _STATE, True)
 
 
 @pytest.fixture(scope="session", autouse=True)

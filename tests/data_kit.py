@@ -9,6 +9,7 @@ import ssl
 
 from kvstore import datawire as wire
 from kvstore.keys import ObjectKey
+from kvstore.localtoken import local_token
 from tests.store_helpers import StoreClient
 
 
@@ -37,7 +38,8 @@ class RawData:
         self.close()
 
     def hello(self, ticket: bytes, token: str | None = None) -> tuple[wire.ReplyHead, str]:
-        self.sock.sendall(wire.encode_hello(ticket, token))
+        """``token`` None: this user's default token, as real clients send (``""``: none)."""
+        self.sock.sendall(wire.encode_hello(ticket, local_token() if token is None else token))
         return self.reply()
 
     def reply(self) -> tuple[wire.ReplyHead, str]:

@@ -21,6 +21,7 @@ from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
 from kvstore.client.shmsession import ShmSession
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
+from kvstore.localtoken import local_token
 
 KiB, MiB = 1 << 10, 1 << 20
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * MiB),
@@ -86,6 +87,7 @@ class StoreClient:
         self.channel = (grpc.secure_channel(target, credentials, options=opts) if credentials
                         else grpc.insecure_channel(target, options=opts))
         self.stub = pb_grpc.KVStoreStub(self.channel)
+        token = token or local_token()   # none given: this user's default token, as real clients do
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.token = token
         self._hello: pb.HelloResponse | None = None

@@ -34,8 +34,10 @@ def add_token_args(parser: argparse.ArgumentParser) -> None:
 
 def token_of(args: argparse.Namespace) -> str | None:
     """The bearer token: ``--token-file``, else ``--token`` (with a warning), else
-    ``$KVSTORE_TOKEN``; None without any."""
+    ``$KVSTORE_TOKEN``, else this user's default token file (``kvstore.localtoken``);
+    None without any."""
     from kvstore.config import read_token_file
+    from kvstore.localtoken import local_token
 
     if getattr(args, "token_file", None):
         return read_token_file(args.token_file)
@@ -43,4 +45,4 @@ def token_of(args: argparse.Namespace) -> str | None:
         print(f"warning: --token puts the token in the process list; use --token-file or ${TOKEN_ENV}",
               file=sys.stderr)
         return args.token
-    return os.environ.get(TOKEN_ENV) or None
+    return os.environ.get(TOKEN_ENV) or local_token()

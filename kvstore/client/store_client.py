@@ -20,7 +20,8 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
   round trip: the lease is released later, in batches (``client_leases``), unless the copy
   outran the lease's window, when the server is asked whether it still held.
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
-  ``authorization: Bearer <token>`` metadata.  Status codes become domain errors in one
+  ``authorization: Bearer <token>`` metadata; ``connect`` given no token uses this user's
+  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status codes become domain errors in one
   place (``_error``): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise
   ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
   FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
@@ -57,6 +58,7 @@ from kvstore.client.shmsession import ShmSession
 from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
                             TierUnavailableError)
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
+from kvstore.localtoken import local_token
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -126,6 +128,8 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
             raise ConfigError(f"lease_ttl_s must be a positive number of seconds, got {lease_ttl_s}")
         if not target or ":" not in target:
             raise ConfigError(f"store target must be HOST:PORT, got {target!r}")
+        if not token:   # none given: the store's default token of this user, if any (kvstore.localtoken)
+            token = local_token()
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
         client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s)
         client._tls, client._server_name = data_tls(tls_ca, tls_cert, tls_key), tls_server_name

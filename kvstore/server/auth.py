@@ -24,7 +24,10 @@
   ``PermissionDeniedError`` naming the permission that is lacking.
 * Permissions: ``read``, ``write``, ``shm`` (the shared-memory data plane) and ``admin``
   (``Stats`` of every tenant; without it ``Stats`` shows the caller's tenant only).
-* Without a tokens file every call is ``Principal("default", {read, write, shm, admin})``.
+* Without a tokens file every call must carry the store's default token
+  (``kvstore.localtoken``: a 0600 file of the store's user; ``Authenticator.local``) and
+  is ``Principal("default", {read, write, shm, admin})``; with ``insecure`` and no tokens
+  file no token is asked for (``Authenticator(None)``: everyone is that principal).
 * Tokens are kept only as sha256 digests, so a lookup never compares secrets byte by byte
   and a memory dump does not reveal them.
 """
@@ -249,6 +252,11 @@ class Authenticator:
     @classmethod
     def from_file(cls, path: str | Path | None) -> "Authenticator":
         return cls(None if path is None else TokenTable.load(path))
+
+    @classmethod
+    def local(cls, token: str) -> "Authenticator":
+        """The default token (``kvstore.localtoken``) alone: tenant ``default``, every permission."""
+        return cls(TokenTable({_digest(token): ANONYMOUS}))
 
     @property
     def enabled(self) -> bool:

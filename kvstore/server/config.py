@@ -41,12 +41,21 @@ class ServerConfig(LeaseSettings, TierSettings):
     keys_file: Path | None = setting(None, "deployment secret of the objects' MACs (`kvstore keys create`); "
                                      "none: `KVSTORE_KEYS`, else the default file made on first use "
                                      "(docs/integrity.md)")
-    auth_tokens: Path | None = setting(None, "YAML tokens file; without it every call is tenant 'default'")
+    auth_tokens: Path | None = setting(None, "YAML tokens file; without it every call must carry the default "
+                                       "token (tenant 'default', every permission; see default_token_file)")
+    default_token_file: Path | None = setting(None, "without auth_tokens: the 0600 file of the token every call "
+                                              "must carry, made once if missing (default: $KVSTORE_TOKEN_PATH, "
+                                              "else $XDG_STATE_HOME/kvstore/token, else "
+                                              "~/.local/state/kvstore/token; docs/exposure.md)")
+    metrics_tenant_labels: str = setting("name", "how /metrics labels tenants: name, hash (sha256 of the name, "
+                                         "12 hex digits) or off (no per-tenant series)")
     tls_cert: Path | None = setting(None, "server certificate (PEM)")
     tls_key: Path | None = setting(None, "server private key (PEM)")
     tls_client_ca: Path | None = setting(None, "require client certificates signed by this CA (PEM)")
     metrics_port: int | None = setting(None, "serve Prometheus /metrics on this port (0: a free port)")
-    metrics_host: str | None = setting(None, "address of /metrics (default: the host of listen)")
+    metrics_host: str | None = setting(None, "address of /metrics (default: the host of listen); beyond "
+                                       "loopback every scrape needs a token with admin (Authorization: "
+                                       "Bearer), unless insecure")
     max_lease_ttl: Seconds = setting(300.0, "longest lease a client may ask for, seconds")
     put_ttl: Seconds | None = setting(None, "seconds an uncommitted PutStart reservation lives "
                                       "(default: lease_ttl)")
@@ -56,8 +65,9 @@ class ServerConfig(LeaseSettings, TierSettings):
     max_message_bytes: Size = setting(8 * MiB, "gRPC receive limit (at least frame_bytes + 64KiB)")
     frame_bytes: Size = setting(1 * MiB, "GetStream frame size")
     shutdown_grace: Seconds = setting(10.0, "seconds in-flight calls get at SIGTERM")
-    insecure: bool = setting(False, "serve a non-loopback listen address without TLS or a tokens file "
-                             "(then anyone who reaches it reads, writes and deletes every object; "
+    insecure: bool = setting(False, "serve a non-loopback listen address without TLS or a tokens file, "
+                             "and /metrics beyond loopback; without a tokens file it also drops the default "
+                             "token (then anyone who reaches it reads, writes and deletes every object; "
                              "a warning is printed)")
     shm_socket: Path | None = setting(None, "Unix socket handing same-host clients their tenant's shared-memory "
                                       "pool (default: a fresh private one in the temp directory)")
@@ -112,6 +122,8 @@ class ServerConfig(LeaseSettings, TierSettings):
         if self.max_lease_ttl < self.lease_ttl:
             raise ConfigError(f"max_lease_ttl ({self.max_lease_ttl}) is below lease_ttl ({self.lease_ttl})")
         self._check_limits()
+        if self.metrics_tenant_labels not in ("name", "hash", "off"):
+            raise ConfigError(f"metrics_tenant_labels must be name, hash or off, got {self.metrics_tenant_labels!r}")
         self._check_exposure()
         self._check_events()
 

@@ -20,6 +20,17 @@ With several tenants the endpoints must contain ``{tenant}`` (``ipc:///run/kvsto
 a shared stream is refused.  ZMQ authenticates nobody: ``ipc://`` sockets are made 0600, and
 TCP beyond loopback needs ``--insecure`` (``ServerConfig``).
 
+**Whose sockets.**  A 0600 socket still lets every process of the store's uid subscribe, so
+each tenant's sockets can live in a directory of its own: when ``{tenant}`` is in a directory
+part of an ``ipc://`` endpoint (``ipc:///run/kvstore/events/{tenant}/pub``), that directory
+is made (0700, no symlink, owned by the store or the tenant) before the bind.  A tenant with a
+``uid`` in the tokens file's ``tenants`` section gets the directory and its sockets chowned
+to that uid (0700 / 0600): only its processes (and root) can subscribe or ask for a replay.
+A ``gid`` (alone or with ``uid``) gives the group that too (0710 / 0660).  Such a tenant's
+endpoints must be ``ipc://`` with ``{tenant}`` in a directory part (``ConfigError``
+otherwise), and chowning to another uid needs the store to run as root (or as that uid).
+docs/exposure.md describes the deployment.
+
 **Epochs.**  A new process starts a new epoch (``kvstore.kvwire.new_epoch``) carried in
 every batch; its first batch on each stream starts with ``AllBlocksCleared``.
 
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -49,6 +61,9 @@ class StreamSpec:
     endpoint: str
     replay: str | None = None
     topic: str = ""
+    uid: int | None = None      # whose the ipc sockets and their directory are (see the docstring)
+    gid: int | None = None
+    private_dir: bool = False   # {tenant} named the sockets' directory: made 0700 before the bind
 
 
 @dataclass
@@ -62,9 +77,22 @@ class _Stream:
     seq: int = 0
 
 
-def stream_specs(endpoint: str, replay: str | None, topic: str, tenants: list[str]) -> dict[str, StreamSpec]:
+def _tenant_dir(endpoint: str | None) -> bool:
+    """Whether ``{tenant}`` names a directory of this ``ipc://`` endpoint."""
+    return bool(endpoint) and endpoint.startswith("ipc://") and "{tenant}" in os.path.dirname(endpoint[6:])
+
+
+def stream_specs(endpoint: str, replay: str | None, topic: str, tenants: list[str],
+                 owners: dict[str, tuple[int | None, int | None]] | None = None) -> dict[str, StreamSpec]:
     """Each tenant's stream: ``{tenant}`` replaced in the endpoints and the topic.  Several
-    tenants on one endpoint are refused (each would see the others' hashes and tokens)."""
+    tenants on one endpoint are refused (each would see the others' hashes and tokens).
+    ``owners``: tenant → (uid, gid) of its sockets, from the tokens file."""
+    owners = owners or {}
+    for tenant, (uid, gid) in owners.items():
+        if (uid is not None or gid is not None) and not all(_tenant_dir(e) for e in (endpoint, replay) if e):
+            raise ConfigError(f"tenant {tenant!r} has a uid/gid for its KV event sockets: kv_events (and "
+                              f"kv_events_replay) must be ipc:// endpoints with {{tenant}} in a directory, "
+                              f"e.g. ipc:///run/kvstore/events/{{tenant}}/pub")
     if len(tenants) > 1 and "{tenant}" not in endpoint:
         raise ConfigError(f"kv_events {endpoint}: {len(tenants)} tenants need '{{tenant}}' in the endpoint "
                           f"(one stream each: a shared one would show every tenant the others' hashes "
@@ -72,7 +100,9 @@ def stream_specs(endpoint: str, replay: str | None, topic: str, tenants: list[st
     if len(tenants) > 1 and replay and "{tenant}" not in replay:
         raise ConfigError(f"kv_events_replay {replay}: {len(tenants)} tenants need '{{tenant}}' in it")
     return {t: StreamSpec(endpoint.replace("{tenant}", t), replay.replace("{tenant}", t) if replay else None,
-                          topic.replace("{tenant}", t)) for t in tenants}
+                          topic.replace("{tenant}", t), *owners.get(t, (None, None)),
+                          private_dir=_tenant_dir(endpoint))
+            for t in tenants}
 
 
 class EventPublisher:
@@ -110,11 +140,11 @@ class EventPublisher:
         pub.set_hwm(HWM)
         pub.setsockopt(zmq.LINGER, 0)
         stream = _Stream(spec, pub, None, spec.topic.encode(), deque())
-        _bind(pub, spec.endpoint)
+        _bind(pub, spec.endpoint, spec)
         if spec.replay:
             stream.replay = self._ctx.socket(zmq.ROUTER)
             stream.replay.setsockopt(zmq.LINGER, 0)
-            _bind(stream.replay, spec.replay)
+            _bind(stream.replay, spec.replay, spec)
         return stream
 
 
@@ -195,13 +225,53 @@ class EventPublisher:
         self.published["replays"] += 1
 
 
-def _bind(sock, endpoint: str) -> None:
+def _private_dir(path: str, spec: StreamSpec) -> None:
+    """The tenant's socket directory: made 0700 if missing; a symlink, a non-directory or a
+    directory of a uid that is neither the store's nor the tenant's is refused."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as err:
+        raise ConfigError(f"KV event directory {path}: {err.strerror or err}") from err
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"KV event directory {path} is not a plain directory (a symlink?): refused")
+    if st.st_uid not in (os.geteuid(), spec.uid):
+        raise ConfigError(f"KV event directory {path} belongs to uid {st.st_uid}, neither the store's nor "
+                          f"its tenant's: refused")
+    if st.st_uid == os.geteuid():
+        os.chmod(path, 0o700)   # closed while the sockets are made; opened to the tenant after
+
+
+def _give(path: str, spec: StreamSpec, directory: bool) -> None:
+    """Hand ``path`` to the tenant's uid/gid, with the mode that lets them (and no one else) in."""
+    mode = (0o700 if directory else 0o600) | (0o010 if directory else 0o060) * (spec.gid is not None)
+    try:
+        if spec.uid is not None or spec.gid is not None:
+            os.chown(path, -1 if spec.uid is None else spec.uid, -1 if spec.gid is None else spec.gid,
+                     follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as err:
+        raise ConfigError(f"KV event socket {path}: cannot give it to uid {spec.uid}, gid {spec.gid}: "
+                          f"{err.strerror or err} (chowning to another uid needs the store to run as root "
+                          f"or as that uid; a group, to be a member of it)") from err
+
+
+def _bind(sock, endpoint: str, spec: StreamSpec | None = None) -> None:
+    ipc = endpoint.startswith("ipc://")
+    if ipc and spec is not None and spec.private_dir:
+        _private_dir(os.path.dirname(endpoint[len("ipc://"):]), spec)
     try:
         sock.bind(endpoint)
     except Exception as err:  # zmq.ZMQError: address in use, bad endpoint
         raise ConfigError(f"cannot publish KV events on {endpoint}: {err}") from err
-    if endpoint.startswith("ipc://"):
-        os.chmod(endpoint[len("ipc://"):], 0o600)  # this uid only, as the shm socket
+    if ipc:
+        path = endpoint[len("ipc://"):]
+        if spec is None:
+            os.chmod(path, 0o600)  # this uid only, as the shm socket
+            return
+        _give(path, spec, directory=False)
+        if spec.private_dir:
+            _give(os.path.dirname(path), spec, directory=True)
 
 
 __all__ = ["EventPublisher", "StreamSpec", "stream_specs"]

@@ -27,8 +27,10 @@ The gRPC server is created with ``so_reuseport`` off, so a port already in use i
 pings, idle connections closed after ``idle_timeout``.
 
 Exposure: a listen address beyond loopback without TLS and tokens is refused unless
-``insecure`` (``ServerConfig``); with it, and for ``/metrics`` beyond loopback, a warning is
-printed.  ``run`` makes the process non-dumpable, so another process of the same uid can
+``insecure`` (``ServerConfig``); with it a warning is printed.  ``/metrics`` beyond loopback
+answers only scrapes with an ``admin`` token (``metrics_authorizer``), unless ``insecure``:
+then it is open, with a warning.  Without a tokens file every call needs the default token
+(``kvstore.localtoken``; docs/exposure.md).  ``run`` makes the process non-dumpable, so another process of the same uid can
 neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
 """
 from __future__ import annotations
@@ -46,7 +48,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.server.auth import DEFAULT_TENANT, Authenticator, Permission
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, UnauthenticatedError
+from kvstore.localtoken import default_token_path, ensure_token
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
@@ -114,6 +117,16 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+def authenticator(cfg: ServerConfig) -> Authenticator:
+    """The tokens file's table; without one the default token (made once, 0600, at
+    ``default_token_file``), unless ``insecure``: then no token at all (docs/exposure.md)."""
+    if cfg.auth_tokens is not None:
+        return Authenticator.from_file(cfg.auth_tokens)
+    if cfg.insecure:
+        return Authenticator(None)
+    return Authenticator.local(ensure_token(cfg.default_token_file))
+
+
 def plan_tenants(cfg: ServerConfig, auth: Authenticator) -> Tenants:
     """Every tenant's quotas: those of the tokens file, shares of the capacities for the rest."""
     table = auth.table
@@ -151,9 +164,24 @@ def warn_exposure(cfg: ServerConfig, auth: Authenticator) -> None:
               f"{'reads, writes and deletes every object' if not auth.enabled else 'can read the traffic'}",
               file=sys.stderr, flush=True)
     mhost = cfg.metrics_host or cfg.listen_host
-    if cfg.metrics_port is not None and not is_loopback(mhost):
+    if cfg.metrics_port is not None and not is_loopback(mhost) and metrics_authorizer(cfg, auth) is None:
         print(f"kvstore serve: WARNING: /metrics on {mhost} is reachable beyond this host, without "
               f"authentication (it shows every tenant's counters)", file=sys.stderr, flush=True)
+
+
+def metrics_authorizer(cfg: ServerConfig, auth: Authenticator):
+    """Beyond loopback, unless ``insecure``: every scrape of ``/metrics`` needs a token with
+    ``admin`` (``Authorization: Bearer``); None where ``/metrics`` is open."""
+    if cfg.insecure or not auth.enabled or is_loopback(cfg.metrics_host or cfg.listen_host):
+        return None
+
+    def authorize(header: str | None) -> int:
+        try:
+            who = auth.authenticate([("authorization", header)] if header else [])
+        except UnauthenticatedError:
+            return 401
+        return 200 if who.allows(Permission.ADMIN) else 403
+    return authorize
 
 
 def write_ready(path: Path, target: str) -> None:
@@ -189,7 +217,10 @@ def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metric
         streams = ", ".join(f"{t} {pub}" + (f" (replay {rep})" if rep else "")
                             for t, (pub, rep) in store.publisher.endpoints.items())
         parts.append(f"kv events epoch {store.publisher.epoch}: {streams}")
-    parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
+    if cfg.auth_tokens is None and auth.table is not None:
+        parts.append(f"auth: the default token in {cfg.default_token_file or default_token_path()}")
+    else:
+        parts.append(f"auth {len(auth.table)} tokens" if auth.table is not None else "auth off")
     parts.append("tls on" + (" with client certificates" if cfg.tls_client_ca else "") if cfg.tls else "tls off")
     if metrics_url:
         parts.append(f"metrics {metrics_url}")
@@ -222,12 +253,13 @@ class _Stopper:
 async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     """Run the store process until ``stop`` is set (default: SIGTERM/SIGINT); 0 when it
     shut down gracefully."""
-    auth = Authenticator.from_file(cfg.auth_tokens)
+    auth = authenticator(cfg)
     tenants = plan_tenants(cfg, auth)
     creds = credentials(cfg)
     warn_exposure(cfg, auth)
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
+    metrics.tenant_labels = cfg.metrics_tenant_labels
     tracer = start_trace(cfg, metrics)
     store = await ServerStore.open(cfg, metrics, tenants)
     if tracer is not None:
@@ -261,7 +293,7 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         if cfg.metrics_port is not None:
             mhost = cfg.metrics_host or cfg.listen_host
             try:
-                http, mport = start_http(metrics, mhost, cfg.metrics_port)
+                http, mport = start_http(metrics, mhost, cfg.metrics_port, metrics_authorizer(cfg, auth))
             except OSError as err:
                 raise ConfigError(f"cannot serve metrics on {mhost}:{cfg.metrics_port}: {err}") from err
             metrics_url = f"http://{mhost}:{mport}/metrics"

@@ -28,11 +28,16 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   tenant's description quota); refusals of callers with no tenant yet are ``failures_total``
   (``grpc_unauthenticated``, ``grpc_request_timeout``, ``data_unauthenticated_per_peer``,
   ``shm_unauthenticated_per_peer``, ...; docs/store-bounds.md).
+  ``ServerMetrics.tenant_labels`` (``--metrics-tenant-labels``) says what their ``tenant``
+  label is: ``name``; ``hash`` (``tenant_label``: "t" and the first 12 hex digits of the
+  name's sha256, so a scraper tells tenants apart without learning their names); ``off``
+  (no per-tenant series at all; docs/exposure.md).
 * ``kv_events_total{kind}`` (``--kv-events``: stored, removed, cleared, dropped) and
   ``kv_events_undescribed`` (objects held that no client described: never announced).
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -112,6 +117,7 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Callable[[], Snapshot] | None = None) -> None:
         self.counters = ServerCounters()
+        self.tenant_labels = "name"   # name, hash or off (see the module docstring)
         self.registry = CollectorRegistry(auto_describe=False)
         self._stage = Histogram(PREFIX + "stage_seconds", "Seconds spent in each server stage",
                                 ["stage"], registry=self.registry, buckets=_BUCKETS)
@@ -189,6 +195,8 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         c, snap = self._m.counters, self._m.snapshot()
+        mode = self._m.tenant_labels
+        refused, quotas = _relabel(snap.refused, mode), _relabel(snap.quotas, mode)
         yield _counter("lookups", "Lookup calls", [], {(): c.lookups})
         yield _counter("lookup_keys", "Keys looked up (the denominator of the hit rate)", [],
                        {(): c.lookup_keys})
@@ -209,21 +217,33 @@ class _Collector:
         yield _counter("evictions", "Objects evicted, by tier", ["tier"],
                        {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
         yield _counter("tenant_refused", "Calls refused at a tenant's quota (or cut at a stream deadline), "
-                       "by tenant and what", ["tenant", "what"], dict(snap.refused))
+                       "by tenant and what", ["tenant", "what"], refused)
         yield _counter("kv_events", "KV events published (stored, removed, cleared) and dropped unpublished",
                        ["kind"], {(k,): v for k, v in snap.events.items() if k != "undescribed"})
         yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",
                      [], {(): snap.events.get("undescribed", 0)})
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
         yield _gauge("tenant_held", "What each tenant holds now (reservations, leases, streams, connections, tickets)",
-                     ["tenant", "what"], {k: held for k, (held, _) in snap.quotas.items()})
+                     ["tenant", "what"], {k: held for k, (held, _) in quotas.items()})
         yield _gauge("tenant_quota", "Each tenant's quota of what it may hold at once", ["tenant", "what"],
-                     {k: quota for k, (_, quota) in snap.quotas.items()})
+                     {k: quota for k, (_, quota) in quotas.items()})
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
         for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
                           ("tier_capacity_bytes", "capacity_bytes"), ("breaker_open", "breaker_open")):
             values = {(t,): s[key] for t, s in snap.tiers.items() if key in s}
             yield _gauge(name, f"Per-tier {key}", ["tier"], values)
+
+
+def tenant_label(tenant: str, mode: str) -> str:
+    """A tenant's ``tenant`` label under ``mode`` name or hash."""
+    return tenant if mode == "name" else "t" + hashlib.sha256(tenant.encode()).hexdigest()[:12]
+
+
+def _relabel(values: dict, mode: str) -> dict:
+    """Per-(tenant, what) values with the tenant relabelled; none when ``mode`` is off."""
+    if mode == "off":
+        return {}
+    return {(tenant_label(t, mode), what): v for (t, what), v in dict(values).items()}
 
 
 def _counter(name: str, doc: str, labels: list[str], values: dict) -> CounterMetricFamily:
@@ -240,12 +260,50 @@ def _gauge(name: str, doc: str, labels: list[str], values: dict) -> GaugeMetricF
     return family
 
 
-def start_http(metrics: ServerMetrics, host: str, port: int):
-    """Serve ``/metrics`` from a daemon thread; ``(server, bound_port)``."""
-    from prometheus_client import start_http_server
+def start_http(metrics: ServerMetrics, host: str, port: int,
+               authorize: Callable[[str | None], int] | None = None):
+    """Serve ``/metrics`` from a daemon thread; ``(server, bound_port)``.  ``authorize``
+    (beyond loopback): the ``Authorization`` header → the HTTP status to answer with (200:
+    the metrics; 401, 403: nothing else)."""
+    if authorize is None:
+        from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)
+        server, _thread = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)
+        return server, server.server_address[1]
+    return _start_guarded(metrics, host.strip("[]"), port, authorize)
+
+
+def _start_guarded(metrics: ServerMetrics, host: str, port: int, authorize: Callable[[str | None], int]):
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            status = authorize(self.headers.get("Authorization"))
+            if self.path.split("?", 1)[0] != "/metrics":
+                status = 404 if status == 200 else status
+            body = generate_latest(metrics.registry) if status == 200 else b""
+            self.send_response(status)
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="kvstore"')
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST if status == 200 else "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:   # no request lines (nor headers) in the log
+            pass
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = Server((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="kvstore-metrics", daemon=True).start()
     return server, server.server_address[1]
 
 
-__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "Snapshot", "start_http"]
+__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "Snapshot", "start_http", "tenant_label"]

@@ -52,7 +52,8 @@ def start_events(cfg: ServerConfig, store: ServerStore, tenants: Tenants):
         return None
     from kvstore.server.kvpublish import EventPublisher, stream_specs
 
-    specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names)
+    owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
+    specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
     publisher = EventPublisher(store.events, specs, buffer=cfg.kv_events_buffer,
                                buffer_bytes=cfg.kv_events_buffer_bytes)
     publisher.start()

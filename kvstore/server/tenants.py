@@ -19,6 +19,8 @@ Server side, event loop only (the data channel's threads reach it through the lo
   ``described_bytes`` and ``described`` cap the ``Describe`` descriptions (for KV events)
   the tenant's objects hold, in bytes and in entries (counted by
   ``kvstore.store.kvevents.EventRecorder``; refusals as ``described_bytes`` / ``described``).
+  ``uid`` and ``gid`` are not quotas but whose the tenant's ``ipc://`` KV event sockets are
+  (``kvstore.server.kvpublish``; docs/exposure.md): only that uid (or group) may subscribe.
 * **Usage.**  ``take(tenant, what)`` counts one more of ``what`` or, at the quota, counts a
   refusal and raises ``CapacityError`` (RESOURCE_EXHAUSTED on either channel); ``give``
   gives it back.  ``refuse`` counts a refusal decided elsewhere (a full host pool).
@@ -54,6 +56,8 @@ class Limits:
     tickets: int = 64
     described_bytes: int = 32 << 20
     described: int = 65536
+    uid: int | None = None    # the tenant's KV event sockets belong to this uid ...
+    gid: int | None = None    # ... and/or this group (kvstore.server.kvpublish)
 
     def count(self, what: str) -> int:
         return getattr(self, what)
@@ -83,7 +87,11 @@ def parse_limits(doc: object, where: str, known: Iterable[str]) -> dict[str, Lim
             raise ConfigError(f"{at}: expected a mapping of {', '.join(names)}")
         values: dict[str, int] = {}
         for key, value in entry.items():
-            if key.endswith("_bytes"):
+            if key in ("uid", "gid"):
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
+                    raise ConfigError(f"{at}.{key}: expected a numeric {key} (0 to 4294967294), got {value!r}")
+                values[key] = value
+            elif key.endswith("_bytes"):
                 values[key] = parse_size(value, f"{at}.{key}")
             elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 values[key] = value

@@ -4,12 +4,15 @@ Each example asserts the exact status code.  After each test the server must sti
 valid round trip, the objects stored at the start must read back intact, and memory must be
 back at its baseline: no puts in flight, no leases, host ``bytes_used`` unchanged.
 """
+import functools
+
 import grpc
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+from kvstore.localtoken import local_token
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import _TAG_RE
 from kvstore.testing.serve_proc import StoreProcess
@@ -123,10 +126,12 @@ def test_get_getstream_delete_malformed_keys(client, namespace, chunk_hash, tag,
 
 
 def _raw(store_target: str, method: str):
+    """A raw unary call carrying this user's default token (kvstore.localtoken), as clients do."""
     channel = grpc.insecure_channel(store_target)
-    return channel, channel.unary_unary(f"/kvstore.v1.KVStore/{method}",
-                                        request_serializer=lambda raw: raw,
-                                        response_deserializer=lambda raw: raw)
+    call = channel.unary_unary(f"/kvstore.v1.KVStore/{method}", request_serializer=lambda raw: raw,
+                               response_deserializer=lambda raw: raw)
+    token = local_token()
+    return channel, functools.partial(call, metadata=(("authorization", f"Bearer {token}"),) if token else None)
 
 
 UNARY = {"Hello": pb.HelloRequest, "Lookup": pb.LookupRequest, "Get": pb.GetRequest,

@@ -333,7 +333,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
             for key, obj in zip(keys[:2], objs[:2]):
                 assert await c.put(key, obj) is PutResult.STORED
             leases = [await c._stub.Get(pb.GetRequest(namespace=k[:32], chunk_hash=k[32:64], tag=k.tag),
-                                        timeout=5) for k in keys[:2]]   # held: never released here
+                                        timeout=5, metadata=c._metadata) for k in keys[:2]]   # held: never released here
             held = leases[0]
             before = c._segment.array[held.offset:held.offset + MiB].copy()
             assert await c.delete(keys[0]) is True
@@ -364,9 +364,10 @@ async def test_damaged_object_is_a_counted_miss_and_deleted(store):
     async with await StoreClient.connect(store.target, transport="shm") as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
         got = await client._stub.Get(pb.GetRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
-                                                   tag=keys[0].tag), timeout=5)
+                                                   tag=keys[0].tag), timeout=5, metadata=client._metadata)
         client._segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
-        await client._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5)
+        await client._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5,
+                                        metadata=client._metadata)
         assert await client.read_into(keys[0], memoryview(buf)) is None
         assert client.counters.corrupt == 1
         assert (await client.lookup(keys)).hits == 0           # deleted on the server
@@ -561,7 +562,7 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
             for key in keys:
                 assert await client.put(key, sealed(key, 4096, 51)) is PutResult.STORED
                 got = await client._stub.Get(pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64],
-                                                           tag=key.tag), timeout=5)
+                                                           tag=key.tag), timeout=5, metadata=client._metadata)
                 leases.append(got.lease_id)
             assert await client._renew(leases[0], 5000) == 5000
             async with asyncio.timeout(10):

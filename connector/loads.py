@@ -59,18 +59,19 @@ class LoadPlanner:
         st.slots.clear()
         st.window = (0, 0)
 
-    def count(self, st: ReqState, n: int, decision: Decision) -> None:
-        """Count the request once, with its decision: ``miss`` (nothing found), ``load`` (the
-        whole usable hit promised), ``partial`` (a prefix of it) or ``recompute`` (none).  The
-        logged inputs (tiers, predicted seconds) are the first plan's, made before a prefetch
-        moved the hit into host memory."""
+    def count(self, st: ReqState, n: int, decision: Decision, num_computed: int = 0) -> None:
+        """Count the request once, with its decision: ``miss`` (nothing found), ``engine`` (the
+        engine's own prefix cache, ``num_computed`` tokens, already holds all of the usable
+        hit), ``load`` (the whole usable hit promised), ``partial`` (a prefix of it) or
+        ``recompute`` (none).  The logged inputs (tiers, predicted seconds) are the first
+        plan's, made before a prefetch moved the hit into host memory."""
         if st.counted:
             return
         st.counted = True
         usable = (min(st.pins_end_found, len(st.view.prompt) - 1) // self.block_size * self.block_size
                   if decision.hit else 0)
-        outcome = ("miss" if not decision.hit else "recompute" if n <= 0
-                   else "load" if st.window[1] >= usable else "partial")
+        outcome = ("miss" if not decision.hit else "engine" if usable <= num_computed
+                   else "recompute" if n <= 0 else "load" if st.window[1] >= usable else "partial")
         decision = st.first_decision or decision  # its tiers and predictions: the ones decided on
         st.decision = {**decision.as_dict(), "outcome": outcome}
         generated = self._generated_hit(st) if n > 0 else 0

@@ -215,10 +215,13 @@ class SavePlanner:
 
     def _reserve(self, key: ObjectKey, size: int, parent: ObjectKey | None) -> PutHandle | None:
         try:
-            return self.host.put_start_sync(key, size, parent)
+            handle = self.host.put_start_sync(key, size, parent)
         except Exception as err:  # noqa: BLE001 - a full or closed pool skips the save
             self._fail("host", f"reserve:{type(err).__name__}")
             return None
+        if handle is None and not self.host.writing_sync(key):
+            self._fail("host", "save:no_room")  # every byte is pinned, read or not yet written down
+        return handle
 
     # --- outcomes ------------------------------------------------------------------------------
 

@@ -180,7 +180,7 @@ class SchedulerHalf:
             return None
         n = self.loads.pin_prefix(st, chosen, num_computed)
         st.pins_end_found = pieces[-1].end if pieces else 0
-        self.loads.count(st, n, decision)
+        self.loads.count(st, n, decision, num_computed)
         return n
 
     def _save_pending(self, st: ReqState, pieces: list[Piece]) -> bool:

@@ -64,6 +64,31 @@ def test_save_then_load_from_host_gives_identical_pages(tmp_path, tokens, dev):
     e.close()
 
 
+def test_a_save_with_no_room_in_host_dram_is_skipped_and_counted(tmp_path, tokens, dev):
+    """A host pool of 100 KiB holds one 64 KiB object (2 layers x 2 pages x 16 KiB), no SSD:
+    the first chunk's slot is held by its gather, so the second finds no room; it is skipped,
+    counted once, and the request saves nothing more (later chunks would be orphans)."""
+    e = Engine(tmp_path, dev(), host_capacity="100KiB", ssd_dir=None)
+    assert run_request(e, "a", tokens, [0, 1, 2, 3, 4]) == 0
+    e.settle()
+    assert e.sched.stats.saves_committed == 1
+    assert e.sched.stats.failures == {"host:save:no_room": 1}
+    e.close()
+
+
+def test_a_hit_the_engines_own_prefix_cache_holds_is_decided_engine_not_recompute(tmp_path, tokens, dev):
+    """With vLLM's prefix cache on, the engine may already hold what the store found: the
+    request loads nothing and is counted ``engine``; a request whose engine holds less
+    loads the rest and is counted ``load``."""
+    e = Engine(tmp_path, dev())
+    assert run_request(e, "a", tokens, [0, 1, 2, 3, 4]) == 0
+    e.settle()
+    assert e.sched.matched_tokens(RequestView("b", tokens), 512) == 0
+    assert e.sched.matched_tokens(RequestView("c", tokens), 256) == 256
+    assert e.sched.stats.decisions == {"miss": 1, "engine": 1, "load": 1}
+    e.close()
+
+
 def test_full_prompt_hit_leaves_one_block_to_compute(tmp_path, dev):
     toks = prompt(512)
     e = Engine(tmp_path, dev())

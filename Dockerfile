@@ -3,7 +3,7 @@
 #   --target store    `kvstore serve`: the store process only; no torch, no vLLM (~115 MB
 #                     over the base); runs as the non-root user kvstore (uid 10001)
 #   --target engine   a CPU vLLM engine (vllm-cpu) with the connector, for the end-to-end
-#                     scenario `python -m connector.main`; also runs as kvstore (uid 10001:
+#                     scenario `python -m harness.main`; also runs as kvstore (uid 10001:
 #                     the store's shared-memory gate serves its own uid only)
 #   --target redis    redis-server from the base's Debian packages, for machines that reach
 #                     no image registry (where one is reachable, compose uses redis:7)
@@ -60,6 +60,7 @@ COPY README.md ./
 COPY kvstore ./kvstore
 COPY tiers ./tiers
 COPY connector ./connector
+COPY harness ./harness
 RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     --mount=type=secret,id=pip_ca --mount=type=secret,id=pip_conf \
     pip_install --no-deps . \
@@ -82,6 +83,7 @@ COPY README.md ./
 COPY kvstore ./kvstore
 COPY tiers ./tiers
 COPY connector ./connector
+COPY harness ./harness
 RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     --mount=type=secret,id=pip_ca --mount=type=secret,id=pip_conf \
     pip_install --no-compile --no-deps . \
@@ -114,7 +116,7 @@ ENV PYTHONPYCACHEPREFIX=/home/kvstore/.cache/pycache HF_HUB_OFFLINE=1 \
     VLLM_CPU_CI_ENV=1 TORCHDYNAMO_DISABLE=1
 USER kvstore
 WORKDIR /home/kvstore
-CMD ["python", "-m", "connector.main", "--help"]
+CMD ["python", "-m", "harness.main", "--help"]
 
 FROM base AS redis
 RUN apt-get update && apt-get install -y --no-install-recommends redis-server \

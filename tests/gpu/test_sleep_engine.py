@@ -19,8 +19,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from connector import tinymodel  # noqa: E402
-from connector.main import connector_config  # noqa: E402
+from harness import tinymodel  # noqa: E402
+from harness.main import connector_config  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

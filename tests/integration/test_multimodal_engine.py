@@ -16,9 +16,9 @@ import json
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.kit.oracle import compare_outputs
-from connector.main import connector_config, log_entries
+from harness import kit, tinymodel
+from harness.kit.oracle import compare_outputs
+from harness.main import connector_config, log_entries
 
 pytestmark = pytest.mark.engine
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.main import connector_config
+from harness import kit, tinymodel
+from harness.main import connector_config
 
 pytestmark = pytest.mark.engine
 

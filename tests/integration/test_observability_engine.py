@@ -31,8 +31,8 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from connector import kit, tinymodel
-from connector.main import connector_config, tier_split_ok
+from harness import kit, tinymodel
+from harness.main import connector_config, tier_split_ok
 from kvstore import kvwire, trace
 from tests.trace_kit import LOAD_STAGES, check_nesting, ticket_stages
 

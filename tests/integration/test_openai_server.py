@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.main import tier_split_ok
+from harness import kit, tinymodel
+from harness.main import tier_split_ok
 from tests.kits.openai_server import Completion, max_in_flight
 
 pytestmark = pytest.mark.engine

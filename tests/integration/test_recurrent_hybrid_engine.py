@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connector import kit, tinymodel
-from connector.kit.oracle import compare_outputs
-from connector.main import connector_config, log_entries
+from harness import kit, tinymodel
+from harness.kit.oracle import compare_outputs
+from harness.main import connector_config, log_entries
 from kvstore import codec
 from tiers.ssd_files import scan_objects
 

@@ -23,9 +23,9 @@ import sys
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.kit.runner import PROJECT_ROOT, _child_env
-from connector.main import connector_config
+from harness import kit, tinymodel
+from harness.kit.runner import PROJECT_ROOT, _child_env
+from harness.main import connector_config
 
 pytestmark = pytest.mark.engine
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.main import connector_config
+from harness import kit, tinymodel
+from harness.main import connector_config
 from kvstore.testing.serve_proc import StoreProcess
 
 pytestmark = pytest.mark.engine
@@ -29,7 +29,7 @@ def test_two_engines_share_one_redis(redis_server, tmp_path):
     """The main job as a user runs it, on Redis (eager, as the other engine tests: vLLM's
     default compiled model runs with the connector in tests/compose, the main job in a
     container, and in test_mla_engine.py)."""
-    run = subprocess.run([sys.executable, "-m", "connector.main", "--no-ssd", "--redis-url", redis_server.url,
+    run = subprocess.run([sys.executable, "-m", "harness.main", "--no-ssd", "--redis-url", redis_server.url,
                           "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "result: PASS" in run.stdout and "MISMATCH" not in run.stdout, run.stdout

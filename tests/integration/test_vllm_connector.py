@@ -2,7 +2,7 @@
 
 The oracle is recompute: every run's outputs (greedy tokens and chosen-token logprobs) must
 equal those of the same workload run without a connector.  Engines run in child processes
-(``connector.kit.run_engine``), so "restart" really is a new process with a cold host pool.
+(``harness.kit.run_engine``), so "restart" really is a new process with a cold host pool.
 
 Each story runs on two copy devices: ``host`` and ``emulated-cuda``, which gives the worker
 CUDA's side-stream semantics (tensor writes land later, on a stream thread, and no event
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from connector import kit, tinymodel
-from connector.main import connector_config
+from harness import kit, tinymodel
+from harness.main import connector_config
 from kvstore import codec
 
 pytestmark = pytest.mark.engine

@@ -39,8 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.kit.runner import EAGER_ENV, PROJECT_ROOT
-from connector.main import connector_config
+from harness.kit.runner import EAGER_ENV, PROJECT_ROOT
+from harness.main import connector_config
 
 MODULE = "vllm.entrypoints.openai.api_server"
 HOST = "127.0.0.1"

@@ -1,8 +1,8 @@
 """The main job's options for the docker-compose engine (no engine runs here)."""
 import pytest
 
-from connector import kit
-from connector.main import main, with_barrier
+from harness import kit
+from harness.main import main, with_barrier
 
 
 def test_pause_marks_only_that_request_of_engine_2():

@@ -1,5 +1,5 @@
 """The parent side of the engine kit: ``run_engine`` starts ONE engine in a fresh child
-process (``python -m connector.kit.child``) and parses its ``EngineResult``.  The parent
+process (``python -m harness.kit.child``) and parses its ``EngineResult``.  The parent
 never imports vLLM, so every run starts cold and runs with and without a connector are
 comparable."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.kit.workload import Workload
+from harness.kit.workload import Workload
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 TTFT_METHOD = "vllm RequestOutput.metrics.first_token_latency (disable_log_stats=False)"
@@ -160,7 +160,7 @@ def _child_env(single_process: bool, kv_cache_gib: int, reserve_cpu: bool,
 def _run_child(spec: Path, out: Path, env: dict, log: Path, timeout_s: float) -> None:
     """Run the child in its own process group, so a timeout or an interrupt also ends the
     engine-core and worker processes it spawned in multi-process mode."""
-    cmd = [sys.executable, "-m", "connector.kit.child", "engine", str(spec), str(out)]
+    cmd = [sys.executable, "-m", "harness.kit.child", "engine", str(spec), str(out)]
     out.unlink(missing_ok=True)
     with open(log, "wb") as err:
         proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=err, stderr=err,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from connector import kit
+from harness import kit
 
 SHORT_LEN = 64  # under one engine block: never stored, never hit
 FIRST, REPEAT, SHORT = "-first", "-repeat", "short-"

@@ -31,8 +31,8 @@ import json
 import threading
 from pathlib import Path
 
-from connector import kit, main as job
-from connector.bench_e2e.passes import _drop_page_cache, our_settings
+from harness import kit, main as job
+from harness.bench_e2e.passes import _drop_page_cache, our_settings
 from kvstore.bench.common import Row
 
 FLOOR_PROMPTS = 3

@@ -1,4 +1,4 @@
-"""The child side of the engine kit: ``python -m connector.kit.child engine SPEC OUT``
+"""The child side of the engine kit: ``python -m harness.kit.child engine SPEC OUT``
 starts the engine (vLLM's ``LLM``), runs the workload one request at a time (greedy, with
 logprobs) and writes the result JSON.  TTFT is vLLM's own per-request
 ``first_token_latency`` (we start the engine with ``disable_log_stats=False``)."""
@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from connector.kit.runner import TTFT_METHOD
-from connector.kit.workload import BLOCK_SIZE, TokenSource
+from harness.kit.runner import TTFT_METHOD
+from harness.kit.workload import BLOCK_SIZE, TokenSource
 
 def _engine_main(spec_path: str, out_path: str) -> None:
     """Child entry point: start the engine, run the workload, write the result JSON."""
@@ -108,7 +108,7 @@ def _generate(llm, prompts: list[list[int]], salts: list[str | None], params,
               images: list[int | None] | None = None) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
-    from connector.tinymodel import image
+    from harness.tinymodel import image
 
     inputs = []
     for prompt, salt, seed in zip(prompts, salts, images or [None] * len(prompts)):
@@ -140,4 +140,4 @@ if __name__ == "__main__":  # spawn-safe: the engine only starts from this guard
     if len(sys.argv) == 4 and sys.argv[1] == "engine":
         _engine_main(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: python -m connector.kit.child engine SPEC_JSON OUT_JSON")
+        sys.exit("usage: python -m harness.kit.child engine SPEC_JSON OUT_JSON")

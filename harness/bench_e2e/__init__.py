@@ -1,7 +1,7 @@
 """``kvstore bench e2e``: time to first token on a real vLLM engine, ours beside its peers.
 
 Runs on the host and never imports vLLM: every setup runs the same workload in a fresh
-engine process (`connector.kit.run_engine`: one request at a time, vLLM prefix caching off,
+engine process (`harness.kit.run_engine`: one request at a time, vLLM prefix caching off,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``, vLLM's default multi-process mode unless
 ``--single-process``), so only the connector differs between setups:
 
@@ -25,9 +25,9 @@ prompts in between. Every ratio is to the no-connector miss TTFT of the same lon
 More workloads (``--scenarios``): "restart" (prompts sharing a long prefix, stored by one
 engine process and repeated by a new one, beside ExampleConnector and the one-block compute
 floor) and "throttled" (a Redis tier behind a bandwidth-limited link: recompute while it is
-slow, hits again once it recovers), in ``connector.bench_e2e.scenarios``; "chat" (turns
+slow, hits again once it recovers), in ``harness.bench_e2e.scenarios``; "chat" (turns
 hitting through earlier answers) and "tp2" (TP=2 and TP=1 engines on the same objects), in
-``connector.bench_e2e.chat_tp``.
+``harness.bench_e2e.chat_tp``.
 
 The default model is "bench-f32" (Llama-3.2-1B's KV geometry in float32) on CPUs without
 AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16).  The restart and
@@ -48,12 +48,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from connector import tinymodel
-from connector.bench_e2e.passes import run_pass
-from connector.bench_e2e.report import build_rows, format_summary, summary
-from connector.bench_e2e.chat_tp import chat_rows, tp2_rows
-from connector.bench_e2e.scenarios import restart_rows, throttled_rows
-from connector.bench_e2e.setups import build_workload
+from harness import tinymodel
+from harness.bench_e2e.passes import run_pass
+from harness.bench_e2e.report import build_rows, format_summary, summary
+from harness.bench_e2e.chat_tp import chat_rows, tp2_rows
+from harness.bench_e2e.scenarios import restart_rows, throttled_rows
+from harness.bench_e2e.setups import build_workload
 from kvstore.bench.common import print_rows, write_plot
 
 
@@ -149,7 +149,7 @@ def _workdir(root: str | None, i: int | str) -> Iterator[Path]:
 
 def register(suites) -> None:
     """``kvstore bench e2e`` (a ``kvstore.bench`` entry point)."""
-    from connector.tinymodel import GEOMETRIES  # no torch/vLLM import at parse time
+    from harness.tinymodel import GEOMETRIES  # no torch/vLLM import at parse time
     from kvstore.cli.bench import positive
 
     p = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")

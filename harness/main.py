@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from connector import kit, tinymodel
+from harness import kit, tinymodel
 from kvstore.layout import format_bytes
 from kvstore.config import redact_url
 
@@ -108,7 +108,7 @@ def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Com
 def with_barrier(workload: kit.Workload, label: str) -> kit.Workload:
     """The workload with a barrier named ``label`` before the request of that label."""
     if label not in {r.label for r in workload.requests}:
-        raise SystemExit(f"connector.main: --pause-before {label}: no such request")
+        raise SystemExit(f"harness.main: --pause-before {label}: no such request")
     return dataclasses.replace(workload, requests=tuple(
         dataclasses.replace(r, barrier=label) if r.label == label else r for r in workload.requests))
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                        *(f"{k}={redact_url(v)}" for k, v in extra.items()
                          if k not in ("store_token", "store_token_file", "store_tls_ca", "device"))])
     if not tiers:
-        raise SystemExit("connector.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
+        raise SystemExit("harness.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
     ok = True
     for i, name in ((1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
                     (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m connector.main", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.main", description=__doc__.splitlines()[0])
     p.add_argument("--geometry", default="tiny-f32", choices=sorted(tinymodel.GEOMETRIES),
                    help="model shape; float32 tiny-f32 (default) makes the output check sharp")
     p.add_argument("--workdir", help="keep models, SSD files and stats here (default: a temp dir)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from connector import kit
-from connector.bench_e2e.setups import FIRST, REPEAT, Outcome, is_kind
+from harness import kit
+from harness.bench_e2e.setups import FIRST, REPEAT, Outcome, is_kind
 
 # Above fp32 rounding, below one bf16 ulp of a logit >= 1 (0.0078): the same KV on the same
 # compute path gives 0.0 here, a recompute beside a hit ~0.03.

@@ -312,7 +312,7 @@ def _write_model(tmp: Path, geo: Geometry) -> None:
     (tmp / SPEC_FILE).write_text(json.dumps(_spec(geo), sort_keys=True))
 
 
-if __name__ == "__main__":  # python -m connector.tinymodel DEST [GEOMETRY]
+if __name__ == "__main__":  # python -m harness.tinymodel DEST [GEOMETRY]
     import sys
 
     print(build_named(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "tiny"))

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from connector import kit, main as job
-from connector.bench_e2e.passes import our_settings
+from harness import kit, main as job
+from harness.bench_e2e.passes import our_settings
 from kvstore.bench.common import Row
 
 TP2 = {"engine_args": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from connector.kit.runner import EngineResult, RequestResult
+from harness.kit.runner import EngineResult, RequestResult
 
 # Chosen-token logprob tolerance per model dtype, from measurements on the standard workload
 # with one OMP thread. Two processes without a connector: 0.0 in every dtype and in both

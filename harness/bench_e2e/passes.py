@@ -1,8 +1,8 @@
 """One pass of ``kvstore bench e2e``: every setup once, each in a fresh engine process.
 
 Host side, no vLLM import: ``run_pass`` runs the setups in order through
-``connector.kit.run_engine`` and checks each against the no-connector references
-(``connector.bench_e2e.oracle``).  A setup that fails is reported with its error tail and the
+``harness.kit.run_engine`` and checks each against the no-connector references
+(``harness.bench_e2e.oracle``).  A setup that fails is reported with its error tail and the
 pass goes on; a failed reference ("none") ends the pass.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from connector import kit, main as job
-from connector.bench_e2e.lmcache_peer import PeerError, QUIET, ensure_lmcache, lmcache_server
-from connector.bench_e2e.oracle import check_outputs, references
-from connector.bench_e2e.setups import TITLES, Outcome
+from harness import kit, main as job
+from harness.bench_e2e.lmcache_peer import PeerError, QUIET, ensure_lmcache, lmcache_server
+from harness.bench_e2e.oracle import check_outputs, references
+from harness.bench_e2e.setups import TITLES, Outcome
 
 
 def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outcome]:

@@ -1,7 +1,7 @@
 """End-to-end kit: run a real vLLM engine over a prefix-sharing workload and judge its output.
 
 Runs on the host, outside the engine. The parent process never imports vLLM; each
-`run_engine` call starts ONE engine in a fresh child (`python -m connector.kit.child engine
+`run_engine` call starts ONE engine in a fresh child (`python -m harness.kit.child engine
 SPEC OUT`), so every run starts cold and runs with and without a connector are comparable.
 
 - `Workload`: seeded requests with shared prefixes (a system prompt, a multi-turn chat whose
@@ -16,11 +16,11 @@ SPEC OUT`), so every run starts cold and runs with and without a connector are c
   within a tolerance). `summarize`: TTFT percentiles for misses and hits.
 """
 
-from connector.kit.oracle import (DEFAULT_LOGPROB_TOL, LOGPROB_TOL, Comparison, Percentiles, TTFTSummary,
+from harness.kit.oracle import (DEFAULT_LOGPROB_TOL, LOGPROB_TOL, Comparison, Percentiles, TTFTSummary,
                                   compare_outputs, percentile, percentiles, summarize)
-from connector.kit.runner import (PROJECT_ROOT, TTFT_METHOD, EngineResult, EngineRunError, RequestResult, open_barrier,
+from harness.kit.runner import (PROJECT_ROOT, TTFT_METHOD, EngineResult, EngineRunError, RequestResult, open_barrier,
                                   run_engine)
-from connector.kit.workload import BLOCK_SIZE, Request, TokenSource, Workload, _TokenSource
+from harness.kit.workload import BLOCK_SIZE, Request, TokenSource, Workload, _TokenSource
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_LOGPROB_TOL", "LOGPROB_TOL", "PROJECT_ROOT", "Comparison", "EngineResult",
            "EngineRunError", "Percentiles", "Request", "RequestResult", "TTFTSummary", "TTFT_METHOD", "TokenSource", "Workload",

@@ -22,7 +22,6 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 
-from connector.device import check_device_spec
 from kvstore.client.info import Transport
 from kvstore.config import (LeaseSettings, Seconds, TierSettings, check_seconds, from_env, given, load,
                             read_token_file, redact_url, setting)
@@ -47,7 +46,9 @@ _WITH_OPTIONS = {DeviceKind.EMULATED_CUDA: False, DeviceKind.FAULTY: True}  # ki
 
 
 class DeviceSpec(str):
-    """A device spec such as ``host`` or ``emulated-cuda:delay=0.01``: ``kind`` and ``options``."""
+    """A device spec such as ``host`` or ``emulated-cuda:delay=0.01``: ``kind`` and ``options``
+    (``numbers``: the options checked and parsed).  The one parser of device specs: the
+    config and ``connector.device.make_device`` both go through ``parse``."""
 
     __slots__ = ()
 
@@ -59,6 +60,24 @@ class DeviceSpec(str):
     def options(self) -> str:
         return self.partition(":")[2]
 
+    @property
+    def numbers(self) -> dict[str, float]:
+        """The options as numbers: ``fail_every`` (every N-th copy job fails), ``delay``
+        (seconds each job waits), ``rank`` (only the worker of that tensor-parallel rank
+        fails); an unknown, non-numeric or negative one raises ``ConfigError``."""
+        name, opts = self.kind.value, {}
+        for part in filter(None, self.options.split(",")):
+            key, _, value = part.partition("=")
+            if key not in ("fail_every", "delay", "rank"):
+                raise ConfigError(f"{name} device: unknown option {key!r}")
+            try:
+                opts[key] = float(value)
+            except ValueError as err:
+                raise ConfigError(f"{name} device: {key}={value!r} is not a number") from err
+            if opts[key] < 0:
+                raise ConfigError(f"{name} device: {key} must not be negative")
+        return opts
+
     @classmethod
     def parse(cls, value: object, where: str) -> DeviceSpec:
         if not isinstance(value, str):
@@ -67,12 +86,13 @@ class DeviceSpec(str):
         kind = next((k for k in DeviceKind if k.value == name), None)
         if kind is None or (sep and kind not in _WITH_OPTIONS) or (not sep and _WITH_OPTIONS.get(kind)):
             raise ConfigError(f"{where}: {value!r} is not one of auto, host, cuda, emulated-cuda[:OPTIONS] "
-                              "or faulty:OPTIONS (OPTIONS: delay=S,fail_every=N)")
+                              "or faulty:OPTIONS (OPTIONS: delay=S,fail_every=N,rank=R)")
+        spec = cls(value)
         try:
-            check_device_spec(value)
+            spec.numbers  # noqa: B018 - parsed for its errors
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from err
-        return cls(value)
+        return spec
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from connector.config import DeviceKind, DeviceSpec
 from connector.copy_thread import CopyThread
 from connector.events import CopyEvent, Device, Job, StreamCopyEvent
 from kvstore.errors import ConfigError
@@ -205,32 +206,36 @@ class CudaDevice:
         self.synchronize()
 
 
-DEVICE_KINDS = ("auto", "host", "cuda", "emulated-cuda")
+def make_device(spec: str = "auto") -> Device:
+    """The copy device of a spec (``connector.config.DeviceSpec``): ``auto`` → CUDA when
+    available, else host; ``host``; ``cuda``; ``emulated-cuda`` (CUDA's stream semantics on
+    the CPU; options ``emulated-cuda:delay=S,fail_every=N``); and for fault tests
+    ``faulty:fail_every=N,delay=S,rank=R`` (every N-th copy job fails, on tensor-parallel
+    rank R only if given; each waits S seconds).  A bad spec raises ``ConfigError``."""
+    parsed = DeviceSpec.parse(spec, "device")
+    kind = parsed.kind
+    if kind is DeviceKind.AUTO:
+        kind = DeviceKind.CUDA if _cuda_available() else DeviceKind.HOST
+    match kind:
+        case DeviceKind.HOST:
+            return HostDevice()
+        case DeviceKind.CUDA:
+            return CudaDevice()
+        case DeviceKind.FAULTY:
+            return _ruled(FaultyDevice(**_device_kwargs(parsed.numbers)))
+        case DeviceKind.EMULATED_CUDA:
+            from connector.emulated_cuda import EmulatedCudaDevice
+
+            return _ruled(EmulatedCudaDevice(**_device_kwargs(parsed.numbers)))
+    raise ConfigError(f"device: no device of kind {kind.value!r}")
 
 
-def make_device(kind: str = "auto") -> Device:
-    """``auto`` → CUDA when available, else host; ``host``; ``cuda``; ``emulated-cuda``
-    (CUDA's stream semantics on the CPU; options ``emulated-cuda:delay=S,fail_every=N``);
-    and for fault tests ``faulty:fail_every=N,delay=S,rank=R`` (every N-th copy job fails,
-    on tensor-parallel rank R only if given; each waits S seconds)."""
-    if kind.startswith("faulty:"):
-        return _ruled(FaultyDevice(**_device_options("faulty", kind.removeprefix("faulty:"))))
-    if kind == "emulated-cuda" or kind.startswith("emulated-cuda:"):
-        from connector.emulated_cuda import EmulatedCudaDevice
-
-        return _ruled(EmulatedCudaDevice(**_device_options("emulated-cuda", kind.partition(":")[2])))
-    if kind == "auto":
-        try:
-            import torch
-
-            kind = "cuda" if torch.cuda.is_available() else "host"
-        except ImportError:
-            kind = "host"
-    if kind == "host":
-        return HostDevice()
-    if kind == "cuda":
-        return CudaDevice()
-    raise ConfigError(f"unknown device {kind!r}; expected {', '.join(DEVICE_KINDS)} or faulty:...")
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _ruled(device):
@@ -239,36 +244,15 @@ def _ruled(device):
     return device
 
 
-def check_device_spec(kind: str) -> None:
-    """Validate a device spec without opening a device (config time)."""
-    base, _, opts = kind.partition(":")
-    if base in ("faulty", "emulated-cuda"):
-        _device_options(base, opts)
-    elif kind not in DEVICE_KINDS:
-        raise ConfigError(f"device: {kind!r} is not one of {', '.join(DEVICE_KINDS)} "
-                          "(or faulty:fail_every=N,delay=S,rank=R)")
-
-
-def _device_options(name: str, spec: str) -> dict:
-    """``fail_every=N,delay=S,rank=R`` → keyword arguments of the faulty and emulated
-    devices.  ``rank=R``: only the worker of tensor-parallel rank R fails (the worker sets
-    the device's ``rank`` when it learns its own)."""
-    opts: dict[str, float] = {}
-    for part in filter(None, spec.split(",")):
-        key, _, value = part.partition("=")
-        if key not in ("fail_every", "delay", "rank"):
-            raise ConfigError(f"{name} device: unknown option {key!r}")
-        try:
-            opts[key] = float(value)
-        except ValueError as err:
-            raise ConfigError(f"{name} device: {key}={value!r} is not a number") from err
-        if opts[key] < 0:
-            raise ConfigError(f"{name} device: {key} must not be negative")
-    every = int(opts.pop("fail_every", 0))
-    rank = int(opts["rank"]) if "rank" in opts else None
+def _device_kwargs(numbers: dict[str, float]) -> dict:
+    """A spec's numbers (``DeviceSpec.numbers``) → keyword arguments of the faulty and
+    emulated devices.  ``rank=R``: only the worker of tensor-parallel rank R fails (the worker
+    sets the device's ``rank`` when it learns its own)."""
+    every = int(numbers.get("fail_every", 0))
+    rank = int(numbers["rank"]) if "rank" in numbers else None
     out: dict = {"fail": _FailRule(every, rank) if every > 0 else None}
-    if "delay" in opts:
-        out["delay"] = opts["delay"]
+    if "delay" in numbers:
+        out["delay"] = numbers["delay"]
     return out
 
 

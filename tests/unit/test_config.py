@@ -7,9 +7,10 @@ from enum import Enum
 from pathlib import Path
 
 import pytest
+import torch
 
 from connector.config import ConnectorConfig, DeviceKind, DeviceSpec
-from connector.device import DEVICE_KINDS
+from connector.device import make_device
 from kvstore.client.info import Transport
 from kvstore.config import (LeaseSettings, Seconds, Size, StoreConfig, TierSettings, WritePolicy, convert,
                             parse_size)
@@ -304,6 +305,23 @@ def test_device_spec_rejects(text, needle):
         ConnectorConfig.from_extra_config({"device": text}, env={})
 
 
-def test_device_kinds_are_the_devices_kinds():
-    assert {k.value for k in DeviceKind} == {*DEVICE_KINDS, "faulty"}
-    assert all(isinstance(k, Enum) for k in DeviceKind)
+def test_every_device_kind_makes_its_device():
+    """``make_device`` switches on ``DeviceKind``: every kind the config accepts opens its own
+    device (CUDA only where there is CUDA: without it, its clear error; ``auto`` is CUDA
+    where there is CUDA, else host)."""
+    cuda = torch.cuda.is_available()
+    specs = {DeviceKind.AUTO: ("auto", "CudaDevice" if cuda else "HostDevice"),
+             DeviceKind.HOST: ("host", "HostDevice"), DeviceKind.CUDA: ("cuda", "CudaDevice"),
+             DeviceKind.EMULATED_CUDA: ("emulated-cuda", "EmulatedCudaDevice"),
+             DeviceKind.FAULTY: ("faulty:fail_every=2", "FaultyDevice")}
+    assert set(specs) == set(DeviceKind) and all(isinstance(k, Enum) for k in DeviceKind)
+    for kind, (text, name) in specs.items():
+        if kind is DeviceKind.CUDA and not cuda:
+            with pytest.raises(ConfigError, match="CUDA"):
+                make_device(text)
+            continue
+        device = make_device(text)
+        try:
+            assert type(device).__name__ == name, (text, device)
+        finally:
+            device.close()

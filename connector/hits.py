@@ -17,6 +17,7 @@ import numpy as np
 from connector.ioloop import IOLoop
 from connector.requests import Piece, ReqState
 from kvstore.keys import ROOT, ObjectKey, chunk_hashes, object_keys
+from kvstore.layout import ChunkShape
 from kvstore.store.tiered import TieredStore
 
 STATE_TAG = "state"  # the object tag of a recurrent-state snapshot (beside the chunk's "r0")
@@ -29,11 +30,11 @@ def state_key(key: ObjectKey) -> ObjectKey:
 
 
 class HitFinder:
-    def __init__(self, store: TieredStore, io: IOLoop, chunk_size: int, block_size: int,
+    def __init__(self, store: TieredStore, io: IOLoop, shape: ChunkShape,
                  object_size: Callable[[int], int]) -> None:
         self.store, self.io = store, io
-        self.chunk_size, self.block_size = chunk_size, block_size
-        self.pages_per_chunk = chunk_size // block_size
+        self.chunk_size, self.block_size = shape.chunk_size, shape.block_size
+        self.pages_per_chunk = shape.pages
         self.object_size = object_size  # pages per layer -> object bytes
         self.chunk_bytes = object_size(self.pages_per_chunk)
 

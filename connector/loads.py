@@ -16,6 +16,7 @@ from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import ObjectKey
+from kvstore.layout import ChunkShape
 from kvstore.policy import Decision
 from kvstore.store.pool import HostPool
 
@@ -23,12 +24,13 @@ log = logging.getLogger("kvstore.connector")
 
 
 class LoadPlanner:
-    def __init__(self, host: HostPool, chunk_size: int, block_size: int, state_groups: list[int],
+    def __init__(self, host: HostPool, shape: ChunkShape, state_groups: list[int],
                  saves: SavePlanner, counters: SchedulerCounters, observe: RequestObserver,
                  job_id: Callable[[], int]) -> None:
         """``state_groups``: recurrent hybrids' state groups (a hit ends on a state snapshot);
         ``job_id``: the next job id (shared with the save jobs)."""
-        self.host, self.chunk_size, self.block_size, self.state_groups = host, chunk_size, block_size, state_groups
+        self.host, self.shape, self.state_groups = host, shape, state_groups
+        self.chunk_size, self.block_size = shape.chunk_size, shape.block_size
         self.saves, self.counters, self.observe, self._job_id = saves, counters, observe, job_id
         self._queued: list[LoadJob] = []
         self._pins: dict[int, list[ObjectKey]] = {}  # load job -> the slots it reads, until reported
@@ -41,7 +43,7 @@ class LoadPlanner:
                 break
             st.pins[p.key], st.slots[p.key] = p, slot[0]
         last = next(reversed(st.pins.values()), None)
-        end = min(last.end if last else 0, len(st.view.prompt) - 1) // self.block_size * self.block_size
+        end = self.shape.whole_blocks(min(last.end if last else 0, len(st.view.prompt) - 1))
         if end <= num_computed or (self.state_groups and not (last and last.state and last.end == end)):
             self.unpin(st)  # a recurrent hybrid's hit needs its snapshot, at its end
             return 0
@@ -68,8 +70,7 @@ class LoadPlanner:
         if st.counted:
             return
         st.counted = True
-        usable = (min(st.pins_end_found, len(st.view.prompt) - 1) // self.block_size * self.block_size
-                  if decision.hit else 0)
+        usable = self.shape.whole_blocks(min(st.pins_end_found, len(st.view.prompt) - 1)) if decision.hit else 0
         outcome = ("miss" if not decision.hit else "engine" if usable <= num_computed
                    else "recompute" if n <= 0 else "load" if st.window[1] >= usable else "partial")
         decision = st.first_decision or decision  # its tiers and predictions: the ones decided on

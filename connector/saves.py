@@ -38,6 +38,7 @@ from connector.requests import ReqState
 from kvstore import codec
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
+from kvstore.layout import ChunkShape
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutHandle
 
@@ -81,12 +82,12 @@ def _generated(start: int, end: int, prompt: int) -> int:
 
 
 class SavePlanner:
-    def __init__(self, store: TieredStore, io: IOLoop, chunk_size: int, block_size: int,
+    def __init__(self, store: TieredStore, io: IOLoop, shape: ChunkShape,
                  object_size: Callable[[int], int], keys: HitFinder,
                  fail: Callable[[str, str], None]) -> None:
         self.store, self.host, self.io = store, store.host, io
-        self.chunk_size, self.block_size = chunk_size, block_size
-        self.pages_per_chunk = chunk_size // block_size
+        self.chunk_size, self.block_size = shape.chunk_size, shape.block_size
+        self.pages_per_chunk = shape.pages
         self.object_size = object_size  # pages per layer -> object bytes
         self.keys = keys                # the request's chunk and tail keys
         self._fail = fail

@@ -51,6 +51,7 @@ from connector.savejobs import SaveJobs
 from connector.saves import SavePlanner
 from kvstore import codec
 from kvstore.keys import Identity, ObjectKey, chunk_hashes, object_keys
+from kvstore.layout import ChunkShape
 from kvstore.policy import CostModel, Span
 from kvstore.store.pool import HostPool
 from kvstore.store.tiered import TieredStore
@@ -70,11 +71,10 @@ class SchedulerHalf:
         object (KV heads split over TP ranks), so this half seals them.  ``states``: recurrent
         hybrids' (state group indices, state layers, one layer's state bytes): a hit then
         ends where a state snapshot is stored and loads it (``HitFinder.with_state``)."""
-        cfg.check_block_size(block_size)
+        self.shape = ChunkShape(cfg.chunk_size, block_size)  # a chunk covers whole blocks, or ConfigError
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
-        self.workers, self.parts = workers, parts
-        self.reports = ReportCollector(workers)
-        self.pages_per_chunk = cfg.chunk_size // block_size
+        self.workers, self.parts, self.reports = workers, parts, ReportCollector(workers)
+        self.pages_per_chunk = self.shape.pages
         self.page_bytes = page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
         self.object_size = codec.object_size(self.geometry)
@@ -94,8 +94,8 @@ class SchedulerHalf:
         self.host: HostPool = self.store.pool
         self.cost = CostModel(cfg.prefill_tokens_per_s, cfg.explore_after_s)
         self.prefetch = Prefetcher(self.store, self.io, self.cost, self.counters.moved, self.counters.failed)
-        self.hits = HitFinder(self.store, self.io, cfg.chunk_size, block_size, self._size_of)
-        self.saves = SavePlanner(self.store, self.io, cfg.chunk_size, block_size, self._size_of,
+        self.hits = HitFinder(self.store, self.io, self.shape, self._size_of)
+        self.saves = SavePlanner(self.store, self.io, self.shape, self._size_of,
                                  self.hits, self.counters.failed)
         self.saves.state_groups = set(self.state_groups)
         self.jobs = SaveJobs()  # save jobs the workers owe a report, final saves, blocks to free
@@ -113,7 +113,7 @@ class SchedulerHalf:
         if cfg.trace_path is not None:
             for tier in self.store.lower:
                 listen(tier, self.observe)  # "persisted" moments in the trace
-        self.loads = LoadPlanner(self.host, cfg.chunk_size, block_size, self.state_groups, self.saves,
+        self.loads = LoadPlanner(self.host, self.shape, self.state_groups, self.saves,
                                  self.counters, self.observe, self._job_id)
         call_before_exit(self.flush_at_exit)
 

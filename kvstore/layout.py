@@ -254,6 +254,27 @@ def pages_per_chunk(chunk_size: int, block_size: int) -> int:
     return chunk_size // block_size
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkShape:
+    """The one chunk geometry of an engine: ``chunk_size`` tokens per chunk object, the
+    engine's ``block_size`` tokens per page, and ``pages`` per chunk (checked at
+    construction: a chunk covers whole pages)."""
+
+    chunk_size: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        validate_chunk_size(self.chunk_size, self.block_size)
+
+    @property
+    def pages(self) -> int:
+        return self.chunk_size // self.block_size
+
+    def whole_blocks(self, tokens: int) -> int:
+        """``tokens`` rounded down to whole blocks (pages), in tokens."""
+        return tokens // self.block_size * self.block_size
+
+
 def format_bytes(n: int) -> str:
     """Binary units: ``1073741824`` -> ``'1.00 GiB'``; below 1 KiB, plain bytes."""
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

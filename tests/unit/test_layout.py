@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.layout import (AttentionKind, DType, KVGeometry, bytes_per_request, bytes_per_token,
+from kvstore.layout import (AttentionKind, ChunkShape, DType, KVGeometry, bytes_per_request, bytes_per_token,
                             format_bytes, pages_per_chunk, plan_capacity, round_up_tokens,
                             validate_chunk_size)
 
@@ -171,9 +171,15 @@ def test_pages_per_chunk(chunk, block, pages):
 
 @pytest.mark.parametrize("chunk, block", [(100, 16), (0, 16), (-16, 16), (8, 16), (256, 0)])
 def test_bad_chunk_size_names_both_numbers(chunk, block):
-    with pytest.raises(ConfigError) as err:
-        pages_per_chunk(chunk, block)
-    assert str(chunk) in str(err.value) and str(block) in str(err.value)
+    for make in (pages_per_chunk, ChunkShape):
+        with pytest.raises(ConfigError) as err:
+            make(chunk, block)
+        assert str(chunk) in str(err.value) and str(block) in str(err.value)
+
+
+def test_a_chunk_shape_gives_its_pages_and_whole_blocks():
+    shape = ChunkShape(256, 128)
+    assert (shape.pages, shape.whole_blocks(599), shape.whole_blocks(127), shape.whole_blocks(256)) == (2, 512, 0, 256)
 
 
 # ---- validation ---------------------------------------------------------------------------

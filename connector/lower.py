@@ -28,6 +28,7 @@ from collections.abc import Callable
 from connector.config import ConnectorConfig
 from kvstore import integrity
 from kvstore.store.events import StoreObserver
+from kvstore.store import registry
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
 
@@ -62,17 +63,11 @@ class ConnectorObserver(StoreObserver):
 
 def tier_specs(cfg: ConnectorConfig) -> list[tuple[str, dict[str, object]]]:
     """The registry specs of the connector's tiers, host pool first."""
-    specs: list[tuple[str, dict[str, object]]] = [
-        ("host:", {"capacity": cfg.host_capacity, "shared": True, "pin": False})]
-    if cfg.ssd_dir is not None:
-        specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity}))
-    if cfg.store_target:
-        specs.append((f"kvstore://{cfg.store_target}", {
-            "token": cfg.bearer_token(), "tls_ca": cfg.store_tls_ca, "tls_cert": cfg.store_tls_cert,
-            "tls_key": cfg.store_tls_key, "transport": cfg.store_transport, "lease_ttl_s": cfg.lease_ttl}))
-    if cfg.redis_url:
-        specs.append((cfg.redis_url, {}))
-    return specs
+    store = [(f"kvstore://{cfg.store_target}", {
+        "token": cfg.bearer_token(), "tls_ca": cfg.store_tls_ca, "tls_cert": cfg.store_tls_cert,
+        "tls_key": cfg.store_tls_key, "transport": cfg.store_transport, "lease_ttl_s": cfg.lease_ttl})] \
+        if cfg.store_target else []
+    return registry.tier_specs(cfg, host={"shared": True, "pin": False}, lower=[*store, (cfg.redis_url, {})])
 
 
 async def open_store(cfg: ConnectorConfig, on_bytes: Callable[[str, str, int], None],

@@ -59,7 +59,7 @@ from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
 from kvstore.store.events import StoreObserver
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
-from kvstore.store.registry import open_tiers
+from kvstore.store.registry import open_tiers, tier_specs
 from kvstore.integrity import DEFAULT_TENANT, KeySource, load_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
@@ -156,14 +156,10 @@ class ServerStore:
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
-        specs: list[tuple[str, dict[str, object]]] = [
-            ("host:", {"capacity": cfg.host_capacity, "pin": False,  # pin=False: no torch
-                       "pools": tenants.host_bytes, "pool_of": tenants.tenant_of})]
-        if cfg.ssd_dir is not None:
-            specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity, "quotas": tenants.ssd_bytes,
-                                                 "partition": tenants.tenant_of}))
-        if cfg.redis:
-            specs.append((cfg.redis, {}))
+        specs = tier_specs(cfg, host={"pin": False,  # pin=False: no torch
+                                      "pools": tenants.host_bytes, "pool_of": tenants.tenant_of},
+                           ssd={"quotas": tenants.ssd_bytes, "partition": tenants.tenant_of},
+                           lower=[(cfg.redis, {})])
         keys = load_keys(cfg.keys_file)  # before opening: a bad keys file fails first
         tiers = await open_tiers(specs)
         store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys)  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
-from kvstore.config import parse_size, redact_url as _redact
+from kvstore.config import TierSettings, parse_size, redact_url as _redact
 from kvstore.errors import ConfigError, TierError
 from tiers.base import Tier
 
@@ -93,6 +93,21 @@ def resolve(spec: str, **options: object) -> Opener:
         bad = ", ".join(sorted(set(options) - allowed))
         raise ConfigError(f"tier spec {parsed.shown!r}: unknown option(s) {bad}; known: {', '.join(sorted(allowed))}")
     return _RESOLVERS[parsed.kind](parsed, dict(options))
+
+
+def tier_specs(cfg: TierSettings, *, host: Mapping[str, object] | None = None,
+               ssd: Mapping[str, object] | None = None,
+               lower: Sequence[tuple[str | None, Mapping[str, object]]] = ()) -> list[tuple[str, dict[str, object]]]:
+    """The one builder of a store's specs, fastest first: ``cfg``'s host pool (its capacity
+    plus ``host``'s options), its SSD directory when ``cfg.ssd_dir`` is set (its capacity
+    plus ``ssd``'s), then each ``(spec, options)`` of ``lower`` whose spec is given (the
+    store process, Redis).  Used by the embedded store, the store process and the
+    connector."""
+    specs: list[tuple[str, dict[str, object]]] = [("host:", {"capacity": cfg.host_capacity, **(host or {})})]
+    if cfg.ssd_dir is not None:
+        specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity, **(ssd or {})}))
+    specs.extend((spec, dict(options)) for spec, options in lower if spec)
+    return specs
 
 
 async def open_tier(spec: str, **options: object) -> Tier:
@@ -173,4 +188,4 @@ _RESOLVERS: dict[str, Callable[[TierSpec, dict[str, object]], Opener]] = {
     "host": _host, "ssd": _ssd, "redis": _redis, "remote": _remote}
 
 
-__all__ = ["EXPECTED", "REDIS_SCHEMES", "TierSpec", "open_tier", "open_tiers", "parse_spec", "resolve"]
+__all__ = ["EXPECTED", "REDIS_SCHEMES", "TierSpec", "open_tier", "open_tiers", "parse_spec", "resolve", "tier_specs"]

@@ -39,7 +39,7 @@ from kvstore.store.events import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
 from kvstore.store.pool import HostPool, SharedHostPool
 from kvstore.store.promote import Promoter, authenticate
-from kvstore.store.registry import open_tiers
+from kvstore.store.registry import open_tiers, tier_specs
 from kvstore.store.writedown import Offer, WriteDown
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
@@ -111,10 +111,7 @@ class TieredStore:
     @classmethod
     async def from_config(cls, cfg: StoreConfig, **options) -> "TieredStore":
         """The embedded store of ``cfg``: a private host pool, then its SSD directory."""
-        specs: list[tuple[str, Mapping[str, object]]] = [("host:", {"capacity": cfg.host_capacity})]
-        if cfg.ssd_dir is not None:
-            specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity}))
-        return await cls.open(specs, cfg.write_policy, **options)
+        return await cls.open(tier_specs(cfg), cfg.write_policy, **options)
 
     @property
     def tiers(self) -> list[Tier]:

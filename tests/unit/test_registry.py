@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import ConfigError, TierUnavailableError
-from kvstore.store.registry import open_tier, open_tiers, parse_spec, resolve
+from kvstore.config import StoreConfig
+from kvstore.store.registry import open_tier, open_tiers, parse_spec, resolve, tier_specs
 from kvstore.testing.redis_proc import free_port
 from tiers.base import Tier
 from tiers.host import HostTier
@@ -128,3 +129,18 @@ async def test_a_failed_open_closes_the_tiers_already_open(tmp_path):
                           (f"ssd:{blocker / 'ssd'}", {"capacity": 1 << 20})], required=False)
     again = await open_tier(f"ssd:{ssd_dir}", capacity=1 << 20)  # its lock was released
     await again.aclose()
+
+
+def test_tier_specs_is_the_one_builder_of_a_stores_specs(tmp_path):
+    """Host first with its capacity and options, SSD only when configured, lower tiers in
+    order, a lower tier without a spec left out; every spec it builds resolves."""
+    bare = StoreConfig(host_capacity=1 << 20, ssd_dir=None)
+    assert tier_specs(bare, lower=[(None, {}), ("", {})]) == [("host:", {"capacity": 1 << 20})]
+    cfg = StoreConfig(host_capacity=1 << 20, ssd_dir=tmp_path / "ssd", ssd_capacity=2 << 20)
+    specs = tier_specs(cfg, host={"pin": False}, ssd={"fsync": False},
+                       lower=[("redis://127.0.0.1:1/0", {}), (None, {"x": 1})])
+    assert specs == [("host:", {"capacity": 1 << 20, "pin": False}),
+                     (f"ssd:{tmp_path / 'ssd'}", {"capacity": 2 << 20, "fsync": False}),
+                     ("redis://127.0.0.1:1/0", {})]
+    for spec, options in specs:
+        resolve(spec, **options)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from connector.config import DeviceKind, DeviceSpec
 from connector.copy_thread import CopyThread
-from connector.events import CopyEvent, Device, Job, StreamCopyEvent
+from connector.copies import CopyEvent, Device, Job, StreamCopyEvent
 from kvstore.errors import ConfigError
 
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from connector.copy_thread import CopyThread
-from connector.events import CopyEvent, Job, StreamCopyEvent
+from connector.copies import CopyEvent, Job, StreamCopyEvent
 
 Op = tuple[object, tuple, dict]
 

@@ -56,7 +56,7 @@ from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
 from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
-from kvstore.store.events import StoreObserver
+from kvstore.store.observer import StoreObserver
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers, tier_specs

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from kvstore import codec, integrity
 from kvstore.errors import CapacityError, CorruptHeaderError, ObjectFormatError, TierError
 from kvstore.keys import ROOT, ObjectKey
-from kvstore.store.events import StoreCounters, StoreObserver
+from kvstore.store.observer import StoreCounters, StoreObserver
 from tiers.base import Tier
 from tiers.host import HostTier
 

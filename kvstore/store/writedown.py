@@ -56,7 +56,7 @@ from kvstore import codec
 from kvstore.config import WritePolicy
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
-from kvstore.store.events import StoreCounters, StoreObserver
+from kvstore.store.observer import StoreCounters, StoreObserver
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
 

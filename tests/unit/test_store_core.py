@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
-from kvstore.store.events import StoreObserver
+from kvstore.store.observer import StoreObserver
 from kvstore.store.tiered import TieredStore
 from tiers.base import put_bytes
 from tiers.host import HostTier

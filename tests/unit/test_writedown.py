@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
-from kvstore.store.events import StoreCounters, StoreObserver
+from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.writedown import Offer, WriteDown
 from tiers.base import PutResult
 from tiers.host import HostTier

@@ -57,6 +57,7 @@ from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
 from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
 from kvstore.store.observer import StoreObserver
+from kvstore.server.kvpublish import EventPublisher, start_publisher
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers, tier_specs
@@ -124,7 +125,10 @@ class ServerStore:
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], cfg: ServerConfig,
                  metrics: ServerMetrics, tenants: Tenants | None = None,
-                 clock: Callable[[], float] = time.monotonic, keys: KeySource | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, keys: KeySource | None = None,
+                 events: EventRecorder | None = None, publisher: EventPublisher | None = None) -> None:
+        """``events``: the recorder of KV events (``cfg.kv_events``) and ``publisher`` the one
+        that serves them, started; this store closes it after its own tiers."""
         self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
         self.core = TieredStore(host, lower, cfg.write_policy, observer=ServerObserver(metrics),
                                 verify_writes=True, keys=self._keys_of(keys))
@@ -140,8 +144,7 @@ class ServerStore:
         self._reaper: asyncio.Task | None = None
         self._closing = False
         self.started = time.time()
-        self.events: EventRecorder | None = None   # KV events (cfg.kv_events), set by ``open``
-        self.publisher = None                       # their publisher, set by kvstore.server.main
+        self.events, self.publisher = events, publisher
         metrics.bind(self.snapshot)
 
     def _keys_of(self, keys: KeySource | None):
@@ -162,10 +165,18 @@ class ServerStore:
                            lower=[(cfg.redis, {})])
         keys = load_keys(cfg.keys_file)  # before opening: a bad keys file fails first
         tiers = await open_tiers(specs)
-        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys)  # type: ignore[arg-type]
-        if cfg.kv_events:
-            store.events = EventRecorder(MEDIA, stream_of=tenants.tenant_of, budget=tenants.descriptions)
-            store.events.attach(tiers)
+        events = publisher = None
+        try:
+            if cfg.kv_events:
+                events = EventRecorder(MEDIA, stream_of=tenants.tenant_of, budget=tenants.descriptions)
+                events.attach(tiers)
+                publisher = start_publisher(cfg, events, tenants)
+        except BaseException:
+            for tier in reversed(tiers):
+                await tier.aclose()
+            raise
+        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys,  # type: ignore[arg-type]
+                    events=events, publisher=publisher)
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
 
@@ -413,6 +424,8 @@ class ServerStore:
             self.host.release_lease(lease_id)
             self._unpin(self.leases.forget(lease_id))
         await self.core.aclose(timeout)
+        if self.publisher is not None:
+            self.publisher.close()
 
 
 def _dumpable() -> bool | None:

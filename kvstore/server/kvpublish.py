@@ -47,10 +47,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
 from kvstore.kvwire import END_SEQ, KVEvent, encode_batch, new_epoch
 from kvstore.store.kvevents import EventRecorder
+
+if TYPE_CHECKING:
+    from kvstore.server.config import ServerConfig
+    from kvstore.server.tenants import Tenants
 
 log = logging.getLogger("kvstore.server.events")
 HWM = 100_000
@@ -274,4 +279,14 @@ def _bind(sock, endpoint: str, spec: StreamSpec | None = None) -> None:
             _give(os.path.dirname(path), spec, directory=True)
 
 
-__all__ = ["EventPublisher", "StreamSpec", "stream_specs"]
+def start_publisher(cfg: ServerConfig, recorder: EventRecorder, tenants: Tenants) -> EventPublisher:
+    """The store process's publisher of ``recorder``'s KV events, on ``cfg.kv_events`` (one
+    stream per tenant, each owned by the tenant's ``uid``/``gid`` when set), started."""
+    owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
+    specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
+    publisher = EventPublisher(recorder, specs, buffer=cfg.kv_events_buffer, buffer_bytes=cfg.kv_events_buffer_bytes)
+    publisher.start()
+    return publisher
+
+
+__all__ = ["EventPublisher", "StreamSpec", "start_publisher", "stream_specs"]

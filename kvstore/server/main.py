@@ -36,6 +36,7 @@ neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -53,7 +54,8 @@ from kvstore.localtoken import default_token_path, ensure_token
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
 from kvstore.server.metrics import ServerMetrics, start_http
-from kvstore.server.observing import start_events, start_trace, trace_tiers
+from kvstore.server.observing import start_trace, trace_tiers
+from kvstore.server.scoping import Scoper
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer, describe as describe_data
 from kvstore.server.peers import PreAuth
@@ -213,7 +215,7 @@ def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metric
         parts.append(f"ssd {cfg.ssd_dir} ({cfg.ssd_capacity / 2**30:.2f} GiB)")
     if cfg.redis:
         parts.append("redis on")
-    if getattr(store, "publisher", None) is not None:
+    if store.publisher is not None:
         streams = ", ".join(f"{t} {pub}" + (f" (replay {rep})" if rep else "")
                             for t, (pub, rep) in store.publisher.endpoints.items())
         parts.append(f"kv events epoch {store.publisher.epoch}: {streams}")
@@ -252,7 +254,10 @@ class _Stopper:
 
 async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     """Run the store process until ``stop`` is set (default: SIGTERM/SIGINT); 0 when it
-    shut down gracefully."""
+    shut down gracefully.  Each part is built whole, with what it needs, and registered for
+    its teardown as it starts; teardown runs in reverse (/metrics, the gRPC server and the
+    data channel first, the store and its KV events after them, the trace last), after a
+    graceful stop or a failed start-up alike."""
     auth = authenticator(cfg)
     tenants = plan_tenants(cfg, auth)
     creds = credentials(cfg)
@@ -260,70 +265,71 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
     stop = stop if stop is not None else _Stopper().event
     metrics = ServerMetrics()
     metrics.tenant_labels = cfg.metrics_tenant_labels
-    tracer = start_trace(cfg, metrics)
-    store = await ServerStore.open(cfg, metrics, tenants)
-    if tracer is not None:
-        trace_tiers(tracer, store)
-    http, server, data, gate, events = None, None, None, None, None
-    try:
-        events = start_events(cfg, store, tenants)
+    async with contextlib.AsyncExitStack() as stack:
+        tracer = start_trace(cfg, metrics)
+        if tracer is not None:
+            stack.callback(tracer.close)
+        store = await ServerStore.open(cfg, metrics, tenants)
+        stack.push_async_callback(store.aclose, cfg.shutdown_grace)
+        if tracer is not None:
+            trace_tiers(tracer, store)
         gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket,
                        hello_timeout=cfg.hello_timeout,
                        preauth=PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated),
                        on_refused=lambda reason: metrics.counters.fail(f"shm_{reason}"))
         seal_read_only_pools(store, auth)
-        server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-        servicer = KVStoreServicer(store, auth, boot_id())
         await gate.start()
-        servicer.gate = gate
-        add_to_server(servicer, server, servicer.guard())
-        health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
-        port = _bind(server, cfg, creds)
+        stack.push_async_callback(gate.aclose)
+        scope, data, data_port = Scoper(), None, 0
         if cfg.data_channel:
-            data = DataServer(store, auth, servicer.scope, cfg)
-            servicer.data_port = await data.start(cfg.listen_host, cfg.data_port)
+            data = DataServer(store, auth, scope, cfg)
+            stack.push_async_callback(data.aclose, 0)  # idempotent; cuts what a failed start-up left
+            data_port = await data.start(cfg.listen_host, cfg.data_port)
+        servicer = KVStoreServicer(store, auth, boot_id(), scope=scope, gate=gate, data_port=data_port)
+        server, health, port = _grpc_server(cfg, servicer, creds)
+        stack.push_async_callback(server.stop, 0)  # no-op after a graceful stop; ends a failed start-up
         await server.start()
         for name in ("", SERVICE):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        metrics_url = None
-        if cfg.metrics_port is not None:
-            mhost = cfg.metrics_host or cfg.listen_host
-            try:
-                http, mport = start_http(metrics, mhost, cfg.metrics_port, metrics_authorizer(cfg, auth))
-            except OSError as err:
-                raise ConfigError(f"cannot serve metrics on {mhost}:{cfg.metrics_port}: {err}") from err
-            metrics_url = f"http://{mhost}:{mport}/metrics"
+        metrics_url = _start_metrics(cfg, metrics, auth, stack)
         target = f"{split_listen(cfg.listen)[0]}:{port}"
         if cfg.ready_file is not None:
             write_ready(cfg.ready_file, target)
-        print(f"kvstore serve: listening on {target} "
-              f"({_describe(cfg, store, auth, metrics_url, servicer.data_port, gate)})",
+        print(f"kvstore serve: listening on {target} ({_describe(cfg, store, auth, metrics_url, data_port, gate)})",
               flush=True)
         await stop.wait()
         await health.enter_graceful_shutdown()
         await asyncio.gather(server.stop(cfg.shutdown_grace),
                              data.aclose(cfg.shutdown_grace) if data is not None else asyncio.sleep(0))
-    finally:
-        if server is not None:
-            await server.stop(0)  # no-op after a graceful stop; ends a failed start-up
-        if data is not None:
-            await data.aclose(0)  # idempotent; cuts what a failed start-up left
-        if gate is not None:
-            await gate.aclose()
-        await store.aclose(cfg.shutdown_grace)
-        if events is not None:
-            events.close()
-        if tracer is not None:
-            tracer.close()
-        if http is not None:
-            http.shutdown()
-            http.server_close()
     print("kvstore serve: stopped", flush=True)
     return 0
+
+
+def _grpc_server(cfg: ServerConfig, servicer: KVStoreServicer, creds):
+    """The gRPC server with the store's service (guarded), health and reflection, bound (not
+    started): (server, its health servicer, the bound port)."""
+    server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+    add_to_server(servicer, server, servicer.guard())
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    return server, health, _bind(server, cfg, creds)
+
+
+def _start_metrics(cfg: ServerConfig, metrics: ServerMetrics, auth: Authenticator,
+                   stack: contextlib.AsyncExitStack) -> str | None:
+    """Serve ``/metrics`` when ``metrics_port`` is set (its shutdown on ``stack``); its URL."""
+    if cfg.metrics_port is None:
+        return None
+    mhost = cfg.metrics_host or cfg.listen_host
+    try:
+        http, mport = start_http(metrics, mhost, cfg.metrics_port, metrics_authorizer(cfg, auth))
+    except OSError as err:
+        raise ConfigError(f"cannot serve metrics on {mhost}:{cfg.metrics_port}: {err}") from err
+    stack.callback(http.server_close)
+    stack.callback(http.shutdown)
+    return f"http://{mhost}:{mport}/metrics"
 
 
 def tune_malloc() -> bool:

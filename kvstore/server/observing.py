@@ -1,6 +1,7 @@
-"""What the store process shows beyond its counters: its KV events (``--kv-events``:
-``kvstore.server.kvpublish``) and its stage trace (``--trace-path``: ``kvstore.trace``).
-Server side; started and closed by ``kvstore.server.main``.
+"""What the store process shows beyond its counters: its stage trace (``--trace-path``:
+``kvstore.trace``).  Server side; started and closed by ``kvstore.server.main`` (the KV
+events are the store's own: ``ServerStore.open`` starts their publisher,
+``kvstore.server.kvpublish``).
 
 The trace has, per timed stage (``ServerMetrics.observe``: lookup, get, put_commit,
 put_stream, promote, write_through...), lanes of spans (concurrent calls overlap, so each
@@ -15,7 +16,6 @@ from kvstore.kvwire import wire_hash
 from kvstore.server.config import ServerConfig
 from kvstore.server.core import ServerStore
 from kvstore.server.metrics import ServerMetrics
-from kvstore.server.tenants import Tenants
 from kvstore.trace import Tracer
 from tiers.base import listen
 
@@ -45,25 +45,9 @@ class TierTrace:
                             {"hash": f"{wire_hash(key.chunk_hash):016x}"})
 
 
-def start_events(cfg: ServerConfig, store: ServerStore, tenants: Tenants):
-    """The KV event publisher (``kvstore.server.kvpublish``), started; None without
-    ``kv_events``."""
-    if store.events is None:
-        return None
-    from kvstore.server.kvpublish import EventPublisher, stream_specs
-
-    owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
-    specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
-    publisher = EventPublisher(store.events, specs, buffer=cfg.kv_events_buffer,
-                               buffer_bytes=cfg.kv_events_buffer_bytes)
-    publisher.start()
-    store.publisher = publisher
-    return publisher
-
-
 def trace_tiers(tracer: Tracer, store: ServerStore) -> None:
     for tier in store.tiers:
         listen(tier, TierTrace(tracer))
 
 
-__all__ = ["TierTrace", "start_events", "start_trace", "trace_tiers"]
+__all__ = ["TierTrace", "start_trace", "trace_tiers"]

@@ -44,6 +44,9 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
 import grpc
 
 from kvstore import __version__
@@ -128,17 +131,26 @@ def _tier_codes(tiers: list[str]) -> list[int]:
     return [TIER_CODES.get(t, 0) for t in tiers]
 
 
+class Gate(Protocol):
+    """What the servicer needs of the shared-memory gate (``kvstore.server.shmgate.ShmGate``,
+    which imports this module): its socket's path, and a tenant's session by id."""
+
+    path: Path
+
+    def session_of(self, session_id: int, tenant: str) -> Any: ...
+
+
 class KVStoreServicer:
     """One instance per server; handlers are named after the RPCs."""
 
-    def __init__(self, store: ServerStore, auth: Authenticator, boot_id: str = "") -> None:
-        self.store = store
-        self.auth = auth
-        self.boot_id = boot_id
-        self.cfg = store.cfg
-        self.scope = Scoper()          # shared with the data channel (one event loop)
-        self.data_port = 0             # set by kvstore.server.main once the data channel listens
-        self.gate = None               # the ShmGate, set by kvstore.server.main once it listens
+    def __init__(self, store: ServerStore, auth: Authenticator, boot_id: str = "", *,
+                 scope: Scoper | None = None, gate: Gate | None = None, data_port: int = 0) -> None:
+        """``scope``: shared with the data channel (one event loop); ``gate``: the shared-memory
+        gate, listening (None: no shared memory); ``data_port``: the data channel's, listening
+        (0: none)."""
+        self.store, self.auth, self.boot_id, self.cfg = store, auth, boot_id, store.cfg
+        self.scope = scope if scope is not None else Scoper()
+        self.gate, self.data_port = gate, data_port
 
     def guard(self) -> Guard:
         """What every call goes through before its handler (``kvstore.server.wire.Guard``):

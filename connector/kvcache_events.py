@@ -33,7 +33,7 @@ itself, so the epoch rides in the events here, not in the batch.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                         KVConnectorKVEvents)
@@ -164,14 +164,14 @@ def publishes(vllm_config) -> bool:
     return bool(cfg is not None and cfg.enable_kv_cache_events and cfg.publisher != "null")
 
 
-def kv_events_of(vllm_config, sched) -> ConnectorEvents | None:
-    """The scheduler half's events, hooked into it: when vLLM publishes, or when a store
-    process wants descriptions (None otherwise: nothing to describe for)."""
+def kv_events_of(vllm_config, cfg, block_size: int) -> Callable[[TieredStore], ConnectorEvents] | None:
+    """What builds the scheduler half's event source over its store (``SchedulerHalf``'s
+    ``kv_events``): when vLLM publishes, or when a store process wants descriptions (None
+    otherwise: nothing to describe for)."""
     publish = publishes(vllm_config)
-    if not publish and not sched.cfg.store_target:
+    if not publish and not cfg.store_target:
         return None
-    sched.kv_events = ConnectorEvents(sched.store, sched.cfg.chunk_size, sched.block_size, publish)
-    return sched.kv_events
+    return lambda store: ConnectorEvents(store, cfg.chunk_size, block_size, publish)
 
 
 __all__ = ["ConnectorEvents", "KVStoreKVEvents", "kv_events_of", "media", "publishes"]

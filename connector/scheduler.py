@@ -20,28 +20,28 @@ so an exact repeat hits every whole block but the one holding its last token.
 
 Waits are bounded in time, never in engine steps: a lookup that meets a save in flight of
 its next chunk waits at most what recomputing the rest would cost; a request waits for its
-prefetch at most four times its predicted time (never more than half of recomputing), then takes the
-part already in host memory (the prefetch goes on and is measured).  Only one lookup per
-step blocks (briefly) on a prefetch, so many requests sharing one load wait for it once.
-
-Saves: planned by ``connector.saves``, followed to their reports by ``connector.savejobs``
-(which tells how, and what ``flush_at_exit`` does with them at exit).
+prefetch at most four times its predicted time (never more than half of recomputing), then
+takes the part already in host memory (the prefetch goes on and is measured).  Only one
+lookup per step blocks (briefly) on a prefetch, so many requests sharing one load wait for
+it once.  Saves: planned by ``connector.saves``, followed to their reports (and flushed at
+exit) by ``connector.savejobs``.
 """
 from __future__ import annotations
 
 import logging
 import operator
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from connector.config import ConnectorConfig
 from connector.admission import NAMESPACE_CACHE, Admission
-from connector.ioloop import IOLoop
+from connector.ioloop import IOLoop, call_before_exit
 from connector import local
 from connector.hits import HitFinder
 from connector.loads import LoadPlanner
-from connector.ioloop import call_before_exit
 from connector.counters import SchedulerCounters
 from connector.plan import ReportCollector, StepPlan, WorkerReport
 from connector.observe import RequestObserver
@@ -60,22 +60,23 @@ from tiers.base import Removal, listen
 
 log = logging.getLogger("kvstore.connector")
 EXIT_SAVE_WAIT_S = 5.0   # at shutdown, how long to wait for gathers in flight to seal
+EventsOf = Callable[[TieredStore], Any]  # the store -> its KV event source (told each object's tokens)
 
 
 class SchedulerHalf:
     def __init__(self, cfg: ConnectorConfig, identity: Identity, page_bytes: int, block_size: int,
                  store: TieredStore | None = None, workers: int = 1, parts: bool = False,
-                 states: tuple[list[int], int, int] | None = None) -> None:
+                 states: tuple[list[int], int, int] | None = None, kv_events: EventsOf | None = None) -> None:
         """``page_bytes``: the canonical (topology-free) page; ``workers``: how many worker
         halves report each job (the TP size); ``parts``: each writes a part of every saved
         object (KV heads split over TP ranks), so this half seals them.  ``states``: recurrent
         hybrids' (state group indices, state layers, one layer's state bytes): a hit then
-        ends where a state snapshot is stored and loads it (``HitFinder.with_state``)."""
+        ends where a state snapshot is stored and loads it (``HitFinder.with_state``).
+        ``kv_events``: builds the KV event source (``connector.kvcache_events``) on the store."""
         self.shape = ChunkShape(cfg.chunk_size, block_size)  # a chunk covers whole blocks, or ConfigError
         self.cfg, self.identity, self.block_size = cfg, identity, block_size
         self.workers, self.parts, self.reports = workers, parts, ReportCollector(workers)
-        self.pages_per_chunk = self.shape.pages
-        self.page_bytes = page_bytes
+        self.pages_per_chunk, self.page_bytes = self.shape.pages, page_bytes
         self.geometry = self._geometry(self.pages_per_chunk)
         self.object_size = codec.object_size(self.geometry)
         self.state_groups, self.state_layers, self.state_page_bytes = states or ([], 0, 0)
@@ -95,8 +96,7 @@ class SchedulerHalf:
         self.cost = CostModel(cfg.prefill_tokens_per_s, cfg.explore_after_s)
         self.prefetch = Prefetcher(self.store, self.io, self.cost, self.counters.moved, self.counters.failed)
         self.hits = HitFinder(self.store, self.io, self.shape, self._size_of)
-        self.saves = SavePlanner(self.store, self.io, self.shape, self._size_of,
-                                 self.hits, self.counters.failed)
+        self.saves = SavePlanner(self.store, self.io, self.shape, self._size_of, self.hits, self.counters.failed)
         self.saves.state_groups = set(self.state_groups)
         self.jobs = SaveJobs()  # save jobs the workers owe a report, final saves, blocks to free
         self._reqs: dict[str, ReqState] = {}
@@ -108,7 +108,7 @@ class SchedulerHalf:
         self.clock = StepClock(self.cost)  # times prefill steps for the cost model
         self._computed: dict[str, int] = {}
         self._closed = False
-        self.kv_events = None  # connector.kvcache_events.ConnectorEvents: told each object's tokens
+        self.kv_events = kv_events(self.store) if kv_events is not None else None  # told each object's tokens
         self.observe = RequestObserver(self.stats, self.counters.lock, cfg.trace_path, self.host.name)
         if cfg.trace_path is not None:
             for tier in self.store.lower:

@@ -94,11 +94,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             pp = vllm_config.parallel_config.pipeline_parallel_size
             self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp * pp,
                                         parts=tp_ranks(vllm_config, spec) > 1 or pp > 1,
-                                        states=state_layout(kv_cache_config.kv_cache_groups, tp))
-            self._events = kv_events_of(vllm_config, self._sched)
+                                        states=state_layout(kv_cache_config.kv_cache_groups, tp),
+                                        kv_events=kv_events_of(vllm_config, self.cfg, block_size))
+            self._events = self._sched.kv_events
         else:
-            self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s)
-            self._worker.tracing = self.cfg.trace_path is not None
+            self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s,
+                                      tracing=self.cfg.trace_path is not None)
 
     @property
     def requires_kv_delivery(self) -> bool:

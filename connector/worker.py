@@ -45,9 +45,11 @@ log = logging.getLogger("kvstore.connector")
 
 
 class WorkerHalf:
-    def __init__(self, device: Device, verify_loads: bool = True, load_timeout_s: float = 30.0) -> None:
+    def __init__(self, device: Device, verify_loads: bool = True, load_timeout_s: float = 30.0,
+                 tracing: bool = False) -> None:
+        """``tracing``: time each copy job for the trace (``WorkerReport.copies``)."""
         self.mapped = Mapped()  # the KV tensors registered, the host pool's mapping
-        self.ledger = Ledger(self.mapped)  # the report and the interval counters, under its lock
+        self.ledger = Ledger(self.mapped, tracing)  # the report and the interval counters, under its lock
         self.loads = LoadCopier(device, self.mapped, self.ledger, verify_loads, load_timeout_s)
         self._plan: StepPlan | None = None
         self._saving: dict[str, int] = {}         # req id -> gathers in flight
@@ -76,14 +78,6 @@ class WorkerHalf:
     @property
     def states(self) -> PagedKV | None:  # recurrent hybrids: the state layers, a page per block
         return self.mapped.states
-
-    @property
-    def tracing(self) -> bool:  # time each copy job for the trace (WorkerReport.copies)
-        return self.ledger.tracing
-
-    @tracing.setter
-    def tracing(self, on: bool) -> None:
-        self.ledger.tracing = on
 
     @property
     def pool_path(self) -> str | None:

@@ -31,12 +31,12 @@ def zero_interval() -> dict[str, int]:
 
 
 class Ledger:
-    def __init__(self, mapped: Mapped) -> None:
+    def __init__(self, mapped: Mapped, tracing: bool = False) -> None:
         self.mapped = mapped
         self.lock = threading.Lock()  # guards report and interval (and the save bookkeeping of WorkerHalf)
         self.report = WorkerReport()
         self.interval = zero_interval()
-        self.tracing = False  # time each copy job for the trace (WorkerReport.copies)
+        self.tracing = tracing  # time each copy job for the trace (WorkerReport.copies)
 
     def timed(self, what: str, job):
         """``job``, timed on the copy engine when tracing (its run: the copy itself on the

@@ -67,15 +67,17 @@ FLASH_HND = KVShape("flash-hnd", layers=3, blocks=80, heads=4, block_size=16, he
 class Engine:
     """One engine's connector pair plus its KV cache."""
 
-    def __init__(self, tmp_path, device=None, shape: KVShape = VLLM_CPU, kv_device: str = "cpu", **cfg):
+    def __init__(self, tmp_path, device=None, shape: KVShape = VLLM_CPU, kv_device: str = "cpu", kv_events=None,
+                 **cfg):
         cfg.setdefault("host_capacity", "32MiB")
         cfg.setdefault("ssd_dir", str(tmp_path / "ssd"))
         self.shape, self.kv_device = shape, kv_device
         self.cfg = ConnectorConfig.from_extra_config(cfg, env={})
-        self.sched = SchedulerHalf(self.cfg, shape.identity, shape.page_bytes, shape.block_size)
+        self.sched = SchedulerHalf(self.cfg, shape.identity, shape.page_bytes, shape.block_size, kv_events=kv_events)
         self.buf = shape.buffer(kv_device)
         self.kv = {f"layer.{i}": self.buf[i] for i in range(shape.layers)}
-        self.worker = WorkerHalf(device or HostDevice(), self.cfg.verify_loads, self.cfg.load_timeout_s)
+        self.worker = WorkerHalf(device or HostDevice(), self.cfg.verify_loads, self.cfg.load_timeout_s,
+                                 tracing=self.cfg.trace_path is not None)
         self.worker.register(PagedKV(self.kv, list(self.kv), shape.blocks))
         self.errors: set[int] = set()
         self.sent: set[str] = set()

@@ -141,9 +141,8 @@ def test_a_final_save_pending_at_a_reset_is_cancelled_and_its_blocks_are_freed(e
 
 
 def test_a_reset_publishes_the_removal_of_our_host_blocks_with_their_medium(engines):
-    a = engines()
-    events = ConnectorEvents(a.sched.store, a.cfg.chunk_size, BS, publish=True)
-    a.sched.kv_events = events
+    a = engines(kv_events=lambda store: ConnectorEvents(store, 256, BS, publish=True))
+    events = a.sched.kv_events
     p = prompt(600, seed=4)
     store(a, "e", p, list(range(1, 6)))
     events.take()

@@ -23,7 +23,6 @@ from tests.trace_kit import LOAD_STAGES, check_nesting, ticket_stages, track_nam
 def test_trace_nests_and_orders_every_stage(tmp_path, device):
     tokens = prompt(600)
     e = Engine(tmp_path, device(), trace_path=str(tmp_path / "t1.json"), stats_path=str(tmp_path / "s1.json"))
-    e.worker.tracing = True
     run_request(e, "a", tokens, [0, 1, 2, 3, 4])
     e.settle()
     finish(e, "a")
@@ -31,7 +30,6 @@ def test_trace_nests_and_orders_every_stage(tmp_path, device):
     finish(e, "b")
     e.close()
     e2 = Engine(tmp_path, device(), trace_path=str(tmp_path / "t2.json"), stats_path=str(tmp_path / "s2.json"))
-    e2.worker.tracing = True
     assert run_request(e2, "c", tokens, [0, 1, 2, 3, 4], seed=7) == 512
     finish(e2, "c")
     e2.close()

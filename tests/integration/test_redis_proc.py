@@ -133,13 +133,13 @@ def test_appendonly_data_survives_a_graceful_restart(redis_factory):
     assert srv.client().get("k") == b"durable"
 
 
-def test_bad_option_fails_fast_with_the_log_tail(tmp_path):
-    t0 = time.monotonic()
+def test_bad_option_fails_at_once_with_the_log_tail(tmp_path):
+    """The server's exit is seen (its log tail in the error), not waited out as a timeout."""
     srv = RedisServer(tmp_path, extra_args=["--no-such-option", "1"])
     with pytest.raises(TierError, match="no-such-option") as err:
-        srv.start(timeout=10)
+        srv.start(timeout=600)
     assert "Bad directive" in str(err.value) and str(srv.port) in str(err.value)
-    assert time.monotonic() - t0 < 5 and srv.pid is None
+    assert "timed out" not in str(err.value) and srv.pid is None
 
 
 def test_a_given_port_in_use_is_an_error_naming_it(tmp_path):

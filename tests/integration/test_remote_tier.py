@@ -135,11 +135,10 @@ async def test_breaker_opens_on_kill_and_closes_after_restart(tmp_path):
             await _until_written_through(tier, len(keys))
             proc.kill()
 
-            t0 = time.perf_counter()
             answers = [await tier.lookup(keys) for _ in range(100)]
-            assert time.perf_counter() - t0 < 1.0
             assert answers == [0] * 100
             assert tier.breaker.counters.opened == 1 and tier.breaker.is_open
+            assert tier.breaker.counters.rejected >= 99  # answered by the open breaker, not the dead store
             buf = np.empty(2 * MiB, np.uint8)
             assert await tier.read_into(keys[0], memoryview(buf)) is None
             assert await tier.put(keys[0], objs[0]) is PutResult.FAILED

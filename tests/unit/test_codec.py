@@ -8,7 +8,6 @@ byte that changes afterwards — in the header or in the payload — must be cau
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy as np
 import pytest
@@ -114,7 +113,6 @@ def test_every_single_byte_header_corruption_is_a_corrupt_header():
     buf = sealed(SMALL)
     clean = bytes(buf)
     missed, checked = [], 0
-    start = time.perf_counter()
     for pos in range(HEADER_SIZE):
         for mask in (0x01, 0x80, 0xFF, (pos * 37) % 255 + 1):
             buf[pos] ^= mask
@@ -130,7 +128,6 @@ def test_every_single_byte_header_corruption_is_a_corrupt_header():
     assert bytes(buf) == clean
     assert checked == HEADER_SIZE * 4
     assert missed == []
-    assert time.perf_counter() - start < 2.0
 
 
 def test_every_single_byte_payload_corruption_of_a_small_object_is_a_checksum_mismatch():

@@ -38,7 +38,11 @@ TOKENS = [{"token": "tok-a", "tenant": "a", "permissions": ["read", "write", "sh
 
 
 class Subscriber:
-    """A SUB socket on one stream, and its replay socket (vLLM's protocol)."""
+    """A SUB socket on one stream, and its replay socket (vLLM's protocol), read as a careful
+    consumer reads them: every sequence number in order, a gap (ZMQ drops what is published
+    before a subscription reaches the publisher, its "slow joiner") filled from the replay
+    socket, and the replay asked whenever the stream is quiet.  So no test waits a fixed time
+    for its subscription to be ready."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, replay: str, topic: bytes) -> None:
         self.sub = ctx.socket(zmq.SUB)
@@ -46,22 +50,43 @@ class Subscriber:
         self.sub.connect(endpoint)
         self.replay_endpoint, self.topic, self.ctx = replay, topic, ctx
         self.seen: list[tuple[int, KVEventBatch, list]] = []  # (seq, vLLM's batch, the raw batch)
+        self.next = 0            # the next sequence number this consumer has not seen
+        self.replayed = 0        # batches that came from the replay socket instead of the stream
 
     def poll(self, until, timeout: float = 15.0) -> list:
-        """Read messages until ``until(events)`` holds for the events read by this call."""
+        """Read batches in sequence until ``until(events)`` holds for the events read by this
+        call (a deadline only turns a hang into a failure)."""
         events, deadline = [], time.monotonic() + timeout
         while not until(events):
             assert time.monotonic() < deadline, f"waited for events; got {events}"
             if self.sub.poll(100):
                 topic, seq, payload = self.sub.recv_multipart()
                 assert topic == self.topic and len(seq) == 8
-                events += self._decode(int.from_bytes(seq, "big"), payload).events
+                n = int.from_bytes(seq, "big")
+                if n > self.next:  # a gap: what was published before it, from the replay
+                    events += self._catch_up(below=n)
+                if n == self.next:
+                    events += self._decode(n, payload).events
+            else:
+                events += self._catch_up()
+        return events
+
+    def _catch_up(self, below: int | None = None) -> list:
+        events = []
+        for n, payload in self._replayed(self.next):
+            if n == self.next and (below is None or n < below):
+                events += self._decode(n, payload).events
+                self.replayed += 1
         return events
 
     def quiet(self, seconds: float = 0.5) -> bool:
         return not self.sub.poll(int(seconds * 1000))
 
     def replay(self, start: int) -> list[tuple[int, KVEventBatch, int]]:
+        """The batches from ``start`` on, as the replay socket answers (seq, batch, epoch)."""
+        return [(n, VLLM.decode(payload), msgspec.msgpack.decode(payload)[3]) for n, payload in self._replayed(start)]
+
+    def _replayed(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(self.replay_endpoint)
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -72,14 +97,14 @@ class Subscriber:
             if seq == kvwire.END_SEQ:
                 break
             assert topic == self.topic
-            n = int.from_bytes(seq, "big")
-            got.append((n, VLLM.decode(payload), msgspec.msgpack.decode(payload)[3]))
+            got.append((int.from_bytes(seq, "big"), payload))
         dealer.close(0)
         return got
 
     def _decode(self, seq: int, payload: bytes) -> KVEventBatch:
         batch = VLLM.decode(payload)                       # vLLM's own structs read every message
         self.seen.append((seq, batch, msgspec.msgpack.decode(payload)))
+        self.next = seq + 1
         return batch
 
     def raw_since(self, seq: int) -> list[dict]:
@@ -140,7 +165,6 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
     ctx = zmq.Context()
     subs = {t: Subscriber(ctx, f"ipc://{tmp_path}/{t}.events", f"ipc://{tmp_path}/{t}.replay",
                           f"kv@store@{t}".encode()) for t in "ab"}
-    time.sleep(0.3)  # let the subscriptions reach the publisher (ZMQ's slow joiner)
     tokens, hashes, keys, descs = chain(6, seed=1)
     try:
         # The epoch opened with AllBlocksCleared, before anyone listened: replay has it.
@@ -180,9 +204,10 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
         last = subs["a"].seen[-1][0]
         subs["a"].close()
         asyncio.run(_delete(store.target, "tok-a", keys[5]))
-        time.sleep(0.5)
-        missed = Subscriber(ctx, f"ipc://{tmp_path}/a.events", f"ipc://{tmp_path}/a.replay",
-                            b"kv@store@a").replay(last + 1)
+        late = Subscriber(ctx, f"ipc://{tmp_path}/a.events", f"ipc://{tmp_path}/a.replay", b"kv@store@a")
+        late.next = last + 1  # where the closed one stopped: all it gets comes from the replay
+        late.poll(lambda ev: len([e for e in ev if isinstance(e, BlockRemoved)]) >= 2)
+        missed = late.replay(last + 1)
         assert [seq for seq, _, _ in missed] == list(range(last + 1, last + 1 + len(missed)))
         gone = [e for _, b, _ in missed for e in b.events]
         assert {(type(e), e.medium) for e in gone} == {(BlockRemoved, "CPU"), (BlockRemoved, "STORAGE")}
@@ -191,7 +216,6 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
         # A restart: a new epoch, cleared first; an SSD survivor is announced again once read.
         store.restart()
         sub = Subscriber(ctx, f"ipc://{tmp_path}/a.events", f"ipc://{tmp_path}/a.replay", b"kv@store@a")
-        time.sleep(0.3)
         (_, batch, epoch1), = sub.replay(0)
         assert batch.events == [AllBlocksCleared()] and epoch1 > epoch0
         asyncio.run(read(store.target, "tok-a", keys[0], descs))

@@ -133,7 +133,6 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
 
         engine_events = EngineEvents(f"tcp://127.0.0.1:{env['ENGINE_EVENTS_PORT']}")  # vLLM's publisher
         docker("kill", store)                                  # fault 1: the store dies mid-run
-        time.sleep(0.5)                                        # the subscription reaches the publisher
         (tmp_path / "barriers" / f"{PAUSE}.go").touch()
         rc = int(docker("wait", engine, timeout=900).strip())
         out = docker("logs", engine, timeout=60)
@@ -170,10 +169,19 @@ class EngineEvents:
     def __init__(self, endpoint: str) -> None:
         import zmq  # the test extra (pyzmq, msgspec) and vLLM's structs, from the test's venv
 
+        from zmq.utils.monitor import recv_monitor_message
+
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(endpoint)
+        # Connected: the subscription goes out right after the handshake, so the publisher
+        # (paused at a barrier until the test lets it go) has it before its next batch.
+        assert monitor.poll(30_000), f"no connection to vLLM's publisher at {endpoint}"
+        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self.sub.disable_monitor()
+        monitor.close(0)
         self.batches: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True)

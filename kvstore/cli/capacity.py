@@ -10,7 +10,8 @@ import argparse
 import json
 
 from kvstore.errors import ConfigError
-from kvstore.layout import DType, KVGeometry, plan_capacity
+from kvstore.layout import DType, KVGeometry
+from kvstore.layout.capacity import plan_capacity
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

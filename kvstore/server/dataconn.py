@@ -39,7 +39,7 @@ from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.dataops import Bridge, DataOps, LoopGone
 from kvstore.server.leases import PendingPut
-from kvstore.server.servicer import OUTCOMES, TIER_CODES, status_of
+from kvstore.server.status import OUTCOMES, TIER_CODES, status_of
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.data")

@@ -2,15 +2,9 @@
 
 Thin: each handler authenticates, converts the request at the edge (bytes → typed,
 tenant-scoped keys), delegates to ``ServerStore`` and converts the answer back.  Domain
-errors become status codes in ONE place (``_STATUS`` via the ``rpc`` decorator):
+errors become status codes in one place, the ``rpc`` decorator of ``kvstore.server.status``.
 
-    UnauthenticatedError → UNAUTHENTICATED     PermissionDeniedError → PERMISSION_DENIED
-    ConfigError          → INVALID_ARGUMENT    CapacityError         → RESOURCE_EXHAUSTED
-    LeaseError           → NOT_FOUND           ObjectFormatError     → FAILED_PRECONDITION
-    TierError            → UNAVAILABLE         TimeoutError          → DEADLINE_EXCEEDED
-    anything else        → INTERNAL (logged with its traceback)
-
-A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``_DRAIN_FIRST``) is
+A refused ``PutStream`` (PERMISSION_DENIED, INVALID_ARGUMENT, ...: ``DRAIN_FIRST``) is
 answered only after the client's frames are read (at most one object's worth), so the
 client sees that status rather than a failed write, but only while it holds one of its
 tenant's ``streams``: a tenant's refused streams never hold more call slots
@@ -40,10 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,78 +45,18 @@ import grpc
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
-from kvstore.errors import (CapacityError, ConfigError, KVStoreError, LeaseError, ObjectFormatError,
-                            TierError, TierUnavailableError)
+from kvstore.errors import (CapacityError, ConfigError, KVStoreError, TierUnavailableError)
 from kvstore.keys import ObjectKey
 from kvstore.server.core import ServerStore
 from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.statsdoc import flat_counters, flat_tenant
+from kvstore.server.status import DRAIN_FIRST, OUTCOMES, TIER_CODES, rpc, status_of
 from kvstore.server.wire import Guard, InFrame, Malformed, OutFrame
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
 READ, WRITE, SHM, ADMIN = Permission.READ, Permission.WRITE, Permission.SHM, Permission.ADMIN
 MAX_DESCRIBED_TOKENS = 1 << 16  # tokens of one described object (a chunk holds a few hundred)
-TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
-OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
-            PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
-
-# The one table of domain error → status code (first match wins: subclasses first).
-_STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (LeaseError, grpc.StatusCode.NOT_FOUND),
-    (ObjectFormatError, grpc.StatusCode.FAILED_PRECONDITION),
-    (TierError, grpc.StatusCode.UNAVAILABLE),
-    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
-)
-
-
-# Refusals of a client stream (PutStream) answered only once the client has sent it all:
-# a status sent while the client still writes reaches grpc.aio clients as "INTERNAL: Internal
-# error from Core" from their next write.  Not for strangers (UNAUTHENTICATED: their bytes
-# are not read) nor when the server is going away (UNAVAILABLE) or out of time.
-_DRAIN_FIRST = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
-                          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-                          grpc.StatusCode.FAILED_PRECONDITION})
-
-
-def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
-    for kind, code in _STATUS:
-        if isinstance(err, kind):
-            return code, str(err) or type(err).__name__
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__} (see the server log)"
-
-
-Handler = Callable[..., Awaitable[object]]
-
-
-def rpc(*needed: Permission) -> Callable[[Handler], Handler]:
-    """Authenticate, check ``needed``, apply the deadline, map errors to status codes."""
-
-    def wrap(fn: Handler) -> Handler:
-        @functools.wraps(fn)
-        async def handler(self: "KVStoreServicer", request, context: grpc.aio.ServicerContext):
-            try:
-                who = self.admit(request, context, needed, fn.__name__)
-                remaining = context.time_remaining()
-                async with asyncio.timeout(None if remaining is None else max(0.0, remaining)):
-                    return await fn(self, request, context, who)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as err:  # CancelledError is a BaseException: it passes
-                code, message = status_of(err)
-                if code is grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", fn.__name__)
-                await context.abort(code, message)
-
-        return handler
-
-    return wrap
-
-
 def _tier_codes(tiers: list[str]) -> list[int]:
     """Wire codes of tier names (a run of one tier, the common answer, in one step)."""
     if tiers and tiers.count(tiers[0]) == len(tiers):
@@ -311,7 +244,7 @@ class KVStoreServicer:
                 async with self._deadline(who, first.start.size):
                     return await self._put_stream(who, first.start, frames)
             except Exception as err:
-                if status_of(err)[0] in _DRAIN_FIRST:
+                if status_of(err)[0] in DRAIN_FIRST:
                     await self._drain_refused(frames)   # still one of the tenant's streams
                 raise
 
@@ -368,7 +301,7 @@ class KVStoreServicer:
             budget -= len(frame.data) if frame.data is not None else 1
 
     async def _drain_refused(self, frames: AsyncIterator[InFrame]) -> None:
-        """``_drain`` before a refusal (``_DRAIN_FIRST``); a stream that misbehaves while
+        """``_drain`` before a refusal (``DRAIN_FIRST``); a stream that misbehaves while
         drained (malformed, silent for ``stream_grace``, slower than the deadline of one
         object of ``max_object_bytes``, broken) is simply answered."""
         try:

@@ -45,7 +45,7 @@ from kvstore import shmwire as wire
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, PermissionDeniedError
 from kvstore.server.auth import Authenticator, Permission, Principal
 from kvstore.server.peers import PreAuth
-from kvstore.server.servicer import status_of
+from kvstore.server.status import status_of
 from kvstore.server.tenants import Tenants
 from kvstore.server.tickets import TicketBook
 from tiers.host import HostTier

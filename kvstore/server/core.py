@@ -56,14 +56,15 @@ from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
 from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
-from kvstore.store.observer import StoreObserver
 from kvstore.server.kvpublish import EventPublisher, start_publisher
+from kvstore.server.metrics import ServerObserver
+from kvstore.server.statsdoc import dumpable
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers, tier_specs
 from kvstore.integrity import DEFAULT_TENANT, KeySource, load_keys
 from kvstore.store.tiered import TieredStore
-from tiers.base import PutResult, Tier
+from tiers.base import Tier
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.server.servicer")
@@ -80,44 +81,6 @@ class Granted:
     length: int
     ttl: float
     tier: str
-
-
-class ServerObserver(StoreObserver):
-    """The core's events as the server's counters (names in ``kvstore.server.metrics``)."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
-
-    def tier_failed(self, tier: Tier, op: str, err: BaseException) -> None:
-        self.metrics.counters.fail(f"{tier.name}_{op}_error")
-        log.warning("%s %s failed: %s", tier.name, op, err)
-
-    def promoted(self, tier: Tier, size: int, seconds: float) -> None:
-        c = self.metrics.counters
-        c.bump(c.promotions, tier.name)
-        c.bump(c.bytes, (tier.name, "read"), size)
-        self.metrics.observe("promote", seconds)
-
-    def promote_no_room(self) -> None:
-        self.metrics.counters.fail("promote_no_room")
-
-    def forged(self, tier: Tier, err: BaseException) -> None:
-        self.metrics.counters.fail(f"{tier.name}_forged")
-        log.warning("%s: refused and removed a forged object: %s", tier.name, err)
-
-    def written(self, tier: Tier, result: PutResult, size: int, err: BaseException | None) -> None:
-        c = self.metrics.counters
-        c.bump(c.write_through, (tier.name, result.value))
-        if result is PutResult.STORED:
-            c.bump(c.bytes, (tier.name, "write"), size)
-        elif result in (PutResult.FAILED, PutResult.NO_ROOM):
-            c.fail(f"write_through_{tier.name}_{result.value}")
-
-    def write_down_done(self, seconds: float) -> None:
-        self.metrics.observe("write_through", seconds)
-
-    def write_down_dropped(self) -> None:
-        self.metrics.counters.fail("write_down_dropped")
 
 
 class ServerStore:
@@ -383,7 +346,7 @@ class ServerStore:
                     for name, s in snap.tiers.items() if "breaker_open" in s}
         return {
             "server": {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
-                       "closing": self._closing, "dumpable": _dumpable()},
+                       "closing": self._closing, "dumpable": dumpable()},
             "tiers": snap.tiers,
             "store": self.metrics.counters.as_json(),
             "stage_latency": self.metrics.stage_latency(),
@@ -428,16 +391,4 @@ class ServerStore:
             self.publisher.close()
 
 
-def _dumpable() -> bool | None:
-    """Whether other processes of our uid may ptrace us or open our ``/proc/<pid>/fd``
-    (``prctl(PR_GET_DUMPABLE)``; None where it cannot be asked)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(3, 0, 0, 0, 0))
-    except (OSError, AttributeError):
-        return None
-
-
-__all__ = ["Granted", "ServerObserver", "ServerStore", "trusted_key"]
+__all__ = ["Granted", "ServerStore", "trusted_key"]

@@ -38,6 +38,7 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -46,7 +47,11 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Histogram
 
 from kvstore.metrics import quantiles
+from kvstore.store.observer import StoreObserver
+from tiers.base import PutResult, Tier
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger("kvstore.server.servicer")
 
 PREFIX = "kvstore_server_"
 _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -306,4 +311,44 @@ def _start_guarded(metrics: ServerMetrics, host: str, port: int, authorize: Call
     return server, server.server_address[1]
 
 
-__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "Snapshot", "start_http", "tenant_label"]
+class ServerObserver(StoreObserver):
+    """The store core's observer hooks as the server's counters (the names above)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def tier_failed(self, tier: Tier, op: str, err: BaseException) -> None:
+        self.metrics.counters.fail(f"{tier.name}_{op}_error")
+        log.warning("%s %s failed: %s", tier.name, op, err)
+
+    def promoted(self, tier: Tier, size: int, seconds: float) -> None:
+        c = self.metrics.counters
+        c.bump(c.promotions, tier.name)
+        c.bump(c.bytes, (tier.name, "read"), size)
+        self.metrics.observe("promote", seconds)
+
+    def promote_no_room(self) -> None:
+        self.metrics.counters.fail("promote_no_room")
+
+    def forged(self, tier: Tier, err: BaseException) -> None:
+        self.metrics.counters.fail(f"{tier.name}_forged")
+        log.warning("%s: refused and removed a forged object: %s", tier.name, err)
+
+    def written(self, tier: Tier, result: PutResult, size: int, err: BaseException | None) -> None:
+        c = self.metrics.counters
+        c.bump(c.write_through, (tier.name, result.value))
+        if result is PutResult.STORED:
+            c.bump(c.bytes, (tier.name, "write"), size)
+        elif result in (PutResult.FAILED, PutResult.NO_ROOM):
+            c.fail(f"write_through_{tier.name}_{result.value}")
+
+    def write_down_done(self, seconds: float) -> None:
+        self.metrics.observe("write_through", seconds)
+
+    def write_down_dropped(self) -> None:
+        self.metrics.counters.fail("write_down_dropped")
+
+
+
+__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "ServerObserver", "Snapshot", "start_http",
+           "tenant_label"]

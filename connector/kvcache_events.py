@@ -12,7 +12,7 @@ across workers.  ``KVStoreKVEvents`` (vLLM's ``KVConnectorKVEvents``) carries th
 What is published (``kvstore.store.kvevents``): ``BlockStored`` when an object lands in a
 tier (a save committed into host DRAM, a promotion from below, a write-down to SSD, the
 store or Redis) and ``BlockRemoved`` when it leaves one, with the reason; one object per
-event, its 64-bit wire hash (``kvstore.kvwire``), its parent's, its tokens, ``block_size`` =
+event, its 64-bit wire hash (``kvstore.wire.kv``), its parent's, its tokens, ``block_size`` =
 its tokens, ``group_idx`` 0 (one KV cache group), the LoRA's name.  ``medium``: host DRAM
 ``CPU``; SSD, the store process and Redis ``STORAGE`` with ``locality`` and ``ownership``
 (``ssd``, ``kvstore``, ``redis``).  The store process's own evictions are invisible here:
@@ -41,7 +41,7 @@ from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockSto
 from connector.plan import SaveJob
 from connector.requests import Piece, ReqState
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.kvwire import CPU, LOCAL, REMOTE, STORAGE, KVEvent, Kind, Medium, new_epoch
+from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, KVEvent, Kind, Medium, new_epoch
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
 

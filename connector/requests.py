@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from connector.plan import as_groups
 from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey
-from kvstore.kvwire import wire_hash
+from kvstore.wire.kv import wire_hash
 from kvstore.metrics import HitStats
 from kvstore.policy import CostModel
 

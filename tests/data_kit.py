@@ -1,4 +1,4 @@
-"""A raw data-channel client for tests: plain blocking sockets speaking ``kvstore.datawire``
+"""A raw data-channel client for tests: plain blocking sockets speaking ``kvstore.wire.data``
 to a real ``kvstore serve``, so a test can send exactly the bytes it wants (forged tickets,
 half objects, garbage) and read exactly what comes back.  Tickets come from ``OpenData``
 through ``tests.store_helpers.StoreClient`` (plain gRPC stubs)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 import ssl
 
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore.keys import ObjectKey
 from kvstore.localtoken import local_token
 from tests.store_helpers import StoreClient

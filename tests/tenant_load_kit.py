@@ -26,7 +26,9 @@ from collections import Counter
 import grpc
 import numpy as np
 
-from kvstore import codec, datawire as wire, shmwire
+from kvstore import codec
+from kvstore.wire import data as wire
+from kvstore.wire import shm as shmwire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import ChunkHash, Namespace, ObjectKey

@@ -5,7 +5,7 @@ Runs in the engine's processes: the pool on the client's event loop, the bytes o
 threads (one per connection in use).  Each connection is opened with a fresh single-use
 ticket (``mint``: the ``OpenData`` RPC), plus the bearer token, TLS when the gRPC channel
 uses it (same CA, client certificate and server name), and is then reused for request
-after request (format: ``kvstore.datawire``).  A get is one round trip: the request goes
+after request (format: ``kvstore.wire.data``).  A get is one round trip: the request goes
 out, the reply's bytes land with ``recv_into`` straight in the caller's buffer (no buffer of
 our own: a fresh one per object would cap the copy near 2 GB/s, docs/limits.md#fresh-allocations), and the
 payload checksum is computed on the same thread right after (xxh3 releases the GIL); the
@@ -36,7 +36,7 @@ from typing import TypeVar
 
 
 from kvstore import codec
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 
 T = TypeVar("T")

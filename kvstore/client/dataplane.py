@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.protowire import read_varint, varint
+from kvstore.wire.proto import read_varint, varint
 from kvstore import codec
 from kvstore.errors import ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, TierError
 from kvstore.keys import ObjectKey

@@ -23,7 +23,7 @@ import grpc.aio
 import numpy as np
 
 from kvstore import codec
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.info import Reservation
 from kvstore.client.planes import CODES

@@ -3,7 +3,7 @@ socket that delivered its tenant's pool, and the mapping of that pool.
 
 Client side (``kvstore.client.planes`` opens one per client; tests open them directly).
 ``ShmSession.open(path, ticket, token)`` connects to the server's gate, sends the hello
-(``kvstore.shmwire``: an ``OpenData`` ticket and the bearer token), receives the pool's
+(``kvstore.wire.shm``: an ``OpenData`` ticket and the bearer token), receives the pool's
 descriptor (``SCM_RIGHTS``) and maps it: read-write when the server says the token may
 write, read-only otherwise (a read-only mapping cannot be written, by this process or
 through it).  The descriptor is closed once mapped; the connection stays open, because
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore import shmwire as wire
+from kvstore.wire import shm as wire
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 from tiers.host_shm import SharedPoolView, map_fd
 

@@ -46,7 +46,7 @@ import xxhash
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore.client.datachannel import DataChannel
 from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
                                  open_channel)

@@ -27,7 +27,7 @@ Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClie
   raise ``ConfigError`` / ``CapacityError`` as in every tier.
 * **Descriptions.**  A store only knows keys and bytes; for its KV events it must be told an
   object's tokens (``Describe``).  With a ``describer`` (the owner's: key → its
-  ``kvstore.kvwire.Description``, or None), each object put or read here is described to a
+  ``kvstore.wire.kv.Description``, or None), each object put or read here is described to a
   store that publishes events, once per key (the last ``TOLD`` remembered), in the
   background: a read never waits for it.  Reads matter after a store restart: its SSD
   objects are announced again once an engine that knows their tokens reads them.
@@ -45,7 +45,7 @@ from kvstore.client.store_client import StoreClient
 from kvstore.client.info import Reservation
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from kvstore.kvwire import Description
+from kvstore.wire.kv import Description
 from tiers.base import PutHandle, PutResult, Removal, TierBase, TierStats
 from tiers.breaker import CircuitBreaker
 

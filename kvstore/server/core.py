@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import LeaseError, TierUnavailableError
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.kvwire import CPU, LOCAL, REMOTE, STORAGE, Medium
+from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, Medium
 from kvstore.server.config import ServerConfig
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot

@@ -2,7 +2,7 @@
 
 Server side.  ``DataConnection.serve()`` is the thread's body: the hello (within
 ``hello_timeout``; TLS first when the server has it), then requests one at a time until the
-client closes (format: ``kvstore.datawire``).  Bytes move with blocking calls on this thread
+client closes (format: ``kvstore.wire.data``).  Bytes move with blocking calls on this thread
 (``sendall`` straight from the host slot, ``recv_into`` straight into the reserved slot: no
 buffer in between, and the GIL is released while the kernel copies); everything that
 touches the store's bookkeeping runs on the event loop through ``DataOps`` (``Bridge``).
@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Protocol
 
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig

@@ -5,7 +5,7 @@ Python (every message is a fresh buffer, framed, copied and flow-controlled; doc
 objects cross hosts here instead, while control stays on gRPC: the bearer token and tenant,
 TLS with the same certificates, and the ticket that opens each connection come from there
 (``OpenData``; ``kvstore.server.tickets``), and a put is the same two-phase reservation,
-verified before it is published.  The format is ``kvstore.datawire``; each connection is
+verified before it is published.  The format is ``kvstore.wire.data``; each connection is
 served by ``kvstore.server.dataconn`` on its own thread, its bookkeeping by
 ``kvstore.server.dataops`` on the event loop.
 

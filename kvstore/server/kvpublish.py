@@ -4,7 +4,7 @@ ZMQ protocol, one stream per tenant.  Server side, one thread of its own.
 Each stream is what vLLM's ``ZmqEventPublisher`` serves, frame for frame:
 
 * a PUB socket; each message is three frames: the topic, an 8-byte big-endian sequence
-  number (0, 1, 2, ... per stream), and a msgpack batch (``kvstore.kvwire``: vLLM's events,
+  number (0, 1, 2, ... per stream), and a msgpack batch (``kvstore.wire.kv``: vLLM's events,
   plus the restart epoch and removal reasons);
 * optionally a ROUTER socket for replay: a request is ``[identity, b"", start_seq]`` (8
   bytes, big-endian), answered with ``[identity, b"", topic, seq, payload]`` for every
@@ -31,7 +31,7 @@ endpoints must be ``ipc://`` with ``{tenant}`` in a directory part (``ConfigErro
 otherwise), and chowning to another uid needs the store to run as root (or as that uid).
 docs/exposure.md describes the deployment.
 
-**Epochs.**  A new process starts a new epoch (``kvstore.kvwire.new_epoch``) carried in
+**Epochs.**  A new process starts a new epoch (``kvstore.wire.kv.new_epoch``) carried in
 every batch; its first batch on each stream starts with ``AllBlocksCleared``.
 
 The thread owns every socket (ZMQ sockets are not thread-safe): it takes the recorder's
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
-from kvstore.kvwire import END_SEQ, KVEvent, encode_batch, new_epoch
+from kvstore.wire.kv import END_SEQ, KVEvent, encode_batch, new_epoch
 from kvstore.store.kvevents import EventRecorder
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from kvstore.kvwire import wire_hash
+from kvstore.wire.kv import wire_hash
 from kvstore.server.config import ServerConfig
 from kvstore.server.core import ServerStore
 from kvstore.server.metrics import ServerMetrics

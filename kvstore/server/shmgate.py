@@ -4,7 +4,7 @@ tenant's host pool as a file descriptor.  Server side, on the event loop.
 Why: a pool that has a name (a file in /dev/shm) can be opened by any process of the same
 uid, token or not, and one pool for all tenants lets each tenant read and rewrite the
 others' objects.  Each tenant's pool is an anonymous memfd instead (``tiers.host``), and it
-leaves the server only here (format: ``kvstore.shmwire``):
+leaves the server only here (format: ``kvstore.wire.shm``):
 
 1. The peer's credentials (``SO_PEERCRED``) must be the server's own uid (or root): other
    users get nothing, whatever their token.
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore import shmwire as wire
+from kvstore.wire import shm as wire
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, PermissionDeniedError
 from kvstore.server.auth import Authenticator, Permission, Principal
 from kvstore.server.peers import PreAuth

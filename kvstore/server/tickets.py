@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.datawire import TICKET_SIZE
+from kvstore.wire.data import TICKET_SIZE
 from kvstore.errors import CapacityError
 from kvstore.server.auth import PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.server.tenants import Tenants

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.protowire import read_varint, varint
+from kvstore.wire.proto import read_varint, varint
 from kvstore._proto import kvstore_pb2 as pb
 
 SERVICE = "kvstore.v1.KVStore"

@@ -1,5 +1,5 @@
 """The KV events of a store: what each of its tiers holds, as ``BlockStored`` /
-``BlockRemoved`` / ``AllBlocksCleared`` events (``kvstore.kvwire``).
+``BlockRemoved`` / ``AllBlocksCleared`` events (``kvstore.wire.kv``).
 
 Runs wherever a store core runs: the connector's scheduler process (events handed to vLLM's
 own publisher) and the store process (its own publisher, one stream per tenant).
@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvstore.errors import CapacityError
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.kvwire import Description, KVEvent, Kind, Medium, wire_hash
+from kvstore.wire.kv import Description, KVEvent, Kind, Medium, wire_hash
 from tiers.base import Removal, Tier, listen
 
 StreamOf = Callable[[ObjectKey], "str | None"]

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore.client.store_client import StoreClient as AsyncClient
 from kvstore.client.tier import RemoteTier
 from kvstore.errors import TierUnavailableError

@@ -12,7 +12,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore import codec, shmwire
+from kvstore import codec
+from kvstore.wire import shm as shmwire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import ObjectKey
 from tests.data_kit import RawData, ticket_of

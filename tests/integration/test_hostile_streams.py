@@ -12,7 +12,7 @@ import urllib.request
 import grpc
 import pytest
 
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
 from tests.data_kit import RawData, ticket_of

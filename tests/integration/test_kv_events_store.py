@@ -21,10 +21,11 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kvstore import kvwire, trace
+from kvstore import trace
+from kvstore.wire import kv as kvwire
 from kvstore.client.tier import RemoteTier
 from kvstore.keys import chunk_hashes, object_keys
-from kvstore.kvwire import Description
+from kvstore.wire.kv import Description
 from kvstore.testing.serve_proc import StoreProcess
 from tests.kvobjects import namespace, sealed
 from tests.store_helpers import write_tokens

@@ -33,7 +33,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from harness import kit, tinymodel
 from harness.main import connector_config, tier_split_ok
-from kvstore import kvwire, trace
+from kvstore import trace
+from kvstore.wire import kv as kvwire
 from tests.trace_kit import LOAD_STAGES, check_nesting, ticket_stages
 
 pytestmark = pytest.mark.engine

@@ -1,10 +1,10 @@
-"""The data channel's wire format alone (``kvstore.datawire``): encodings round-trip, and
+"""The data channel's wire format alone (``kvstore.wire.data``): encodings round-trip, and
 every malformed fixed part is a ``WireError`` (a ``ConfigError``: INVALID_ARGUMENT)."""
 import struct
 
 import pytest
 
-from kvstore import datawire as wire
+from kvstore.wire import data as wire
 from kvstore.errors import ConfigError
 from kvstore.keys import ROOT
 import kvobjects as kv

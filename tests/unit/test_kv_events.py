@@ -1,4 +1,4 @@
-"""KV events of a store (``kvstore.store.kvevents``) and their wire form (``kvstore.kvwire``),
+"""KV events of a store (``kvstore.store.kvevents``) and their wire form (``kvstore.wire.kv``),
 decoded with vLLM's own msgspec structs.
 
 Stories on a real store core: a 4-slot host pool over an SSD directory.  A chain is saved
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from kvstore import codec, kvwire
+from kvstore import codec
+from kvstore.wire import kv as kvwire
 from kvstore.keys import ROOT, chunk_hashes, object_keys
-from kvstore.kvwire import CPU, LOCAL, STORAGE, KVEvent, Kind, Medium
+from kvstore.wire.kv import CPU, LOCAL, STORAGE, KVEvent, Kind, Medium
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
 from tests.kvobjects import namespace

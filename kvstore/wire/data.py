@@ -79,7 +79,7 @@ class ReplyHead:
 class TicketHello:
     """The first message of a connection that presents an ``OpenData`` ticket and a bearer
     token: ``magic | u16 token length | ticket (32 bytes) | token (UTF-8)``.  The data
-    channel and the shared-memory gate (``kvstore.shmwire``) differ only in the magic."""
+    channel and the shared-memory gate (``kvstore.wire.shm``) differ only in the magic."""
 
     def __init__(self, magic: bytes, client: str, error: type[Exception]) -> None:
         self.magic, self.client, self.error = magic, client, error

@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvstore.datawire import HELLO, TICKET_SIZE, TicketHello
+from kvstore.wire.data import HELLO, TICKET_SIZE, TicketHello
 from kvstore.errors import ConfigError
 
 MAGIC = b"KVM1"

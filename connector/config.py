@@ -4,7 +4,7 @@ then ``KVSTORE_<KEY>`` environment variables, then the defaults below.
 ``ConnectorConfig`` is the tier settings every store has (``kvstore.config.TierSettings``: host
 pool, SSD tier, write policy), ``lease_ttl`` (``LeaseSettings``, shared with the store
 process) and the connector's own settings.  Each field's doc says
-what it means; the README's connector table lists the same keys (a test keeps them equal).
+what it means; docs/connector.md#settings lists the same keys (a test keeps them equal).
 Values convert by field type (``kvstore.config.convert``).  Unknown keys, impossible values
 and unwritable directories fail at engine start with a ``ConfigError`` naming the key.
 

@@ -37,7 +37,8 @@ class ServerConfig(LeaseSettings, TierSettings):
                                  "(clients on other hosts move bytes over it; off: over gRPC streams)")
     data_port: int = setting(0, "port of the data channel (0: a free port; Hello advertises it)")
     data_ticket_ttl: Seconds = setting(10.0, "seconds a data-channel ticket (OpenData) may wait to be used")
-    redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db)")
+    redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db; "
+                                             "options as for the connector: docs/redis.md)")
     keys_file: Path | None = setting(None, "deployment secret of the objects' MACs (`kvstore keys create`); "
                                      "none: `KVSTORE_KEYS`, else the default file made on first use "
                                      "(docs/integrity.md)")
@@ -91,7 +92,8 @@ class ServerConfig(LeaseSettings, TierSettings):
     idle_timeout: Seconds = setting(300.0, "seconds an idle client connection (gRPC or data channel) is kept")
     kv_events: str | None = setting(None, "publish the store's KV events in vLLM's format on this ZMQ "
                                     "endpoint (`tcp://127.0.0.1:5557`, `ipc://PATH`; none: off); with "
-                                    "several tenants it must contain `{tenant}`: each tenant its own stream")
+                                    "several tenants it must contain `{tenant}`: each tenant its own stream; "
+                                    "a TCP endpoint beyond loopback needs insecure")
     kv_events_replay: str | None = setting(None, "ZMQ ROUTER endpoint answering replay requests as vLLM's "
                                            "does (`{tenant}` as for kv_events; none: no replay)")
     kv_events_topic: str = setting("", "topic of every KV event message (`{tenant}` is replaced), e.g. "

@@ -163,18 +163,14 @@ def test_every_setting_has_a_doc():
         assert all(f.metadata.get("doc") for f in fields(cls)), cls
 
 
-_NOT_DOCUMENTED_YET: set[str] = set()  # keys a branch adds before docs/ documents them
-
-
-def _table_keys(doc: str, heading: str) -> set[str]:
-    """The keys in the first column of the first table under ``heading`` in document ``doc``."""
-    section = (ROOT / doc).read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.split("\n\n| key")[1].split("\n\n")[0].splitlines() if line.startswith("| `")]
+def _table_keys(doc: str) -> set[str]:
+    """The keys in the first column of the settings table of reference page ``doc``."""
+    rows = [line for line in (ROOT / doc).read_text().splitlines() if line.startswith("| `")]
     return {key for row in rows for key in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
 
 
 def test_every_documented_connector_key_is_read():
-    keys = _table_keys("docs/connector.md", "## Settings") | _NOT_DOCUMENTED_YET
+    keys = _table_keys("docs/reference/connector.md")
     assert keys == {f.name for f in fields(ConnectorConfig)}
     cfg = ConnectorConfig.from_extra_config(
         {"host_capacity": "64MiB", "ssd_dir": "/tmp/kv", "ssd_capacity": "1GiB", "chunk_size": "512",
@@ -208,7 +204,7 @@ def test_the_connector_config_never_shows_its_secrets(tmp_path):
 
 
 def test_every_documented_serve_key_is_read():
-    assert _table_keys("docs/store-process.md", "## Settings") | _NOT_DOCUMENTED_YET \
+    assert _table_keys("docs/reference/store.md") \
         == {f.name for f in fields(ServerConfig)}
 
 

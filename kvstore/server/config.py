@@ -76,7 +76,7 @@ class ServerConfig(LeaseSettings, TierSettings):
                                     "average: moving N bytes is cut after stream_grace + N / stream_min_rate "
                                     "seconds, and its references and reservations are dropped")
     stream_grace: Seconds = setting(5.0, "seconds every stream gets on top of its bytes' share, and the "
-                                    "longest it may wait for its first frame")
+                                    "longest a PutStream may wait for a frame")
     request_timeout: Seconds = setting(2.0, "seconds a gRPC call's request may take to arrive once the call "
                                        "is open (beyond: DEADLINE_EXCEEDED; calls without a valid token are "
                                        "refused before, from their metadata)")
@@ -86,7 +86,8 @@ class ServerConfig(LeaseSettings, TierSettings):
                                                 "per peer (TCP: source address; gate: uid and pid); beyond: "
                                                 "closed at once")
     max_unauthenticated: int = setting(1024, "data-channel and gate connections not yet authenticated, in all "
-                                       "(each channel); beyond: closed at once")
+                                       "(each channel); beyond: closed at once; global slots are taken only "
+                                       "after authentication")
     max_concurrent_rpcs: int = setting(1024, "gRPC calls served at once (beyond: RESOURCE_EXHAUSTED)")
     max_streams_per_connection: int = setting(128, "gRPC calls at once on one client connection")
     idle_timeout: Seconds = setting(300.0, "seconds an idle client connection (gRPC or data channel) is kept")

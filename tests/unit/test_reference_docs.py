@@ -1,8 +1,8 @@
 """The reference pages cannot drift from the code: the pages ``connector``, ``store`` and
 ``metrics`` of ``docs/reference/`` equal what ``harness.docgen`` renders from the typed configs
 and the Prometheus collectors now, every key of ``ConnectorConfig`` and ``ServerConfig``
-(their ``TierSettings`` and ``LeaseSettings`` included) is a row of its page, and every
-declared metric is a row of the metrics page.  The README stays a front page (under 250
+(their ``TierSettings`` and ``LeaseSettings`` included) is a row of its page whose default
+reads back as the field's default, and every declared metric is a row of the metrics page.  The README stays a front page (under 250
 lines) that links the reference.  The checks are first shown to fail on altered pages.
 Cost: about a second (no engine, no server: the store's collector is built, not served)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from connector.config import ConnectorConfig
 from harness import docgen
-from kvstore.config import LeaseSettings, TierSettings
+from kvstore.config import LeaseSettings, TierSettings, convert, field_types
 from kvstore.errors import ConfigError
 from kvstore.server.config import ServerConfig
 
@@ -67,6 +67,22 @@ def test_every_key_is_documented_once(name, cls):
     assert sorted(keys) == sorted(f.name for f in fields(cls))
     shared = {f.name for f in fields(TierSettings)} | {f.name for f in fields(LeaseSettings)}
     assert shared <= set(keys)
+
+
+@pytest.mark.parametrize("name, cls", [("connector", ConnectorConfig), ("store", ServerConfig)])
+def test_every_documented_default_reads_back_as_the_default(name, cls):
+    """The default column as a user would type it converts to the field's default."""
+    types, checked = field_types(cls), 0
+    for line in page(name).splitlines():
+        m = re.match(r"^\| `(\w+)` \| (none|`[^`]*`) \|", line)
+        if not m:
+            continue
+        key, shown = m.groups()
+        value = None if shown == "none" else shown.strip("`").replace('""', "")
+        default = next(f.default for f in fields(cls) if f.name == key)
+        assert (None if value is None else convert(types[key], value, key)) == default, key
+        checked += 1
+    assert checked == len(fields(cls))
 
 
 def test_every_metric_is_documented_once():

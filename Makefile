@@ -18,7 +18,7 @@ V033_STAMP := $(V033)/.installed-stamp
 WHEELS     := $(HOME)/.cache/kvstore/wheels
 V033_WHEEL := $(WHEELS)/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
 
-.PHONY: run test test-fast bench lint clean redis-server compose-images compose-test vllm033
+.PHONY: run test test-fast bench lint clean redis-server compose-images compose-test vllm033 docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -97,6 +97,11 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) $(V033) .pytest_cache build *.egg-info
 	find docker/wheels -type f ! -name .gitignore -delete
+
+## Regenerate the reference pages under docs/reference from the typed configs and the metric collectors
+## (a test checks they are fresh).
+docs: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) -m harness.docgen
 
 ## Regenerate the gRPC code committed under kvstore/_proto from proto/ (a test checks it is fresh).
 proto: $(STAMP)

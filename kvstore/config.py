@@ -17,7 +17,7 @@ A configuration is a frozen dataclass; each field's type says how a raw value (a
 came from (``--lease-ttl``, ``KVSTORE_SERVE_LEASE_TTL``, ``serve.yaml: lease_ttl``,
 ``kv_connector_extra_config: device``); a value the class's own checks refuse gets its origin
 appended.  Each field is declared with ``setting(default, doc)``: the doc is the help of
-``kvstore serve`` and what the README tables say.
+``kvstore serve`` and the tables of ``docs/reference/`` (``python -m harness.docgen``).
 
 Field sets: ``TierSettings`` (host pool, SSD tier, write policy: every store, declared
 once for the embedded store's ``StoreConfig``, the connector and the store process) and
@@ -154,7 +154,7 @@ def field_types(cls: type) -> dict[str, object]:
 
 
 def setting(default: object, doc: str) -> Any:
-    """A dataclass field with its documentation (``kvstore serve --help``, the README tables)."""
+    """A dataclass field with its documentation (``kvstore serve --help``, docs/reference/)."""
     return field(default=default, metadata={"doc": doc})
 
 
@@ -289,7 +289,8 @@ class TierSettings:
     ssd_capacity: Size = setting(16 << 30, "size limit of the SSD tier")
     write_policy: WritePolicy = setting(WritePolicy.WRITE_THROUGH, (
         "how objects in host DRAM reach the lower tiers: `write_through` (each as it is committed), "
-        "`write_back` (kept in host DRAM, written later; not in the store process) or `host_only` "
+        "`write_back` (kept in host DRAM, unwritten ones never evicted; the oldest go down once they "
+        "exceed half the pool, and all at shutdown; not in the store process) or `host_only` "
         "(lower tiers are only read)"))
 
     def __post_init__(self) -> None:
@@ -307,7 +308,8 @@ class LeaseSettings:
 
     __slots__ = ()
     lease_ttl: Seconds = setting(30.0, "seconds a lease pins an object read from the store process (the "
-                                       "store's grant when a client asks for none; what the connector asks for)")
+                                       "store's grant when a client asks for none; what the connector asks for, "
+                                       "capped at the store's `max_lease_ttl`)")
 
     def __post_init__(self) -> None:
         check_seconds("lease_ttl", self.lease_ttl)

@@ -37,7 +37,8 @@ class ServerConfig(LeaseSettings, TierSettings):
                                  "(clients on other hosts move bytes over it; off: over gRPC streams)")
     data_port: int = setting(0, "port of the data channel (0: a free port; Hello advertises it)")
     data_ticket_ttl: Seconds = setting(10.0, "seconds a data-channel ticket (OpenData) may wait to be used")
-    redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db)")
+    redis: str | None = setting(None, "URL of the Redis tier, the lowest tier (redis://host:port/db; "
+                                             "options as for the connector: docs/redis.md)")
     keys_file: Path | None = setting(None, "deployment secret of the objects' MACs (`kvstore keys create`); "
                                      "none: `KVSTORE_KEYS`, else the default file made on first use "
                                      "(docs/integrity.md)")
@@ -75,7 +76,7 @@ class ServerConfig(LeaseSettings, TierSettings):
                                     "average: moving N bytes is cut after stream_grace + N / stream_min_rate "
                                     "seconds, and its references and reservations are dropped")
     stream_grace: Seconds = setting(5.0, "seconds every stream gets on top of its bytes' share, and the "
-                                    "longest it may wait for its first frame")
+                                    "longest a PutStream may wait for a frame")
     request_timeout: Seconds = setting(2.0, "seconds a gRPC call's request may take to arrive once the call "
                                        "is open (beyond: DEADLINE_EXCEEDED; calls without a valid token are "
                                        "refused before, from their metadata)")
@@ -85,13 +86,15 @@ class ServerConfig(LeaseSettings, TierSettings):
                                                 "per peer (TCP: source address; gate: uid and pid); beyond: "
                                                 "closed at once")
     max_unauthenticated: int = setting(1024, "data-channel and gate connections not yet authenticated, in all "
-                                       "(each channel); beyond: closed at once")
+                                       "(each channel); beyond: closed at once; global slots are taken only "
+                                       "after authentication")
     max_concurrent_rpcs: int = setting(1024, "gRPC calls served at once (beyond: RESOURCE_EXHAUSTED)")
     max_streams_per_connection: int = setting(128, "gRPC calls at once on one client connection")
     idle_timeout: Seconds = setting(300.0, "seconds an idle client connection (gRPC or data channel) is kept")
     kv_events: str | None = setting(None, "publish the store's KV events in vLLM's format on this ZMQ "
                                     "endpoint (`tcp://127.0.0.1:5557`, `ipc://PATH`; none: off); with "
-                                    "several tenants it must contain `{tenant}`: each tenant its own stream")
+                                    "several tenants it must contain `{tenant}`: each tenant its own stream; "
+                                    "a TCP endpoint beyond loopback needs insecure")
     kv_events_replay: str | None = setting(None, "ZMQ ROUTER endpoint answering replay requests as vLLM's "
                                            "does (`{tenant}` as for kv_events; none: no replay)")
     kv_events_topic: str = setting("", "topic of every KV event message (`{tenant}` is replaced), e.g. "

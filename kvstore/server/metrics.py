@@ -233,10 +233,13 @@ class _Collector:
         yield _gauge("tenant_quota", "Each tenant's quota of what it may hold at once", ["tenant", "what"],
                      {k: quota for k, (_, quota) in quotas.items()})
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
-        for name, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
-                          ("tier_capacity_bytes", "capacity_bytes"), ("breaker_open", "breaker_open")):
+        for name, key, doc in (("tier_objects", "objects", "Objects held, per tier"),
+                               ("tier_bytes_used", "bytes_used", "Bytes held, per tier"),
+                               ("tier_capacity_bytes", "capacity_bytes",
+                                "Capacity, per tier (0: unbounded or unknown)"),
+                               ("breaker_open", "breaker_open", "Circuit breakers open now (1), per network tier")):
             values = {(t,): s[key] for t, s in snap.tiers.items() if key in s}
-            yield _gauge(name, f"Per-tier {key}", ["tier"], values)
+            yield _gauge(name, doc, ["tier"], values)
 
 
 def tenant_label(tenant: str, mode: str) -> str:

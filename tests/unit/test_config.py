@@ -18,7 +18,7 @@ from kvstore.errors import ConfigError
 from kvstore.server.config import ServerConfig
 from tiers.redis_config import RedisConfig
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -163,18 +163,14 @@ def test_every_setting_has_a_doc():
         assert all(f.metadata.get("doc") for f in fields(cls)), cls
 
 
-_NOT_IN_README_YET: set[str] = set()  # keys a branch adds before the README documents them
-
-
-def _table_keys(heading: str) -> set[str]:
-    """The keys in the first column of the first table under ``heading`` in the README."""
-    section = README.split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.split("\n\n| key")[1].split("\n\n")[0].splitlines() if line.startswith("| `")]
+def _table_keys(doc: str) -> set[str]:
+    """The keys in the first column of the settings table of reference page ``doc``."""
+    rows = [line for line in (ROOT / doc).read_text().splitlines() if line.startswith("| `")]
     return {key for row in rows for key in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
 
 
-def test_every_readme_connector_key_is_read():
-    keys = _table_keys("## The vLLM connector") | _NOT_IN_README_YET
+def test_every_documented_connector_key_is_read():
+    keys = _table_keys("docs/reference/connector.md")
     assert keys == {f.name for f in fields(ConnectorConfig)}
     cfg = ConnectorConfig.from_extra_config(
         {"host_capacity": "64MiB", "ssd_dir": "/tmp/kv", "ssd_capacity": "1GiB", "chunk_size": "512",
@@ -207,13 +203,13 @@ def test_the_connector_config_never_shows_its_secrets(tmp_path):
         ConnectorConfig.from_extra_config({"store_tls_cert": "/c.pem"}, env={})
 
 
-def test_every_readme_serve_key_is_read():
-    assert _table_keys("## The store process (`kvstore serve`)") | _NOT_IN_README_YET \
+def test_every_documented_serve_key_is_read():
+    assert _table_keys("docs/reference/store.md") \
         == {f.name for f in fields(ServerConfig)}
 
 
-def test_every_readme_redis_option_is_read(tmp_path):
-    section = README.split("## Redis and Redis Cluster", 1)[1].split("\n## ", 1)[0]
+def test_every_documented_redis_option_is_read(tmp_path):
+    section = (ROOT / "docs/redis.md").read_text()
     text = section.split("Options (query parameters or keywords):", 1)[1].split("Mistakes", 1)[0]
     options = set(re.findall(r"`([a-z_]+)`", text)) - {"kvstore"}
     assert len(options) >= 12
@@ -226,8 +222,8 @@ def test_every_readme_redis_option_is_read(tmp_path):
     RedisConfig.from_url("rediss://h", **{k: values[k] for k in options})
 
 
-def test_readme_library_keys_are_store_keys():
-    text = README.split("- Configuration keys (", 1)[1].split(")", 1)[0]
+def test_documented_library_keys_are_store_keys():
+    text = (ROOT / "docs/library.md").read_text().split("- Configuration keys (", 1)[1].split(")", 1)[0]
     assert set(re.findall(r"`([a-z_]+)`", text)) == {f.name for f in fields(StoreConfig)}
 
 

@@ -38,7 +38,9 @@ Bounds and backpressure:
 
 Encryption at rest (``kvstore.integrity``): with ``keys`` (the core's: a function of the
 key giving its tenant's ``Keyring``), an object whose tenant's keyring has ``encrypt`` on
-is encrypted once per copy (``integrity.encrypt``; in a worker thread above 1 MiB) and that
+is encrypted once per copy (``integrity.encrypt``; in a worker thread above 1 MiB) into a
+scratch buffer reused between copies (at most ``max_in_flight`` of them, each as large as the
+largest object encrypted: a fresh buffer per object cost more than the encryption), and that
 copy is what every lower tier gets, except a tier that verifies MACs itself (the store
 process, over its authenticated channel: it encrypts for its own tiers per its own
 tenants' settings).  An object that cannot be encrypted (unsealed) is written nowhere,
@@ -104,6 +106,7 @@ class WriteDown:
         self.written = 0  # objects stored in at least one lower tier
         self.verify = verify
         self.keys = keys
+        self._scratch: list[bytearray] = []  # encryption buffers between copies (on the loop only)
         self._counters, self._observer = counters, observer
         # _lock guards _queue, _queued, _dirty, _dirty_bytes, _active, _flush_to and _closed
         # (offers come from other threads).  Never held across an await or a host call.
@@ -254,8 +257,9 @@ class WriteDown:
             self._counters.write_down_corrupt += 1
             log.warning("write-down of %r refused: the object in the host pool is damaged", key)
             return
+        scratch = self._scratch.pop() if self._scratch else bytearray()
         try:
-            sealed = await self._encrypted(key, item)
+            sealed, scratch = await self._encrypted(key, item, scratch)
         except (ConfigError, ObjectFormatError) as err:
             self._counters.write_down_corrupt += 1
             log.warning("write-down of %r refused: cannot encrypt it (%s)", key, err)
@@ -266,22 +270,28 @@ class WriteDown:
             self._counters.add("write_down", f"{tier.name}:{result.value}")
             self._observer.written(tier, result, len(item.view), err)
             stored = stored or result is PutResult.STORED
+        self._scratch.append(scratch)  # not on a cancellation: a tier's thread may still read it
         self.written += stored
         self._observer.write_down_done(time.perf_counter() - t0)
 
-    async def _encrypted(self, key: ObjectKey, item: _Item) -> _Item | None:
-        """The encrypted copy of the object for the lower tiers, or None (its tenant does not
-        encrypt, or every lower tier verifies MACs itself)."""
+    async def _encrypted(self, key: ObjectKey, item: _Item,
+                         scratch: bytearray) -> tuple[_Item | None, bytearray]:
+        """The encrypted copy of the object for the lower tiers (None: its tenant does not
+        encrypt, or every lower tier verifies MACs itself), and the scratch buffer it is in
+        (``scratch``, or a larger one replacing it)."""
         view = item.view
         ring = None if self.keys is None else self.keys(key)
         if ring is None or not ring.encrypt or all(getattr(t, "verifies_macs", False) for t in self.lower):
-            return None
+            return None, scratch
+        need = len(view) + codec.AEAD_OVERHEAD
+        if len(scratch) < need:
+            scratch = bytearray(need)
         if len(view) > 1 << 20:
-            out = await asyncio.to_thread(integrity.encrypt, view, ring)
+            out = await asyncio.to_thread(integrity.encrypt, view, ring, scratch)
         else:
-            out = integrity.encrypt(view, ring)
+            out = integrity.encrypt(view, ring, scratch)
         self._counters.encrypted += 1
-        return _Item(memoryview(out), item.parent)
+        return _Item(out, item.parent), scratch
 
     def _done(self, key: ObjectKey, task: asyncio.Task) -> None:
         """A copy ended (done, failed or cancelled): release its slot, start the next."""

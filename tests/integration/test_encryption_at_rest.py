@@ -3,7 +3,9 @@
 * A real ``kvstore serve`` with an SSD directory and a real ``redis-server``, tenant a with
   ``encrypt: true`` and tenant b without: a's payload pattern is nowhere in the SSD files
   nor in any Redis value, b's is (what shows the search can fail); a's objects read back
-  equal from SSD after a restart, and from Redis once the SSD copies are gone.
+  equal from SSD after a restart (also to an engine core over the store process, which
+  is told the encrypted size and gets the smaller object), and from Redis once the SSD
+  copies are gone.
 * The same store, SSD only: a ciphertext with one flipped byte, one moved from another of
   a's objects and one moved from tenant b's object (checksums made valid) are each refused,
   counted as forged and removed, while a's untouched object is served; after a rotation
@@ -117,6 +119,7 @@ def test_the_store_writes_no_plaintext_of_an_encrypting_tenant_to_ssd_or_redis(t
     assert _pattern("b") in disk and _pattern("b") in mem             # off: the search finds it
     assert _pattern("a") not in disk and _pattern("a") not in mem     # on: nowhere at rest
     with server.start() as proc:                                       # host pools empty: from SSD
+        assert asyncio.run(_through_the_store(proc, ka)) == _obj(ka, "a")[codec.HEADER_SIZE:]
         assert _get(proc, "a", ka) == _obj(ka, "a")
         assert _ops(proc).get("store.failures.ssd_forged", 0) == 0
         assert proc.terminate() == 0
@@ -126,6 +129,25 @@ def test_the_store_writes_no_plaintext_of_an_encrypting_tenant_to_ssd_or_redis(t
         assert _get(proc, "a", ka) == _obj(ka, "a")
         assert _get(proc, "b", kb) == _obj(kb, "b")
         assert _ops(proc).get("store.failures.redis_forged", 0) == 0
+
+
+async def _through_the_store(proc, key: ObjectKey) -> bytes:
+    """An engine core over the store process promotes ``key``: the store reports the size
+    of the encrypted SSD copy, answers with the smaller decrypted object, and the engine's
+    slot shrinks to it.  The object's payload."""
+    from kvstore.store.registry import open_tier
+
+    remote = await open_tier(f"kvstore://{proc.target}", transport="stream", token="tok-a")
+    core = TieredStore(await open_tier("host:", capacity=8 * MiB, pin=False), [remote])
+    try:
+        assert (await core.lookup([key])).sizes == [SIZE + codec.AEAD_OVERHEAD]
+        assert await core.promote(key) == remote.name
+        out = memoryview(bytearray(SIZE + codec.AEAD_OVERHEAD))
+        got = await core.read_into(key, out)
+        assert got is not None and got.tier == "host" and got.length == SIZE
+        return bytes(out[codec.HEADER_SIZE:SIZE])
+    finally:
+        await core.aclose()
 
 
 def _replace_payload(path, payload: bytes) -> None:

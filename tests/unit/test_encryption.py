@@ -27,14 +27,23 @@ def sealed(ring, key=KEY) -> bytearray:
     return buf
 
 
+def _enc(obj, ring) -> bytearray:
+    return bytearray(integrity.encrypt(obj, ring))
+
+
 def test_the_encrypted_copy_holds_no_plaintext_and_decrypts_to_the_sealed_object():
     ring = integrity.new_deployment().keyring("a")
     plain = sealed(ring)
-    enc = integrity.encrypt(plain, ring)
+    enc = _enc(plain, ring)
     assert PATTERN in plain and PATTERN not in enc
     header = codec.verify(enc, expected_key=KEY, length=len(enc))  # a tier's check passes
     assert header.encrypted and header.key_id == 1 and len(enc) == len(plain) + codec.AEAD_OVERHEAD
-    assert integrity.encrypt(plain, ring)[codec.HEADER_SIZE:] != enc[codec.HEADER_SIZE:]  # a fresh nonce
+    assert _enc(plain, ring)[codec.HEADER_SIZE:] != enc[codec.HEADER_SIZE:]  # a fresh nonce
+    reused = bytearray(len(enc) + 100)
+    assert len(integrity.encrypt(plain, ring, reused)) == len(enc)
+    assert integrity.decrypt_in_place(reused, ring).total_len == len(plain) and reused[: len(plain)] == plain
+    with pytest.raises(ConfigError, match="cannot hold"):
+        integrity.encrypt(plain, ring, bytearray(len(enc) - 1))
     back = integrity.decrypt_in_place(enc, ring)
     assert back.total_len == len(plain) and enc[: len(plain)] == plain
     integrity.check(enc[: len(plain)], ring)
@@ -43,7 +52,7 @@ def test_the_encrypted_copy_holds_no_plaintext_and_decrypts_to_the_sealed_object
 @pytest.mark.parametrize("where", ["payload", "tag", "nonce", "header field"])
 def test_a_changed_byte_is_refused_even_with_valid_checksums(where):
     ring = integrity.new_deployment().keyring("a")
-    enc = integrity.encrypt(sealed(ring), ring)
+    enc = _enc(sealed(ring), ring)
     header = codec.decode_header(enc)
     end = header.total_len
     at = {"payload": codec.HEADER_SIZE + 7, "tag": end - codec.AEAD_OVERHEAD + 3, "nonce": end - 2}.get(where)
@@ -60,7 +69,7 @@ def test_a_changed_byte_is_refused_even_with_valid_checksums(where):
 
 def test_a_ciphertext_moved_from_another_object_is_refused():
     ring = integrity.new_deployment().keyring("a")
-    mine, theirs = integrity.encrypt(sealed(ring), ring), integrity.encrypt(sealed(ring, OTHER), ring)
+    mine, theirs = _enc(sealed(ring), ring), _enc(sealed(ring, OTHER), ring)
     header = codec.decode_header(mine)
     mine[codec.HEADER_SIZE:] = theirs[codec.HEADER_SIZE:]
     mine[: codec.HEADER_SIZE] = codec.with_payload(header, True, header.stored_len,
@@ -74,7 +83,7 @@ def test_another_tenants_or_deployments_key_cannot_decrypt_and_keys_are_separate
     dep = integrity.new_deployment()
     a, b = dep.keyring("a"), dep.keyring("b")
     assert a.cipher_key(1) not in (b.cipher_key(1), a.keys[1])
-    enc = integrity.encrypt(sealed(a), a)
+    enc = _enc(sealed(a), a)
     for ring in (b, integrity.new_deployment().keyring("a")):
         with pytest.raises(ForgedObjectError, match="tag mismatch"):
             integrity.decrypt_in_place(bytearray(enc), ring)
@@ -83,11 +92,11 @@ def test_another_tenants_or_deployments_key_cannot_decrypt_and_keys_are_separate
 def test_rotation_old_ids_decrypt_until_retired(tmp_path):
     dep = integrity.new_deployment()
     old = dep.keyring("a")
-    enc = integrity.encrypt(sealed(old), old)
+    enc = _enc(sealed(old), old)
     dep.secrets[2] = bytes(range(32))
     dep.current = 2
     rotated = dep.keyring("a")
-    fresh = integrity.encrypt(sealed(rotated), rotated)
+    fresh = _enc(sealed(rotated), rotated)
     assert codec.decode_header(fresh).key_id == 2
     integrity.decrypt_in_place(bytearray(enc), rotated)          # id 1 still held: reads
     del dep.secrets[1]
@@ -99,7 +108,7 @@ def test_compress_then_encrypt_round_trips():
     ring = integrity.new_deployment().keyring("a")
     plain = sealed(ring)
     packed = codec.compress(plain)
-    enc = integrity.encrypt(packed, ring)
+    enc = _enc(packed, ring)
     assert codec.decode_header(enc).codec is codec.Codec.LZ4 and len(enc) == len(packed) + codec.AEAD_OVERHEAD
     integrity.decrypt_in_place(enc, ring)
     out = bytearray(len(plain))
@@ -112,10 +121,10 @@ def test_what_cannot_be_encrypted_or_decoded_says_so():
     unsealed = bytearray(codec.object_size(GEOMETRY))
     codec.encode_into(unsealed, KEY, GEOMETRY, bytes(GEOMETRY.payload_bytes))
     with pytest.raises(ConfigError, match="only a sealed, unencrypted object"):
-        integrity.encrypt(unsealed, ring)
-    enc = integrity.encrypt(sealed(ring), ring)
+        _enc(unsealed, ring)
+    enc = _enc(sealed(ring), ring)
     with pytest.raises(ConfigError, match="only a sealed, unencrypted object"):
-        integrity.encrypt(enc, ring)
+        _enc(enc, ring)
     with pytest.raises(ConfigError, match="MAC is computed over an uncompressed, unencrypted"):
         integrity.check(enc, ring)
     with pytest.raises(ConfigError, match="is encrypted: decrypt it first"):

@@ -323,8 +323,8 @@ def _integrity_rows(repeat: int, size: int = 32 * MiB) -> list[Row]:
     mb = size // MiB
     return [Row(f"MAC seal (keyed BLAKE3) {mb} MiB", gbps(size, sealed), "GB/s", "copy", copy),
             Row(f"MAC check (keyed BLAKE3) {mb} MiB", gbps(size, checked), "GB/s", "copy", copy),
-            Row(f"AES-256-GCM encrypt (integrity.encrypt) {mb} MiB", gbps(size, enc), "GB/s", "copy", copy),
-            Row(f"AES-256-GCM decrypt (in place) {mb} MiB", gbps(size, dec), "GB/s", "copy", copy),
+            Row(f"AES-256-GCM encrypt {mb} MiB", gbps(size, enc), "GB/s", "copy", copy),
+            Row(f"AES-256-GCM decrypt {mb} MiB", gbps(size, dec), "GB/s", "copy", copy),
             Row(f"xxh3-128 checksum {mb} MiB", gbps(size, xxh), "GB/s", "copy", copy)]
 
 

@@ -5,7 +5,8 @@
   nor in any Redis value, b's is (what shows the search can fail); a's objects read back
   equal from SSD after a restart (also to an engine core over the store process, which
   is told the encrypted size and gets the smaller object), and from Redis once the SSD
-  copies are gone.
+  copies are gone.  An encrypting engine with its own SSD directory over that store
+  encrypts its SSD copy and sends the store the object in clear.
 * The same store, SSD only: a ciphertext with one flipped byte, one moved from another of
   a's objects and one moved from tenant b's object (checksums made valid) are each refused,
   counted as forged and removed, while a's untouched object is served; after a rotation
@@ -15,7 +16,7 @@
   no plaintext in either, a fresh engine reads it back, another tenant's engine cannot
   (counted forged, removed).
 
-Cost: about 15-25 s (five store starts, two redis-servers).
+Cost: about 6-15 s (six store starts, two redis-servers).
 """
 from __future__ import annotations
 
@@ -118,8 +119,11 @@ def test_the_store_writes_no_plaintext_of_an_encrypting_tenant_to_ssd_or_redis(t
     disk, mem = _ssd_bytes(tmp_path / "ssd"), _redis_bytes(redis_server.url)
     assert _pattern("b") in disk and _pattern("b") in mem             # off: the search finds it
     assert _pattern("a") not in disk and _pattern("a") not in mem     # on: nowhere at rest
+    kc = random_key(rng)
     with server.start() as proc:                                       # host pools empty: from SSD
         assert asyncio.run(_through_the_store(proc, ka)) == _obj(ka, "a")[codec.HEADER_SIZE:]
+        asyncio.run(_engine_over_the_store(proc, tmp_path, keys, kc))
+        assert _get(proc, "a", kc) == _obj(kc, "c")
         assert _get(proc, "a", ka) == _obj(ka, "a")
         assert _ops(proc).get("store.failures.ssd_forged", 0) == 0
         assert proc.terminate() == 0
@@ -148,6 +152,29 @@ async def _through_the_store(proc, key: ObjectKey) -> bytes:
         return bytes(out[codec.HEADER_SIZE:SIZE])
     finally:
         await core.aclose()
+
+
+async def _engine_over_the_store(proc, tmp_path, keys, key: ObjectKey) -> None:
+    """An encrypting engine with its own SSD directory and the store process below it: its
+    SSD copy is encrypted, the store gets the object in clear (it would refuse to seal an
+    encrypted one) and encrypts it itself."""
+    from kvstore import integrity
+    from kvstore.store.registry import open_tiers
+
+    ring = integrity.load_keys(keys).keyring("a").encrypting(True)
+    tiers = await open_tiers([("host:", {"capacity": 8 * MiB, "pin": False}),
+                              (f"ssd:{tmp_path / 'own'}", {"capacity": 8 * MiB}),
+                              (f"kvstore://{proc.target}", {"transport": "stream", "token": "tok-a"})])
+    core = TieredStore(tiers[0], tiers[1:], keys=lambda _k: ring)
+    try:
+        assert await core.put(key, memoryview(_obj(key, "c"))) is PutResult.STORED
+        await core.drain()
+        assert core.counters.encrypted == 1
+        assert core.counters.write_down == {f"{t.name}:stored": 1 for t in tiers[1:]}
+    finally:
+        await core.aclose()
+    own = _ssd_bytes(tmp_path / "own")
+    assert own and _pattern("c") not in own
 
 
 def _replace_payload(path, payload: bytes) -> None:

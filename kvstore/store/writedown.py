@@ -263,6 +263,7 @@ class WriteDown:
         except (ConfigError, ObjectFormatError) as err:
             self._counters.write_down_corrupt += 1
             log.warning("write-down of %r refused: cannot encrypt it (%s)", key, err)
+            self._scratch.append(scratch)
             return
         for tier in self.lower:
             at_rest = item if sealed is None or getattr(tier, "verifies_macs", False) else sealed

@@ -163,9 +163,10 @@ class Promoter:
 def reveal(keys, tier: Tier, key: ObjectKey, buf: memoryview, n: int,
            counters: StoreCounters | None = None) -> tuple[int | None, BaseException | None]:
     """The object of ``n`` bytes that ``tier`` read into ``buf``, made usable: decrypted in
-    place when encrypted, then ``authenticate``d.  ``(its length now, None)``, or ``(None,
-    why it is refused)``: a tag or MAC that does not verify, or an encrypted object where no
-    keys are (a core built without ``keys`` cannot read it)."""
+    place when encrypted, then ``authenticate``d.  ``(its length now, None)``; ``(None, why
+    it is refused)`` for a tag or MAC that does not verify (the caller removes it); ``(None,
+    None)`` for an encrypted object where no keys are held (a core built without ``keys``:
+    a miss, counted as ``tier_errors["<tier>:encrypted"]``, and the object is left alone)."""
     obj = buf[:n]
     try:
         if not codec.decode_header(obj).encrypted:
@@ -173,7 +174,9 @@ def reveal(keys, tier: Tier, key: ObjectKey, buf: memoryview, n: int,
             return (n, None) if forged is None else (None, forged)
         ring = None if keys is None else keys(key)
         if ring is None:
-            raise integrity.ForgedObjectError(f"{key!r} is encrypted and no keys are held for it")
+            if counters is not None:
+                counters.add("tier_errors", f"{tier.name}:encrypted")
+            return None, None
         n = integrity.decrypt_in_place(obj, ring).total_len
     except ObjectFormatError as err:
         return None, err

@@ -186,19 +186,38 @@ class TieredStore:
     async def _read_lower(self, key: ObjectKey, buf: memoryview) -> tuple[str | None, int | None]:
         for tier in self.lower:
             try:
-                n = await tier.read_into(key, buf)
+                n, got = await self._read_from(tier, key, buf)
             except TierError as err:
                 self._failed(tier, "read", err)
                 continue
-            if n is not None:
-                n, forged = reveal(self.keys, tier, key, buf, n, self.counters)
-                if forged is not None:
-                    await self.promoter.refuse(tier, key, forged)
-                    continue
-                self.counters.add("gets", tier.name)
-                self.counters.add("bytes_read", tier.name, n)
-                return tier.name, n
+            if n is None:
+                continue
+            n, forged = reveal(self.keys, tier, key, got, n, self.counters)
+            if forged is not None:
+                await self.promoter.refuse(tier, key, forged)
+            if n is None:
+                continue
+            if got is not buf:
+                buf[:n] = got[:n]
+            self.counters.add("gets", tier.name)
+            self.counters.add("bytes_read", tier.name, n)
+            return tier.name, n
         return None, None
+
+    @staticmethod
+    async def _read_from(tier: Tier, key: ObjectKey, buf: memoryview) -> tuple[int | None, memoryview]:
+        """``tier.read_into(key, buf)`` and the buffer it read into: an encrypted copy is
+        ``AEAD_OVERHEAD`` bytes longer than the object ``buf`` was sized for, so a copy that
+        does not fit by that much is read into a staging buffer (an allocation, on this path
+        only: the host pool had no room)."""
+        try:
+            return await tier.read_into(key, buf), buf
+        except ConfigError:
+            size = await tier.size_of(key)
+            if size is None or size > len(buf) + codec.AEAD_OVERHEAD:
+                raise
+            staged = memoryview(bytearray(size))
+            return await tier.read_into(key, staged), staged
 
     # --- puts ---------------------------------------------------------------------------------
 

@@ -13,8 +13,8 @@
   with encryption turned off, an object encrypted under the old key id still reads and new
   objects are written in clear.
 * The connector's ``encrypt_at_rest`` (an engine writing its own SSD directory and Redis):
-  no plaintext in either, a fresh engine reads it back, another tenant's engine cannot
-  (counted forged, removed).
+  no plaintext in either, a fresh engine reads it back, a core without keys misses it and
+  leaves it, another tenant's engine cannot read it (counted forged, removed).
 
 Cost: about 6-15 s (six store starts, two redis-servers).
 """
@@ -28,7 +28,7 @@ import yaml
 
 from connector.config import ConnectorConfig
 from connector.lower import keys_of
-from kvstore import codec
+from kvstore import codec, integrity
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli import keys as keys_cli
 from kvstore.keys import ObjectKey
@@ -158,7 +158,6 @@ async def _engine_over_the_store(proc, tmp_path, keys, key: ObjectKey) -> None:
     """An encrypting engine with its own SSD directory and the store process below it: its
     SSD copy is encrypted, the store gets the object in clear (it would refuse to seal an
     encrypted one) and encrypts it itself."""
-    from kvstore import integrity
     from kvstore.store.registry import open_tiers
 
     ring = integrity.load_keys(keys).keyring("a").encrypting(True)
@@ -267,6 +266,23 @@ def test_the_connector_option_encrypts_its_own_ssd_and_redis_copies(tmp_path, re
         assert bytes(out[codec.HEADER_SIZE:]) == _obj(secret, "secret")[codec.HEADER_SIZE:]
         assert reader.counters.decrypted == 1 and not reader.counters.forged
         await reader.aclose()
+        ring = integrity.load_keys(tmp_path / "a.keys").keyring()
+        small = await TieredStore.open([("host:", {"capacity": SIZE // 2}),   # no room for a promotion
+                                        (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB})], keys=lambda _k: ring)
+        out[:] = bytes(SIZE)
+        got = await small.read_into(secret, out)             # straight from SSD: staged, decrypted, copied
+        assert got is not None and got.tier == "ssd" and got.length == SIZE
+        assert bytes(out[codec.HEADER_SIZE:]) == _obj(secret, "secret")[codec.HEADER_SIZE:]
+        assert small.counters.decrypted == 1 and small.counters.promote_no_room == 1
+        await small.aclose()
+
+        keyless = await TieredStore.open([("host:", {"capacity": 8 * MiB}),
+                                          (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB})])
+        assert await keyless.read_into(secret, out) is None                 # no keys: a miss...
+        assert await keyless.promote(secret) is None
+        assert keyless.counters.tier_errors == {"ssd:encrypted": 3}          # promote + direct read, promote
+        assert await keyless.lower[0].contains(secret)                      # ...that removes nothing
+        await keyless.aclose()
 
         thief = await _engine(tmp_path, redis_server.url, tmp_path / "b.keys", encrypt=True)
         assert await thief.read_into(secret, out) is None

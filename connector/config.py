@@ -134,6 +134,9 @@ class ConnectorConfig(LeaseSettings, TierSettings):
                                      "deployment secret (`kvstore keys create`: tenant `default`) for the "
                                      "objects it writes to SSD and Redis; none: `KVSTORE_KEYS` (with a warning), "
                                      "else the default file made on first use (docs/integrity.md)")
+    encrypt_at_rest: bool = setting(False, "encrypt every object this connector writes to its own SSD directory "
+                                    "or Redis with AES-256-GCM under the tenant's key (docs/integrity.md); "
+                                    "the store process encrypts per its tenants' `encrypt` setting")
     lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
                                          "is an error (true) or leaves that tier out, counted (false)")
 

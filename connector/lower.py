@@ -20,6 +20,8 @@ tier it shares with others (``ssd_dir``, ``redis_url``): each save is sealed wit
 engine's tenant key (``keys_file``, else ``KVSTORE_KEYS``, else the default deployment
 file) and every object read from those tiers must verify, else it is a counted miss
 (``<tier>:forged``) and is removed.  The store process verifies and seals for its clients.
+With ``encrypt_at_rest`` the objects written to those tiers are also encrypted
+(docs/integrity.md).
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ def keys_of(cfg: ConnectorConfig):
     key giving the engine's tenant's ``Keyring``, or None (no SSD directory nor Redis)."""
     if cfg.ssd_dir is None and not cfg.redis_url:
         return None
-    ring = integrity.load_keys(cfg.keys_file).keyring()
+    ring = integrity.load_keys(cfg.keys_file).keyring().encrypting(cfg.encrypt_at_rest)
     return lambda _key: ring
 
 

@@ -7,8 +7,16 @@ An object is a fixed 256-byte header followed by the payload::
             stored payload, layout id, key (namespace, chunk hash, tag), parent chunk hash,
             how many of its tokens were generated (zero bytes in older objects: none),
             the MAC's key id and 16-byte keyed MAC (``kvstore.integrity``; zero: not
-            sealed), and finally xxh3-64 of all preceding header bytes.
+            sealed), and finally xxh3-64 of all preceding header bytes.  Flag bit 0 of
+            the flags field: the stored payload is encrypted (below).
     payload layer-major [layers][pages][page bytes]; pages are opaque (never reinterpreted).
+
+An *encrypted* object (``kvstore.integrity.encrypt``, the copy written to SSD and Redis for a
+tenant with encryption at rest) keeps the header's logical fields, key id and MAC, sets the
+flag, and stores ``AES-256-GCM(payload in its codec) || tag (16) || nonce (12)``: its stored
+length is the plaintext's plus ``AEAD_OVERHEAD``, its checksum that of the stored bytes, so
+a tier verifies it like any other object.  ``aead_fields`` is what the tag authenticates
+besides the ciphertext.
 
 Encoding and decoding work in caller-provided buffers: the hot path never allocates a
 payload-sized buffer.  Every read from a tier goes through ``verify()``; any damage raises a
@@ -46,6 +54,10 @@ _SEAL_AT = _FIELDS.size + _EXTRA.size
 # checksum (an lz4 copy keeps its MAC); then the key id.
 _NS_AT, _NS_END = 96, 128
 _MAC_DOMAIN = b"kvstore-object-mac/1\0"
+_AEAD_DOMAIN = b"kvstore-object-aead/1\0"
+FLAG_ENCRYPTED = 1
+AEAD_TAG, AEAD_NONCE = 16, 12
+AEAD_OVERHEAD = AEAD_TAG + AEAD_NONCE  # after the ciphertext: tag, then nonce
 _CHECK = struct.Struct("<Q")
 _CHECK_AT = HEADER_SIZE - _CHECK.size
 assert _SEAL_AT + _SEAL.size <= _CHECK_AT
@@ -102,10 +114,16 @@ class ObjectHeader:
     generated: int = 0  # how many of its tokens an engine generated (the rest were prompt)
     key_id: int = 0     # the MAC's key id (``kvstore.integrity``); 0: not sealed
     mac: bytes = bytes(16)
+    encrypted: bool = False  # the stored payload is AES-GCM ciphertext, tag and nonce
 
     @property
     def total_len(self) -> int:
         return HEADER_SIZE + self.stored_len
+
+    @property
+    def plain_len(self) -> int:
+        """Stored bytes of the payload in its codec, before encryption."""
+        return self.stored_len - AEAD_OVERHEAD if self.encrypted else self.stored_len
 
 
 def object_size(geometry: ObjectGeometry) -> int:
@@ -133,7 +151,8 @@ def pack_header(header: ObjectHeader) -> bytes:
     g, key = header.geometry, header.key
     tag = key.tag.encode()
     fields = _FIELDS.pack(
-        MAGIC, VERSION, HEADER_SIZE, header.codec.value, _DTYPES.index(g.dtype), 0,
+        MAGIC, VERSION, HEADER_SIZE, header.codec.value, _DTYPES.index(g.dtype),
+        FLAG_ENCRYPTED if header.encrypted else 0,
         g.num_layers, g.pages_per_layer, g.page_bytes, g.num_tokens,
         header.raw_len, header.stored_len, header.checksum,
         g.layout_id.encode().ljust(32, b"\0"), bytes(key.namespace), bytes(key.chunk_hash),
@@ -177,7 +196,7 @@ def decode_header(buf) -> ObjectHeader:
         raise CorruptHeaderError("bad magic: not a kvstore object")
     if _CHECK.unpack_from(head, _CHECK_AT)[0] != xxhash.xxh3_64_intdigest(head[:_CHECK_AT]):
         raise CorruptHeaderError("header checksum mismatch")
-    (_, version, hsize, codec, dtype, _flags, layers, pages, page_bytes, tokens, raw_len,
+    (_, version, hsize, codec, dtype, flags, layers, pages, page_bytes, tokens, raw_len,
      stored_len, digest, layout, ns, chash, tag_len, tag, parent) = _FIELDS.unpack_from(head)
     if version != VERSION or hsize != HEADER_SIZE:
         raise CorruptHeaderError(f"unsupported object version {version} / header size {hsize}")
@@ -188,14 +207,17 @@ def decode_header(buf) -> ObjectHeader:
         codec_e = Codec(codec)
     except (ConfigError, IndexError, ValueError, UnicodeDecodeError) as err:
         raise CorruptHeaderError(f"invalid header field: {err}") from err
-    if raw_len != geometry.payload_bytes or (codec_e is Codec.NONE and stored_len != raw_len):
+    if flags & ~FLAG_ENCRYPTED:
+        raise CorruptHeaderError(f"unknown header flags {flags:#x}")
+    plain = stored_len - AEAD_OVERHEAD if flags & FLAG_ENCRYPTED else stored_len
+    if raw_len != geometry.payload_bytes or plain < 0 or (codec_e is Codec.NONE and plain != raw_len):
         raise CorruptHeaderError("header lengths disagree with its geometry")
     (generated,) = _EXTRA.unpack_from(head, _FIELDS.size)
     if generated > max(tokens, 0):
         raise CorruptHeaderError(f"header says {generated} generated tokens of {tokens}")
     key_id, mac = _SEAL.unpack_from(head, _SEAL_AT)
     return ObjectHeader(key, ChunkHash(parent), geometry, codec_e, raw_len, stored_len, digest, generated,
-                        key_id, mac)
+                        key_id, mac, bool(flags & FLAG_ENCRYPTED))
 
 
 def verify(buf, expected_key: ObjectKey | None = None, length: int | None = None) -> ObjectHeader:
@@ -218,8 +240,8 @@ def verify(buf, expected_key: ObjectKey | None = None, length: int | None = None
 def compress(obj) -> bytes:
     """An LZ4 copy of an uncompressed, verified object (allocates: not for hot paths)."""
     header = verify(obj)
-    if header.codec is not Codec.NONE:
-        raise ConfigError(f"object {header.key!r} is already {header.codec.name}-compressed")
+    if header.codec is not Codec.NONE or header.encrypted:
+        raise ConfigError(f"object {header.key!r} is already {header.codec.name}-compressed or encrypted")
     packed = lz4.block.compress(payload_view(obj, header), store_size=False)
     new = dataclasses.replace(header, codec=Codec.LZ4, stored_len=len(packed), checksum=checksum(packed))
     return pack_header(new) + packed
@@ -228,6 +250,8 @@ def compress(obj) -> bytes:
 def decompress_into(obj, out) -> ObjectHeader:
     """Verify an object of any codec and write its uncompressed form into ``out``."""
     header = verify(obj)
+    if header.encrypted:
+        raise ConfigError(f"object {header.key!r} is encrypted: decrypt it first (kvstore.integrity)")
     if header.codec is Codec.NONE:
         if len(memoryview(out).cast("B")) < header.total_len:
             raise ConfigError(f"buffer cannot hold a {header.total_len}-byte object")
@@ -282,8 +306,8 @@ def mac_input(buf, key_id: int) -> tuple[bytes, memoryview]:
     object in ``buf`` (``kvstore.integrity``)."""
     view = memoryview(buf).cast("B")
     header = decode_header(view)
-    if header.codec is not Codec.NONE:
-        raise ConfigError("a MAC is computed over an uncompressed object")
+    if header.codec is not Codec.NONE or header.encrypted:
+        raise ConfigError("a MAC is computed over an uncompressed, unencrypted object")
     if len(view) < header.total_len:
         raise CorruptHeaderError(f"object truncated: {len(view)} of {header.total_len} bytes")
     head = bytes(view[:_SEAL_AT])
@@ -298,3 +322,18 @@ def set_mac(buf, key_id: int, mac: bytes) -> ObjectHeader:
     new = dataclasses.replace(decode_header(view), key_id=key_id, mac=bytes(mac))
     view[:HEADER_SIZE] = pack_header(new)
     return new
+
+
+def aead_fields(buf) -> bytes:
+    """What an encrypted object's AES-GCM tag authenticates besides the ciphertext: a domain
+    string and every header field but the namespace (``mac_input`` says why), the flags,
+    stored length and checksums (they differ between the plaintext and encrypted forms);
+    so the codec, key id and MAC are bound too.  Same bytes for both forms of one object."""
+    head = bytes(memoryview(buf).cast("B")[:HEADER_SIZE])
+    return b"".join((_AEAD_DOMAIN, head[:10], head[12:40], head[64:_NS_AT], head[_NS_END:_SEAL_AT + _SEAL.size]))
+
+
+def with_payload(header: ObjectHeader, encrypted: bool, stored_len: int, digest: bytes) -> bytes:
+    """``header`` packed for the other form of its object (encrypted or not): the flag,
+    stored length and payload checksum replaced."""
+    return pack_header(dataclasses.replace(header, encrypted=encrypted, stored_len=stored_len, checksum=digest))

@@ -23,6 +23,14 @@ key that made it, both in the header (``kvstore.codec``).  See docs/integrity.md
   to the tenant-scoped one (``codec.rekey``) and the chunk hash already commits to it (it
   is a sha256 over the namespace).  Not the codec, stored length or checksum: an lz4 copy
   keeps its MAC and is checked once decompressed.
+* **Encryption at rest** (per tenant, off by default: ``Keyring.encrypt``).  ``encrypt``
+  makes the copy of a sealed object that goes to SSD or Redis: AES-256-GCM under the
+  tenant's *cipher key* for the object's key id (``Keyring.cipher_key``: BLAKE3 key
+  derivation from that id's MAC key under its own context), a fresh random 96-bit nonce,
+  the header's logical fields, key id and MAC as associated data (``codec.aead_fields``).
+  ``decrypt_in_place`` turns it back into the sealed object, bit for bit; a wrong tag, or a
+  key id the tenant does not hold, raises ``ForgedObjectError``.  A decrypted object needs no
+  MAC check: the tag already proved the tenant's key made it, header and MAC included.
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
+import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
@@ -47,6 +58,7 @@ KEY_SIZE = 32
 DEPLOYMENT_FORMAT = "kvstore-deployment-keys/1"
 TENANT_FORMAT = "kvstore-tenant-keys/1"
 _CONTEXT = "kvstore 2026-12 object MAC tenant key v1"
+_CIPHER_CONTEXT = "kvstore 2026-12 object AES-256-GCM tenant key v1"
 ENV_KEYS = "KVSTORE_KEYS"
 DEFAULT_TENANT = "default"
 
@@ -68,6 +80,8 @@ class Keyring:
     tenant: str
     keys: Mapping[int, bytes]
     current: int
+    encrypt: bool = False  # objects leaving host memory for SSD / Redis are encrypted
+    _ciphers: dict[int, bytes] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.current not in self.keys:
@@ -77,7 +91,23 @@ class Keyring:
                 raise ConfigError(f"key id {kid}: ids are 1-65535 and keys {KEY_SIZE} bytes")
 
     def __repr__(self) -> str:  # never the keys
-        return f"Keyring(tenant={self.tenant!r}, ids={sorted(self.keys)}, current={self.current})"
+        return (f"Keyring(tenant={self.tenant!r}, ids={sorted(self.keys)}, current={self.current}, "
+                f"encrypt={self.encrypt})")
+
+    def encrypting(self, on: bool) -> "Keyring":
+        """The same keys, with encryption at rest ``on`` or off."""
+        return self if on == self.encrypt else Keyring(self.tenant, self.keys, self.current, on)
+
+    def cipher_key(self, kid: int) -> bytes:
+        """The 32-byte AES-256-GCM key of key id ``kid``: derived from that id's MAC key under
+        its own context, so the two never coincide; ``ForgedObjectError`` for an id not held."""
+        key = self._ciphers.get(kid)
+        if key is None:
+            mac_key = self.keys.get(kid)
+            if mac_key is None:
+                raise ForgedObjectError(f"encrypted with key id {kid}, which tenant {self.tenant!r} does not hold")
+            key = self._ciphers[kid] = blake3.blake3(mac_key, derive_key_context=_CIPHER_CONTEXT).digest()
+        return key
 
     def mac(self, kid: int, fields: bytes, payload) -> bytes:
         key = self.keys.get(kid)
@@ -240,6 +270,62 @@ def check(buf, ring: Keyring) -> int:
     return header.key_id
 
 
+# --- encryption at rest ----------------------------------------------------------------------
+
+def encrypt(obj, ring: Keyring, out: bytearray | None = None) -> memoryview:
+    """The encrypted copy of the sealed object in ``obj`` (any codec: compress first), under
+    the cipher key of its own key id (``codec`` module docstring for the layout).  ``obj``
+    is only read.  The copy is written to the start of ``out`` when given (a reused buffer:
+    a fresh 32 MiB one costs more than the encryption), else to a new buffer.  An unsealed
+    or already encrypted object, or an ``out`` too small, raises ``ConfigError``."""
+    view = memoryview(obj).cast("B")
+    header = codec.decode_header(view)
+    if header.key_id == 0 or header.encrypted:
+        raise ConfigError(f"object {header.key!r}: only a sealed, unencrypted object is encrypted")
+    n, at = header.stored_len, codec.HEADER_SIZE
+    total = at + n + codec.AEAD_OVERHEAD
+    if out is None:
+        out = bytearray(total)
+    elif len(out) < total:
+        raise ConfigError(f"a {len(out)}-byte buffer cannot hold the {total}-byte encrypted object")
+    dst = memoryview(out)[:total]
+    nonce = secrets.token_bytes(codec.AEAD_NONCE)
+    enc = Cipher(algorithms.AES(ring.cipher_key(header.key_id)), modes.GCM(nonce)).encryptor()
+    enc.authenticate_additional_data(codec.aead_fields(view))
+    enc.update_into(view[at : at + n], dst[at : at + n + codec.AEAD_TAG - 1])
+    enc.finalize()
+    dst[at + n : at + n + codec.AEAD_TAG] = enc.tag
+    dst[at + n + codec.AEAD_TAG :] = nonce
+    dst[:at] = codec.with_payload(header, True, n + codec.AEAD_OVERHEAD, xxhash.xxh3_128_digest(dst[at:]))
+    return dst
+
+
+def decrypt_in_place(buf, ring: Keyring) -> codec.ObjectHeader:
+    """Turn the encrypted object in ``buf`` back into the sealed one it was made from (its
+    header says how long it now is).  ``ForgedObjectError`` when the tag does not verify
+    under ``ring`` (another tenant's key, a retired key id, a changed byte or header, a
+    ciphertext moved from another object); then ``buf`` holds garbage and must not be used."""
+    view = memoryview(buf).cast("B")
+    header = codec.decode_header(view)
+    if not header.encrypted:
+        raise ConfigError(f"object {header.key!r} is not encrypted")
+    at, n = codec.HEADER_SIZE, header.plain_len
+    if len(view) < header.total_len:
+        raise ForgedObjectError(f"encrypted object {header.key!r} truncated")
+    tail = bytes(view[at + n : header.total_len])
+    dec = Cipher(algorithms.AES(ring.cipher_key(header.key_id)),
+                 modes.GCM(tail[codec.AEAD_TAG:], tail[: codec.AEAD_TAG])).decryptor()
+    dec.authenticate_additional_data(codec.aead_fields(view))
+    dec.update_into(view[at : at + n], view[at : at + n])
+    try:
+        dec.finalize()
+    except InvalidTag:
+        raise ForgedObjectError(f"AES-GCM tag mismatch for {header.key!r} (key id {header.key_id})") from None
+    view[:at] = codec.with_payload(header, False, n, codec.checksum(view[at : at + n]))
+    return codec.decode_header(view)
+
+
 __all__ = ["DEFAULT_TENANT", "Deployment", "ForgedObjectError", "KeySource", "Keyring", "MAC_SIZE",
-           "check", "default_keys_path", "derive", "dump", "load_keys", "new_deployment", "read_file",
+           "check", "decrypt_in_place", "default_keys_path", "derive", "encrypt", "dump", "load_keys",
+           "new_deployment", "read_file",
            "seal", "write_private"]

@@ -58,6 +58,18 @@ class SlotAllocator:
         self.used_bytes -= length
         return self._add_hole(offset, length)
 
+    def shrink(self, offset: int, size: int) -> None:
+        """The slot at ``offset`` now holds only ``size`` bytes (no more than it was given);
+        whole units past its new end become free."""
+        old = self.size_of(offset)
+        if not 0 < size <= old:
+            raise RuntimeError(f"shrink of offset {offset} from {old} to {size} bytes")
+        self._sizes[offset // self.alignment] = size
+        freed = self.aligned(old) - self.aligned(size)
+        if freed:
+            self.used_bytes -= freed
+            self._add_hole(offset + self.aligned(size), freed)
+
     def size_of(self, offset: int) -> int:
         """Requested size of the slot at ``offset`` (0 when no slot starts there)."""
         if offset < 0 or offset % self.alignment or offset >= self.capacity:

@@ -245,6 +245,16 @@ class HostTier(SlotOps, TierBase):
         src = memoryview(data).cast("B")
         handle.buffer[offset : offset + len(src)] = src
 
+    def put_shrink_sync(self, handle: PutHandle, size: int) -> None:
+        """A reserved slot turned out to hold a shorter object (a decrypted one,
+        ``kvstore.store.promote``): ``handle`` and the slot now cover ``size`` bytes."""
+        with self._lock:
+            if self._pending.get(handle.key) is not handle.token:
+                raise RuntimeError(f"shrink of {handle.key!r}: not pending")
+            handle.token.pool.alloc.shrink(handle.token.offset, size)
+        handle.size = size
+        handle.buffer = handle.buffer[:size]
+
     def put_commit_sync(self, handle: PutHandle, ok: bool = True) -> bool:
         """Publish the object if ok and its header names ``handle.key`` and ``handle.size``."""
         ok = ok and self._header_matches(handle)

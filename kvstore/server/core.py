@@ -62,7 +62,7 @@ from kvstore.server.statsdoc import dumpable
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers, tier_specs
-from kvstore.integrity import DEFAULT_TENANT, KeySource, load_keys
+from kvstore.integrity import DEFAULT_TENANT, KeySource, Keyring, load_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import Tier
 from tiers.host import HostTier
@@ -112,11 +112,21 @@ class ServerStore:
 
     def _keys_of(self, keys: KeySource | None):
         """Each object's tenant's MAC keys, by its namespace's tenant mark (``default``
-        without tenants); None without keys (a core built by a test)."""
+        without tenants), encrypting at rest when the tenant's ``encrypt`` is on; None
+        without keys (a core built by a test)."""
         if keys is None:
             return None
-        tenant_of = self.tenants.tenant_of
-        return lambda key: keys.keyring(tenant_of(key) or DEFAULT_TENANT)
+        tenant_of, limits = self.tenants.tenant_of, self.tenants.limits
+        rings: dict[str, Keyring] = {}
+
+        def ring_of(key: ObjectKey) -> Keyring:
+            tenant = tenant_of(key) or DEFAULT_TENANT
+            ring = rings.get(tenant)
+            if ring is None:
+                on = tenant in limits and limits[tenant].encrypt
+                ring = rings[tenant] = keys.keyring(tenant).encrypting(on)
+            return ring
+        return ring_of
 
     @classmethod
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":

@@ -21,6 +21,8 @@ Server side, event loop only (the data channel's threads reach it through the lo
   ``kvstore.store.kvevents.EventRecorder``; refusals as ``described_bytes`` / ``described``).
   ``uid`` and ``gid`` are not quotas but whose the tenant's ``ipc://`` KV event sockets are
   (``kvstore.server.kvpublish``; docs/exposure.md): only that uid (or group) may subscribe.
+  ``encrypt: true`` is not a quota either: the tenant's objects are encrypted at rest on
+  SSD and Redis (``kvstore.integrity``; docs/integrity.md); off by default.
 * **Usage.**  ``take(tenant, what)`` counts one more of ``what`` or, at the quota, counts a
   refusal and raises ``CapacityError`` (RESOURCE_EXHAUSTED on either channel); ``give``
   gives it back.  ``refuse`` counts a refusal decided elsewhere (a full host pool).
@@ -58,6 +60,7 @@ class Limits:
     described: int = 65536
     uid: int | None = None    # the tenant's KV event sockets belong to this uid ...
     gid: int | None = None    # ... and/or this group (kvstore.server.kvpublish)
+    encrypt: bool = False     # encryption at rest on SSD / Redis (kvstore.integrity)
 
     def count(self, what: str) -> int:
         return getattr(self, what)
@@ -85,9 +88,13 @@ def parse_limits(doc: object, where: str, known: Iterable[str]) -> dict[str, Lim
             raise ConfigError(f"{at}: no token names this tenant")
         if not isinstance(entry, dict) or set(entry) - set(names):
             raise ConfigError(f"{at}: expected a mapping of {', '.join(names)}")
-        values: dict[str, int] = {}
+        values: dict[str, int | bool] = {}
         for key, value in entry.items():
-            if key in ("uid", "gid"):
+            if key == "encrypt":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{at}.encrypt: expected true or false, got {value!r}")
+                values[key] = value
+            elif key in ("uid", "gid"):
                 if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**32 - 1:
                     raise ConfigError(f"{at}.{key}: expected a numeric {key} (0 to 4294967294), got {value!r}")
                 values[key] = value
@@ -97,7 +104,7 @@ def parse_limits(doc: object, where: str, known: Iterable[str]) -> dict[str, Lim
                 values[key] = value
             else:
                 raise ConfigError(f"{at}.{key}: expected a positive integer, got {value!r}")
-        out[tenant] = Limits(**values)
+        out[tenant] = Limits(**values)  # type: ignore[arg-type]
     return out
 
 

@@ -65,6 +65,8 @@ class StoreCounters:
     write_down_corrupt: int = 0     # failed the check before the copy (``verify``): not written
     forged: dict[str, int] = field(default_factory=dict)  # tier -> objects refused by their MAC, removed
     sealed: int = 0                 # objects sealed with a MAC at commit
+    encrypted: int = 0              # encrypted copies written down (encryption at rest)
+    decrypted: int = 0              # encrypted objects read back and decrypted
 
     def add(self, table: str, label: str, n: float = 1) -> None:
         d = getattr(self, table)

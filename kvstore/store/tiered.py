@@ -20,6 +20,9 @@ pool's sync methods may be called from other threads, and so may ``written``.
   is sealed with a MAC (``seal``; the connector's saves and the store process's commits
   call it too), and every object read from a lower tier is verified before it is used
   (``kvstore.store.promote.authenticate``): a forged one is a counted miss, removed.
+  A tenant whose ``Keyring.encrypt`` is on has its objects encrypted on their way to SSD
+  and Redis (``kvstore.store.writedown``) and decrypted on the way back
+  (``kvstore.store.promote.reveal``); host memory holds them in clear.
 * Tier errors (``TierError``) are misses everywhere, counted in ``counters.tier_errors`` and
   reported to the ``StoreObserver``.  Every object is whole and verified wherever it comes
   from (``tiers.base`` contract).
@@ -38,7 +41,7 @@ from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
 from kvstore.store.pool import HostPool, SharedHostPool
-from kvstore.store.promote import Promoter, authenticate
+from kvstore.store.promote import Promoter, reveal
 from kvstore.store.registry import open_tiers, tier_specs
 from kvstore.store.writedown import Offer, WriteDown
 from tiers.base import PutResult, Tier, put_bytes
@@ -89,7 +92,7 @@ class TieredStore:
         self.promoter = Promoter(host, self.lower, self.counters, self.observer, keys)
         self.writer = WriteDown(host, self.lower, write_policy, self.counters, self.observer,
                                 max_in_flight=max_writes_in_flight, queue_bytes=write_queue_bytes,
-                                dirty_fraction=dirty_fraction, verify=verify_writes)
+                                dirty_fraction=dirty_fraction, verify=verify_writes, keys=keys)
         self._closed = False
 
     @classmethod
@@ -183,19 +186,38 @@ class TieredStore:
     async def _read_lower(self, key: ObjectKey, buf: memoryview) -> tuple[str | None, int | None]:
         for tier in self.lower:
             try:
-                n = await tier.read_into(key, buf)
+                n, got = await self._read_from(tier, key, buf)
             except TierError as err:
                 self._failed(tier, "read", err)
                 continue
-            if n is not None:
-                forged = authenticate(self.keys, tier, key, buf[:n])
-                if forged is not None:
-                    await self.promoter.refuse(tier, key, forged)
-                    continue
-                self.counters.add("gets", tier.name)
-                self.counters.add("bytes_read", tier.name, n)
-                return tier.name, n
+            if n is None:
+                continue
+            n, forged = reveal(self.keys, tier, key, got, n, self.counters)
+            if forged is not None:
+                await self.promoter.refuse(tier, key, forged)
+            if n is None:
+                continue
+            if got is not buf:
+                buf[:n] = got[:n]
+            self.counters.add("gets", tier.name)
+            self.counters.add("bytes_read", tier.name, n)
+            return tier.name, n
         return None, None
+
+    @staticmethod
+    async def _read_from(tier: Tier, key: ObjectKey, buf: memoryview) -> tuple[int | None, memoryview]:
+        """``tier.read_into(key, buf)`` and the buffer it read into: an encrypted copy is
+        ``AEAD_OVERHEAD`` bytes longer than the object ``buf`` was sized for, so a copy that
+        does not fit by that much is read into a staging buffer (an allocation, on this path
+        only: the host pool had no room)."""
+        try:
+            return await tier.read_into(key, buf), buf
+        except ConfigError:
+            size = await tier.size_of(key)
+            if size is None or size > len(buf) + codec.AEAD_OVERHEAD:
+                raise
+            staged = memoryview(bytearray(size))
+            return await tier.read_into(key, staged), staged
 
     # --- puts ---------------------------------------------------------------------------------
 

@@ -36,6 +36,17 @@ Bounds and backpressure:
   written anywhere and is counted (``write_down_corrupt``).  Lower tiers check the key and
   checksum again on every read, so bytes changed after this check are a miss there.
 
+Encryption at rest (``kvstore.integrity``): with ``keys`` (the core's: a function of the
+key giving its tenant's ``Keyring``), an object whose tenant's keyring has ``encrypt`` on
+is encrypted once per copy (``integrity.encrypt``; in a worker thread above 1 MiB) into a
+scratch buffer reused between copies (at most ``max_in_flight`` of them, each as large as the
+largest object encrypted: a fresh buffer per object cost more than the encryption), and that
+copy is what every lower tier gets, except a tier that verifies MACs itself (the store
+process, over its authenticated channel: it encrypts for its own tiers per its own
+tenants' settings).  An object that cannot be encrypted (unsealed) is written nowhere,
+counted in ``write_down_corrupt``: a tenant that asked for encryption never gets plaintext
+on disk.
+
 ``settle_key`` (before a delete) takes a key out of the queue or the dirty set and cancels
 its copy in flight, so a late copy cannot bring a deleted object back.  ``aclose(timeout)``
 refuses new offers, flushes, waits up to ``timeout`` s, then cancels what is left (counted in
@@ -52,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvstore import codec
+from kvstore import codec, integrity
 from kvstore.config import WritePolicy
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
@@ -81,7 +92,8 @@ class WriteDown:
 
     def __init__(self, host: HostTier, lower: Sequence[Tier], policy: WritePolicy,
                  counters: StoreCounters, observer: StoreObserver, *, max_in_flight: int = 2,
-                 queue_bytes: int | None = None, dirty_fraction: float = 0.5, verify: bool = False) -> None:
+                 queue_bytes: int | None = None, dirty_fraction: float = 0.5, verify: bool = False,
+                 keys=None) -> None:
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
         if not 0 < dirty_fraction <= 1:
@@ -93,6 +105,8 @@ class WriteDown:
         self.dirty_limit = int(capacity * dirty_fraction)
         self.written = 0  # objects stored in at least one lower tier
         self.verify = verify
+        self.keys = keys
+        self._scratch: list[bytearray] = []  # encryption buffers between copies (on the loop only)
         self._counters, self._observer = counters, observer
         # _lock guards _queue, _queued, _dirty, _dirty_bytes, _active, _flush_to and _closed
         # (offers come from other threads).  Never held across an await or a host call.
@@ -243,13 +257,42 @@ class WriteDown:
             self._counters.write_down_corrupt += 1
             log.warning("write-down of %r refused: the object in the host pool is damaged", key)
             return
+        scratch = self._scratch.pop() if self._scratch else bytearray()
+        try:
+            sealed, scratch = await self._encrypted(key, item, scratch)
+        except (ConfigError, ObjectFormatError) as err:
+            self._counters.write_down_corrupt += 1
+            log.warning("write-down of %r refused: cannot encrypt it (%s)", key, err)
+            self._scratch.append(scratch)
+            return
         for tier in self.lower:
-            result, err = await self._put_one(tier, key, item)
+            at_rest = item if sealed is None or getattr(tier, "verifies_macs", False) else sealed
+            result, err = await self._put_one(tier, key, at_rest)
             self._counters.add("write_down", f"{tier.name}:{result.value}")
             self._observer.written(tier, result, len(item.view), err)
             stored = stored or result is PutResult.STORED
+        self._scratch.append(scratch)  # not on a cancellation: a tier's thread may still read it
         self.written += stored
         self._observer.write_down_done(time.perf_counter() - t0)
+
+    async def _encrypted(self, key: ObjectKey, item: _Item,
+                         scratch: bytearray) -> tuple[_Item | None, bytearray]:
+        """The encrypted copy of the object for the lower tiers (None: its tenant does not
+        encrypt, or every lower tier verifies MACs itself), and the scratch buffer it is in
+        (``scratch``, or a larger one replacing it)."""
+        view = item.view
+        ring = None if self.keys is None else self.keys(key)
+        if ring is None or not ring.encrypt or all(getattr(t, "verifies_macs", False) for t in self.lower):
+            return None, scratch
+        need = len(view) + codec.AEAD_OVERHEAD
+        if len(scratch) < need:
+            scratch = bytearray(need)
+        if len(view) > 1 << 20:
+            out = await asyncio.to_thread(integrity.encrypt, view, ring, scratch)
+        else:
+            out = integrity.encrypt(view, ring, scratch)
+        self._counters.encrypted += 1
+        return _Item(out, item.parent), scratch
 
     def _done(self, key: ObjectKey, task: asyncio.Task) -> None:
         """A copy ended (done, failed or cancelled): release its slot, start the next."""

@@ -41,7 +41,8 @@ def test_bench_tiers_rows_carry_limits(tmp_path):
     for expected in ("host put 32 MiB", "host get 28 MiB", "ssd write 32 MiB", "ssd cold read 28 MiB",
                      "chained hash per 256-token chunk", "host index bytes per object",
                      "MAC seal (keyed BLAKE3) 32 MiB", "MAC check (keyed BLAKE3) 32 MiB",
-                     "AES-256-GCM encrypt 32 MiB", "xxh3-128 checksum 32 MiB"):
+                     "AES-256-GCM encrypt 32 MiB", "AES-256-GCM decrypt 32 MiB", "xxh3-128 checksum 32 MiB",
+                     "ssd hit 2 MiB encrypted, cold", "ssd hit 2 MiB encrypted, warm"):
         assert expected in names
     digest = {n.split(",")[0] for n in names if n.startswith("weight digest")}
     assert digest == {"weight digest 1 GiB cold", "weight digest 1 GiB warm"}

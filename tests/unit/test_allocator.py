@@ -131,3 +131,16 @@ def _check_against_model(a: SlotAllocator, live: dict[int, int]) -> None:
         assert not any(used[off // P : (off + length) // P])
     assert a.used_bytes == sum(live.values())
     assert a.used_bytes + sum(n for _, n in holes) == a.capacity
+
+
+def test_shrink_keeps_the_slot_and_frees_whole_units_past_its_new_end():
+    P = 4096
+    a = SlotAllocator(8 * P)
+    off = a.alloc(3 * P + 28)
+    a.shrink(off, 3 * P + 10)                       # same units: only the size changes
+    assert a.size_of(off) == 3 * P + 10 and a.used_bytes == 4 * P
+    a.shrink(off, 3 * P)                            # a unit freed, merged with the hole after it
+    assert a.used_bytes == 3 * P and a.holes() == [(3 * P, 5 * P)]
+    with pytest.raises(RuntimeError, match="shrink"):
+        a.shrink(off, 3 * P + 1)
+    assert a.free(off) == 8 * P

@@ -75,3 +75,10 @@ def test_the_new_quotas_parse_from_a_tenants_section():
     assert limits == {"a": Limits(tickets=8, described_bytes=MiB, described=100)}
     assert limits["a"].descriptions == (MiB, 100)
     assert Limits().tickets == 64 and Limits().descriptions == (32 * MiB, 65536)
+
+
+def test_encrypt_is_a_per_tenant_switch_off_by_default():
+    limits = parse_limits({"a": {"encrypt": True}, "b": {}}, "tokens.yaml", {"a", "b"})
+    assert limits["a"].encrypt and not limits["b"].encrypt and not Limits().encrypt
+    with pytest.raises(ConfigError, match=r"tenants\.a\.encrypt: expected true or false"):
+        parse_limits({"a": {"encrypt": "yes"}}, "tokens.yaml", {"a"})

@@ -28,15 +28,12 @@ this module never sees protobufs or tokens.
 * ``acquire``/``release`` hold a buffer reference (not a lease) for a stream.
 * ``tickets`` are the data channel's single-use tickets (``kvstore.server.tickets``).
 * A reaper task aborts expired reservations, forgets expired leases (dropping their pins)
-  and expired data tickets periodically, so memory comes back even when no client asks (a client killed with
-  queued releases, say).
+  and expired data tickets, so memory comes back even when no client asks.
 * ``aclose`` (graceful shutdown): abort uncommitted puts, finish promotions and
   write-throughs, release leases and their pins, close the tiers (the shm file is unlinked).
-* ``events`` (``--kv-events``): the tiers' residency and the clients' descriptions
-  (``Describe``: a store only knows keys and bytes) as KV events, routed to each key's
-  tenant (``kvstore.store.kvevents``; published by ``kvstore.server.kvpublish``).  The host
-  pool is ``CPU`` (ownership ``kvstore``: the store's DRAM, not an engine's), SSD and Redis
-  ``STORAGE``.
+* ``events`` (``--kv-events``): the tiers' residency and the clients' descriptions as KV
+  events per tenant (``kvstore.store.kvevents``; published by ``kvstore.server.kvpublish``);
+  the host pool is ``CPU`` (ownership ``kvstore``), SSD and Redis ``STORAGE``.
 """
 from __future__ import annotations
 

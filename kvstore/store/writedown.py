@@ -36,16 +36,11 @@ Bounds and backpressure:
   written anywhere and is counted (``write_down_corrupt``).  Lower tiers check the key and
   checksum again on every read, so bytes changed after this check are a miss there.
 
-Encryption at rest (``kvstore.integrity``): with ``keys`` (the core's: a function of the
-key giving its tenant's ``Keyring``), an object whose tenant's keyring has ``encrypt`` on
-is encrypted once per copy (``integrity.encrypt``; in a worker thread above 1 MiB) into a
-scratch buffer reused between copies (at most ``max_in_flight`` of them, each as large as the
-largest object encrypted: a fresh buffer per object cost more than the encryption), and that
-copy is what every lower tier gets, except a tier that verifies MACs itself (the store
-process, over its authenticated channel: it encrypts for its own tiers per its own
-tenants' settings).  An object that cannot be encrypted (unsealed) is written nowhere,
-counted in ``write_down_corrupt``: a tenant that asked for encryption never gets plaintext
-on disk.
+Encryption at rest (``kvstore.integrity``, docs/integrity.md): an object whose tenant's
+keyring has ``encrypt`` on is encrypted once per copy (a worker thread above 1 MiB) into a
+reused scratch buffer, and every lower tier gets that copy except the store process (it
+encrypts per its own tenants).  An object that cannot be encrypted is written nowhere
+(``write_down_corrupt``): a tenant that asked for encryption never gets plaintext on disk.
 
 ``settle_key`` (before a delete) takes a key out of the queue or the dirty set and cancels
 its copy in flight, so a late copy cannot bring a deleted object back.  ``aclose(timeout)``

@@ -25,8 +25,8 @@ this module never sees protobufs or tokens.
   copy in time needs no answer from us (see the proto).  ``LeaseBook`` binds each lease to
   its tenant and its pinned key; ``release_leases`` (one call may carry many ids) drops the
   pins and re-checks validity for clients that ask.
-* ``acquire``/``release`` hold a buffer reference (not a lease) for a stream.
-* ``tickets`` are the data channel's single-use tickets (``kvstore.server.tickets``).
+* ``acquire``/``release`` hold a buffer reference (not a lease) for a stream; ``tickets``
+  are the data channel's single-use tickets (``kvstore.server.tickets``).
 * A reaper task aborts expired reservations, forgets expired leases (dropping their pins)
   and expired data tickets, so memory comes back even when no client asks.
 * ``aclose`` (graceful shutdown): abort uncommitted puts, finish promotions and

@@ -13,9 +13,8 @@ this module never sees protobufs or tokens.
   before copying it down (clients can write their pool).
 * Quotas (``kvstore.server.tenants``): leases held per tenant here, reservations in
   ``PutPath``, streams and connections at the edges.
-* The core does lookups (tier and size of each key of the contiguous hit; a failing tier is
-  a miss), promotion, deletes and the write-down of committed puts; ``ServerObserver`` feeds
-  what it reports into the server's counters (``kvstore.server.metrics``).
+* The core does lookups (a failing tier is a miss), promotion, deletes and the write-down;
+  ``ServerObserver`` (``kvstore.server.metrics``) counts what it reports.
 * ``lease`` finds an object (promoting it from a lower tier into the host pool: read,
   verified by that tier, straight into a reserved slot) and grants a lease that also *pins*
   the slot (a host buffer reference, ``HostTier.pin``): until the lease is released or

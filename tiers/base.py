@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from kvstore.keys import ObjectKey
 
@@ -192,6 +192,15 @@ class TierBase:
     async def lookup(self, keys: Sequence[ObjectKey]) -> int:
         flags = await self.present(keys)
         return flags.index(False) if False in flags else len(flags)
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 async def put_bytes(tier: Tier, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:

@@ -3,8 +3,7 @@
 Runs wherever a store lives (inside the engine's worker, or in the store process); it is the
 staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
 
-* **Zero copy.**  ``put_start`` hands out the slot itself as ``PutHandle.buffer``;
-  ``acquire``/``release`` lend a view of a stored slot to readers.
+* **Zero copy.**  ``put_start`` hands out the slot itself; ``acquire`` lends a view of one.
 * **No payload checksum here.**  This memory is ours: commit decodes only the 256-byte
   header (key and length must match the handle) and reads never re-hash.  Checksums are
   verified where bytes arrive from a lower tier or the network, before they are put here.
@@ -13,35 +12,16 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
   lease protects the *object* from eviction for a TTL; an expiring lease frees nothing.
   ``delete`` removes an object from lookup at once (dropping its leases) and frees its slot
   when the last reference is released ("doomed" until then).
-* **Eviction** (only when a put needs room) is prefix-aware and reuse-aware: among complete
-  objects with no reference and no valid lease, chain tails (no child in this tier) go
-  first, and a parent only when no tail qualifies; among either, objects used once (stored,
-  never read, leased or saved again since) go before reused ones, least recently used
-  first within each class (an LRU-2 order: a flood of prompts seen once cannot push out
-  the blocks that are reused).  A use counts as a reuse only ``reuse_window_s`` (default
-  1 s, on the tier's ``clock``) or more after the object's last use.  A key evicted and
-  stored again joins the reused class: the pool remembers the keys it evicted
-  (``HostPool.ghosts``, key hashes only, at most twice as many as it holds).  The
-  write-down's own hold (``acquire(use=False)``) is not a use.  Incomplete objects are
-  never evicted.
-  It plans first: a put evicts only when freeing everything it may evict would leave a hole
-  it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
-* **Pools.**  One pool by default.  With ``pools={name: bytes}`` and ``pool_of(key) -> name``
-  (the store process: one pool per tenant, found from the key's tenant mark) each pool is
-  a memfd of its own (``tiers.host_pool``): a put takes room, and evicts, only in its key's
-  pool, so one pool's flood never touches another's objects, and a mapping of one pool
-  reaches nothing else.  A key whose ``pool_of`` names no pool never fits (``put_start``
-  answers None).  Offsets (``PutHandle.offset``, ``pin``) are within the key's pool.
-* **Puts of existing keys.**  ``put_start`` for a key being written, or whose deleted copy
-  is still referenced, returns None.  For a key already stored it reserves a slot as usual
-  (None only if no room); its commit keeps the stored copy (same key, same bytes), frees
-  the new slot and returns True.  Callers check ``contains`` first (``put_bytes`` does).
-
-* **Shared pool** (``shared=True``, one pool): the buffer is a file in /dev/shm (``shm_path``)
-  that another process maps with ``attach_shared(path, capacity)`` to move slot bytes by
-  offset, while this tier keeps all bookkeeping (see ``tiers.host_shm``).  ``close`` unlinks
-  the file (closes the memfds) and releases the mappings; reads then raise
-  ``TierUnavailableError``.
+* **Eviction** (only when a put needs room): chain tails before parents, objects used once
+  before reused ones, least recently used first; planned first, so a put that cannot fit
+  (NO_ROOM) evicts nothing.  The order, and what counts as a reuse: ``tiers.host_slots``.
+* **Pools.**  One pool by default (``shared=True``: a file in /dev/shm that another process
+  maps, ``tiers.host_shm``; ``close`` unlinks it); with ``pools={name: bytes}`` and
+  ``pool_of(key) -> name`` (the store process) a memfd per tenant (``tiers.host_pool``): a
+  put takes room, and evicts, only in its key's pool; offsets are within that pool.
+* **Puts of existing keys.**  ``put_start`` of a key being written or still referenced after
+  its delete returns None; of a key already stored it reserves a slot whose commit keeps the
+  stored copy, frees the new slot and returns True (``put_bytes`` checks ``contains`` first).
 
 Keys and slots: at most one slot per key is ever *referenced*, so ``release(key)`` is
 unambiguous.  Thread-safe: sync methods (``*_sync``, ``acquire``, ``lease``...) may be
@@ -60,7 +40,7 @@ from kvstore.keys import ObjectKey
 from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
 from tiers.base import PutHandle, Removal, TierBase, TierStats
-from tiers.host_pool import Backing, HostPool
+from tiers.host_pool import HostPool, make_pools
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 
@@ -83,7 +63,7 @@ class HostTier(SlotOps, TierBase):
         self._pool_of = pool_of
         self._reuse_window = reuse_window_s
         try:
-            self._make_pools(capacity_bytes, alignment, pin, shared, pools)
+            self._pools.update(make_pools(capacity_bytes, alignment, pin, shared, pools, pool_of, reuse_window_s))
         except BaseException:
             self._release_pools()
             raise
@@ -107,21 +87,6 @@ class HostTier(SlotOps, TierBase):
         self._stats = TierStats(name, capacity_bytes=capacity)
         self._refs = 0
         self._closed = False
-
-    def _make_pools(self, capacity: int, alignment: int, pin: bool | None, shared: bool,
-                    pools: Mapping[str, int] | None) -> None:
-        if pools is None:
-            backing = Backing.NAMED if shared else Backing.PRIVATE
-            self._pools[""] = HostPool("", capacity, alignment, backing, pin, self._reuse_window)
-            return
-        if not pools or self._pool_of is None:
-            raise ConfigError("host tier pools need at least one pool and a pool_of function")
-        if sum(pools.values()) > capacity:
-            raise ConfigError(f"host tier pools hold {sum(pools.values())} bytes, more than its "
-                              f"capacity of {capacity}")
-        for pool, size in pools.items():
-            self._pools[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False,
-                                         reuse_window=self._reuse_window)
 
     def _release_pools(self) -> None:
         for pool in self._pools.values():
@@ -370,8 +335,7 @@ class HostTier(SlotOps, TierBase):
             raise RuntimeError(f"host tier {self.name!r} has several pools: no single allocator")
         return self._alloc
 
-    # --- async Tier protocol: thin wrappers; copies run on the calling thread, so large
-    # copies belong on a copy thread through the sync methods ----------------------------
+    # --- async Tier protocol: thin wrappers (large copies belong on a copy thread) ---------
 
     async def lookup(self, keys: Sequence[ObjectKey]) -> int:
         return self.lookup_sync(keys)
@@ -413,12 +377,6 @@ class HostTier(SlotOps, TierBase):
     async def aclose(self) -> None:
         """``close()``, for the Tier protocol and ``async with``."""
         self.close()
-
-    async def __aenter__(self) -> HostTier:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     # --- internals: caller holds _lock -----------------------------------------------
 

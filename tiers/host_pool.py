@@ -18,7 +18,7 @@ evicts nothing.  Bookkeeping only: ``HostTier`` guards every pool with its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +123,28 @@ class HostPool:
             shm.close()
 
 
+def make_pools(capacity: int, alignment: int, pin: bool | None, shared: bool, pools: Mapping[str, int] | None,
+               pool_of: object, reuse_window: float) -> dict[str, HostPool]:
+    """A host tier's pools: one (``""``, in /dev/shm when ``shared``) without ``pools``, else
+    one memfd per name, their sizes summing to at most ``capacity`` (``pool_of`` required)."""
+    if pools is None:
+        backing = Backing.NAMED if shared else Backing.PRIVATE
+        return {"": HostPool("", capacity, alignment, backing, pin, reuse_window)}
+    if not pools or pool_of is None:
+        raise ConfigError("host tier pools need at least one pool and a pool_of function")
+    if sum(pools.values()) > capacity:
+        raise ConfigError(f"host tier pools hold {sum(pools.values())} bytes, more than its capacity of {capacity}")
+    made: dict[str, HostPool] = {}
+    try:
+        for pool, size in pools.items():
+            made[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False, reuse_window=reuse_window)
+    except BaseException:
+        for pool in made.values():
+            pool.release()
+        raise
+    return made
+
+
 def allocate(capacity: int, pin: bool | None) -> tuple[np.ndarray, object]:
     """The tier's one buffer: pinned (resident) with CUDA, else prefaulted numpy memory."""
     if pin is not False:
@@ -138,4 +160,4 @@ def allocate(capacity: int, pin: bool | None) -> tuple[np.ndarray, object]:
     return array, None
 
 
-__all__ = ["Backing", "HostPool", "allocate"]
+__all__ = ["Backing", "HostPool", "allocate", "make_pools"]

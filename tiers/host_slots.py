@@ -4,6 +4,20 @@ through its states (publish, reference, evict, free) and the eviction plan of a 
 
 Bookkeeping only: ``HostTier`` owns every instance and calls ``SlotOps`` (mixed into it)
 with its lock held.
+
+Eviction (only when a put needs room) is prefix-aware and reuse-aware: among complete
+objects with no reference and no valid lease, chain tails (no child in this tier) go
+first, and a parent only when no tail qualifies; among either, objects used once (stored,
+never read, leased or saved again since) go before reused ones, least recently used
+first within each class (an LRU-2 order: a flood of prompts seen once cannot push out
+the blocks that are reused).  A use counts as a reuse only ``reuse_window_s`` (default
+1 s, on the tier's ``clock``) or more after the object's last use.  A key evicted and
+stored again joins the reused class: the pool remembers the keys it evicted
+(``HostPool.ghosts``, key hashes only, at most twice as many as it holds).  The
+write-down's own hold (``acquire(use=False)``) is not a use.  Incomplete objects are
+never evicted.
+It plans first: a put evicts only when freeing everything it may evict would leave a hole
+it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
 """
 from __future__ import annotations
 

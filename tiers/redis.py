@@ -87,12 +87,6 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
         client, bulk_limit = await connect(cfg)
         return cls(cfg, client, bulk_limit)
 
-    async def __aenter__(self) -> "RedisTier":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     async def aclose(self) -> None:
         if self._closed:
             return

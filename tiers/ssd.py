@@ -1,13 +1,9 @@
 """SSD tier: one file per object, published by fsync + rename, index rebuilt by scanning.
 
-Runs wherever a local disk is (worker or store-server side) and implements ``tiers.base.Tier``
-(``contains``, ``present`` and ``lookup`` are ``TierBase``'s, over ``sizes``: one lock).
+Runs wherever a local disk is; ``tiers.base.Tier`` (``contains``, ``present``, ``lookup``: over ``sizes``).
 
-Layout::
-
-    <dir>/LOCK                                         flock: one SSDTier per directory
-    <dir>/<2 hex of chunk hash>/<key.printable()>.kv   published, whole objects
-    <dir>/tmp/<key.printable()>.<pid>.<n>.tmp          puts in progress (removed at start)
+Layout (``tiers.ssd_files``): ``<dir>/LOCK`` (flock: one SSDTier per directory), published
+objects in ``<dir>/<2 hex of chunk hash>/<key.printable()>.kv``, puts in progress in ``<dir>/tmp/``.
 
 Durability: a put writes a temp file, checks its header, fsyncs it, renames it into place and
 fsyncs the directory; only then does ``put_commit`` return True.  A crash therefore leaves
@@ -15,11 +11,9 @@ either a temp file (removed at the next start) or a whole object; a published na
 points at torn bytes.  The object is readable from the rename on (its bytes are already on
 disk); should the directory fsync fail, it is withdrawn again and the put fails.
 
-Start-up scan checks headers only (decodes, names the file's key, length equals the file
-size); payload checksums are verified on every read, where a damaged object becomes a
-counted miss and is deleted.  Reads land in the caller's buffer (no payload-sized
-allocation).  Eviction is prefix-aware: chain tails (no child present) before parents, LRU
-first, never an object being read; puts in progress are not in the index, so never evicted.
+Start-up scan checks headers only (key, length); payload checksums are verified on every
+read (a damaged object is a counted miss, deleted).  Reads land in the caller's buffer.
+Eviction: chain tails before parents, LRU first, never an object being read or written.
 
 Concurrency: blocking file I/O runs in worker threads (``asyncio.to_thread``); bookkeeping
 lives in ``ssd_index.Index`` behind one lock that is never held across I/O or an ``await``.  A
@@ -100,12 +94,6 @@ class SSDTier(TierBase):
     async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw) -> "SSDTier":
         """Construct (and scan) in a worker thread, off the event loop."""
         return await asyncio.to_thread(cls, directory, capacity_bytes, **kw)
-
-    async def __aenter__(self) -> "SSDTier":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
 
     def path_of(self, key: ObjectKey) -> Path:
         return object_path(self._dir, key)

@@ -265,11 +265,5 @@ class RemoteTier(TierBase):
         await self.breaker.aclose()
         await self.client.close()
 
-    async def __aenter__(self) -> RemoteTier:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
 
 __all__ = ["RemoteTier"]

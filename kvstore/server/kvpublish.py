@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
-from kvstore.wire.kv import END_SEQ, KVEvent, encode_batch, new_epoch
+from kvstore.wire.kv import END_SEQ, EventLayout, KVEvent, encode_batch, new_epoch
 from kvstore.store.kvevents import EventRecorder
 
 if TYPE_CHECKING:
@@ -114,13 +114,14 @@ class EventPublisher:
     """Publishes a recorder's events on one stream per tenant (see the module docstring)."""
 
     def __init__(self, recorder: EventRecorder, streams: dict[str, StreamSpec], *, buffer: int = 10_000,
-                 buffer_bytes: int = 64 << 20, interval: float = 0.02, epoch: int | None = None) -> None:
+                 buffer_bytes: int = 64 << 20, interval: float = 0.02, epoch: int | None = None,
+                 layout: EventLayout = EventLayout.MAP) -> None:
         import zmq  # lazily: only a store with --kv-events needs pyzmq
 
         self._zmq = zmq
         self.recorder = recorder
         self.epoch = new_epoch() if epoch is None else epoch
-        self.interval = interval
+        self.interval, self.layout = interval, layout
         self._ctx = zmq.Context()
         self._streams: dict[str, _Stream] = {}
         self._buffer, self._buffer_bytes = buffer, buffer_bytes
@@ -205,7 +206,7 @@ class EventPublisher:
             stream = self._streams.get(tenant)
             if stream is None:
                 continue  # a tenant no stream serves (not configured)
-            payload = encode_batch(batch, now, self.epoch)
+            payload = encode_batch(batch, now, self.epoch, layout=self.layout)
             seq = stream.seq.to_bytes(8, "big")
             stream.pub.send_multipart((stream.topic, seq, payload))
             stream.buffer.append((stream.seq, payload))
@@ -284,7 +285,8 @@ def start_publisher(cfg: ServerConfig, recorder: EventRecorder, tenants: Tenants
     stream per tenant, each owned by the tenant's ``uid``/``gid`` when set), started."""
     owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
     specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
-    publisher = EventPublisher(recorder, specs, buffer=cfg.kv_events_buffer, buffer_bytes=cfg.kv_events_buffer_bytes)
+    publisher = EventPublisher(recorder, specs, buffer=cfg.kv_events_buffer, buffer_bytes=cfg.kv_events_buffer_bytes,
+                               layout=cfg.kv_events_format)
     publisher.start()
     return publisher
 

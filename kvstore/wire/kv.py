@@ -31,6 +31,14 @@ fields and trailing array elements):
   the wall clock when the publisher started: it grows across restarts).  A batch of a new
   epoch starts with ``AllBlocksCleared``: what an older epoch announced is void.
 * ``reason`` on ``BlockRemoved``: ``evicted``, ``expired``, ``corrupt`` or ``deleted``.
+
+**Layouts** (``EventLayout``): ``map`` (the default, above: vLLM since its PR #42892) or
+``array``, each event a positional array ``[tag, field, field, ...]`` in the same field
+order, for the decoders written before maps (llm-d-kv-cache up to v0.8.1, older Dynamo,
+AIBrix and kthena): ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium, lora_name, ...]``, ``["BlockRemoved", block_hashes, medium,
+...]``, ``["AllBlocksCleared"]``.  Fields a decoder does not know are trailing elements,
+which array decoders skip, as map decoders skip unknown keys.
 """
 from __future__ import annotations
 
@@ -46,6 +54,13 @@ from kvstore.keys import ChunkHash
 CPU, STORAGE = "CPU", "STORAGE"
 LOCAL, REMOTE = "LOCAL", "REMOTE"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end marker (vLLM's)
+
+
+class EventLayout(Enum):
+    """How each event is encoded (module docstring)."""
+
+    MAP = "map"
+    ARRAY = "array"
 
 
 class Kind(Enum):
@@ -103,12 +118,15 @@ def new_epoch() -> int:
 
 
 @functools.cache
-def _structs():
-    """msgspec structs mirroring vLLM's (same tags, fields and order), plus our extensions;
-    built on first use so that importing this module needs no msgspec."""
+def _structs(layout: EventLayout = EventLayout.MAP):
+    """msgspec structs mirroring vLLM's (same tags, fields and order), plus our extensions,
+    as maps or positional arrays; built on first use so that importing this module needs no
+    msgspec."""
     import msgspec
 
-    class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    array = layout is EventLayout.ARRAY
+
+    class BlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False, array_like=array):
         block_hashes: list[int]
         parent_block_hash: int | None
         token_ids: list[int]
@@ -124,7 +142,7 @@ def _structs():
         ownership: str | None = None
         session_id: str | None = None
 
-    class BlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    class BlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False, array_like=array):
         block_hashes: list[int]
         medium: str | None
         group_idx: int | None = None
@@ -132,7 +150,7 @@ def _structs():
         ownership: str | None = None
         reason: str | None = None  # ours
 
-    class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False, array_like=array):
         pass
 
     class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -144,8 +162,8 @@ def _structs():
     return BlockStored, BlockRemoved, AllBlocksCleared, Batch, msgspec.msgpack.Encoder()
 
 
-def _struct(event: KVEvent):
-    stored, removed, cleared, _, _ = _structs()
+def _struct(event: KVEvent, layout: EventLayout = EventLayout.MAP):
+    stored, removed, cleared, _, _ = _structs(layout)
     m = event.medium or Medium(CPU)
     if event.kind is Kind.STORED:
         tokens = event.tokens.tolist() if event.tokens is not None else []
@@ -157,11 +175,12 @@ def _struct(event: KVEvent):
     return cleared()
 
 
-def encode_batch(events: Sequence[KVEvent], ts: float, epoch: int, dp_rank: int = 0) -> bytes:
+def encode_batch(events: Sequence[KVEvent], ts: float, epoch: int, dp_rank: int = 0,
+                 layout: EventLayout = EventLayout.MAP) -> bytes:
     """The msgpack payload of one batch (the third frame of a message)."""
-    *_, batch, encoder = _structs()
-    return encoder.encode(batch(ts, [_struct(e) for e in events], dp_rank, epoch))
+    *_, batch, encoder = _structs(layout)
+    return encoder.encode(batch(ts, [_struct(e, layout) for e in events], dp_rank, epoch))
 
 
-__all__ = ["CPU", "END_SEQ", "LOCAL", "REMOTE", "STORAGE", "Description", "KVEvent", "Kind", "Medium",
+__all__ = ["CPU", "END_SEQ", "LOCAL", "REMOTE", "STORAGE", "Description", "EventLayout", "KVEvent", "Kind", "Medium",
            "encode_batch", "new_epoch", "wire_hash"]

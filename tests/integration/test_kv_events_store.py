@@ -244,3 +244,33 @@ async def _delete(target: str, token: str, key) -> None:
     finally:
         await tier.aclose()
 
+
+
+def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
+    """``--kv-events-format array``: a real store's stream and replay read by a decoder of
+    the positional era (the structs of tests/unit/test_kv_events.py), tokens and hashes
+    intact.  Cost: about 3 s (one store, one chain of 2)."""
+    from tests.unit.test_kv_events import _OldBatch, _OldStored
+
+    tokens_file = write_tokens(tmp_path / "tokens.yaml", TOKENS)
+    proc = StoreProcess(tmp_path / "store", "--host-capacity", "2MiB", "--auth-tokens", str(tokens_file),
+                        "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
+                        "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay", "--kv-events-format", "array")
+    tokens, hashes, keys, descs = chain(2, seed=5)
+    old = msgspec.msgpack.Decoder(type=_OldBatch)
+    ctx = zmq.Context()
+    try:
+        with proc.start():
+            asyncio.run(save(proc.target, "tok-a", keys, descs))
+            reader = Subscriber(ctx, f"ipc://{tmp_path}/a.events", f"ipc://{tmp_path}/a.replay", b"")
+            deadline, stored = time.monotonic() + 15, []
+            while len(stored) < 2:  # the replay socket has every batch since the epoch began
+                assert time.monotonic() < deadline, f"no stored events: {stored}"
+                stored = [e for _, payload in reader._replayed(0) for e in old.decode(payload).events
+                          if isinstance(e, _OldStored)]
+                time.sleep(0.05)  # poll interval
+            assert [e.block_hashes for e in stored] == [[kvwire.wire_hash(h)] for h in hashes]
+            assert [e.token_ids for e in stored] == tokens.tolist()
+            assert {e.medium for e in stored} == {"CPU"}
+    finally:
+        ctx.destroy(0)

@@ -218,3 +218,46 @@ def test_each_stream_holds_descriptions_within_its_budget():
     rec.removed("host", keys[0], Removal.DELETED)                   # b's description goes spare...
     rec.describe(keys[3], None, tokens[3].tolist())                 # ...and makes room when needed
     assert rec.held["b"] == 3 and rec.description(keys[0]) is None
+
+
+# --- the positional layout, for decoders written before vLLM's maps --------------------------
+
+class _OldStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    """A decoder of the positional era (llm-d-kv-cache up to v0.8.1 reads these fields)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _OldRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _OldCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _OldBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_OldStored | _OldRemoved | _OldCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_the_array_layout_is_read_by_a_positional_decoder_and_the_map_layout_is_not():
+    events = [KVEvent(Kind.STORED, block_hash=9, parent_hash=4, tokens=np.array([5, 6, 7]),
+                      medium=Medium(STORAGE, LOCAL, "ssd")),
+              KVEvent(Kind.REMOVED, block_hash=9, medium=Medium(CPU), reason="evicted"),
+              KVEvent(Kind.CLEARED)]
+    old = msgspec.msgpack.Decoder(type=_OldBatch)
+    batch = old.decode(kvwire.encode_batch(events, 2.0, epoch=3, layout=kvwire.EventLayout.ARRAY))
+    assert batch.events == [_OldStored([9], 4, [5, 6, 7], 3, None, STORAGE), _OldRemoved([9], CPU), _OldCleared()]
+    assert batch.ts == 2.0 and batch.data_parallel_rank == 0
+    raw = msgspec.msgpack.decode(kvwire.encode_batch(events, 2.0, epoch=3, layout=kvwire.EventLayout.ARRAY))
+    assert raw[3] == 3 and raw[1][1][-1] == "evicted"  # our extensions ride as trailing elements
+    with pytest.raises(msgspec.ValidationError):  # what such a decoder makes of today's maps
+        old.decode(kvwire.encode_batch(events, 2.0, epoch=3))

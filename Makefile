@@ -18,7 +18,7 @@ V033_STAMP := $(V033)/.installed-stamp
 WHEELS     := $(HOME)/.cache/kvstore/wheels
 V033_WHEEL := $(WHEELS)/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
 
-.PHONY: run test test-fast bench lint clean redis-server compose-images compose-test vllm033 docs proto
+.PHONY: run test test-fast bench lint clean redis-server prometheus compose-images compose-test vllm033 docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,12 +60,20 @@ redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "error: redis-server is still not on PATH after installing it" >&2; exit 1; }
 
+## A prometheus binary for the dashboard's test against a real Prometheus (Debian's package).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  echo "prometheus is not on PATH: installing it with apt-get"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || { \
+	    echo "error: apt-get could not install prometheus (needs root and a reachable package mirror)" >&2; exit 1; }; \
+	}
+
 ## The main job on the embedded default (host DRAM + SSD directory; no Redis, no server).
 run: $(ENGINE) redis-server
 	$(PY) -m harness.main
 
 ## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
-test: $(ENGINE) $(V033_STAMP) redis-server lint compose-images
+test: $(ENGINE) $(V033_STAMP) redis-server prometheus lint compose-images
 	$(PY) -m pytest -q --durations=15
 
 ## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,

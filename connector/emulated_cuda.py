@@ -34,8 +34,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from connector.copy_thread import CopyThread
 from connector.copies import CopyEvent, Job, StreamCopyEvent
+from connector.copy_thread import CopyThread
 
 Op = tuple[object, tuple, dict]
 

@@ -31,8 +31,8 @@ import re
 import uuid
 from pathlib import Path
 
-from kvstore.weights import digest_dir
 from kvstore.keys import Identity
+from kvstore.weights import digest_dir
 
 log = logging.getLogger("kvstore.connector")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -59,7 +59,8 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
                                          getattr(vllm_config.load_config, "download_dir", None))
     settings = engine_settings(vllm_config, kv_cache_config)
     layers = sum(len(g.layer_names) for g in attn)  # recurrent layers: in their snapshots (engine_config)
-    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:  # the scheduler sees stage 0's layers only
+    # the scheduler sees stage 0's layers only
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
         layers = mc.get_total_num_hidden_layers()
     identity = Identity(
         model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
@@ -217,8 +218,8 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None),
         "kv_cache_spec": _canonical_spec(spec, tp_ranks(vllm_config, spec)),
         # hybrid models: every KV cache group's spec and layers (the object holds them all)
-        "kv_cache_groups": [{"layers": list(g.layer_names), "spec": _canonical_spec(g.kv_cache_spec,
-                                                                                    tp_ranks(vllm_config, g.kv_cache_spec))}
+        "kv_cache_groups": [{"layers": list(g.layer_names),
+                             "spec": _canonical_spec(g.kv_cache_spec, tp_ranks(vllm_config, g.kv_cache_spec))}
                             for g in groups] if len(groups) > 1 else None,
         "hf_overrides": getattr(mc, "hf_overrides", None),
         "hf_config": hf.to_dict() if hasattr(hf, "to_dict") else hf,

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                                        KVConnectorKVEvents)
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
 from connector.plan import SaveJob
 from connector.requests import Piece, ReqState
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.kvwire import CPU, LOCAL, REMOTE, STORAGE, KVEvent, Kind, Medium, new_epoch
+from kvstore.kvwire import CPU, LOCAL, REMOTE, STORAGE, Kind, KVEvent, Medium, new_epoch
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
 

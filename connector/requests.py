@@ -54,7 +54,8 @@ class RequestView:
 @dataclass(slots=True)
 class StepInput:
     new: list[tuple[str, list[int], int]] = field(default_factory=list)              # id, blocks, computed
-    cached: list[tuple[str, list[int] | None, int, bool]] = field(default_factory=list)  # id, new blocks, computed, resumed
+    # id, new blocks, computed, resumed
+    cached: list[tuple[str, list[int] | None, int, bool]] = field(default_factory=list)
     scheduled: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     states: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # id -> (group, block,

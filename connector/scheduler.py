@@ -36,15 +36,16 @@ from typing import Any
 
 import numpy as np
 
-from connector.config import ConnectorConfig
-from connector.admission import NAMESPACE_CACHE, Admission
-from connector.ioloop import IOLoop, call_before_exit
 from connector import local
-from connector.hits import HitFinder
-from connector.loads import LoadPlanner
+from connector.admission import NAMESPACE_CACHE, Admission
+from connector.config import ConnectorConfig
 from connector.counters import SchedulerCounters
-from connector.plan import ReportCollector, StepPlan, WorkerReport
+from connector.hits import HitFinder
+from connector.ioloop import IOLoop, call_before_exit
+from connector.loads import LoadPlanner
+from connector.lower import open_store
 from connector.observe import RequestObserver
+from connector.plan import ReportCollector, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepClock, StepInput, hit_sources, track_blocks
 from connector.savejobs import SaveJobs
@@ -55,7 +56,6 @@ from kvstore.layout import ChunkShape
 from kvstore.policy import CostModel, Span
 from kvstore.store.pool import HostPool
 from kvstore.store.tiered import TieredStore
-from connector.lower import open_store
 from tiers.base import Removal, listen
 
 log = logging.getLogger("kvstore.connector")

@@ -26,7 +26,8 @@ from collections import Counter
 import grpc
 import numpy as np
 
-from kvstore import codec, datawire as wire, shmwire
+from kvstore import codec, shmwire
+from kvstore import datawire as wire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import ChunkHash, Namespace, ObjectKey

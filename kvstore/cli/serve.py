@@ -87,7 +87,8 @@ def _serve(args) -> int:
 def _stats(args) -> int:
     import grpc
 
-    from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+    from kvstore._proto import kvstore_pb2 as pb
+    from kvstore._proto import kvstore_pb2_grpc as pb_grpc
     from kvstore.errors import ConfigError, TierUnavailableError
 
     token = token_of(args)

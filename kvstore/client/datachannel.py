@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-
 from kvstore import codec
 from kvstore import datawire as wire
 from kvstore.errors import ConfigError, TierError, TierUnavailableError

@@ -25,9 +25,9 @@ import numpy as np
 from kvstore import codec
 from kvstore import datawire as wire
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
 from kvstore.client.info import Reservation
 from kvstore.client.planes import CODES
-from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
 from kvstore.errors import CapacityError, ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from tiers.base import PutResult

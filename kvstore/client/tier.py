@@ -41,8 +41,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvstore.client.store_client import StoreClient
 from kvstore.client.info import Reservation
+from kvstore.client.store_client import StoreClient
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.kvwire import Description

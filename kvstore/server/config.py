@@ -21,8 +21,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.config import (LeaseSettings, Seconds, Size, TierSettings, WritePolicy, check_seconds, from_env,
-                            from_yaml, given, load, setting)
+from kvstore.config import (
+    LeaseSettings,
+    Seconds,
+    Size,
+    TierSettings,
+    WritePolicy,
+    check_seconds,
+    from_env,
+    from_yaml,
+    given,
+    load,
+    setting,
+)
 from kvstore.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

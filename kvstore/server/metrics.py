@@ -44,9 +44,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvstore.metrics import quantiles
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 PREFIX = "kvstore_server_"
 _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -202,7 +202,8 @@ class _Collector:
                        {(): c.lookup_keys})
         yield _counter("lookup_hits", "Contiguous hits among looked-up keys, by tier", ["tier"],
                        {(k,): v for k, v in dict(c.lookup_hits).items()})
-        yield _counter("gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"], dict(c.gets))
+        yield _counter("gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"],
+                       dict(c.gets))
         yield _counter("get_misses", "Get, GetStream and data-channel misses", ["path"],
                        {(k,): v for k, v in dict(c.get_misses).items()})
         yield _counter("puts", "Puts by path and outcome", ["path", "outcome"], dict(c.puts))

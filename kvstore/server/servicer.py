@@ -51,10 +51,17 @@ import grpc
 
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
-from kvstore.errors import (CapacityError, ConfigError, KVStoreError, LeaseError, ObjectFormatError,
-                            TierError, TierUnavailableError)
+from kvstore.errors import (
+    CapacityError,
+    ConfigError,
+    KVStoreError,
+    LeaseError,
+    ObjectFormatError,
+    TierError,
+    TierUnavailableError,
+)
 from kvstore.keys import ObjectKey
+from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.server.core import ServerStore
 from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.statsdoc import flat_counters, flat_tenant

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.protowire import read_varint, varint
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.protowire import read_varint, varint
 
 SERVICE = "kvstore.v1.KVStore"
 

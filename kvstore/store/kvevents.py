@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvstore.errors import CapacityError
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.kvwire import Description, KVEvent, Kind, Medium, wire_hash
+from kvstore.kvwire import Description, Kind, KVEvent, Medium, wire_hash
 from tiers.base import Removal, Tier, listen
 
 StreamOf = Callable[[ObjectKey], "str | None"]

@@ -31,7 +31,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
-from kvstore.config import TierSettings, parse_size, redact_url as _redact
+from kvstore.config import TierSettings, parse_size
+from kvstore.config import redact_url as _redact
 from kvstore.errors import ConfigError, TierError
 from tiers.base import Tier
 

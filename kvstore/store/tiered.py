@@ -35,8 +35,8 @@ from kvstore import codec, integrity
 from kvstore.config import StoreConfig, WritePolicy
 from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
-from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
+from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.pool import HostPool, SharedHostPool
 from kvstore.store.promote import Promoter, authenticate
 from kvstore.store.registry import open_tiers, tier_specs

@@ -16,7 +16,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from kvstore import codec, kvwire
 from kvstore.keys import ROOT, chunk_hashes, object_keys
-from kvstore.kvwire import CPU, LOCAL, STORAGE, KVEvent, Kind, Medium
+from kvstore.kvwire import CPU, LOCAL, STORAGE, Kind, KVEvent, Medium
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
 from tests.kvobjects import namespace

@@ -173,7 +173,7 @@ class SavePlanner:
         prompt's tail once the prompt is computed, and at the end the request's last tail."""
         if st.save_stopped:
             return []
-        c, ppc, bs = self.chunk_size, self.pages_per_chunk, self.block_size
+        c, ppc = self.chunk_size, self.pages_per_chunk
         prompt = len(st.view.prompt)
         self.keys.extend_keys(st, done // c)
         out = [_Wanted(i, st.keys[i], st.keys[i - 1] if i else None, ppc, _generated(i * c, (i + 1) * c, prompt))

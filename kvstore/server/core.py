@@ -48,20 +48,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import LeaseError, TierUnavailableError
+from kvstore.integrity import DEFAULT_TENANT, KeySource, load_keys
 from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.kvwire import CPU, LOCAL, REMOTE, STORAGE, Medium
 from kvstore.server.config import ServerConfig
+from kvstore.server.kvpublish import EventPublisher, start_publisher
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
 from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
-from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
-from kvstore.store.observer import StoreObserver
-from kvstore.server.kvpublish import EventPublisher, start_publisher
+from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS
+from kvstore.server.tickets import TicketBook
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
+from kvstore.store.observer import StoreObserver
 from kvstore.store.registry import open_tiers, tier_specs
-from kvstore.integrity import DEFAULT_TENANT, KeySource, load_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
 from tiers.host import HostTier

@@ -30,6 +30,7 @@ import os
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
 from kvstore.keys import Identity
 from kvstore.weights import digest_dir
@@ -98,8 +99,9 @@ def _canonical_spec(spec, ranks: int) -> dict[str, object]:
     channels, scaled by the TP size)."""
     fields = _fields(spec)
     for name in ("num_kv_heads", "num_head_slots"):
-        if isinstance(fields.get(name), int) and ranks > 1:
-            fields[name] = fields[name] * ranks
+        count = fields.get(name)
+        if isinstance(count, int) and ranks > 1:
+            fields[name] = count * ranks
     fields.pop("max_tp_shards", None)  # how far this engine could shard: not the bytes
     if is_state(spec):
         axis = state_channel_axis()
@@ -222,7 +224,7 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
                              "spec": _canonical_spec(g.kv_cache_spec, tp_ranks(vllm_config, g.kv_cache_spec))}
                             for g in groups] if len(groups) > 1 else None,
         "hf_overrides": getattr(mc, "hf_overrides", None),
-        "hf_config": hf.to_dict() if hasattr(hf, "to_dict") else hf,
+        "hf_config": hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else hf,
         "model_impl": getattr(mc, "model_impl", None),
         "runner_type": getattr(mc, "runner_type", None),
         "convert_type": getattr(mc, "convert_type", None),
@@ -269,7 +271,8 @@ def plain(value: object) -> object:
     return _ADDRESS.sub("", str(value))
 
 
-def _fields(obj: object) -> dict[str, object]:
+def _fields(obj: Any) -> dict[str, object]:
+    """``obj``: a dataclass instance of vLLM's (a KV cache spec)."""
     return {f.name: plain(getattr(obj, f.name, None)) for f in dataclasses.fields(obj)}
 
 

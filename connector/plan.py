@@ -124,9 +124,9 @@ class WorkerReport:
         for job, oks in other.saves.items():
             mine = self.saves.get(job)
             self.saves[job] = oks if mine is None else [a and b for a, b in zip(mine, oks)]
-        for mine, theirs in ((self.load_reports, other.load_reports), (self.save_reports, other.save_reports)):
+        for counts, theirs in ((self.load_reports, other.load_reports), (self.save_reports, other.save_reports)):
             for job, n in theirs.items():
-                mine[job] = mine.get(job, 0) + n
+                counts[job] = counts.get(job, 0) + n
         self.layout = self.layout or other.layout
         self.state_layout = self.state_layout or other.state_layout
         self.bytes_loaded += other.bytes_loaded

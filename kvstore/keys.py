@@ -26,6 +26,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Self
 
 import numpy as np
 
@@ -45,13 +46,13 @@ class _Digest(bytes):
 
     __slots__ = ()
 
-    def __new__(cls, raw: bytes) -> "_Digest":
+    def __new__(cls, raw: bytes) -> Self:
         if len(raw) != DIGEST_SIZE:
             raise ConfigError(f"{cls.__name__} must be {DIGEST_SIZE} bytes, got {len(raw)}")
         return super().__new__(cls, raw)
 
     @classmethod
-    def fromhex(cls, text: str) -> "_Digest":  # type: ignore[override]
+    def fromhex(cls, text: str) -> Self:
         try:
             return cls(bytes.fromhex(text))
         except ValueError as err:
@@ -63,7 +64,7 @@ class _Digest(bytes):
     __str__ = __repr__
 
     @classmethod
-    def _trusted(cls, raw: bytes) -> "_Digest":
+    def _trusted(cls, raw: bytes) -> Self:
         """Construct from a digest we just computed (skips the length check)."""
         return bytes.__new__(cls, raw)
 

@@ -156,7 +156,7 @@ class Ticket:
                 return True
             if self._inflight:
                 return False
-            self._transition(type(self._state).RELEASED)
+            self._transition(type(self._state)["RELEASED"])
         if self._on_release is not None:
             self._on_release(self)
         return True

@@ -54,7 +54,8 @@ def register(sub) -> None:
 
 def _metavar(name: str, tp: object) -> str:
     inner = next((a for a in get_args(tp) if a is not type(None)), tp) if get_origin(tp) in (Union, UnionType) else tp
-    return {Size: "SIZE", Seconds: "SECONDS", int: "N", Path: "PATH"}.get(inner, name.upper())
+    names: dict[object, str] = {Size: "SIZE", Seconds: "SECONDS", int: "N", Path: "PATH"}
+    return names.get(inner, name.upper())
 
 
 def _help(f: Field, tp: object) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable
 
 import grpc
@@ -41,6 +42,9 @@ class PlanesMixin:
     """Needs from its host class: ``target``, ``transport``, ``timeout_s``, ``_token``,
     ``_tls``, ``_server_name``, ``_session``, ``_data``, ``shm_refusal``, ``tcp_refusal``,
     ``_unary`` and ``_status_error`` (all defined by ``StoreClient``)."""
+
+    _data: DataChannel | None
+    _tls: ssl.SSLContext | None
 
     @property
     def _segment(self):

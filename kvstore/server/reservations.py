@@ -118,9 +118,12 @@ class PutPath:
         c = self.metrics.counters
         with self.metrics.timer("put_commit"):
             try:
-                await _verify(handle.buffer, pending.client_key, handle.size)
-                codec.rekey(handle.buffer, pending.key)
-                await _off_loop(handle.size, self.core.seal, pending.key, handle.buffer[:handle.size])
+                buf = handle.buffer
+                if buf is None:  # the host tier hands out its slot
+                    raise LookupError(f"reservation of {pending.key!r} without its slot")
+                await _verify(buf, pending.client_key, handle.size)
+                codec.rekey(buf, pending.key)
+                await _off_loop(handle.size, self.core.seal, pending.key, buf[:handle.size])
             except BaseException as err:
                 self.host.put_commit_sync(handle, False)
                 if isinstance(err, ObjectFormatError):

@@ -71,7 +71,7 @@ from tiers.base import PutResult
 log = logging.getLogger("kvstore.server.servicer")
 READ, WRITE, SHM, ADMIN = Permission.READ, Permission.WRITE, Permission.SHM, Permission.ADMIN
 MAX_DESCRIBED_TOKENS = 1 << 16  # tokens of one described object (a chunk holds a few hundred)
-TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
+TIER_CODES: dict[str, pb.Tier] = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
 OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
             PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
 
@@ -131,11 +131,11 @@ def rpc(*needed: Permission) -> Callable[[Handler], Handler]:
     return wrap
 
 
-def _tier_codes(tiers: list[str]) -> list[int]:
+def _tier_codes(tiers: list[str]) -> list[pb.Tier]:
     """Wire codes of tier names (a run of one tier, the common answer, in one step)."""
     if tiers and tiers.count(tiers[0]) == len(tiers):
-        return [TIER_CODES.get(tiers[0], 0)] * len(tiers)
-    return [TIER_CODES.get(t, 0) for t in tiers]
+        return [TIER_CODES.get(tiers[0], pb.TIER_UNSPECIFIED)] * len(tiers)
+    return [TIER_CODES.get(t, pb.TIER_UNSPECIFIED) for t in tiers]
 
 
 class Gate(Protocol):
@@ -228,7 +228,7 @@ class KVStoreServicer:
             return pb.GetResponse(found=False)
         return pb.GetResponse(found=True, offset=granted.offset, length=granted.length,
                               lease_id=granted.lease_id, lease_ms=_ms(granted.ttl),
-                              tier=TIER_CODES.get(granted.tier, 0))
+                              tier=TIER_CODES.get(granted.tier, pb.TIER_UNSPECIFIED))
 
     @rpc(READ)
     async def GetStream(self, request, context, who: Principal) -> None:

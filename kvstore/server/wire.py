@@ -79,9 +79,10 @@ def encode_get_frame(frame: OutFrame | pb.GetFrame) -> bytes:
         head += b"\x10" + varint(frame.total_length)
     if frame.offset:
         head += b"\x18" + varint(frame.offset)
-    parts = [bytes(head)]
     if len(frame.data):
-        parts[0] += b"\x22" + varint(len(frame.data))
+        head += b"\x22" + varint(len(frame.data))
+    parts: list[bytes | memoryview] = [bytes(head)]
+    if len(frame.data):
         parts.append(frame.data)
     if frame.tier:
         parts.append(b"\x28" + varint(frame.tier))

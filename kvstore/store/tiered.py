@@ -163,7 +163,7 @@ class TieredStore:
         straight from that tier when the pool has no room), or None."""
         t0 = time.perf_counter()
         n = self.host.read_into_sync(key, buf)
-        tier = self.host.name
+        tier: str | None = self.host.name
         if n is None and self.lower:
             tier = await self.promote(key)
             n = self.host.read_into_sync(key, buf) if tier is not None else None
@@ -172,13 +172,15 @@ class TieredStore:
         if n is None:
             self.counters.get_misses += 1
             return None
+        if tier is None:  # bytes read name the tier they came from
+            raise LookupError(f"read of {key!r}: {n} bytes from no tier")
         seconds = time.perf_counter() - t0
         if tier == self.host.name:
             c = self.counters
             c.add("gets", tier)
             c.add("bytes_read", tier, n)
             c.add("read_seconds", tier, seconds)
-        return GetResult(n, tier, seconds)  # type: ignore[arg-type]
+        return GetResult(n, tier, seconds)
 
     async def _read_lower(self, key: ObjectKey, buf: memoryview) -> tuple[str | None, int | None]:
         for tier in self.lower:
@@ -220,8 +222,11 @@ class TieredStore:
             return PutResult.NO_ROOM
         ok = False
         try:
-            handle.buffer[: len(view)] = view
-            self.seal(key, handle.buffer[: len(view)])
+            buf = handle.buffer
+            if buf is None:  # the host tier hands out its slot
+                raise LookupError(f"host tier {self.host.name}: a reservation of {key!r} without its slot")
+            buf[: len(view)] = view
+            self.seal(key, buf[: len(view)])
             ok = True
         finally:
             published = self.host.put_commit_sync(handle, ok)

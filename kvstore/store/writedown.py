@@ -44,6 +44,7 @@ refuses new offers, flushes, waits up to ``timeout`` s, then cancels what is lef
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -219,7 +220,7 @@ class WriteDown:
                 starts.append(nxt)
         for key, item in starts:
             task = asyncio.get_running_loop().create_task(self._copy(key, item))
-            task.add_done_callback(lambda t, k=key: self._done(k, t))  # runs even if cancelled
+            task.add_done_callback(functools.partial(self._done, key))  # runs even if cancelled
             with self._lock:                                            # before it started
                 self._active[key] = task
 

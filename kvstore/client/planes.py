@@ -24,6 +24,7 @@ import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -45,6 +46,20 @@ class PlanesMixin:
 
     _data: DataChannel | None
     _tls: ssl.SSLContext | None
+    if TYPE_CHECKING:  # what StoreClient defines (declared for mypy only)
+        target: str
+        transport: Transport
+        timeout_s: float
+        shm_refusal: str
+        tcp_refusal: str
+        _token: str | None
+        _server_name: str | None
+        _session: ShmSession | None
+
+        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
+                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
+
+        def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception: ...
 
     @property
     def _segment(self):

@@ -118,7 +118,7 @@ class WorkerReport:
     #                                                  each chunk's snapshot done)
     copies: list[tuple[str, float, float]] = field(default_factory=list)  # copy jobs run: (what, t0, t1)
 
-    def merge(self, other: "WorkerReport") -> "WorkerReport":
+    def merge(self, other: WorkerReport) -> WorkerReport:
         for job, ok in other.loads.items():
             self.loads[job] = self.loads.get(job, True) and ok
         for job, oks in other.saves.items():

@@ -74,7 +74,7 @@ class Namespace(_Digest):
 
     __slots__ = ()
 
-    def scoped(self, tenant: str) -> "Namespace":
+    def scoped(self, tenant: str) -> Namespace:
         """The effective namespace of ``self`` inside an authenticated tenant."""
         digest = hashlib.sha256(_DOMAIN_NS + b"tenant\x00" + tenant.encode() + b"\x00" + self).digest()
         return Namespace(tenant_mark(tenant) + digest[TENANT_MARK_SIZE:])
@@ -227,7 +227,7 @@ class ObjectKey(bytes):
 
     __slots__ = ()
 
-    def __new__(cls, namespace: Namespace, chunk_hash: ChunkHash, tag: str = "r0") -> "ObjectKey":
+    def __new__(cls, namespace: Namespace, chunk_hash: ChunkHash, tag: str = "r0") -> ObjectKey:
         if not isinstance(namespace, Namespace) or not isinstance(chunk_hash, ChunkHash):
             raise ConfigError("ObjectKey needs a Namespace and a ChunkHash")
         if not _TAG_RE.fullmatch(tag):  # fullmatch: "$" alone would accept a trailing newline
@@ -235,7 +235,7 @@ class ObjectKey(bytes):
         return super().__new__(cls, namespace + chunk_hash + tag.encode())
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "ObjectKey":
+    def from_bytes(cls, raw: bytes) -> ObjectKey:
         if len(raw) <= 2 * DIGEST_SIZE:
             raise ConfigError(f"object key bytes too short ({len(raw)})")
         try:
@@ -245,7 +245,7 @@ class ObjectKey(bytes):
         return cls(Namespace(raw[:DIGEST_SIZE]), ChunkHash(raw[DIGEST_SIZE : 2 * DIGEST_SIZE]), tag)
 
     @classmethod
-    def parse(cls, text: str) -> "ObjectKey":
+    def parse(cls, text: str) -> ObjectKey:
         """Inverse of ``printable()``."""
         parts = text.split(".")
         if len(parts) != 3:

@@ -89,7 +89,7 @@ class Ticket:
     _ids = itertools.count(1)
 
     def __init__(self, initial: Enum, label: str = "", clock: Clock = time.monotonic,
-                 on_release: Callable[["Ticket"], None] | None = None) -> None:
+                 on_release: Callable[[Ticket], None] | None = None) -> None:
         self.id = next(Ticket._ids)
         self.label = label
         self._clock = clock

@@ -31,7 +31,7 @@ class RawData:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawData":
+    def __enter__(self) -> RawData:
         return self
 
     def __exit__(self, *exc: object) -> None:

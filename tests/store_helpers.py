@@ -99,7 +99,7 @@ class StoreClient:
             self.session = None
         self.channel.close()
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -67,7 +67,7 @@ class _Listeners:
             listener.removed(tier, key, reason)
 
 
-def listen(tier: "Tier", listener: Residency) -> None:
+def listen(tier: Tier, listener: Residency) -> None:
     """Add ``listener`` to those ``tier`` tells what it publishes and drops."""
     current = getattr(tier, "residency", None)
     # TierBase's attribute, which the Tier protocol leaves out (a tier need not offer it)

@@ -53,7 +53,7 @@ class ShmSession:
         return self.pool.array
 
     @classmethod
-    def open(cls, path: str, ticket: bytes, token: str | None, timeout_s: float = 5.0) -> "ShmSession":
+    def open(cls, path: str, ticket: bytes, token: str | None, timeout_s: float = 5.0) -> ShmSession:
         """Connect, present ``ticket`` and ``token``, map the pool received;
         ``TierUnavailableError`` when the socket cannot be reached, ``GateRefusedError``
         with the server's status when it refuses."""

@@ -60,7 +60,7 @@ class Deadline:
     def left(self) -> float:
         left = self.end - time.monotonic()
         if left <= 0:
-            raise socket.timeout("the request's deadline passed")
+            raise TimeoutError("the request's deadline passed")
         return left
 
 
@@ -68,7 +68,7 @@ class Slots(Protocol):
     """What a connection holds of its server (``DataServer``): a pre-authentication slot of
     its peer until the hello, then one of the global connection slots."""
 
-    def leave_preauth(self, conn: "DataConnection") -> None: ...
+    def leave_preauth(self, conn: DataConnection) -> None: ...
     def take(self) -> bool: ...
     def give(self) -> None: ...
 
@@ -114,7 +114,7 @@ class DataConnection:
             self._handshake()
             while self._one_request():
                 pass
-        except socket.timeout:
+        except TimeoutError:
             if self.who is not None:
                 self.bridge.soon(self.ops.cut, self.who)
         except (Closed, OSError, LoopGone):

@@ -167,7 +167,7 @@ class ServerMetrics:
         """n, p50, p99 and max seconds of each stage over its last ``STAGE_SAMPLES``."""
         return {stage: quantiles(list(s)) for stage, s in list(self._samples.items()) if s}
 
-    def timer(self, stage: str) -> "_Timer":
+    def timer(self, stage: str) -> _Timer:
         return _Timer(self, stage)
 
 
@@ -179,7 +179,7 @@ class _Timer:
     def __init__(self, metrics: ServerMetrics, stage: str) -> None:
         self._metrics, self._stage, self._t0 = metrics, stage, 0.0
 
-    def __enter__(self) -> "_Timer":
+    def __enter__(self) -> _Timer:
         self._t0 = time.perf_counter()
         return self
 

@@ -112,7 +112,7 @@ def rpc(*needed: Permission) -> Callable[[Handler], Handler]:
 
     def wrap(fn: Handler) -> Handler:
         @functools.wraps(fn)
-        async def handler(self: "KVStoreServicer", request, context: grpc.aio.ServicerContext):
+        async def handler(self: KVStoreServicer, request, context: grpc.aio.ServicerContext):
             try:
                 who = self.admit(request, context, needed, fn.__name__)
                 remaining = context.time_remaining()

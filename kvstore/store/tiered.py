@@ -95,7 +95,7 @@ class TieredStore:
     @classmethod
     async def open(cls, specs: Sequence[tuple[str, Mapping[str, object]]],
                    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *, required: bool = True,
-                   on_left_out=None, **options) -> "TieredStore":
+                   on_left_out=None, **options) -> TieredStore:
         """Open ``specs`` (``kvstore.store.registry``: a ``host:`` spec first, then the lower
         tiers, fastest first) and build the store over them."""
         if not specs or not specs[0][0].startswith("host:"):
@@ -109,7 +109,7 @@ class TieredStore:
             raise
 
     @classmethod
-    async def from_config(cls, cfg: StoreConfig, **options) -> "TieredStore":
+    async def from_config(cls, cfg: StoreConfig, **options) -> TieredStore:
         """The embedded store of ``cfg``: a private host pool, then its SSD directory."""
         return await cls.open(tier_specs(cfg), cfg.write_policy, **options)
 
@@ -322,7 +322,7 @@ class TieredStore:
                 log.warning("closing %s failed: %s", tier.name, err)
         self.host.close()
 
-    async def __aenter__(self) -> "TieredStore":
+    async def __aenter__(self) -> TieredStore:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

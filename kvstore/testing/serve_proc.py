@@ -63,7 +63,7 @@ class StoreProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 20.0) -> "StoreProcess":
+    def start(self, timeout: float = 20.0) -> StoreProcess:
         if self.running:
             raise RuntimeError(f"store process {self.pid} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ class StoreProcess:
                 self.kill()
         return self._proc.returncode
 
-    def restart(self, timeout: float = 20.0) -> "StoreProcess":
+    def restart(self, timeout: float = 20.0) -> StoreProcess:
         if self.running:
             self.terminate()
         return self.start(timeout)
@@ -129,7 +129,7 @@ class StoreProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def __enter__(self) -> "StoreProcess":
+    def __enter__(self) -> StoreProcess:
         if not self.running:
             self.start()
         return self

@@ -89,12 +89,12 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
     # --- lifecycle ----------------------------------------------------------------------
 
     @classmethod
-    async def open(cls, cfg: RedisConfig) -> "RedisTier":
+    async def open(cls, cfg: RedisConfig) -> RedisTier:
         """Connect, PING and check limits (``tiers.redis_config.connect``)."""
         client, bulk_limit = await connect(cfg)
         return cls(cfg, client, bulk_limit)
 
-    async def __aenter__(self) -> "RedisTier":
+    async def __aenter__(self) -> RedisTier:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

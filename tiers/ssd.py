@@ -109,11 +109,11 @@ class SSDTier(TierBase):
             raise
 
     @classmethod
-    async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw) -> "SSDTier":
+    async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw) -> SSDTier:
         """Construct (and scan) in a worker thread, off the event loop."""
         return await asyncio.to_thread(cls, directory, capacity_bytes, **kw)
 
-    async def __aenter__(self) -> "SSDTier":
+    async def __aenter__(self) -> SSDTier:
         return self
 
     async def __aexit__(self, *exc) -> None:

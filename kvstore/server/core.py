@@ -157,7 +157,7 @@ class ServerStore:
         return lambda key: keys.keyring(tenant_of(key) or DEFAULT_TENANT)
 
     @classmethod
-    async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":
+    async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> ServerStore:
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
         specs = tier_specs(cfg, host={"pin": False,  # pin=False: no torch

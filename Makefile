@@ -96,11 +96,14 @@ bench: $(STAMP) redis-server
 	$(PY) -m kvstore bench redis
 	$(PY) -m kvstore bench store
 
-## Byte-compiles everything and checks the import contracts in pyproject.toml (layers,
-## no cycles, kvstore and tiers never import connector).
+## Byte-compiles everything, checks the import contracts in pyproject.toml (layers, no cycles,
+## kvstore and tiers never import connector, the connector's halves apart), then ruff's lint
+## and mypy over kvstore, tiers and connector (both configured in pyproject.toml).
 lint: $(STAMP)
-	$(PY) -m compileall -q kvstore tiers connector harness tests
+	$(PY) -m compileall -q kvstore tiers connector harness tests scripts
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check kvstore tiers connector harness tests scripts
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) $(V033) .pytest_cache build *.egg-info

@@ -57,7 +57,8 @@ class Admission:
         if params.unknown:
             self.counters.unknown_params(params.unknown)
             self._warn_once(f"unknown:{params.unknown}", "kv_transfer_params.%s: unknown keys %s ignored (known: "
-                            "weights_version); counted in kvstore_params_unknown_keys", PARAMS_KEY, list(params.unknown))
+                            "weights_version); counted in kvstore_params_unknown_keys", PARAMS_KEY,
+                            list(params.unknown))
         before = self.epoch.label
         if not self.epoch.admit(params.weights_version):
             self._refuse(view.req_id, "weights_version_mismatch",
@@ -65,7 +66,8 @@ class Admission:
                          f"declares {params.weights_version!r}: served without the connector")
             return False
         if self.epoch.label != before:
-            log.info("KVStoreConnector: the weights in memory are version %r (%s)", self.epoch.label, self.epoch.current)
+            log.info("KVStoreConnector: the weights in memory are version %r (%s)", self.epoch.label,
+                     self.epoch.current)
         return True
 
     def _refuse(self, req_id: str, reason: str, message: str) -> None:

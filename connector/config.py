@@ -23,8 +23,18 @@ from enum import Enum
 from pathlib import Path
 
 from kvstore.client.info import Transport
-from kvstore.config import (LeaseSettings, Seconds, TierSettings, check_seconds, from_env, given, load,
-                            read_token_file, redact_url, setting)
+from kvstore.config import (
+    LeaseSettings,
+    Seconds,
+    TierSettings,
+    check_seconds,
+    from_env,
+    given,
+    load,
+    read_token_file,
+    redact_url,
+    setting,
+)
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
 

@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 
 from connector.config import DeviceKind, DeviceSpec
-from connector.copy_thread import CopyThread
 from connector.copies import CopyEvent, Device, Job, StreamCopyEvent
+from connector.copy_thread import CopyThread
 from kvstore.errors import ConfigError
 
 

@@ -34,10 +34,10 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from connector.copy_thread import CopyThread
 from connector.copies import CopyEvent, Job, StreamCopyEvent
+from connector.copy_thread import CopyThread
 
-Op = tuple[object, tuple, dict]
+Op = tuple[Callable[..., object], tuple, dict]  # a deferred tensor write: func, args, kwargs
 
 
 class _DeferWrites(TorchDispatchMode):

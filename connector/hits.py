@@ -125,8 +125,9 @@ class HitFinder:
         there, then the snapshot as a piece of no tokens.  No snapshot: no hit."""
         bs = self.block_size
         reach = min(pieces[-1].end if pieces else 0, (len(st.view.prompt) - 1) // bs * bs)
-        bases = {t: self.boundary_key(st, t) for t in range(reach, after, -bs)}
-        bounds = [t for t, base in bases.items() if base is not None]
+        maybe = {t: self.boundary_key(st, t) for t in range(reach, after, -bs)}
+        bases = {t: base for t, base in maybe.items() if base is not None}
+        bounds = list(bases)
         if not bounds:
             return []
         keys = [state_key(bases[t]) for t in bounds]

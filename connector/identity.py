@@ -30,9 +30,10 @@ import os
 import re
 import uuid
 from pathlib import Path
+from typing import Any
 
-from kvstore.weights import digest_dir
 from kvstore.keys import Identity
+from kvstore.weights import digest_dir
 
 log = logging.getLogger("kvstore.connector")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -59,7 +60,8 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
                                          getattr(vllm_config.load_config, "download_dir", None))
     settings = engine_settings(vllm_config, kv_cache_config)
     layers = sum(len(g.layer_names) for g in attn)  # recurrent layers: in their snapshots (engine_config)
-    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:  # the scheduler sees stage 0's layers only
+    # the scheduler sees stage 0's layers only
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
         layers = mc.get_total_num_hidden_layers()
     identity = Identity(
         model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
@@ -97,8 +99,9 @@ def _canonical_spec(spec, ranks: int) -> dict[str, object]:
     channels, scaled by the TP size)."""
     fields = _fields(spec)
     for name in ("num_kv_heads", "num_head_slots"):
-        if isinstance(fields.get(name), int) and ranks > 1:
-            fields[name] = fields[name] * ranks
+        count = fields.get(name)
+        if isinstance(count, int) and ranks > 1:
+            fields[name] = count * ranks
     fields.pop("max_tp_shards", None)  # how far this engine could shard: not the bytes
     if is_state(spec):
         axis = state_channel_axis()
@@ -217,11 +220,11 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None),
         "kv_cache_spec": _canonical_spec(spec, tp_ranks(vllm_config, spec)),
         # hybrid models: every KV cache group's spec and layers (the object holds them all)
-        "kv_cache_groups": [{"layers": list(g.layer_names), "spec": _canonical_spec(g.kv_cache_spec,
-                                                                                    tp_ranks(vllm_config, g.kv_cache_spec))}
+        "kv_cache_groups": [{"layers": list(g.layer_names),
+                             "spec": _canonical_spec(g.kv_cache_spec, tp_ranks(vllm_config, g.kv_cache_spec))}
                             for g in groups] if len(groups) > 1 else None,
         "hf_overrides": getattr(mc, "hf_overrides", None),
-        "hf_config": hf.to_dict() if hasattr(hf, "to_dict") else hf,
+        "hf_config": hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else hf,
         "model_impl": getattr(mc, "model_impl", None),
         "runner_type": getattr(mc, "runner_type", None),
         "convert_type": getattr(mc, "convert_type", None),
@@ -268,7 +271,8 @@ def plain(value: object) -> object:
     return _ADDRESS.sub("", str(value))
 
 
-def _fields(obj: object) -> dict[str, object]:
+def _fields(obj: Any) -> dict[str, object]:
+    """``obj``: a dataclass instance of vLLM's (a KV cache spec)."""
     return {f.name: plain(getattr(obj, f.name, None)) for f in dataclasses.fields(obj)}
 
 

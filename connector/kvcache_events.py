@@ -35,27 +35,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                                        KVConnectorKVEvents)
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
 from connector.plan import SaveJob
 from connector.requests import Piece, ReqState
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, KVEvent, Kind, Medium, new_epoch
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
+from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, Kind, KVEvent, Medium, new_epoch
 
 
-class StoredEvent(BlockStored, tag="BlockStored"):
+class StoredEvent(BlockStored, tag="BlockStored"):  # type: ignore[call-arg]  # vLLM's msgspec base, unfollowed
     epoch: int | None = None
 
 
-class RemovedEvent(BlockRemoved, tag="BlockRemoved"):
+class RemovedEvent(BlockRemoved, tag="BlockRemoved"):  # type: ignore[call-arg]  # vLLM's msgspec base, unfollowed
     reason: str | None = None
     epoch: int | None = None
 
 
-class ClearedEvent(AllBlocksCleared, tag="AllBlocksCleared"):
+class ClearedEvent(AllBlocksCleared, tag="AllBlocksCleared"):  # type: ignore[call-arg]  # vLLM's msgspec base, unfollowed
     epoch: int | None = None
 
 
@@ -147,6 +146,8 @@ class ConnectorEvents:
     def _vllm(self, e: KVEvent) -> KVCacheEvent:
         m = e.medium or Medium(CPU)
         if e.kind is Kind.STORED:
+            if e.tokens is None:
+                raise ValueError(f"KV event of {e.block_hash!r}: a stored block without its tokens")
             tokens = e.tokens.tolist()
             return StoredEvent(block_hashes=[e.block_hash], parent_block_hash=e.parent_hash, token_ids=tokens,
                                block_size=len(tokens), lora_id=None, medium=m.medium, lora_name=e.lora,

@@ -87,7 +87,7 @@ class LoadPlanner:
         total = 0
         for key, piece in st.pins.items():
             try:
-                generated = codec.decode_header(self.host.buffer[st.slots[key]:]).generated
+                generated = codec.decode_header(_pool_buffer(self.host)[st.slots[key]:]).generated
             except ObjectFormatError:
                 continue
             total += max(0, min(end, piece.end) - max(start, piece.end - generated))
@@ -153,3 +153,10 @@ class LoadPlanner:
 
 
 __all__ = ["LoadPlanner"]
+
+
+def _pool_buffer(host: HostPool) -> memoryview:
+    """The host pool's bytes (mapped while the pool is open)."""
+    if host.buffer is None:
+        raise LookupError(f"host pool {host.name}: not mapped")
+    return host.buffer

@@ -14,7 +14,7 @@ import threading
 import weakref
 
 _LOCK = threading.Lock()  # guards _WORKERS
-_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def register(worker) -> None:

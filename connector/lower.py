@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 from connector.config import ConnectorConfig
 from kvstore import integrity
-from kvstore.store.observer import StoreObserver
 from kvstore.store import registry
+from kvstore.store.observer import StoreObserver
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
 

@@ -78,8 +78,8 @@ class RequestObserver:
         now = time.monotonic()
         for job in plan.loads:
             self._loads[job.job_id] = job.req_id
-        for job in plan.saves:
-            self._saves[job.job_id] = (job.req_id, now, [c.key for c in job.chunks])
+        for save in plan.saves:
+            self._saves[save.job_id] = (save.req_id, now, [c.key for c in save.chunks])
 
     def reported(self, report: WorkerReport) -> None:
         now = time.monotonic()
@@ -93,8 +93,8 @@ class RequestObserver:
                 self._save_done(job, *planned, issued, done, now)
         if self.tracer is not None:
             for what, t0, t1 in report.copies:
-                rank, _, job = what.partition(": ")
-                self.tracer.span(self.tracer.track(f"copy stream {rank}", order=0), job, t0, t1)
+                rank, _, copy = what.partition(": ")
+                self.tracer.span(self.tracer.track(f"copy stream {rank}", order=0), copy, t0, t1)
 
     def finished(self, req: str) -> None:
         found = self._found.pop(req, None)
@@ -171,6 +171,8 @@ class RequestObserver:
         self.tracer.span(tid, "snapshot_done", snapshot, committed)
 
     def _track(self, req: str, sub: str = "") -> int:
+        if self.tracer is None:  # every caller checks first: a track without a trace is a bug
+            raise LookupError("RequestObserver: no trace is being written")
         return self.tracer.track(f"req {req}" + (f" {sub}" if sub else ""))
 
     def close(self) -> None:

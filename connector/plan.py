@@ -118,15 +118,15 @@ class WorkerReport:
     #                                                  each chunk's snapshot done)
     copies: list[tuple[str, float, float]] = field(default_factory=list)  # copy jobs run: (what, t0, t1)
 
-    def merge(self, other: "WorkerReport") -> "WorkerReport":
+    def merge(self, other: WorkerReport) -> WorkerReport:
         for job, ok in other.loads.items():
             self.loads[job] = self.loads.get(job, True) and ok
         for job, oks in other.saves.items():
             mine = self.saves.get(job)
             self.saves[job] = oks if mine is None else [a and b for a, b in zip(mine, oks)]
-        for mine, theirs in ((self.load_reports, other.load_reports), (self.save_reports, other.save_reports)):
+        for counts, theirs in ((self.load_reports, other.load_reports), (self.save_reports, other.save_reports)):
             for job, n in theirs.items():
-                mine[job] = mine.get(job, 0) + n
+                counts[job] = counts.get(job, 0) + n
         self.layout = self.layout or other.layout
         self.state_layout = self.state_layout or other.state_layout
         self.bytes_loaded += other.bytes_loaded

@@ -69,6 +69,8 @@ class Prefetcher:
         """Whether request ``st`` may go on: its prefetch ended, or ran past its deadline.
         ``idle``: the engine's last step computed nothing, so it only waits for prefetches."""
         fut = st.prefetch
+        if fut is None:
+            raise LookupError(f"request {st.view.req_id}: no prefetch under way to poll")
         if self._polled_step != step:
             # One blocking wait per step: it releases the GIL, which the engine's busy step
             # loop would otherwise hold while the I/O thread needs it between reads.  When
@@ -91,7 +93,10 @@ class Prefetcher:
         return True
 
     def _finish(self, st: ReqState) -> None:
-        fut, st.prefetch, st.fetched = st.prefetch, None, True
+        fut = st.prefetch
+        if fut is None:
+            raise LookupError(f"request {st.view.req_id}: no prefetch under way to finish")
+        st.prefetch, st.fetched = None, True
         try:
             fut.result()
         except Exception as err:  # noqa: BLE001 - a failing tier is a miss
@@ -108,14 +113,19 @@ class Prefetcher:
         self._probes.add(piece.key)
         self._prom["probes"].labels(tier).inc()
         fut = self.io.spawn(self._run([piece.key], [piece.nbytes]))
-        fut.add_done_callback(lambda _f, k=piece.key: (self._probes.discard(k), self.cost.probe_done(tier)))
+        key = piece.key
+
+        def probed(_f: concurrent.futures.Future[int]) -> None:
+            self._probes.discard(key)
+            self.cost.probe_done(tier)
+        fut.add_done_callback(probed)
 
     async def _run(self, keys: list[ObjectKey], sizes: list[int], progress: list[int] | None = None) -> int:
         """Promote ``keys``, up to ``PREFETCH_WINDOW`` at once (a deeper disk queue, and one
         object's checksum overlaps the next one's read), keeping the first contiguous run
         that landed: a miss makes every later key useless.  Observes each tier's rate.
         ``progress[0]`` counts the bytes of that run so far (read by the scheduler thread)."""
-        t0, by_tier = time.perf_counter(), {}
+        t0, by_tier = time.perf_counter(), dict[str, int]()
         tasks = [asyncio.ensure_future(self.store.promote(k)) for k in keys[:PREFETCH_WINDOW]]
         done = 0
         try:

@@ -6,15 +6,17 @@ Scheduler side only; no I/O.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from connector.plan import as_groups
 from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey
-from kvstore.wire.kv import wire_hash
 from kvstore.metrics import HitStats
-from kvstore.policy import CostModel
+from kvstore.policy import CostModel, Decision
+from kvstore.wire.kv import wire_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +53,14 @@ class RequestView:
         return [self.extras(i * chunk, (i + 1) * chunk) for i in range(first, last)]
 
 
+Blocks = list[int] | list[list[int]]  # one group's block ids, or each KV cache group's (as_groups)
+
+
 @dataclass(slots=True)
 class StepInput:
-    new: list[tuple[str, list[int], int]] = field(default_factory=list)              # id, blocks, computed
-    cached: list[tuple[str, list[int] | None, int, bool]] = field(default_factory=list)  # id, new blocks, computed, resumed
+    new: list[tuple[str, Blocks, int]] = field(default_factory=list)              # id, blocks, computed
+    # id, new blocks, computed, resumed
+    cached: list[tuple[str, Blocks | None, int, bool]] = field(default_factory=list)
     scheduled: dict[str, int] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     states: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # id -> (group, block,
@@ -88,7 +94,7 @@ class ReqState:
     pins: dict[ObjectKey, Piece] = field(default_factory=dict)  # pinned (promised) pieces, in order
     slots: dict[ObjectKey, int] = field(default_factory=dict)   # pinned key -> slot offset
     window: tuple[int, int] = (0, 0)         # token range promised to the engine
-    prefetch: object = None                  # concurrent.futures.Future while lower tier -> host runs
+    prefetch: concurrent.futures.Future[int] | None = None  # while lower tier -> host runs
     prefetch_deadline: float = 0.0           # perf_counter past which the request stops waiting for it
     prefetch_plan: tuple[str, int, float] = ("", 0, 0.0)  # tier, first piece's bytes, start
     prefetch_done: list[int] = field(default_factory=lambda: [0])  # bytes promoted so far (I/O thread)
@@ -99,7 +105,7 @@ class ReqState:
     tails: dict[int, list[ObjectKey]] = field(default_factory=dict)  # chunk index -> tail keys, longest first
     had_saves: bool = False
     decision: dict | None = None             # the load-or-recompute decision counted
-    first_decision: object = None            # kvstore.policy.Decision of the first lookup
+    first_decision: Decision | None = None   # the decision of the first lookup
     pins_end_found: int = 0                  # where the hit found by the counted lookup ended
     by_tier: dict[str, int] = field(default_factory=dict)  # hit tokens counted, by the tier found in
     epoch: int = 0                           # the engine's resets when these keys were made
@@ -147,7 +153,7 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
                          st.view.req_id, generated, provenance)
 
 
-def identity_fields(identity: Identity) -> dict[str, object]:
+def identity_fields(identity: Identity) -> dict[str, Any]:
     """The fields of ``identity`` (to rebuild it with another scope or adapter)."""
     return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
 

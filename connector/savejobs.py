@@ -34,6 +34,8 @@ class SaveJobs:
 
     def reported(self, job_id: int) -> None:
         req_id = self._owner.pop(job_id, None)
+        if req_id is None:
+            return
         jobs = self._unreported.get(req_id)
         if jobs is not None:
             jobs.discard(job_id)

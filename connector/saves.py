@@ -173,7 +173,7 @@ class SavePlanner:
         prompt's tail once the prompt is computed, and at the end the request's last tail."""
         if st.save_stopped:
             return []
-        c, ppc, bs = self.chunk_size, self.pages_per_chunk, self.block_size
+        c, ppc = self.chunk_size, self.pages_per_chunk
         prompt = len(st.view.prompt)
         self.keys.extend_keys(st, done // c)
         out = [_Wanted(i, st.keys[i], st.keys[i - 1] if i else None, ppc, _generated(i * c, (i + 1) * c, prompt))
@@ -252,18 +252,20 @@ class SavePlanner:
                 if geometry is None:
                     raise LookupError("no worker reported its state layout")
             else:
+                if self.geometry_of is None:
+                    raise LookupError("no worker reported its KV layout")
                 geometry = self.geometry_of(p.chunk.pages or self.pages_per_chunk)
         except Exception as err:  # noqa: BLE001 - no layout reported yet, or a bad one: not saved
             self._fail("host", f"seal:{type(err).__name__}")
             return False
         parent = ChunkHash(p.chunk.parent) if p.chunk.parent else ROOT
-        codec.encode_into(p.handle.buffer, p.key, geometry, None, parent, p.chunk.generated)
+        codec.encode_into(_buffer(p.handle), p.key, geometry, None, parent, p.chunk.generated)
         return True
 
     def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
         if ok:
             try:
-                self.store.seal(key, handle.buffer[:handle.size])  # the MAC, before anyone sees it
+                self.store.seal(key, _buffer(handle)[:handle.size])  # the MAC, before anyone sees it
             except ObjectFormatError:
                 ok = False
         if not self.host.put_commit_sync(handle, ok):
@@ -308,3 +310,10 @@ def _sealed(handle: PutHandle, key: ObjectKey) -> bool:
 
 
 __all__ = ["SavePlanner"]
+
+
+def _buffer(handle: PutHandle) -> memoryview:
+    """A host pool reservation's bytes (the host tier always hands out the slot itself)."""
+    if handle.buffer is None:
+        raise LookupError(f"the host reservation of {handle.key!r} has no buffer")
+    return handle.buffer

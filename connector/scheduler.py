@@ -36,15 +36,16 @@ from typing import Any
 
 import numpy as np
 
-from connector.config import ConnectorConfig
-from connector.admission import NAMESPACE_CACHE, Admission
-from connector.ioloop import IOLoop, call_before_exit
 from connector import local
-from connector.hits import HitFinder
-from connector.loads import LoadPlanner
+from connector.admission import NAMESPACE_CACHE, Admission
+from connector.config import ConnectorConfig
 from connector.counters import SchedulerCounters
-from connector.plan import ReportCollector, StepPlan, WorkerReport
+from connector.hits import HitFinder
+from connector.ioloop import IOLoop, call_before_exit
+from connector.loads import LoadPlanner
+from connector.lower import open_store
 from connector.observe import RequestObserver
+from connector.plan import ReportCollector, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
 from connector.requests import Piece, ReqState, RequestView, StepClock, StepInput, hit_sources, track_blocks
 from connector.savejobs import SaveJobs
@@ -55,7 +56,6 @@ from kvstore.layout import ChunkShape
 from kvstore.policy import CostModel, Span
 from kvstore.store.pool import HostPool
 from kvstore.store.tiered import TieredStore
-from connector.lower import open_store
 from tiers.base import Removal, listen
 
 log = logging.getLogger("kvstore.connector")
@@ -205,6 +205,13 @@ class SchedulerHalf:
         if st is not None:
             self.loads.allocated(st, block_ids, num_external)
 
+    def _pool_path(self) -> str:
+        """The host pool's path in shared memory, where the workers map it."""
+        path = self.host.shm_path
+        if path is None:
+            raise LookupError(f"host pool {self.host.name}: not in shared memory, so no worker can map it")
+        return path
+
     def _job_id(self) -> int:
         self._next_job += 1
         return self._next_job - 1
@@ -215,12 +222,12 @@ class SchedulerHalf:
         self._steps += 1
         self._computed = track_blocks(self._reqs, step)
         released, undelayed = self.jobs.take_told()
-        plan = StepPlan(self.host.shm_path, self.host.size, self.pages_per_chunk,
+        plan = StepPlan(self._pool_path(), self.host.size, self.pages_per_chunk,
                         self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
                         loads=self.loads.take(), preempted=sorted(step.preempted), released=released,
                         undelayed=undelayed)
-        for job in plan.loads:
-            self.loads.running_state_blocks(job, step.scheduled.get(job.req_id, 0), self._reqs.get(job.req_id))
+        for load in plan.loads:
+            self.loads.running_state_blocks(load, step.scheduled.get(load.req_id, 0), self._reqs.get(load.req_id))
         plan.saves = self.jobs.take_final()
         for req_id, n in step.scheduled.items():
             st = self._reqs.get(req_id)
@@ -372,9 +379,9 @@ class SchedulerHalf:
         never, at the end of an ``LLM.generate`` script), and from ``close``."""
         if self._closed:
             return
-        if self.jobs.final and (worker := local.worker_on(self.host.shm_path)) is not None:
+        if self.jobs.final and (worker := local.worker_on(self._pool_path())) is not None:
             saves = self.jobs.take_final()
-            worker.save_now(StepPlan(self.host.shm_path, self.host.size, self.pages_per_chunk,
+            worker.save_now(StepPlan(self._pool_path(), self.host.size, self.pages_per_chunk,
                                      self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
                                      saves=saves))
         self.saves.adopt(EXIT_SAVE_WAIT_S)

@@ -121,7 +121,7 @@ class Shard:
 
     @classmethod
     def of(cls, page_shape: Sequence[int], local_heads: int | None, rank: int, ranks: int,
-           block_size: int | None = None) -> "Shard":
+           block_size: int | None = None) -> Shard:
         """The shard of a worker whose pages have ``local_heads`` heads (None: replicated)."""
         if ranks == 1:
             return cls()

@@ -18,7 +18,6 @@ import logging
 from typing import Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -63,7 +62,7 @@ class KVStoreStats(KVConnectorStats):
     scheduler side: ``stats_path`` and the Prometheus counters)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
@@ -96,7 +95,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                         parts=tp_ranks(vllm_config, spec) > 1 or pp > 1,
                                         states=state_layout(kv_cache_config.kv_cache_groups, tp),
                                         kv_events=kv_events_of(vllm_config, self.cfg, block_size))
-            self._events = self._sched.kv_events
+            self._events = _scheduler(self).kv_events
         else:
             self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s,
                                       tracing=self.cfg.trace_path is not None)
@@ -109,19 +108,20 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if request.prompt_token_ids is None:  # prompt embeddings: no tokens to key them by
-            self._sched.not_cached(request.request_id, "no_prompt_tokens")
+            _scheduler(self).not_cached(request.request_id, "no_prompt_tokens")
             return 0, False
         mm = multimodal_items(request.mm_features)
         if mm is None:  # an item without vLLM's identifier: its placeholders cannot be told apart
-            self._sched.not_cached(request.request_id, "multimodal_unhashed")
+            _scheduler(self).not_cached(request.request_id, "multimodal_unhashed")
             return 0, False
         lora = request.lora_request.lora_name if request.lora_request else ""
         view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
                            request.all_token_ids, mm, getattr(request, "kv_transfer_params", None))
-        return self._sched.matched_tokens(view, num_computed_tokens), False
+        return _scheduler(self).matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self._sched.after_alloc(request.request_id, [list(g) for g in blocks.get_block_ids()], num_external_tokens)
+        _scheduler(self).after_alloc(request.request_id, [list(g) for g in blocks.get_block_ids()],
+                                        num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         so = scheduler_output
@@ -136,17 +136,18 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             states=dict(so.kv_connector_block_state.boundary_state_offloads)
             if getattr(so, "kv_connector_block_state", None) is not None else {},
         )
-        return KVStoreConnectorMetadata(self._sched.build_plan(step))
+        return KVStoreConnectorMetadata(_scheduler(self).build_plan(step))
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
-        self._sched.on_report(meta.report if isinstance(meta, KVStoreWorkerMetadata) else None)
+        _scheduler(self).on_report(meta.report if isinstance(meta, KVStoreWorkerMetadata) else None)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Whether vLLM keeps the blocks for saves in flight, and what the request's output
         carries in ``kv_transfer_params`` (why the connector refused it: ``connector.epoch``)."""
         rid = request.request_id
-        return self._sched.request_finished(rid, request.num_computed_tokens), self._sched.output_params(rid)
+        sched = _scheduler(self)
+        return sched.request_finished(rid, request.num_computed_tokens), sched.output_params(rid)
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -158,8 +159,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         host DRAM ``HOST``, SSD ``DISK``, the store process and Redis ``EXTERNAL_UNSPECIFIED``
         (vLLM has no source for a shared store).  They sum to ``num_external_tokens``."""
         out: dict[CacheHitSource, int] = {}
-        for tier, n in self._sched.hit_sources(request.request_id, num_external_tokens).items():
-            source = hit_source(tier, self._sched.host.name)
+        for tier, n in _scheduler(self).hit_sources(request.request_id, num_external_tokens).items():
+            source = hit_source(tier, _scheduler(self).host.name)
             out[source] = out.get(source, 0) + n
         if num_external_tokens > 0 and not out:  # counted before a reset: where is no longer known
             out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens
@@ -173,7 +174,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         Nothing this engine stored before is ever loaded into it again (``SchedulerHalf.reset``).
         Never False: on the sleep and pause paths vLLM raises on it."""
         if self._sched is not None:
-            self._sched.reset()
+            _scheduler(self).reset()
         return True
 
     @classmethod
@@ -185,12 +186,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM 0.33, before a sleep frees the KV caches: copies in flight finish, then none
         touches them until ``restore_kv_caches`` (``WorkerHalf.unregister``)."""
         if self._worker is not None:
-            self._worker.unregister()
+            _worker(self).unregister()
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33, after wake: copies go to the (remapped) KV caches again."""
         if self._worker is not None:
-            self._worker.restore()
+            _worker(self).restore()
 
     def take_events(self):
         """Our tiers' KV events for vLLM's publisher (``connector.kvcache_events``)."""
@@ -234,39 +235,39 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             state_shard = Shard(state_channel_axis(), rank, ranks) if ranks > 1 else Shard()
             states = PagedKV(pages, state_names, num_blocks, state_shard,
                              layer_groups=[i for i in state_ids for _ in groups[i].layer_names])
-        self._worker.register(PagedKV(kv_caches, names, num_blocks, shard, layer_groups), states)
+        _worker(self).register(PagedKV(kv_caches, names, num_blocks, shard, layer_groups), states)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._worker.bind(connector_metadata.plan)
+        _worker(self).bind(connector_metadata.plan)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if kv_connector_metadata.plan.preempted:
-            self._worker.drain_saves()
+            _worker(self).drain_saves()
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._worker.start_loads()
+        _worker(self).start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_layer(layer_name)
+        _worker(self).wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # chunks are gathered after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._worker.finish_loads()
-        self._worker.submit_saves()
+        _worker(self).finish_loads()
+        _worker(self).submit_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.finished_sending(finished_req_ids) or None, None
+        return _worker(self).finished_sending(finished_req_ids) or None, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counters since the last call: the worker's copies, or the scheduler's hits,
         decisions, bytes, failures and resets (vLLM sums them; ``KVStorePromMetrics``)."""
         if self._worker is not None:
-            data = self._worker.take_interval()
+            data = _worker(self).take_interval()
         else:
-            data = self._sched.interval_counters() if self._sched is not None else {}
+            data = _scheduler(self).interval_counters() if self._sched is not None else {}
         return KVStoreStats(data=data) if data else None
 
     @classmethod
@@ -285,17 +286,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.load_errors()
+        return _worker(self).load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        report = self._worker.take_report()
+        report = _worker(self).take_report()
         return None if report is None else KVStoreWorkerMetadata(report)
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.close()
+            _worker(self).close()
         if self._sched is not None:
-            self._sched.close()
+            _scheduler(self).close()
 
 
 def hit_source(tier: str, host: str) -> CacheHitSource:
@@ -369,3 +370,17 @@ def multimodal_items(features) -> tuple[tuple[int, int, str], ...] | None:
             return None
         items.append((int(f.mm_position.offset), int(f.mm_position.length), str(f.identifier)))
     return tuple(sorted(items))
+
+
+def _scheduler(connector: KVStoreConnector) -> SchedulerHalf:
+    """``connector``'s scheduler half; a scheduler-side call on a worker is vLLM misusing us."""
+    if connector._sched is None:
+        raise RuntimeError("KVStoreConnector: a scheduler-side call on a connector built for a worker")
+    return connector._sched
+
+
+def _worker(connector: KVStoreConnector) -> WorkerHalf:
+    """``connector``'s worker half; a worker-side call on the scheduler is vLLM misusing us."""
+    if connector._worker is None:
+        raise RuntimeError("KVStoreConnector: a worker-side call on a connector built for the scheduler")
+    return connector._worker

@@ -25,6 +25,7 @@ counted; it never kills the thread that observed it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -87,7 +88,8 @@ class WorkerHalf:
 
     def register(self, kv: PagedKV, states: PagedKV | None = None) -> None:
         self.mapped.kv, self.mapped.states = kv, states
-        self.device.rank = kv.shard.rank  # fault injection may target one rank
+        # fault injection may target one rank; devices have no declared rank (faulty specs read it with getattr)
+        self.device.rank = kv.shard.rank  # type: ignore[attr-defined]
         if self._asleep is not None:  # new tensors while asleep: they are the ones to wake on
             self._asleep = (kv, states)
             self.mapped.kv = self.mapped.states = None
@@ -129,10 +131,10 @@ class WorkerHalf:
             for job in plan.loads:
                 self.ledger.report.loads[job.job_id] = False
                 self.ledger.report.load_reports[job.job_id] = 1
-            for job in plan.saves:
-                self._had_saves.add(job.req_id)
-                self.ledger.report.saves[job.job_id] = [False] * len(job.chunks)
-                self.ledger.report.save_reports[job.job_id] = 1
+            for save in plan.saves:
+                self._had_saves.add(save.req_id)
+                self.ledger.report.saves[save.job_id] = [False] * len(save.chunks)
+                self.ledger.report.save_reports[save.job_id] = 1
             n = len(plan.loads) + len(plan.saves)
             self.ledger.interval["cancelled_asleep"] += n
             f = self.ledger.report.failures
@@ -206,11 +208,11 @@ class WorkerHalf:
             states = []
             for i, chunk in enumerate(job.chunks):
                 pages = chunk.pages or plan.pages_per_chunk
-                layout = self.mapped.states.layout if chunk.state else self.mapped.kv.layout
+                layout = self.mapped.paged(chunk.state).layout
                 geometry = layout.geometry(pages, plan.chunk_tokens * pages // plan.pages_per_chunk)
                 gather = lambda c=chunk, p=pages: self._gather(c, p)  # noqa: E731
                 ev = self.device.submit(self.ledger.timed(f"save {job.job_id} chunk {i}", gather))
-                ev.on_complete(lambda e, j=job, i=i, g=geometry: self._saved(j, i, e, g))
+                ev.on_complete(functools.partial(self._saved, job, i, geometry=geometry))
                 self._save_events.append(ev)
                 if chunk.state:
                     states.append(ev)
@@ -220,18 +222,18 @@ class WorkerHalf:
 
     def _gather(self, chunk: ChunkCopy, pages: int) -> None:
         """Only enqueues the copy on a stream device: the header is sealed in ``_saved``."""
-        kv = self.mapped.states if chunk.state else self.mapped.kv
+        kv = self.mapped.paged(chunk.state)
         payload = kv.payload_view(self.mapped.pool_t, chunk.slot, pages)
         kv.gather(chunk.groups(), payload)
 
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
-        view = self.mapped.pool.buffer[chunk.slot:chunk.slot + codec.object_size(geometry)]
+        view = self.mapped.pool_buffer()[chunk.slot:chunk.slot + codec.object_size(geometry)]
         codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent, chunk.generated)
 
     def _writes_whole(self, chunk: ChunkCopy) -> bool:
         """Whether this worker alone writes ``chunk``'s object (so it seals it here)."""
-        shard = (self.mapped.states if chunk.state else self.mapped.kv).shard
+        shard = self.mapped.paged(chunk.state).shard
         return shard.whole and shard.writes
 
     def _saved(self, job: SaveJob, i: int, event: CopyEvent, geometry: codec.ObjectGeometry) -> None:
@@ -254,7 +256,7 @@ class WorkerHalf:
             self._save_left[job.job_id] -= 1
             self._saving[job.req_id] -= 1
             chunk = job.chunks[i]
-            kv = self.mapped.states if chunk.state else self.mapped.kv
+            kv = self.mapped.paged(chunk.state)
             nbytes = (kv.local.page_bytes * kv.local.num_layers * max(len(chunk.block_ids), chunk.state)
                       if kv.shard.writes else 0)
             self.ledger.interval["saves"] += 1

@@ -34,6 +34,12 @@ class _Load:
         for t in self.tickets[chunk:]:
             t.fail(reason)
 
+    def issued(self) -> tuple[CopyEvent, ...]:
+        """The slot check and the layers' copies; ``LookupError`` before the check was issued."""
+        if self.verify is None:
+            raise LookupError(f"load {self.job.job_id}: its copies were never issued")
+        return (self.verify, *self.events)
+
 
 class LoadCopier:
     def __init__(self, device: Device, mapped: Mapped, ledger: Ledger, verify_loads: bool = True,
@@ -62,9 +68,13 @@ class LoadCopier:
             t.begin_copy()
         load.verify = self.device.submit(self.ledger.timed(f"load {job.job_id} verify",
                                                      lambda: self._verify(load, pages_per_chunk)))
-        load.verify.on_complete(lambda ev: ev.error and load.fail(0, f"verify: {ev.error}"))
+
+        def verified(ev: CopyEvent) -> None:
+            if ev.error:
+                load.fail(0, f"verify: {ev.error}")
+        load.verify.on_complete(verified)
         self._load_states(load)
-        for layer in range(self.mapped.kv.local.num_layers):  # this worker's layers (a PP stage's)
+        for layer in range(self.mapped.paged().local.num_layers):  # this worker's layers (a PP stage's)
             scatter = lambda layer=layer: self._scatter(load, layer, pages_per_chunk)  # noqa: E731
             load.events.append(self.device.submit(self.ledger.timed(f"load {job.job_id} layer {layer}", scatter)))
         load.events[-1].on_complete(lambda ev: self._guarded_on_device(load, ev))
@@ -80,11 +90,12 @@ class LoadCopier:
                 continue
             try:
                 self._check_object(chunk, 1)
-                payload = self.mapped.states.payload_view(self.mapped.pool_t, chunk.slot, 1)
+                states = self.mapped.paged(state=True)
+                payload = states.payload_view(self.mapped.pool_t, chunk.slot, 1)
                 for j in range(max(map(len, chunk.groups()))):  # the same page into each block
                     groups = [g[j:j + 1] for g in chunk.groups()]
-                    for layer in range(self.mapped.states.local.num_layers):
-                        self.mapped.states.scatter_layer(layer, groups, payload)
+                    for layer in range(states.local.num_layers):
+                        states.scatter_layer(layer, groups, payload)
             except (ObjectFormatError, ConfigError, RuntimeError) as err:
                 self.ledger.count("load_" + type(err).__name__)
                 if isinstance(err, ObjectFormatError):
@@ -106,7 +117,7 @@ class LoadCopier:
             load.tickets[i].advance(LoadState.IN_BUFFER)
 
     def _check_object(self, chunk: ChunkCopy, pages: int) -> None:
-        view = self.mapped.pool.buffer[chunk.slot:]
+        view = self.mapped.pool_buffer()[chunk.slot:]
         key = ObjectKey.from_bytes(chunk.key)
         if self.verify_loads:
             header = codec.verify(view, expected_key=key)
@@ -115,7 +126,7 @@ class LoadCopier:
             if header.key != key:
                 raise codec.KeyMismatchError(f"slot holds {header.key!r}, expected {key!r}")
         g = header.geometry
-        layout = self.mapped.states.layout if chunk.state and self.mapped.states is not None else self.mapped.kv.layout
+        layout = self.mapped.paged(state=chunk.state and self.mapped.states is not None).layout
         if (g.num_layers, g.page_bytes) != (layout.num_layers, layout.page_bytes) \
                 or g.pages_per_layer != (chunk.pages or pages) \
                 or g.pages_per_layer < chunk.page_offset + len(chunk.block_ids):
@@ -127,8 +138,9 @@ class LoadCopier:
                 return
             if chunk.state:  # copied in _load_states
                 continue
-            payload = self.mapped.kv.payload_view(self.mapped.pool_t, chunk.slot, chunk.pages or pages)
-            self.mapped.kv.scatter_layer(layer, chunk.groups(), payload[:, chunk.page_offset:])
+            kv = self.mapped.paged()
+            payload = kv.payload_view(self.mapped.pool_t, chunk.slot, chunk.pages or pages)
+            kv.scatter_layer(layer, chunk.groups(), payload[:, chunk.page_offset:])
 
     def _guarded_on_device(self, load: _Load, event: CopyEvent) -> None:
         try:
@@ -166,7 +178,7 @@ class LoadCopier:
     def finish(self) -> None:
         """Drain this step's load copies, then record outcomes and failed blocks."""
         for load in self._loads:
-            for ev in (load.verify, *load.events):
+            for ev in load.issued():
                 if not ev.wait(DRAIN_LIMIT_S):
                     raise RuntimeError("a KV load copy is wedged; refusing to continue with unknown KV")
             failed = next((ev for ev in load.events if not ev.ok), None)
@@ -178,15 +190,16 @@ class LoadCopier:
         self._loads = []
 
     def _settle(self, load: _Load) -> None:
-        ok = load.failed_from is None
-        if not ok:
-            for chunk in load.job.chunks[load.failed_from:]:
+        failed_from = load.failed_from
+        ok = failed_from is None
+        if failed_from is not None:
+            for chunk in load.job.chunks[failed_from:]:
                 if chunk.state:  # its KV blocks fail with it: vLLM recomputes from the first
                     continue
                 self.errors.update(b for g in chunk.groups() for b in g
                                          if not (chunk.group_ids and b == NULL_BLOCK))
             log.warning("kvstore: load %s of %s failed from chunk %d: %s", load.job.job_id,
-                        load.job.req_id, load.failed_from, load.tickets[load.failed_from].error)
+                        load.job.req_id, failed_from, load.tickets[failed_from].error)
         for t in load.tickets:
             if t.state is LoadState.ON_DEVICE:
                 t.advance(LoadState.CONSUMABLE)
@@ -202,7 +215,7 @@ class LoadCopier:
             self.ledger.interval["loads"] += 1
             self.ledger.interval["load_failures"] += not ok
             if ok:
-                nbytes = pages * self.mapped.kv.local.page_bytes  # this rank's part
+                nbytes = pages * self.mapped.paged().local.page_bytes  # this rank's part
                 self.ledger.interval["bytes_loaded"] += nbytes
                 r.bytes_loaded += nbytes
                 # the copies' own time (issue to the last layer landing), not the forward's:
@@ -215,9 +228,9 @@ class LoadCopier:
         if chunk.state:
             return 0
         if not chunk.group_ids:
-            return len(chunk.block_ids) * self.mapped.kv.local.num_layers
+            return len(chunk.block_ids) * self.mapped.paged().local.num_layers
         held = [sum(b != NULL_BLOCK for b in g) for g in chunk.group_ids]
-        return sum(held[g] for g in self.mapped.kv.layer_groups)
+        return sum(held[g] for g in self.mapped.paged().layer_groups)
 
     def take_errors(self) -> set[int]:
         """The blocks whose loads failed since the last call: vLLM recomputes them."""

@@ -15,14 +15,30 @@ import torch
 
 from connector.plan import WorkerReport
 from connector.transfer import PagedKV
+from tiers.host import SharedPoolView
 
 
 @dataclass
 class Mapped:
     kv: PagedKV | None = None
     states: PagedKV | None = None  # recurrent hybrids: the state layers, a page per block
-    pool: object = None            # tiers.host.attach_shared's mapping of the host pool
+    pool: SharedPoolView | None = None  # tiers.host.attach_shared's mapping of the host pool
     pool_t: torch.Tensor | None = None
+
+    def paged(self, state: bool = False) -> PagedKV:
+        """The registered KV cache (``state``: the recurrent state layers); ``LookupError`` when
+        there is none (not registered yet, or asleep): a copy planned then is a bug."""
+        kv = self.states if state else self.kv
+        if kv is None:
+            raise LookupError(f"KVStoreConnector worker: no {'state' if state else 'KV cache'} layers are registered")
+        return kv
+
+    def pool_buffer(self) -> memoryview:
+        """The attached host pool's bytes; ``LookupError`` before a plan named it (or once it
+        is closed): a copy then is a bug."""
+        if self.pool is None or self.pool.buffer is None:
+            raise LookupError("KVStoreConnector worker: the host pool is not attached")
+        return self.pool.buffer
 
 
 def zero_interval() -> dict[str, int]:
@@ -51,7 +67,7 @@ class Ledger:
             finally:
                 t1 = time.monotonic()
                 with self.lock:
-                    self.report.copies.append((f"rank {self.mapped.kv.shard.rank}: {what}", t0, t1))
+                    self.report.copies.append((f"rank {self.mapped.paged().shard.rank}: {what}", t0, t1))
         return timed
 
     def count(self, reason: str) -> None:

@@ -30,8 +30,8 @@ import tempfile
 from pathlib import Path
 
 from harness import kit, tinymodel
-from kvstore.layout import format_bytes
 from kvstore.config import redact_url
+from kvstore.layout import format_bytes
 
 CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm",
              "kv_role": "kv_both"}

@@ -146,11 +146,15 @@ def convert(tp: object, value: object, where: str) -> object:
     return parse(value, where)
 
 
-@cache
-def field_types(cls: type) -> dict[str, object]:
+def _field_types(cls: type) -> dict[str, object]:
     """Field name → its type (``Annotated`` markers kept) for dataclass ``cls``."""
     hints = get_type_hints(cls, include_extras=True)
     return {f.name: hints[f.name] for f in fields(cls)}
+
+
+# Cached per class.  Typed by hand: functools.cache's wrapper wants Hashable arguments, which
+# mypy does not grant type[T].
+field_types: Callable[[type], dict[str, object]] = cache(_field_types)
 
 
 def setting(default: object, doc: str) -> Any:
@@ -324,5 +328,5 @@ class StoreConfig(TierSettings):
         """Build from a mapping; ``KVSTORE_<KEY>`` environment variables fill missing keys."""
         return load(cls, given(cls, values, "config"), from_env(cls, env, "KVSTORE_"))
 
-    def with_(self, **changes: object) -> StoreConfig:
+    def with_(self, **changes: Any) -> StoreConfig:
         return replace(self, **changes)

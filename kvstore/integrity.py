@@ -94,7 +94,7 @@ class Keyring:
         return (f"Keyring(tenant={self.tenant!r}, ids={sorted(self.keys)}, current={self.current}, "
                 f"encrypt={self.encrypt})")
 
-    def encrypting(self, on: bool) -> "Keyring":
+    def encrypting(self, on: bool) -> Keyring:
         """The same keys, with encryption at rest ``on`` or off."""
         return self if on == self.encrypt else Keyring(self.tenant, self.keys, self.current, on)
 

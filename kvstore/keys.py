@@ -26,6 +26,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
+from typing import Self
 
 import numpy as np
 
@@ -45,13 +46,13 @@ class _Digest(bytes):
 
     __slots__ = ()
 
-    def __new__(cls, raw: bytes) -> "_Digest":
+    def __new__(cls, raw: bytes) -> Self:
         if len(raw) != DIGEST_SIZE:
             raise ConfigError(f"{cls.__name__} must be {DIGEST_SIZE} bytes, got {len(raw)}")
         return super().__new__(cls, raw)
 
     @classmethod
-    def fromhex(cls, text: str) -> "_Digest":  # type: ignore[override]
+    def fromhex(cls, text: str) -> Self:
         try:
             return cls(bytes.fromhex(text))
         except ValueError as err:
@@ -63,7 +64,7 @@ class _Digest(bytes):
     __str__ = __repr__
 
     @classmethod
-    def _trusted(cls, raw: bytes) -> "_Digest":
+    def _trusted(cls, raw: bytes) -> Self:
         """Construct from a digest we just computed (skips the length check)."""
         return bytes.__new__(cls, raw)
 
@@ -73,7 +74,7 @@ class Namespace(_Digest):
 
     __slots__ = ()
 
-    def scoped(self, tenant: str) -> "Namespace":
+    def scoped(self, tenant: str) -> Namespace:
         """The effective namespace of ``self`` inside an authenticated tenant."""
         digest = hashlib.sha256(_DOMAIN_NS + b"tenant\x00" + tenant.encode() + b"\x00" + self).digest()
         return Namespace(tenant_mark(tenant) + digest[TENANT_MARK_SIZE:])
@@ -226,7 +227,7 @@ class ObjectKey(bytes):
 
     __slots__ = ()
 
-    def __new__(cls, namespace: Namespace, chunk_hash: ChunkHash, tag: str = "r0") -> "ObjectKey":
+    def __new__(cls, namespace: Namespace, chunk_hash: ChunkHash, tag: str = "r0") -> ObjectKey:
         if not isinstance(namespace, Namespace) or not isinstance(chunk_hash, ChunkHash):
             raise ConfigError("ObjectKey needs a Namespace and a ChunkHash")
         if not _TAG_RE.fullmatch(tag):  # fullmatch: "$" alone would accept a trailing newline
@@ -234,7 +235,7 @@ class ObjectKey(bytes):
         return super().__new__(cls, namespace + chunk_hash + tag.encode())
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "ObjectKey":
+    def from_bytes(cls, raw: bytes) -> ObjectKey:
         if len(raw) <= 2 * DIGEST_SIZE:
             raise ConfigError(f"object key bytes too short ({len(raw)})")
         try:
@@ -244,7 +245,7 @@ class ObjectKey(bytes):
         return cls(Namespace(raw[:DIGEST_SIZE]), ChunkHash(raw[DIGEST_SIZE : 2 * DIGEST_SIZE]), tag)
 
     @classmethod
-    def parse(cls, text: str) -> "ObjectKey":
+    def parse(cls, text: str) -> ObjectKey:
         """Inverse of ``printable()``."""
         parts = text.split(".")
         if len(parts) != 3:

@@ -89,7 +89,7 @@ class Ticket:
     _ids = itertools.count(1)
 
     def __init__(self, initial: Enum, label: str = "", clock: Clock = time.monotonic,
-                 on_release: Callable[["Ticket"], None] | None = None) -> None:
+                 on_release: Callable[[Ticket], None] | None = None) -> None:
         self.id = next(Ticket._ids)
         self.label = label
         self._clock = clock
@@ -156,7 +156,7 @@ class Ticket:
                 return True
             if self._inflight:
                 return False
-            self._transition(type(self._state).RELEASED)
+            self._transition(type(self._state)["RELEASED"])
         if self._on_release is not None:
             self._on_release(self)
         return True

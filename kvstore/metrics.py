@@ -11,11 +11,14 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
 _LOCK = threading.Lock()  # guards creation of the process-wide Prometheus collectors
-_PROM: dict[str, object] = {}
+# name -> a prometheus_client Counter, Gauge or Histogram (Any: mypy does not follow prometheus_client, and each
+# caller knows which kind its name is)
+_PROM: dict[str, Any] = {}
 
 
 @dataclass
@@ -117,7 +120,7 @@ def quantiles(values: list[float]) -> dict[str, float]:
     return {"n": len(ordered), "p50": pick(0.50), "p99": pick(0.99), "max": ordered[-1]}
 
 
-def prometheus() -> dict[str, object]:
+def prometheus() -> dict[str, Any]:
     with _LOCK:
         if not _PROM:
             _PROM.update(
@@ -161,7 +164,7 @@ def prometheus() -> dict[str, object]:
         return _PROM
 
 
-def set_tier_gauges(prom: dict[str, object], tiers: dict[str, dict[str, object]]) -> None:
+def set_tier_gauges(prom: dict[str, Any], tiers: dict[str, dict[str, Any]]) -> None:
     """The per-tier gauges from each tier's ``TierStats.as_dict()``."""
     for name, t in tiers.items():
         for gauge, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),

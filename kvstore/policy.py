@@ -23,7 +23,8 @@ decision names it (``Decision.probe``) and the caller reads the first span on it
 background, without making any request wait for it, then says ``probe_done``; so a tier
 that was slow and has recovered is chosen again.  One probe per tier is in flight at a
 time (a slow one must not pile more reads on a congested link), and a reading taken after
-a long silence replaces the estimate instead of being averaged into it.  Every ``Decision`` carries its inputs for the stats and metrics.
+a long silence replaces the estimate instead of being averaged into it.  Every ``Decision`` carries its inputs for
+the stats and metrics.
 """
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class FileKey:
     ctime_ns: int
 
     @classmethod
-    def of(cls, path: Path) -> "FileKey":
+    def of(cls, path: Path) -> FileKey:
         real = os.path.realpath(path)
         st = os.stat(real)
         return cls(real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import socket
 import ssl
 
-from kvstore.wire import data as wire
 from kvstore.keys import ObjectKey
 from kvstore.localtoken import local_token
+from kvstore.wire import data as wire
 from tests.store_helpers import StoreClient
 
 
@@ -31,7 +31,7 @@ class RawData:
     def close(self) -> None:
         self.sock.close()
 
-    def __enter__(self) -> "RawData":
+    def __enter__(self) -> RawData:
         return self
 
     def __exit__(self, *exc: object) -> None:

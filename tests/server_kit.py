@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tests import kvobjects as kv
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
 from kvstore.server.config import ServerConfig
 from kvstore.server.core import ServerStore
 from kvstore.server.metrics import ServerMetrics
+from tests import kvobjects as kv
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
 

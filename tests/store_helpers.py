@@ -8,7 +8,6 @@ codes, so every ``grpc.RpcError`` reaches them untouched.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -18,7 +17,8 @@ import numpy as np
 import yaml
 
 from kvstore import codec
-from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.client.shmsession import ShmSession
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
@@ -99,7 +99,7 @@ class StoreClient:
             self.session = None
         self.channel.close()
 
-    def __enter__(self) -> "StoreClient":
+    def __enter__(self) -> StoreClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -27,11 +27,11 @@ import grpc
 import numpy as np
 
 from kvstore import codec
-from kvstore.wire import data as wire
-from kvstore.wire import shm as shmwire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import ObjectFormatError
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
+from kvstore.wire import data as wire
+from kvstore.wire import shm as shmwire
 from tests.data_kit import RawData, ticket_of
 from tests.store_helpers import MiB, StoreClient, key_fields, rpc_code
 

@@ -29,7 +29,8 @@ class SlotAllocator:
             raise ConfigError(f"capacity {capacity} holds no {alignment}-byte unit")
         self._starts: list[int] = [0]  # sorted offsets of holes
         self._holes: dict[int, int] = {0: self.capacity}  # hole offset -> length
-        self._sizes = array("Q", bytes(8 * (self.capacity // alignment)))  # requested size at a slot's first unit; 0 = free
+        # requested size at a slot's first unit; 0 = free
+        self._sizes = array("Q", bytes(8 * (self.capacity // alignment)))
         self.used_bytes = 0
 
     def aligned(self, size: int) -> int:

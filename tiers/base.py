@@ -67,10 +67,11 @@ class _Listeners:
             listener.removed(tier, key, reason)
 
 
-def listen(tier: "Tier", listener: Residency) -> None:
+def listen(tier: Tier, listener: Residency) -> None:
     """Add ``listener`` to those ``tier`` tells what it publishes and drops."""
     current = getattr(tier, "residency", None)
-    tier.residency = listener if current is None else _Listeners(current, listener)
+    # TierBase's attribute, which the Tier protocol leaves out (a tier need not offer it)
+    tier.residency = listener if current is None else _Listeners(current, listener)  # type: ignore[attr-defined]
 
 
 class PutResult(Enum):

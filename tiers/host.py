@@ -41,8 +41,8 @@ from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
 from tiers.base import PutHandle, Removal, TierBase, TierStats
 from tiers.host_pool import HostPool, make_pools
-from tiers.host_slots import Entry, SlotOps, SlotState, transition
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
+from tiers.host_slots import Entry, SlotOps, SlotState, transition
 
 EvictCallback = Callable[[ObjectKey, memoryview], None]
 PoolOf = Callable[[bytes], "str | None"]

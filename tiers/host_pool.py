@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstore.errors import ConfigError
 from tiers.allocator import SlotAllocator
 from tiers.host_shm import MemfdPool, SharedPoolView, create_memfd, create_shared
-from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvstore.keys import ObjectKey

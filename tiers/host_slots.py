@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from kvstore.errors import ConfigError, TierUnavailableError
+from kvstore.errors import TierUnavailableError
 from kvstore.keys import ObjectKey
 from tiers.base import PutHandle, Removal
 from tiers.eviction import pick_victim

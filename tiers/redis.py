@@ -51,7 +51,14 @@ from tiers.base import Removal, TierBase, TierStats
 from tiers.redis_bulk import BulkReader, Outcome, Slot
 from tiers.redis_config import RedisConfig, connect
 from tiers.redis_manifest import (
-    DELETE_IF_SAME, MANIFEST_SIZE, Manifest, data_keys, inline_key, manifest_key, parse, part_keys,
+    DELETE_IF_SAME,
+    MANIFEST_SIZE,
+    Manifest,
+    data_keys,
+    inline_key,
+    manifest_key,
+    parse,
+    part_keys,
 )
 from tiers.redis_nodes import CLUSTER, DOWN, Down, RedisNodes, gather_all
 from tiers.redis_put import RedisPuts
@@ -82,7 +89,7 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
     # --- lifecycle ----------------------------------------------------------------------
 
     @classmethod
-    async def open(cls, cfg: RedisConfig) -> "RedisTier":
+    async def open(cls, cfg: RedisConfig) -> RedisTier:
         """Connect, PING and check limits (``tiers.redis_config.connect``)."""
         client, bulk_limit = await connect(cfg)
         return cls(cfg, client, bulk_limit)

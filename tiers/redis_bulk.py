@@ -37,8 +37,7 @@ from collections.abc import Callable, Sequence
 
 from tiers.redis_config import RedisConfig
 from tiers.redis_manifest import Manifest
-from tiers.redis_resp import (BulkConnection, ConnectionClosed, Outcome, ProtocolError, Request, Slot,
-                              command, worst)
+from tiers.redis_resp import BulkConnection, ConnectionClosed, Outcome, ProtocolError, Request, Slot, command, worst
 
 
 class _Refused(Exception):

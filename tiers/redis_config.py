@@ -128,7 +128,7 @@ class RedisConfig:
     __str__ = __repr__
 
     @classmethod
-    def from_url(cls, url: str, **options: object) -> "RedisConfig":
+    def from_url(cls, url: str, **options: object) -> RedisConfig:
         """Parse ``url`` and merge ``options`` (query parameters first, keywords over them)."""
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(f"redis URL must be a non-empty string, got {url!r}")

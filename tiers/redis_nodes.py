@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from contextlib import suppress
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import suppress
 from typing import Any
 
 from redis import exceptions as rx

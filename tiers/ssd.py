@@ -39,8 +39,20 @@ from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierEr
 from kvstore.keys import ObjectKey
 from tiers.base import PutHandle, Removal, TierBase, TierStats
 from tiers.ssd_files import (
-    TMP, ReadOutcome, check_written, claim_directory, clear_temp, drop_page_cache, fsync_dir, object_path,
-    own_directory, parent_key, pwrite_all, scan_file, scan_objects, unlink_quiet,
+    TMP,
+    ReadOutcome,
+    check_written,
+    claim_directory,
+    clear_temp,
+    drop_page_cache,
+    fsync_dir,
+    object_path,
+    own_directory,
+    parent_key,
+    pwrite_all,
+    scan_file,
+    scan_objects,
+    unlink_quiet,
 )
 from tiers.ssd_files import read_file as _read_file  # a module global: tests patch it here
 from tiers.ssd_index import Entry, Index, Partition
@@ -91,7 +103,7 @@ class SSDTier(TierBase):
             raise
 
     @classmethod
-    async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw) -> "SSDTier":
+    async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw) -> SSDTier:
         """Construct (and scan) in a worker thread, off the event loop."""
         return await asyncio.to_thread(cls, directory, capacity_bytes, **kw)
 

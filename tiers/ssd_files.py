@@ -102,7 +102,7 @@ def own_directory(path: Path) -> None:
 def _open_lock(path: Path) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as err:
+    except OSError:
         if not os.path.islink(path):
             raise
         log.warning("ssd: %s is a symlink; removing the link (not its target)", path)

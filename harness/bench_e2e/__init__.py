@@ -49,9 +49,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from harness import tinymodel
+from harness.bench_e2e.chat_tp import chat_rows, tp2_rows
 from harness.bench_e2e.passes import run_pass
 from harness.bench_e2e.report import build_rows, format_summary, summary
-from harness.bench_e2e.chat_tp import chat_rows, tp2_rows
 from harness.bench_e2e.scenarios import restart_rows, throttled_rows
 from harness.bench_e2e.setups import build_workload
 from kvstore.bench.common import print_rows, write_plot
@@ -73,7 +73,8 @@ def run(args) -> int:
         twin = F32_TWIN.get(args.geometry, args.geometry)
         sgeo = tinymodel.GEOMETRIES[twin]
         smodel = tinymodel.build_named(model_dir.expanduser().parent / twin, twin)
-        print(f"scenarios {', '.join(sorted(scenarios - {'pairs'}))}: model {twin} ({sgeo.dtype}) at {smodel}", flush=True)
+        print(f"scenarios {', '.join(sorted(scenarios - {'pairs'}))}: model {twin} ({sgeo.dtype}) at {smodel}",
+              flush=True)
     runners = {"restart": restart_rows, "throttled": throttled_rows, "chat": chat_rows, "tp2": tp2_rows}
     for name, fn in runners.items():
         if name in scenarios:

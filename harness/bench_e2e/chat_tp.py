@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness import kit, main as job
+from harness import kit
+from harness import main as job
 from harness.bench_e2e.passes import our_settings
 from kvstore.bench.common import Row
 

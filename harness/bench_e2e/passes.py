@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import kit, main as job
-from harness.bench_e2e.lmcache_peer import PeerError, QUIET, ensure_lmcache, lmcache_server
+from harness import kit
+from harness import main as job
+from harness.bench_e2e.lmcache_peer import QUIET, PeerError, ensure_lmcache, lmcache_server
 from harness.bench_e2e.oracle import check_outputs, references
 from harness.bench_e2e.setups import TITLES, Outcome
 
@@ -32,7 +33,8 @@ def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outco
         if key == "ours-2":
             _drop_page_cache(work / "ssd")
         stats = work / f"stats-{key}.json"
-        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats, **our_settings(args))), stats)
+        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats, **our_settings(args))),
+                             stats)
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
     outs["example"] = _attempt("example", lambda: run("example", example))

@@ -5,7 +5,8 @@ in the same run; ``summary`` is one setup of one pass for the JSON, ``format_sum
 """
 from __future__ import annotations
 
-from harness import kit, main as job
+from harness import kit
+from harness import main as job
 from harness.bench_e2e.setups import FIRST, REPEAT, SETUPS, SHORT, TITLES, Outcome, is_kind
 from kvstore.bench.common import Row
 

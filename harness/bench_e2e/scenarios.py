@@ -31,7 +31,8 @@ import json
 import threading
 from pathlib import Path
 
-from harness import kit, main as job
+from harness import kit
+from harness import main as job
 from harness.bench_e2e.passes import _drop_page_cache, our_settings
 from kvstore.bench.common import Row
 
@@ -130,7 +131,8 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
         print("  throttled: no connector ...", flush=True)
         none = run("none", None, plain)
         print("  throttled: engine 1 stores in Redis ...", flush=True)
-        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url, **our_settings(args)), plain)
+        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url,
+                                           **our_settings(args)), plain)
         print(f"  throttled: engine 2 through a {args.throttle_rate / 1e6:g} MB/s link, then lifted ...", flush=True)
         stats_2 = work / "throttled-stats-2.json"
         with ThrottledProxy((server.host, server.port), rate=args.throttle_rate) as proxy:

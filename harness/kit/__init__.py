@@ -16,12 +16,29 @@ SPEC OUT`), so every run starts cold and runs with and without a connector are c
   within a tolerance). `summarize`: TTFT percentiles for misses and hits.
 """
 
-from harness.kit.oracle import (DEFAULT_LOGPROB_TOL, LOGPROB_TOL, Comparison, Percentiles, TTFTSummary,
-                                  compare_outputs, percentile, percentiles, summarize)
-from harness.kit.runner import (PROJECT_ROOT, TTFT_METHOD, EngineResult, EngineRunError, RequestResult, open_barrier,
-                                  run_engine)
+from harness.kit.oracle import (
+                                  DEFAULT_LOGPROB_TOL,
+                                  LOGPROB_TOL,
+                                  Comparison,
+                                  Percentiles,
+                                  TTFTSummary,
+                                  compare_outputs,
+                                  percentile,
+                                  percentiles,
+                                  summarize,
+)
+from harness.kit.runner import (
+                                  PROJECT_ROOT,
+                                  TTFT_METHOD,
+                                  EngineResult,
+                                  EngineRunError,
+                                  RequestResult,
+                                  open_barrier,
+                                  run_engine,
+)
 from harness.kit.workload import BLOCK_SIZE, Request, TokenSource, Workload, _TokenSource
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_LOGPROB_TOL", "LOGPROB_TOL", "PROJECT_ROOT", "Comparison", "EngineResult",
-           "EngineRunError", "Percentiles", "Request", "RequestResult", "TTFTSummary", "TTFT_METHOD", "TokenSource", "Workload",
-           "_TokenSource", "compare_outputs", "open_barrier", "percentile", "percentiles", "run_engine", "summarize"]
+           "EngineRunError", "Percentiles", "Request", "RequestResult", "TTFTSummary", "TTFT_METHOD", "TokenSource",
+           "Workload", "_TokenSource", "compare_outputs", "open_barrier", "percentile", "percentiles", "run_engine",
+           "summarize"]

@@ -13,6 +13,7 @@ from pathlib import Path
 from harness.kit.runner import TTFT_METHOD
 from harness.kit.workload import BLOCK_SIZE, TokenSource
 
+
 def _engine_main(spec_path: str, out_path: str) -> None:
     """Child entry point: start the engine, run the workload, write the result JSON."""
     import vllm
@@ -131,8 +132,8 @@ def _result(out, prompt: list[int], e2e: float) -> dict:
     toks = list(comp.token_ids)
     tops = [{int(t): float(lp.logprob) for t, lp in comp.logprobs[i].items()}
             for i in range(len(toks))]
-    return {"request_id": out.request_id, "prompt_len": len(out.prompt_token_ids or prompt), "token_ids": toks, "top_logprobs": tops,
-            "logprobs": [tops[i][t] for i, t in enumerate(toks)], "e2e_s": e2e,
+    return {"request_id": out.request_id, "prompt_len": len(out.prompt_token_ids or prompt), "token_ids": toks,
+            "top_logprobs": tops, "logprobs": [tops[i][t] for i, t in enumerate(toks)], "e2e_s": e2e,
             "ttft_s": m.first_token_latency, "prefill_s": m.first_token_ts - m.scheduled_ts}
 
 

@@ -56,7 +56,8 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def print_rows(title: str, rows: list[Row]) -> None:
     print(f"\n{title}")
-    print(f"{'benchmark':<34} {'value':>10} {'unit':<6} {'limit (same run)':<30} {'limit':>10} {'ratio':>7} {'target':>8}")
+    print(f"{'benchmark':<34} {'value':>10} {'unit':<6} {'limit (same run)':<30} {'limit':>10} {'ratio':>7}"
+          f" {'target':>8}")
     for r in rows:
         tgt = "" if r.target is None else ("≥" if r.better == "higher" else "≤") + f"{r.target:g}"
         mark = {True: " ok", False: " MISS", None: ""}[r.meets_target]

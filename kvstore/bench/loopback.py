@@ -82,7 +82,7 @@ class _Loopback:
         self.sock = socket.create_connection(self._listener.getsockname()[:2], timeout=_TIMEOUT_S)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def __enter__(self) -> "_Loopback":
+    def __enter__(self) -> _Loopback:
         return self
 
     def __exit__(self, *exc: object) -> None:

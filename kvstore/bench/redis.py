@@ -5,8 +5,8 @@ reused buffer) beside plain redis-py ``SET``/``GET`` of the same bytes (sync cli
 and beside a loopback TCP transfer of the same size (``kvstore.bench.loopback``, the limit
 for a Python client).  Targets: a 32 MiB get and put at least 2× plain redis-py and half of
 TCP; an object of one part (1 MiB, the default ``part_size``) got at least as fast as plain
-redis-py, in one round trip (counted by the tier: its own row).  Then a batch lookup of 512 chunk keys: its round trips (the tier's
-count and the server's ``total_commands_processed``) and its latency beside one plain
+redis-py, in one round trip (counted by the tier: its own row).  Then a batch lookup of 512 chunk keys: its
+round trips (the tier's count and the server's ``total_commands_processed``) and its latency beside one plain
 redis-py ``GET`` round trip.  Without ``--redis`` a redis-server is started on a free port
 in a temporary directory (``kvstore.testing.redis_proc``) and stopped at the end.
 """
@@ -110,10 +110,13 @@ async def _size_rows(tier: RedisTier, plain: Any, size: int, repeat: int) -> lis
     put, get = gbps(size, t_put), gbps(size, t_get)
     get_target = 2.0 if big else 1.0 if small else None
     rows = [
-        Row(f"redis tier put {mb} MiB", put, "GB/s", "plain redis-py SET", gbps(size, p_set), target=2.0 if big else None),
+        Row(f"redis tier put {mb} MiB", put, "GB/s", "plain redis-py SET", gbps(size, p_set),
+            target=2.0 if big else None),
         Row(f"redis tier get {mb} MiB", get, "GB/s", "plain redis-py GET", gbps(size, p_get), target=get_target),
-        Row(f"redis tier put {mb} MiB vs TCP", put, "GB/s", "loopback TCP put", tcp.put_gbps, target=0.5 if big else None),
-        Row(f"redis tier get {mb} MiB vs TCP", get, "GB/s", "loopback TCP get", tcp.get_gbps, target=0.5 if big else None),
+        Row(f"redis tier put {mb} MiB vs TCP", put, "GB/s", "loopback TCP put", tcp.put_gbps,
+            target=0.5 if big else None),
+        Row(f"redis tier get {mb} MiB vs TCP", get, "GB/s", "loopback TCP get", tcp.get_gbps,
+            target=0.5 if big else None),
     ]
     if small:  # an object of one part: manifest and bytes in one round trip
         rows.append(Row(f"redis tier get {mb} MiB: round trips", trips, "count", "one round trip", 1.0, "lower",

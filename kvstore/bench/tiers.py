@@ -18,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import sys
-import tracemalloc
 import statistics
+import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -88,8 +88,10 @@ async def _host_rows(size: int, repeat: int) -> list[Row]:
     await host.aclose()
     limit = gbps(size, statistics.median(copies))
     mb = size // MiB
-    return [Row(f"host put {mb} MiB", gbps(size, statistics.median(puts)), "GB/s", "copy into reused buffer", limit, target=0.8),
-            Row(f"host get {mb} MiB", gbps(size, statistics.median(gets)), "GB/s", "copy into reused buffer", limit, target=0.8)]
+    return [Row(f"host put {mb} MiB", gbps(size, statistics.median(puts)), "GB/s", "copy into reused buffer", limit,
+                target=0.8),
+            Row(f"host get {mb} MiB", gbps(size, statistics.median(gets)), "GB/s", "copy into reused buffer", limit,
+                target=0.8)]
 
 
 async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
@@ -264,7 +266,8 @@ async def _hash_rows(repeat: int) -> list[Row]:
     await store.aclose()
     overhead = host_index_overhead_bytes(20_000)
     return [Row("chained hash per 256-token chunk", per_chunk_us, "µs", "target", 2.0, "lower", target=1.0),
-            Row("hash+lookup 128k-token prompt", statistics.median(look_t) * 1e3, "ms", "target", 2.0, "lower", target=1.0),
+            Row("hash+lookup 128k-token prompt", statistics.median(look_t) * 1e3, "ms", "target", 2.0, "lower",
+                target=1.0),
             Row("host index bytes per object", overhead, "B", "target", 300.0, "lower", target=1.0)]
 
 

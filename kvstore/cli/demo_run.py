@@ -24,8 +24,8 @@ import numpy as np
 
 from kvstore import codec
 from kvstore.config import StoreConfig
-from kvstore.layout import format_bytes as format_size
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.layout import format_bytes as format_size
 from kvstore.store.tiered import TieredStore
 
 CHUNK = 256
@@ -139,7 +139,8 @@ def format_report(r: PhaseReport) -> str:
     for tier in sorted(set(r.bytes_read) | set(r.bytes_written)):
         nread, secs = r.bytes_read.get(tier, 0), r.read_seconds.get(tier, 0.0)
         rate = f"{nread / secs / 1e9:6.2f} GB/s" if secs else "     -    "
-        lines.append(f"  tier {tier:<5} hits {r.chunks_hit.get(tier, 0):>4} chunks  read {format_size(nread):>11} at {rate}"
+        lines.append(f"  tier {tier:<5} hits {r.chunks_hit.get(tier, 0):>4} chunks  read {format_size(nread):>11}"
+                     f" at {rate}"
                      f"  written {format_size(r.bytes_written.get(tier, 0)):>11}")
     verdict = "OK" if r.mismatched_chunks == 0 else "MISMATCH"
     lines.append(f"  loaded chunks byte-identical to what was stored: {r.verified_chunks} verified, "

@@ -54,7 +54,8 @@ def register(sub) -> None:
 
 def _metavar(name: str, tp: object) -> str:
     inner = next((a for a in get_args(tp) if a is not type(None)), tp) if get_origin(tp) in (Union, UnionType) else tp
-    return {Size: "SIZE", Seconds: "SECONDS", int: "N", Path: "PATH"}.get(inner, name.upper())
+    names: dict[object, str] = {Size: "SIZE", Seconds: "SECONDS", int: "N", Path: "PATH"}
+    return names.get(inner, name.upper())
 
 
 def _help(f: Field, tp: object) -> str:
@@ -87,7 +88,8 @@ def _serve(args) -> int:
 def _stats(args) -> int:
     import grpc
 
-    from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+    from kvstore._proto import kvstore_pb2 as pb
+    from kvstore._proto import kvstore_pb2_grpc as pb_grpc
     from kvstore.errors import ConfigError, TierUnavailableError
 
     token = token_of(args)

@@ -34,10 +34,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-
 from kvstore import codec
-from kvstore.wire import data as wire
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
+from kvstore.wire import data as wire
 
 T = TypeVar("T")
 DEFAULT_CONNECTIONS = 4

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.wire.proto import read_varint, varint
 from kvstore import codec
 from kvstore.errors import ChecksumMismatchError, CorruptHeaderError, KeyMismatchError, TierError
 from kvstore.keys import ObjectKey
+from kvstore.wire.proto import read_varint, varint
 
 INLINE_BYTES = 1 << 20     # copied on the event loop; larger ones go to the copy thread
 _FEW_KEYS = 16             # Lookup requests of at most this many keys are encoded without numpy

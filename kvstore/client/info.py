@@ -175,12 +175,12 @@ def open_channel(target: str, ca: str | None, cert: str | None, key: str | None,
                  server_name: str | None) -> grpc.aio.Channel:
     """An insecure channel, or TLS when ``ca`` or a client certificate is given; reconnects
     quickly (a store that restarts is back within a second)."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE),
-               ("grpc.max_send_message_length", MAX_MESSAGE),
-               ("grpc.enable_http_proxy", 0),
-               ("grpc.initial_reconnect_backoff_ms", 100),
-               ("grpc.min_reconnect_backoff_ms", 100),
-               ("grpc.max_reconnect_backoff_ms", 1000)]
+    options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", MAX_MESSAGE),
+                                            ("grpc.max_send_message_length", MAX_MESSAGE),
+                                            ("grpc.enable_http_proxy", 0),
+                                            ("grpc.initial_reconnect_backoff_ms", 100),
+                                            ("grpc.min_reconnect_backoff_ms", 100),
+                                            ("grpc.max_reconnect_backoff_ms", 1000)]
     if (cert is None) != (key is None):
         raise ConfigError("tls_cert and tls_key go together (a client certificate and its key)")
     if ca is None and cert is None:

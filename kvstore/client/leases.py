@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import numpy as np
@@ -36,6 +36,9 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.dataplane import INLINE_BYTES, Copier, payload_digest
 from kvstore.errors import ConfigError, KVStoreError, TierError
 from kvstore.keys import ObjectKey
+
+if TYPE_CHECKING:
+    from kvstore.client.info import ClientCounters, ServerInfo
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -133,6 +136,26 @@ class LeasedGetMixin:
     ``_copier``, ``_after_copy``, ``_releases`` (a ``ReleaseQueue``), ``_unary`` and
     ``_checked`` (all defined by ``StoreClient``)."""
 
+    if TYPE_CHECKING:  # what StoreClient and PlanesMixin define (declared for mypy only)
+        target: str
+        counters: ClientCounters
+        lease_ms: int
+        _copier: Copier
+        _after_copy: Callable[[], Awaitable[object]] | None
+        _releases: ReleaseQueue
+
+        @property
+        def _info(self) -> ServerInfo: ...
+
+        @property
+        def _segment(self) -> Any: ...
+
+        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
+                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
+
+        async def _checked(self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes, retry: bool,
+                           *, shm: bool) -> int | None: ...
+
     async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
         segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
@@ -188,7 +211,7 @@ class LeasedGetMixin:
                     sent_at = time.monotonic()
                     granted = await self._renew(window.lease_id, ttl_ms)
                     held = granted is not None
-                    if held:
+                    if granted is not None:
                         window.renewed(sent_at, granted)
         finally:
             Copier.wait_done(fut)  # cancelled or failed: still never return while it copies

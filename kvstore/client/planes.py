@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -41,6 +43,23 @@ class PlanesMixin:
     """Needs from its host class: ``target``, ``transport``, ``timeout_s``, ``_token``,
     ``_tls``, ``_server_name``, ``_session``, ``_data``, ``shm_refusal``, ``tcp_refusal``,
     ``_unary`` and ``_status_error`` (all defined by ``StoreClient``)."""
+
+    _data: DataChannel | None
+    _tls: ssl.SSLContext | None
+    if TYPE_CHECKING:  # what StoreClient defines (declared for mypy only)
+        target: str
+        transport: Transport
+        timeout_s: float
+        shm_refusal: str
+        tcp_refusal: str
+        _token: str | None
+        _server_name: str | None
+        _session: ShmSession | None
+
+        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
+                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
+
+        def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception: ...
 
     @property
     def _segment(self):

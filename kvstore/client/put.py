@@ -16,27 +16,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
 import numpy as np
 
 from kvstore import codec
-from kvstore.wire import data as wire
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
 from kvstore.client.info import Reservation
 from kvstore.client.planes import CODES
-from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
 from kvstore.errors import CapacityError, ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
+from kvstore.wire import data as wire
 from tiers.base import PutResult
+
+if TYPE_CHECKING:
+    from kvstore.client.datachannel import DataChannel, Reply
+    from kvstore.client.info import ClientCounters, ServerInfo
+    from kvstore.client.shmsession import ShmSession
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 _REFUSED_PUT = frozenset({Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION, Code.NOT_FOUND})
-_OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
-             pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM}
+_OUTCOMES: dict[int, PutResult] = {pb.PUT_OUTCOME_STORED: PutResult.STORED,
+                                   pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
+                                   pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM}
 
 
 class PutMixin:
@@ -45,15 +52,45 @@ class PutMixin:
     ``_unary``, ``_segment_changed``, ``_error``, ``_status_error`` and ``_data_request``
     (defined by ``StoreClient`` and ``PlanesMixin``)."""
 
+    if TYPE_CHECKING:  # declared for mypy only
+        target: str
+        counters: ClientCounters
+        shm_refusal: str
+        _session: ShmSession | None
+        _data: DataChannel | None
+        _copier: Copier
+        _put_stream: Any  # a gRPC stream-unary multicallable
+        _metadata: tuple[tuple[str, str], ...] | None
+
+        @property
+        def _info(self) -> ServerInfo: ...
+
+        @property
+        def _segment(self) -> Any: ...
+
+        def _deadline(self, nbytes: int) -> float: ...
+
+        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
+                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
+
+        async def _segment_changed(self) -> bool: ...
+
+        def _error(self, name: str, err: grpc.aio.AioRpcError) -> Exception: ...
+
+        def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception: ...
+
+        async def _data_request(self, name: str, request: Awaitable[Reply]) -> Reply: ...
+
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
         """Publish a complete object (its header names ``key``): through the segment
         (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A put refused because
         the server came back without our session is retried once, in a new one."""
         src = np.frombuffer(memoryview(obj).cast("B"), np.uint8)
-        if self._segment is None:
+        session = self._session
+        if self._segment is None or session is None:  # one goes with the other
             return await self.put_parts(key, [memoryview(src)], len(src), parent_hash)
-        if not self._may_write(key) or not self._session.writable:
+        if not self._may_write(key) or not session.writable:
             return self._put_done(PutResult.FAILED, len(src))  # refused here: nothing to retry
         res = await self.reserve(key, len(src), parent_hash)
         if isinstance(res, PutResult):
@@ -75,11 +112,11 @@ class PutMixin:
         """``PutStart``: a region of the segment to write ``size`` bytes into, or the final
         outcome (EXISTS, NO_ROOM, FAILED when the server refuses)."""
         self.check_size(size)
-        if self._segment is None:
-            raise ConfigError(f"reserve needs the shared-memory data plane ({self.shm_refusal})")
-        if not self._may_write(key) or not self._session.writable:
-            return self._put_done(PutResult.FAILED, size)
         session = self._session
+        if self._segment is None or session is None:  # one goes with the other
+            raise ConfigError(f"reserve needs the shared-memory data plane ({self.shm_refusal})")
+        if not self._may_write(key) or not session.writable:
+            return self._put_done(PutResult.FAILED, size)
         segment = session.array  # held: a concurrent remap cannot unmap it under us
         start = _put_start(key, size, parent_hash)
         start.session = session.session_id
@@ -131,7 +168,10 @@ class PutMixin:
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         request = wire.encode_request(wire.Op.PUT, key, size, parent)
         parts = [memoryview(p).cast("B") for p in parts]
-        reply = await self._data_request("data put", self._data.put(request, parts, self._deadline(size)))
+        data = self._data
+        if data is None:  # callers check it first
+            raise LookupError(f"store {self.target}: a data put without a data channel")
+        reply = await self._data_request("data put", data.put(request, parts, self._deadline(size)))
         if reply.code:
             code = CODES.get(reply.code, Code.UNKNOWN)
             if code not in _REFUSED_PUT:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.wire import shm as wire
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
+from kvstore.wire import shm as wire
 from tiers.host_shm import SharedPoolView, map_fd
 
 
@@ -53,7 +53,7 @@ class ShmSession:
         return self.pool.array
 
     @classmethod
-    def open(cls, path: str, ticket: bytes, token: str | None, timeout_s: float = 5.0) -> "ShmSession":
+    def open(cls, path: str, ticket: bytes, token: str | None, timeout_s: float = 5.0) -> ShmSession:
         """Connect, present ``ticket`` and ``token``, map the pool received;
         ``TierUnavailableError`` when the socket cannot be reached, ``GateRefusedError``
         with the server's status when it refuses."""

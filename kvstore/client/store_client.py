@@ -21,8 +21,8 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
   outran the lease's window, when the server is asked whether it still held.
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
   ``authorization: Bearer <token>`` metadata; ``connect`` given no token uses this user's
-  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status codes become domain errors in one
-  place (``_error``): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise
+  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status codes become domain errors in
+  one place (``_error``): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise
   ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
   FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
 * ``_after_copy`` (tests only): an awaitable factory awaited between the copy out of the
@@ -46,19 +46,17 @@ import xxhash
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.wire import data as wire
 from kvstore.client.datachannel import DataChannel
-from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
-                                 open_channel)
 from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
+from kvstore.client.info import TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls, open_channel
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
 from kvstore.client.planes import CODES, PlanesMixin
 from kvstore.client.put import PutMixin
 from kvstore.client.shmsession import ShmSession
-from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
-                            TierUnavailableError)
+from kvstore.errors import CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError, TierUnavailableError
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
+from kvstore.wire import data as wire
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode

@@ -39,10 +39,10 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from kvstore.client.store_client import StoreClient
 from kvstore.client.info import Reservation
+from kvstore.client.store_client import StoreClient
 from kvstore.errors import TierError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.wire.kv import Description
@@ -88,7 +88,7 @@ class RemoteTier(TierBase):
 
     @classmethod
     async def open(cls, target: str, *, name: str = "remote", retry_s: float = 1.0,
-                   **client_options: object) -> RemoteTier:
+                   **client_options: Any) -> RemoteTier:
         """Connect (``StoreClient.connect(target, **client_options)``); raises
         ``TierUnavailableError`` naming the target when the store cannot be reached."""
         return cls(await StoreClient.connect(target, **client_options), name=name, retry_s=retry_s)
@@ -154,7 +154,7 @@ class RemoteTier(TierBase):
     # --- reads ---------------------------------------------------------------------------
 
     async def read_into(self, key: ObjectKey, buf: memoryview) -> int | None:
-        sentinel = -1
+        sentinel: int | None = -1
         n = await self._guard("get", lambda: self.client.read_into(key, buf), sentinel)
         if n == sentinel:
             self._failed_reads += 1
@@ -192,7 +192,8 @@ class RemoteTier(TierBase):
             self.client.check_size(size)
             return PutHandle(key, size, parent, None, _StreamPut())
         parent_hash = None if parent is None else parent.chunk_hash
-        res = await self._guard("put", lambda: self.client.reserve(key, size, parent_hash), PutResult.FAILED)
+        failed: Reservation | PutResult = PutResult.FAILED
+        res = await self._guard("put", lambda: self.client.reserve(key, size, parent_hash), failed)
         if isinstance(res, Reservation):
             return PutHandle(key, size, parent, res.buffer, res, res.offset)
         if res is PutResult.EXISTS:
@@ -209,6 +210,8 @@ class RemoteTier(TierBase):
         if handle.buffer is not None:
             handle.buffer[offset : offset + len(view)] = view
             return
+        if not isinstance(token, _StreamPut):
+            raise TypeError(f"put_write of {handle.key!r}: not a handle of this tier's ({token!r})")
         if offset != token.written:
             raise TierError(f"remote put_write at {offset}: streamed writes must be in order "
                             f"(next is {token.written})")
@@ -229,6 +232,8 @@ class RemoteTier(TierBase):
         if isinstance(token, Reservation):
             result = await self._guard("put", lambda: self.client.commit(token, ok), PutResult.FAILED)
             return result in _DONE
+        if not isinstance(token, _StreamPut):
+            raise TypeError(f"put_commit of {handle.key!r}: not a handle of this tier's ({token!r})")
         if not ok or token.written != handle.size:
             return False
         parent_hash = None if handle.parent is None else handle.parent.chunk_hash

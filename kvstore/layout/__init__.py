@@ -5,8 +5,9 @@ like, with MLA, sliding window, TP and PP), ``bytes_per_token`` / ``bytes_per_re
 seed's formula ``2 x L x Hkv x d x b`` and its variants), the page/chunk helpers
 ``round_up_tokens``, ``validate_chunk_size``, ``pages_per_chunk`` and ``ChunkShape`` (one
 engine's chunk geometry), and ``format_bytes``; the capacity planner over it is
-``kvstore.layout.capacity`` (``plan_capacity`` returning a ``CapacityReport``).  It is stateless and used on every side (scheduler, worker, server,
-CLI).  Every bad input raises ``ConfigError`` naming the field.
+``kvstore.layout.capacity`` (``plan_capacity`` returning a ``CapacityReport``).  It is
+stateless and used on every side (scheduler, worker, server, CLI).  Every bad input raises
+``ConfigError`` naming the field.
 
 Rules (docs/architecture.md#kv-geometry-and-capacity):
   * MHA / GQA / MQA cache K and V: ``2 x kv_heads x head_dim`` elements per layer per token.

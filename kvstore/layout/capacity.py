@@ -7,8 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvstore.layout import (KVGeometry, _require_int, bytes_per_request, bytes_per_token, format_bytes,
-                            pages_per_chunk, round_up_tokens, validate_chunk_size)
+from kvstore.layout import (
+    KVGeometry,
+    _require_int,
+    bytes_per_request,
+    bytes_per_token,
+    format_bytes,
+    pages_per_chunk,
+    round_up_tokens,
+    validate_chunk_size,
+)
 
 
 @dataclass(frozen=True, slots=True)

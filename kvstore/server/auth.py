@@ -118,7 +118,7 @@ class TokenTable:
         return self._by_digest.get(_digest(token))
 
     @classmethod
-    def load(cls, path: str | Path) -> "TokenTable":
+    def load(cls, path: str | Path) -> TokenTable:
         """Read and validate a tokens file; ``ConfigError`` naming the problem."""
         path = Path(path)
         try:
@@ -139,7 +139,7 @@ class TokenTable:
 
     @classmethod
     def from_document(cls, doc: object, where: str = "auth tokens",
-                      env: Mapping[str, str] | None = None) -> "TokenTable":
+                      env: Mapping[str, str] | None = None) -> TokenTable:
         if not isinstance(doc, dict) or "tokens" not in doc or set(doc) - {"tokens", "tenants"}:
             raise ConfigError(f"{where}: expected a mapping with 'tokens' (and optionally 'tenants') "
                               f"(tokens: [{{token, tenant, permissions}}, ...])")
@@ -250,11 +250,11 @@ class Authenticator:
         self.table = table
 
     @classmethod
-    def from_file(cls, path: str | Path | None) -> "Authenticator":
+    def from_file(cls, path: str | Path | None) -> Authenticator:
         return cls(None if path is None else TokenTable.load(path))
 
     @classmethod
-    def local(cls, token: str) -> "Authenticator":
+    def local(cls, token: str) -> Authenticator:
         """The default token (``kvstore.localtoken``) alone: tenant ``default``, every permission."""
         return cls(TokenTable({_digest(token): ANONYMOUS}))
 

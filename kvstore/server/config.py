@@ -21,8 +21,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.config import (LeaseSettings, Seconds, Size, TierSettings, WritePolicy, check_seconds, from_env,
-                            from_yaml, given, load, setting)
+from kvstore.config import (
+    LeaseSettings,
+    Seconds,
+    Size,
+    TierSettings,
+    WritePolicy,
+    check_seconds,
+    from_env,
+    from_yaml,
+    given,
+    load,
+    setting,
+)
 from kvstore.errors import ConfigError
 from kvstore.wire.kv import EventLayout
 
@@ -208,7 +219,10 @@ class ServerConfig(LeaseSettings, TierSettings):
         """Merge flags > environment > YAML file > defaults (see the module docstring)."""
         env = os.environ if env is None else env
         flags = {k: v for k, v in (flags or {}).items() if v is not None}
-        config_file = flags.pop("config", None) or config_file or env.get(ENV_PREFIX + "CONFIG")
+        flag = flags.pop("config", None)
+        if flag is not None and not isinstance(flag, (str, Path)):
+            raise ConfigError(f"config: expected a file path, got {flag!r}")
+        config_file = flag or config_file or env.get(ENV_PREFIX + "CONFIG")
         sources = [given(cls, flags, "command line", flag_name), from_env(cls, env, ENV_PREFIX)]
         if config_file:
             sources.append(from_yaml(cls, str(config_file)))

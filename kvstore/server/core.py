@@ -44,22 +44,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import LeaseError, TierUnavailableError
+from kvstore.integrity import DEFAULT_TENANT, Keyring, KeySource, load_keys
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, Medium
 from kvstore.server.config import ServerConfig
-from kvstore.server.leases import LeaseBook
-from kvstore.server.metrics import ServerMetrics, Snapshot
-from kvstore.server.reservations import PutPath
-from kvstore.server.tenants import COUNTED, Tenants
-from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
 from kvstore.server.kvpublish import EventPublisher, start_publisher
-from kvstore.server.metrics import ServerObserver
+from kvstore.server.leases import LeaseBook
+from kvstore.server.metrics import ServerMetrics, ServerObserver, Snapshot
+from kvstore.server.reservations import PutPath
 from kvstore.server.statsdoc import dumpable
+from kvstore.server.tenants import COUNTED, Tenants
+from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS
+from kvstore.server.tickets import TicketBook
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
 from kvstore.store.lookup import trusted_key
 from kvstore.store.registry import open_tiers, tier_specs
-from kvstore.integrity import DEFAULT_TENANT, KeySource, Keyring, load_keys
 from kvstore.store.tiered import TieredStore
+from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, Medium
 from tiers.base import Tier
 from tiers.host import HostTier
 
@@ -125,7 +125,7 @@ class ServerStore:
         return ring_of
 
     @classmethod
-    async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":
+    async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> ServerStore:
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
         specs = tier_specs(cfg, host={"pin": False,  # pin=False: no torch

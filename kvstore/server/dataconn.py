@@ -33,13 +33,13 @@ import threading
 import time
 from typing import Protocol
 
-from kvstore.wire import data as wire
 from kvstore.errors import CapacityError, KVStoreError
 from kvstore.server.auth import Principal
 from kvstore.server.config import ServerConfig
 from kvstore.server.dataops import Bridge, DataOps, LoopGone
 from kvstore.server.leases import PendingPut
 from kvstore.server.status import OUTCOMES, TIER_CODES, status_of
+from kvstore.wire import data as wire
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.data")
@@ -60,7 +60,7 @@ class Deadline:
     def left(self) -> float:
         left = self.end - time.monotonic()
         if left <= 0:
-            raise socket.timeout("the request's deadline passed")
+            raise TimeoutError("the request's deadline passed")
         return left
 
 
@@ -68,7 +68,7 @@ class Slots(Protocol):
     """What a connection holds of its server (``DataServer``): a pre-authentication slot of
     its peer until the hello, then one of the global connection slots."""
 
-    def leave_preauth(self, conn: "DataConnection") -> None: ...
+    def leave_preauth(self, conn: DataConnection) -> None: ...
     def take(self) -> bool: ...
     def give(self) -> None: ...
 
@@ -114,7 +114,7 @@ class DataConnection:
             self._handshake()
             while self._one_request():
                 pass
-        except socket.timeout:
+        except TimeoutError:
             if self.who is not None:
                 self.bridge.soon(self.ops.cut, self.who)
         except (Closed, OSError, LoopGone):
@@ -127,17 +127,23 @@ class DataConnection:
             except OSError:
                 pass
             self._end_preauth()
-            if self._counted:
+            if self._counted and self.slots is not None:  # counted only with slots
                 self.slots.give()
             if self.who is not None:
                 self.bridge.soon(self.ops.closed, self.who)
 
     def _end_preauth(self) -> None:
-        if self._preauth:
+        if self._preauth and self.slots is not None:  # pre-authenticated only with slots
             self._preauth = False
             self.slots.leave_preauth(self)
 
     # --- protocol ---------------------------------------------------------------------------
+
+    def _principal(self) -> Principal:
+        """Who the hello authenticated; a request before it is a bug (the handshake comes first)."""
+        if self.who is None:
+            raise LookupError("data connection: a request before the hello")
+        return self.who
 
     def _handshake(self) -> None:
         self._deadline = Deadline(self.cfg.hello_timeout)
@@ -197,7 +203,7 @@ class DataConnection:
     def _get(self, raw_key: bytes) -> None:
         t0 = time.perf_counter()
         try:
-            opened = self.bridge.call(self.ops.get(self.who, raw_key))
+            opened = self.bridge.call(self.ops.get(self._principal(), raw_key))
         except KVStoreError as err:
             self._reply_error(err)
             return
@@ -221,7 +227,7 @@ class DataConnection:
             raise Closed("put larger than max_object_bytes")
         self._deadline = Deadline(self.cfg.stream_deadline(head.size))
         try:
-            result = self.bridge.call(self.ops.reserve(self.who, raw_key, head.size, head.parent))
+            result = self.bridge.call(self.ops.reserve(self._principal(), raw_key, head.size, head.parent))
         except KVStoreError as err:
             self._drain(head.size)
             self._reply_error(err)
@@ -242,7 +248,10 @@ class DataConnection:
         """The put's bytes straight into its reserved slot; aborted unless all arrived."""
         ok = False
         try:
-            self._recv_into(pending.handle.buffer[:pending.handle.size])
+            buf = pending.handle.buffer
+            if buf is None:  # the host tier hands out its slot
+                raise LookupError(f"reservation of {pending.key!r} without its slot")
+            self._recv_into(buf[:pending.handle.size])
             ok = True
         finally:
             if not ok:

@@ -47,11 +47,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError
-from kvstore.wire.kv import END_SEQ, EventLayout, KVEvent, encode_batch, new_epoch
 from kvstore.store.kvevents import EventRecorder
+from kvstore.wire.kv import END_SEQ, EventLayout, KVEvent, encode_batch, new_epoch
 
 if TYPE_CHECKING:
     from kvstore.server.config import ServerConfig
@@ -74,8 +74,8 @@ class StreamSpec:
 @dataclass
 class _Stream:
     spec: StreamSpec
-    pub: object
-    replay: object | None
+    pub: Any                    # a zmq.Socket (pyzmq is imported lazily, and mypy does not follow it)
+    replay: Any | None          # likewise, when the stream has a replay socket
     topic: bytes
     buffer: deque = field(default_factory=deque)
     buffered_bytes: int = 0
@@ -84,7 +84,7 @@ class _Stream:
 
 def _tenant_dir(endpoint: str | None) -> bool:
     """Whether ``{tenant}`` names a directory of this ``ipc://`` endpoint."""
-    return bool(endpoint) and endpoint.startswith("ipc://") and "{tenant}" in os.path.dirname(endpoint[6:])
+    return endpoint is not None and endpoint.startswith("ipc://") and "{tenant}" in os.path.dirname(endpoint[6:])
 
 
 def stream_specs(endpoint: str, replay: str | None, topic: str, tenants: list[str],
@@ -198,12 +198,12 @@ class EventPublisher:
                 return
 
     def _publish(self, events: list[KVEvent]) -> None:
-        by_stream: dict[str, list[KVEvent]] = {}
+        by_stream: dict[str | None, list[KVEvent]] = {}
         for e in events:
             by_stream.setdefault(e.stream, []).append(e)
         now = time.time()
         for tenant, batch in by_stream.items():
-            stream = self._streams.get(tenant)
+            stream = None if tenant is None else self._streams.get(tenant)
             if stream is None:
                 continue  # a tenant no stream serves (not configured)
             payload = encode_batch(batch, now, self.epoch, layout=self.layout)
@@ -218,7 +218,10 @@ class EventPublisher:
             self.published["events"] += len(batch)
 
     def _serve_replay(self, stream: _Stream) -> None:
-        frames = stream.replay.recv_multipart()
+        replay = stream.replay
+        if replay is None:  # polled only when it has one
+            raise LookupError("kv events: a replay request on a stream without a replay socket")
+        frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("kv events: malformed replay request (%d frames)", len(frames))
             return
@@ -226,8 +229,8 @@ class EventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(stream.buffer):
             if seq >= first:
-                stream.replay.send_multipart((client, b"", stream.topic, seq.to_bytes(8, "big"), payload))
-        stream.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", stream.topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
         self.published["replays"] += 1
 
 
@@ -283,6 +286,8 @@ def _bind(sock, endpoint: str, spec: StreamSpec | None = None) -> None:
 def start_publisher(cfg: ServerConfig, recorder: EventRecorder, tenants: Tenants) -> EventPublisher:
     """The store process's publisher of ``recorder``'s KV events, on ``cfg.kv_events`` (one
     stream per tenant, each owned by the tenant's ``uid``/``gid`` when set), started."""
+    if cfg.kv_events is None:
+        raise ConfigError("kv_events: no endpoint to publish KV events on")
     owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
     specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
     publisher = EventPublisher(recorder, specs, buffer=cfg.kv_events_buffer, buffer_bytes=cfg.kv_events_buffer_bytes,

@@ -30,8 +30,8 @@ Exposure: a listen address beyond loopback without TLS and tokens is refused unl
 ``insecure`` (``ServerConfig``); with it a warning is printed.  ``/metrics`` beyond loopback
 answers only scrapes with an ``admin`` token (``metrics_authorizer``), unless ``insecure``:
 then it is open, with a warning.  Without a tokens file every call needs the default token
-(``kvstore.localtoken``; docs/exposure.md).  ``run`` makes the process non-dumpable, so another process of the same uid can
-neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
+(``kvstore.localtoken``; docs/exposure.md).  ``run`` makes the process non-dumpable, so another process of the
+same uid can neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
 """
 from __future__ import annotations
 
@@ -48,17 +48,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from kvstore.server.auth import DEFAULT_TENANT, Authenticator, Permission
 from kvstore.errors import ConfigError, UnauthenticatedError
 from kvstore.localtoken import default_token_path, ensure_token
-from kvstore.server.servicer import KVStoreServicer
+from kvstore.server.auth import DEFAULT_TENANT, Authenticator, Permission
 from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, split_listen
+from kvstore.server.core import ServerStore
+from kvstore.server.dataserver import DataServer
+from kvstore.server.dataserver import describe as describe_data
 from kvstore.server.metrics import ServerMetrics, start_http
 from kvstore.server.observing import start_trace, trace_tiers
-from kvstore.server.scoping import Scoper
-from kvstore.server.core import ServerStore
-from kvstore.server.dataserver import DataServer, describe as describe_data
 from kvstore.server.peers import PreAuth
+from kvstore.server.scoping import Scoper
+from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.shmgate import ShmGate
 from kvstore.server.tenants import Tenants
 from kvstore.server.wire import SERVICE, add_to_server

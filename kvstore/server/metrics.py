@@ -45,11 +45,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvstore.metrics import quantiles
 from kvstore.store.observer import StoreObserver
 from tiers.base import PutResult, Tier
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 log = logging.getLogger("kvstore.server.servicer")
 
@@ -172,7 +172,7 @@ class ServerMetrics:
         """n, p50, p99 and max seconds of each stage over its last ``STAGE_SAMPLES``."""
         return {stage: quantiles(list(s)) for stage, s in list(self._samples.items()) if s}
 
-    def timer(self, stage: str) -> "_Timer":
+    def timer(self, stage: str) -> _Timer:
         return _Timer(self, stage)
 
 
@@ -184,7 +184,7 @@ class _Timer:
     def __init__(self, metrics: ServerMetrics, stage: str) -> None:
         self._metrics, self._stage, self._t0 = metrics, stage, 0.0
 
-    def __enter__(self) -> "_Timer":
+    def __enter__(self) -> _Timer:
         self._t0 = time.perf_counter()
         return self
 
@@ -207,7 +207,8 @@ class _Collector:
                        {(): c.lookup_keys})
         yield _counter("lookup_hits", "Contiguous hits among looked-up keys, by tier", ["tier"],
                        {(k,): v for k, v in dict(c.lookup_hits).items()})
-        yield _counter("gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"], dict(c.gets))
+        yield _counter("gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"],
+                       dict(c.gets))
         yield _counter("get_misses", "Get, GetStream and data-channel misses", ["path"],
                        {(k,): v for k, v in dict(c.get_misses).items()})
         yield _counter("puts", "Puts by path and outcome", ["path", "outcome"], dict(c.puts))

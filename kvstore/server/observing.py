@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import time
 
-from kvstore.wire.kv import wire_hash
 from kvstore.server.config import ServerConfig
 from kvstore.server.core import ServerStore
 from kvstore.server.metrics import ServerMetrics
 from kvstore.trace import Tracer
+from kvstore.wire.kv import wire_hash
 from tiers.base import listen
 
 

@@ -13,8 +13,8 @@ Server side, one event loop.  Keys arriving here are already tenant-scoped by th
 * ``finish`` verifies the whole object (``codec.verify`` against ``client_key`` and the
   reserved size: header, key, payload checksum), rewrites the header to the scoped key
   (``codec.rekey``), seals it with its tenant's MAC (``TieredStore.seal``,
-  ``kvstore.integrity``: the client was authenticated by its token) and publishes it.  A bad object raises ``ObjectFormatError`` after the
-  slot is freed.  Exactly one of ``finish``/``abort`` resolves each reservation.
+  ``kvstore.integrity``: the client was authenticated by its token) and publishes it.  A bad object raises
+  ``ObjectFormatError`` after the slot is freed.  Exactly one of ``finish``/``abort`` resolves each reservation.
 * After a publish the object goes to the core's write-down (``TieredStore.written``,
   ``kvstore.store.writedown``): copied to every lower tier in the background under a host
   reference, at most two at a time, dropped and counted when its queue is full.  Lower-tier
@@ -118,9 +118,12 @@ class PutPath:
         c = self.metrics.counters
         with self.metrics.timer("put_commit"):
             try:
-                await _verify(handle.buffer, pending.client_key, handle.size)
-                codec.rekey(handle.buffer, pending.key)
-                await _off_loop(handle.size, self.core.seal, pending.key, handle.buffer[:handle.size])
+                buf = handle.buffer
+                if buf is None:  # the host tier hands out its slot
+                    raise LookupError(f"reservation of {pending.key!r} without its slot")
+                await _verify(buf, pending.client_key, handle.size)
+                codec.rekey(buf, pending.key)
+                await _off_loop(handle.size, self.core.seal, pending.key, buf[:handle.size])
             except BaseException as err:
                 self.host.put_commit_sync(handle, False)
                 if isinstance(err, ObjectFormatError):

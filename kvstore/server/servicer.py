@@ -44,9 +44,9 @@ import grpc
 
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
-from kvstore.errors import (CapacityError, ConfigError, KVStoreError, TierUnavailableError)
+from kvstore.errors import CapacityError, ConfigError, KVStoreError, TierUnavailableError
 from kvstore.keys import ObjectKey
+from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.server.core import ServerStore
 from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.statsdoc import flat_counters, flat_tenant
@@ -57,11 +57,11 @@ from tiers.base import PutResult
 log = logging.getLogger("kvstore.server.servicer")
 READ, WRITE, SHM, ADMIN = Permission.READ, Permission.WRITE, Permission.SHM, Permission.ADMIN
 MAX_DESCRIBED_TOKENS = 1 << 16  # tokens of one described object (a chunk holds a few hundred)
-def _tier_codes(tiers: list[str]) -> list[int]:
+def _tier_codes(tiers: list[str]) -> list[pb.Tier]:
     """Wire codes of tier names (a run of one tier, the common answer, in one step)."""
     if tiers and tiers.count(tiers[0]) == len(tiers):
-        return [TIER_CODES.get(tiers[0], 0)] * len(tiers)
-    return [TIER_CODES.get(t, 0) for t in tiers]
+        return [TIER_CODES.get(tiers[0], pb.TIER_UNSPECIFIED)] * len(tiers)
+    return [TIER_CODES.get(t, pb.TIER_UNSPECIFIED) for t in tiers]
 
 
 class Gate(Protocol):
@@ -154,7 +154,7 @@ class KVStoreServicer:
             return pb.GetResponse(found=False)
         return pb.GetResponse(found=True, offset=granted.offset, length=granted.length,
                               lease_id=granted.lease_id, lease_ms=_ms(granted.ttl),
-                              tier=TIER_CODES.get(granted.tier, 0))
+                              tier=TIER_CODES.get(granted.tier, pb.TIER_UNSPECIFIED))
 
     @rpc(READ)
     async def GetStream(self, request, context, who: Principal) -> None:

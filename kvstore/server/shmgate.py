@@ -41,13 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.wire import shm as wire
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, PermissionDeniedError
 from kvstore.server.auth import Authenticator, Permission, Principal
 from kvstore.server.peers import PreAuth
 from kvstore.server.status import status_of
 from kvstore.server.tenants import Tenants
 from kvstore.server.tickets import TicketBook
+from kvstore.wire import shm as wire
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.server.shm")

@@ -26,7 +26,7 @@ from kvstore.server.auth import Permission, PermissionDeniedError, Unauthenticat
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
-TIER_CODES = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
+TIER_CODES: dict[str, pb.Tier] = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
 OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
             PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
 

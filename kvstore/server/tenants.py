@@ -136,7 +136,7 @@ class Tenants:
 
     @classmethod
     def plan(cls, names: Iterable[str], limits: Mapping[str, Limits], host_capacity: int,
-             ssd_capacity: int | None) -> "Tenants":
+             ssd_capacity: int | None) -> Tenants:
         """Quotas of ``names`` (``limits`` where given) within the capacities."""
         names = sorted(set(names))
         full = {n: limits.get(n, Limits()) for n in names}

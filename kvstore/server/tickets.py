@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.wire.data import TICKET_SIZE
 from kvstore.errors import CapacityError
 from kvstore.server.auth import PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.server.tenants import Tenants
+from kvstore.wire.data import TICKET_SIZE
 
 DEFAULT_TTL_S = 10.0
 DEFAULT_LIMIT = 4096

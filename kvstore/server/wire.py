@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.wire.proto import read_varint, varint
 from kvstore._proto import kvstore_pb2 as pb
+from kvstore.wire.proto import read_varint, varint
 
 SERVICE = "kvstore.v1.KVStore"
 
@@ -79,9 +79,10 @@ def encode_get_frame(frame: OutFrame | pb.GetFrame) -> bytes:
         head += b"\x10" + varint(frame.total_length)
     if frame.offset:
         head += b"\x18" + varint(frame.offset)
-    parts = [bytes(head)]
     if len(frame.data):
-        parts[0] += b"\x22" + varint(len(frame.data))
+        head += b"\x22" + varint(len(frame.data))
+    parts: list[bytes | memoryview] = [bytes(head)]
+    if len(frame.data):
         parts.append(frame.data)
     if frame.tier:
         parts.append(b"\x28" + varint(frame.tier))

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvstore.errors import CapacityError
 from kvstore.keys import ChunkHash, ObjectKey
-from kvstore.wire.kv import Description, KVEvent, Kind, Medium, wire_hash
+from kvstore.wire.kv import Description, Kind, KVEvent, Medium, wire_hash
 from tiers.base import Removal, Tier, listen
 
 StreamOf = Callable[[ObjectKey], "str | None"]
@@ -156,7 +156,7 @@ class EventRecorder:
             entry = self._entries.get(key)
             if entry is not None and entry.desc is not None:
                 return entry.desc
-            return self._spare.get(self._stream_of(key), {}).get(key)
+            return self._spare.get(self._stream_of(key), OrderedDict()).get(key)
 
     # --- residency (tiers.base.Residency) ------------------------------------------------
 
@@ -166,7 +166,7 @@ class EventRecorder:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(self._spare.get(self._stream_of(key), {}).pop(key, None))
+                entry = self._entries[key] = _Entry(self._spare.get(self._stream_of(key), OrderedDict()).pop(key, None))
             if tier in entry.tiers:
                 return
             entry.tiers[tier] = entry.desc is not None

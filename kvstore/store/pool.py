@@ -54,7 +54,10 @@ class SharedHostPool:
 
     @property
     def size(self) -> int:
-        return self._host.array.size
+        array = self._host.array
+        if array is None:
+            raise LookupError(f"host pool {self._host.name}: closed")
+        return array.size
 
     @property
     def buffer(self) -> memoryview | None:

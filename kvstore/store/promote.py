@@ -30,6 +30,7 @@ Runs on the core's event loop (``kvstore.store.tiered``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 
@@ -61,7 +62,7 @@ class Promoter:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._promote(key))
             self._running[key] = task
-            task.add_done_callback(lambda t, k=key: self._forget(k, t))
+            task.add_done_callback(functools.partial(self._forget, key))
         self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
             return await asyncio.shield(task)
@@ -133,7 +134,7 @@ class Promoter:
             published = self.host.put_commit_sync(handle, ok)
         if forged is not None:
             await self.refuse(tier, key, forged)
-        if not (published and ok):
+        if n is None or not (published and ok):
             return False
         seconds = time.perf_counter() - t0
         c = self._counters

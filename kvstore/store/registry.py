@@ -31,7 +31,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 
-from kvstore.config import TierSettings, parse_size, redact_url as _redact
+from kvstore.config import TierSettings, parse_size
+from kvstore.config import redact_url as _redact
 from kvstore.errors import ConfigError, TierError
 from tiers.base import Tier
 
@@ -141,7 +142,7 @@ async def open_tiers(specs: Sequence[tuple[str, Mapping[str, object]]], *, requi
 def _capacity(spec: TierSpec, options: dict[str, object]) -> int:
     if "capacity" not in options:
         raise ConfigError(f"tier spec {spec.shown!r} needs a capacity= option")
-    return parse_size(options.pop("capacity"), f"tier spec {spec.shown!r}: capacity")  # type: ignore[arg-type]
+    return parse_size(options.pop("capacity"), f"tier spec {spec.shown!r}: capacity")
 
 
 def _host(spec: TierSpec, options: dict[str, object]) -> Opener:

@@ -38,8 +38,8 @@ from kvstore import codec, integrity
 from kvstore.config import StoreConfig, WritePolicy
 from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
-from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.lookup import present_many, sized_lookup
+from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.pool import HostPool, SharedHostPool
 from kvstore.store.promote import Promoter, reveal
 from kvstore.store.registry import open_tiers, tier_specs
@@ -98,7 +98,7 @@ class TieredStore:
     @classmethod
     async def open(cls, specs: Sequence[tuple[str, Mapping[str, object]]],
                    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *, required: bool = True,
-                   on_left_out=None, **options) -> "TieredStore":
+                   on_left_out=None, **options) -> TieredStore:
         """Open ``specs`` (``kvstore.store.registry``: a ``host:`` spec first, then the lower
         tiers, fastest first) and build the store over them."""
         if not specs or not specs[0][0].startswith("host:"):
@@ -112,7 +112,7 @@ class TieredStore:
             raise
 
     @classmethod
-    async def from_config(cls, cfg: StoreConfig, **options) -> "TieredStore":
+    async def from_config(cls, cfg: StoreConfig, **options) -> TieredStore:
         """The embedded store of ``cfg``: a private host pool, then its SSD directory."""
         return await cls.open(tier_specs(cfg), cfg.write_policy, **options)
 
@@ -166,7 +166,7 @@ class TieredStore:
         straight from that tier when the pool has no room), or None."""
         t0 = time.perf_counter()
         n = self.host.read_into_sync(key, buf)
-        tier = self.host.name
+        tier: str | None = self.host.name
         if n is None and self.lower:
             tier = await self.promote(key)
             n = self.host.read_into_sync(key, buf) if tier is not None else None
@@ -175,13 +175,15 @@ class TieredStore:
         if n is None:
             self.counters.get_misses += 1
             return None
+        if tier is None:  # bytes read name the tier they came from
+            raise LookupError(f"read of {key!r}: {n} bytes from no tier")
         seconds = time.perf_counter() - t0
         if tier == self.host.name:
             c = self.counters
             c.add("gets", tier)
             c.add("bytes_read", tier, n)
             c.add("read_seconds", tier, seconds)
-        return GetResult(n, tier, seconds)  # type: ignore[arg-type]
+        return GetResult(n, tier, seconds)
 
     async def _read_lower(self, key: ObjectKey, buf: memoryview) -> tuple[str | None, int | None]:
         for tier in self.lower:
@@ -242,8 +244,11 @@ class TieredStore:
             return PutResult.NO_ROOM
         ok = False
         try:
-            handle.buffer[: len(view)] = view
-            self.seal(key, handle.buffer[: len(view)])
+            buf = handle.buffer
+            if buf is None:  # the host tier hands out its slot
+                raise LookupError(f"host tier {self.host.name}: a reservation of {key!r} without its slot")
+            buf[: len(view)] = view
+            self.seal(key, buf[: len(view)])
             ok = True
         finally:
             published = self.host.put_commit_sync(handle, ok)
@@ -339,7 +344,7 @@ class TieredStore:
                 log.warning("closing %s failed: %s", tier.name, err)
         self.host.close()
 
-    async def __aenter__(self) -> "TieredStore":
+    async def __aenter__(self) -> TieredStore:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

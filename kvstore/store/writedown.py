@@ -50,6 +50,7 @@ refuses new offers, flushes, waits up to ``timeout`` s, then cancels what is lef
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -228,7 +229,7 @@ class WriteDown:
                 starts.append(nxt)
         for key, item in starts:
             task = asyncio.get_running_loop().create_task(self._copy(key, item))
-            task.add_done_callback(lambda t, k=key: self._done(k, t))  # runs even if cancelled
+            task.add_done_callback(functools.partial(self._done, key))  # runs even if cancelled
             with self._lock:                                            # before it started
                 self._active[key] = task
 
@@ -255,9 +256,9 @@ class WriteDown:
         scratch = self._scratch.pop() if self._scratch else bytearray()
         try:
             sealed, scratch = await self._encrypted(key, item, scratch)
-        except (ConfigError, ObjectFormatError) as err:
+        except (ConfigError, ObjectFormatError) as refused:
             self._counters.write_down_corrupt += 1
-            log.warning("write-down of %r refused: cannot encrypt it (%s)", key, err)
+            log.warning("write-down of %r refused: cannot encrypt it (%s)", key, refused)
             self._scratch.append(scratch)
             return
         for tier in self.lower:

@@ -63,7 +63,7 @@ class StoreProcess:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 20.0) -> "StoreProcess":
+    def start(self, timeout: float = 20.0) -> StoreProcess:
         if self.running:
             raise RuntimeError(f"store process {self.pid} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -79,20 +79,20 @@ class StoreProcess:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           cwd=str(ROOT), start_new_session=True)
         self._finalizer = weakref.finalize(self, _reap, self._proc)
-        self.target = self._wait_ready(ready, timeout)
+        self.target = self._wait_ready(self._proc, ready, timeout)
         match = _METRICS_RE.search(self.log_text())
         self.metrics_url = match.group(1) if match else None
         return self
 
-    def _wait_ready(self, ready: Path, timeout: float) -> str:
+    def _wait_ready(self, proc: subprocess.Popen, ready: Path, timeout: float) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready.exists():
                 text = ready.read_text().strip()
                 if text and "listening on" in self.log_text():
                     return text
-            if self._proc.poll() is not None:
-                raise TierError(f"kvstore serve exited with code {self._proc.returncode} before "
+            if proc.poll() is not None:
+                raise TierError(f"kvstore serve exited with code {proc.returncode} before "
                                 f"it was ready:\n{self.log_tail()}")
             time.sleep(0.02)
         self.kill()
@@ -116,7 +116,7 @@ class StoreProcess:
                 self.kill()
         return self._proc.returncode
 
-    def restart(self, timeout: float = 20.0) -> "StoreProcess":
+    def restart(self, timeout: float = 20.0) -> StoreProcess:
         if self.running:
             self.terminate()
         return self.start(timeout)
@@ -129,7 +129,7 @@ class StoreProcess:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def __enter__(self) -> "StoreProcess":
+    def __enter__(self) -> StoreProcess:
         if not self.running:
             self.start()
         return self

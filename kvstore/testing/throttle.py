@@ -124,7 +124,7 @@ class ThrottledProxy:
         for t in threads:
             t.join(timeout=2)
 
-    def __enter__(self) -> "ThrottledProxy":
+    def __enter__(self) -> ThrottledProxy:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -97,7 +97,7 @@ class KVEvent:
     """One event of one stream (a tenant, or "" for a publisher with one stream)."""
 
     kind: Kind
-    stream: str = ""
+    stream: str | None = ""  # None: a key of no configured tenant (EventRecorder's stream_of)
     medium: Medium | None = None
     block_hash: int = 0
     parent_hash: int | None = None

@@ -19,8 +19,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvstore.wire.data import HELLO, TICKET_SIZE, TicketHello
 from kvstore.errors import ConfigError
+from kvstore.wire.data import HELLO, TICKET_SIZE, TicketHello
 
 MAGIC = b"KVM1"
 MAX_MESSAGE_BYTES = 4096

@@ -9,8 +9,9 @@ free here) and secrets made for this run, as one compose session:
    engine: the main job (reference, engine 1, engine 2 in a new process; ``--no-ssd``, so
    engine 2's hits can only come from the store), paused before request doc-1 of engine 2.
 2. There the store's ``/metrics`` must show lookup hits, and its counters puts and gets
-   through shared memory (the pool handed over the socket in the shared volume).  Fault: ``docker kill`` of the store; engine 2 goes on and must recompute the
-   rest with outputs still matching: the engine container exits 0 with ``result: PASS``.
+   through shared memory (the pool handed over the socket in the shared volume).  Fault: ``docker kill`` of the
+   store; engine 2 goes on and must recompute the rest with outputs still matching: the engine container exits 0
+   with ``result: PASS``.
    Meanwhile a SUB socket on the engine's vLLM publisher decodes, with vLLM's structs, our
    host tier's ``BlockStored`` events (tokens and one hash each) in vLLM's own stream.
 3. Fault: the store's container started again after that SIGKILL on the same SSD volume,
@@ -34,7 +35,8 @@ import grpc
 import pytest
 import yaml
 
-from kvstore._proto import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+from kvstore._proto import kvstore_pb2 as pb
+from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.testing.redis_proc import free_port
 
 pytestmark = pytest.mark.compose
@@ -168,7 +170,6 @@ class EngineEvents:
 
     def __init__(self, endpoint: str) -> None:
         import zmq  # the test extra (pyzmq, msgspec) and vLLM's structs, from the test's venv
-
         from zmq.utils.monitor import recv_monitor_message
 
         self.ctx = zmq.Context()

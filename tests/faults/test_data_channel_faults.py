@@ -16,11 +16,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore.wire import data as wire
 from kvstore.client.store_client import StoreClient as AsyncClient
 from kvstore.client.tier import RemoteTier
 from kvstore.errors import TierUnavailableError
 from kvstore.testing.serve_proc import StoreProcess
+from kvstore.wire import data as wire
 from tests.data_kit import RawData, ticket_of
 from tests.store_helpers import KiB, MiB, Objects, StoreClient, random_key, wait_until, write_tokens
 from tiers.base import PutResult

@@ -10,11 +10,12 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from kvstore.localtoken import local_token
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import _TAG_RE
+from kvstore.localtoken import local_token
 from kvstore.testing.serve_proc import StoreProcess
 from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
 

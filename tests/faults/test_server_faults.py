@@ -26,8 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import (KiB, MiB, Objects, StoreClient, chain_keys, key_fields, random_key, rpc_code,
-                                 wait_until)
+from tests.store_helpers import KiB, MiB, Objects, StoreClient, chain_keys, key_fields, random_key, rpc_code, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # A client that stops reading after one frame: without BDP probing the HTTP/2 window stays

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import signal
 
+from kvobjects import keys_of, namespace, sealed
+
 from kvstore.config import WritePolicy
 from kvstore.store.registry import open_tier
 from kvstore.store.tiered import TieredStore
 from kvstore.store.writedown import Offer
 from tiers.host import HostTier
-
-from kvobjects import keys_of, namespace, sealed
 
 NS = namespace("store-faults")
 SIZE = 3000

@@ -40,14 +40,16 @@ def test_bench_redis_writes_every_row_beside_its_limit(tmp_path):
                           "ratio", "meets_target"}
         assert r["value"] > 0 and r["limit_value"] > 0 and math.isfinite(r["value"])
         assert math.isclose(r["ratio"], r["value"] / r["limit_value"], rel_tol=1e-3)
-        assert r["meets_target"] == (None if r["target"] is None else
-                                     (r["ratio"] >= r["target"] if r["better"] == "higher" else r["ratio"] <= r["target"]))
+        met = None if r["target"] is None else (
+            r["ratio"] >= r["target"] if r["better"] == "higher" else r["ratio"] <= r["target"])
+        assert r["meets_target"] == met
     by_name = {r["name"]: r for r in rows}
     for mb in (1, 4, 32):
         assert by_name[f"redis tier get {mb} MiB"]["unit"] == "GB/s"
         assert by_name[f"redis tier put {mb} MiB"]["value"] == by_name[f"redis tier put {mb} MiB vs TCP"]["value"]
         want = (2.0, 0.5) if mb == 32 else (1.0, None) if mb == 1 else (None, None)
-        assert (by_name[f"redis tier get {mb} MiB"]["target"], by_name[f"redis tier get {mb} MiB vs TCP"]["target"]) == want
+        got = (by_name[f"redis tier get {mb} MiB"]["target"], by_name[f"redis tier get {mb} MiB vs TCP"]["target"])
+        assert got == want
     # an object of one part (the default part_size) is read in one round trip, counted by the tier
     assert by_name["redis tier get 1 MiB: round trips"]["value"] == 1
     assert by_name["lookup 512 keys: round trips"]["value"] == 1  # one MGET on a single server

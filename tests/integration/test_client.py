@@ -5,20 +5,20 @@ import asyncio
 import socket
 
 import grpc
+import kvobjects as kv
 import numpy as np
 import pytest
 import yaml
 
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client.store_client import StoreClient
-from kvstore.client.info import ClientCounters
 from kvstore.client.dataplane import decode_get_frame, encode_data_frame, lookup_requests
+from kvstore.client.info import ClientCounters
 from kvstore.client.leases import LeaseWindow
+from kvstore.client.store_client import StoreClient
 from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
 from kvstore.keys import ROOT, Identity, object_keys
 from kvstore.testing.serve_proc import StoreProcess
-import kvobjects as kv
 from tiers.base import PutResult
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -333,7 +333,8 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
             for key, obj in zip(keys[:2], objs[:2]):
                 assert await c.put(key, obj) is PutResult.STORED
             leases = [await c._stub.Get(pb.GetRequest(namespace=k[:32], chunk_hash=k[32:64], tag=k.tag),
-                                        timeout=5, metadata=c._metadata) for k in keys[:2]]   # held: never released here
+                                        timeout=5, metadata=c._metadata)
+                      for k in keys[:2]]   # held: never released here
             held = leases[0]
             before = c._segment.array[held.offset:held.offset + MiB].copy()
             assert await c.delete(keys[0]) is True

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import ssl
 
+import kvobjects as kv
 import numpy as np
 import pytest
 import yaml
@@ -16,7 +17,6 @@ from kvstore import codec
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 from kvstore.testing.serve_proc import StoreProcess
-import kvobjects as kv
 from tests.data_kit import RawData
 from tiers.base import PutResult
 

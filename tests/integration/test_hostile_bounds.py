@@ -187,7 +187,8 @@ def test_calls_without_a_token_or_without_a_request_hold_no_call_slot(store):
             c.stop()
         channel.close()
     after = admin_counters(store.target)
-    assert after["store.failures.grpc_unauthenticated"] - before.get("store.failures.grpc_unauthenticated", 0) == 3 * MAX_RPCS
+    unauthenticated = "store.failures.grpc_unauthenticated"
+    assert after[unauthenticated] - before.get(unauthenticated, 0) == 3 * MAX_RPCS
     assert after["store.failures.grpc_request_timeout"] - before.get("store.failures.grpc_request_timeout", 0) == 2
 
 

@@ -12,10 +12,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvstore import codec
-from kvstore.wire import shm as shmwire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import ObjectKey
+from kvstore.wire import shm as shmwire
 from tests.data_kit import RawData, ticket_of
 from tests.hostile_kit import admin_counters, admin_doc, fd_links, get_request, keys, quiet, start_store
 from tests.store_helpers import MiB, Objects, StoreClient, rpc_code, wait_until
@@ -142,7 +141,7 @@ def test_no_process_reaches_a_pool_by_name_or_through_proc(store):
     links = fd_links(store.pid)
     memfds = [link for link in links if link.startswith("/memfd:kvstore-")]
     assert len(memfds) >= 2 and not [link for link in links if link.startswith("/dev/shm")]
-    with StoreClient(store.target, "tok-a") as a, StoreClient(store.target, "tok-b") as b:
+    with StoreClient(store.target, "tok-a") as a, StoreClient(store.target, "tok-b"):
         path = a.hello().shm_socket
         assert oct(os.stat(path).st_mode & 0o777) == "0o600"
         assert gate_code(path, os.urandom(32), "tok-a") == Code.UNAUTHENTICATED.value[0]     # forged ticket

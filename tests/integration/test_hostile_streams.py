@@ -12,9 +12,9 @@ import urllib.request
 import grpc
 import pytest
 
-from kvstore.wire import data as wire
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
+from kvstore.wire import data as wire
 from tests.data_kit import RawData, ticket_of
 from tests.hostile_kit import admin_counters, get_request, keys, quiet, start_store
 from tests.store_helpers import MiB, Objects, StoreClient, key_fields, rpc_code, wait_until

@@ -22,11 +22,11 @@ import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from kvstore import trace
-from kvstore.wire import kv as kvwire
 from kvstore.client.tier import RemoteTier
 from kvstore.keys import chunk_hashes, object_keys
-from kvstore.wire.kv import Description
 from kvstore.testing.serve_proc import StoreProcess
+from kvstore.wire import kv as kvwire
+from kvstore.wire.kv import Description
 from tests.kvobjects import namespace, sealed
 from tests.store_helpers import write_tokens
 from tests.trace_kit import check_nesting, track_names

@@ -10,12 +10,12 @@ import asyncio
 import os
 import signal
 
+import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore import codec
 from kvstore.keys import ObjectKey
-import kvobjects as kv
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_config import RedisConfig

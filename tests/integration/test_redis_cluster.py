@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import kvobjects as kv
 import numpy as np
 from redis.crc import key_slot
 
 from kvstore.keys import ObjectKey
-import kvobjects as kv
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_config import RedisConfig

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import kvobjects as kv
+
 from kvstore.cli.redis_acl import acl_commands
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier

@@ -5,16 +5,16 @@ import asyncio
 import socket
 import time
 
+import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore.client.store_client import StoreClient
+from kvstore.client.tier import RemoteTier
 from kvstore.errors import TierUnavailableError
 from kvstore.keys import ROOT
 from kvstore.testing.serve_proc import StoreProcess
-import kvobjects as kv
 from tiers.base import PutResult, Tier, put_bytes
-from kvstore.client.tier import RemoteTier
 
 MiB = 1 << 20
 NS = kv.namespace("remote-test")

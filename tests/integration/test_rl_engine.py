@@ -51,8 +51,8 @@ def run_engine(tmp_path, name: str, model, actions: list) -> dict[str, dict]:
         if r["action"] == "generate":
             s = r["stats"]
             r["hit"] = s["tokens_hit"] - before["tokens_hit"]
-            r["hit_by_tier"] = {t: n - before["tokens_hit_by_tier"].get(t, 0)
-                                for t, n in s["tokens_hit_by_tier"].items() if n != before["tokens_hit_by_tier"].get(t, 0)}
+            was = before["tokens_hit_by_tier"]
+            r["hit_by_tier"] = {t: n - was.get(t, 0) for t, n in s["tokens_hit_by_tier"].items() if n != was.get(t, 0)}
             before = s
             by_label[r["label"]] = r
         else:

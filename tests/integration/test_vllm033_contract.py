@@ -72,7 +72,8 @@ def test_probe_ran_vllm_033_over_the_project_torch(report):
     assert report["engine"]["started"] is False
     assert report["engine"]["error"]["message"] == "Device string must not be empty"
     gpu = report["gpu_worker"]  # GPU workers, model runner V2 (0.33's default) and V1
-    assert (gpu["v2"]["stopped_at"], gpu["v2"]["error"]["message"]) == ("constructor", "Model Runner V2 requires Triton.")
+    assert (gpu["v2"]["stopped_at"], gpu["v2"]["error"]["message"]) == ("constructor",
+                                                                         "Model Runner V2 requires Triton.")
     assert (gpu["v1"]["stopped_at"], gpu["v1"]["error"]["message"]) == ("init_device", "Unsupported device type: cpu")
 
 

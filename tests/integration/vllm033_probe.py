@@ -60,8 +60,7 @@ def env_part() -> dict:
 
 
 def vllm_config(model_dir: str, work: Path):
-    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig,
-                             VllmConfig)
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=2048, seed=0)
     vc = VllmConfig(

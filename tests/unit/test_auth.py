@@ -3,9 +3,18 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.server.auth import (ALL_PERMISSIONS, ANONYMOUS, Authenticator, Permission, PermissionDeniedError,
-                          Principal, TokenTable, UnauthenticatedError, bearer_token)
 from kvstore.errors import ConfigError
+from kvstore.server.auth import (
+    ALL_PERMISSIONS,
+    ANONYMOUS,
+    Authenticator,
+    Permission,
+    PermissionDeniedError,
+    Principal,
+    TokenTable,
+    UnauthenticatedError,
+    bearer_token,
+)
 
 GOOD = """
 tokens:

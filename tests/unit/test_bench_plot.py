@@ -1,8 +1,6 @@
 """``kvstore bench ... --plot FILE.png``: each row drawn beside its same-run limit."""
 from __future__ import annotations
 
-import pytest
-
 from kvstore.bench.common import Row
 from kvstore.bench.plot import plot_rows
 

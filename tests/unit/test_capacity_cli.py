@@ -120,5 +120,6 @@ def test_json_hybrid_groups_window_layers_and_recurrent_state():
 
 
 def test_recurrent_layers_need_their_state_size():
-    proc = capacity("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "bf16", "--recurrent-layers", "2")
+    proc = capacity("--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "bf16",
+                    "--recurrent-layers", "2")
     assert proc.returncode != 0 and "state_bytes" in proc.stderr

@@ -13,11 +13,23 @@ import numpy as np
 import pytest
 
 from kvstore import codec
-from kvstore.codec import (HEADER_SIZE, Codec, ObjectGeometry, ObjectHeader, compress,
-                           decode_header, decompress_into, encode_into, layer_view, object_size,
-                           pack_header, payload_view, sample_ratio, verify)
-from kvstore.errors import (ChecksumMismatchError, ConfigError, CorruptHeaderError,
-                            KeyMismatchError, ObjectFormatError)
+from kvstore.codec import (
+    HEADER_SIZE,
+    Codec,
+    ObjectGeometry,
+    ObjectHeader,
+    compress,
+    decode_header,
+    decompress_into,
+    encode_into,
+    layer_view,
+    object_size,
+    pack_header,
+    payload_view,
+    sample_ratio,
+    verify,
+)
+from kvstore.errors import ChecksumMismatchError, ConfigError, CorruptHeaderError, KeyMismatchError, ObjectFormatError
 from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes
 
 NS = Identity(model="tiny", revision="r", kv_dtype="bf16", layout_id="cpu:LBHNC:bs128",

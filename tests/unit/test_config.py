@@ -12,8 +12,7 @@ import torch
 from connector.config import ConnectorConfig, DeviceKind, DeviceSpec
 from connector.device import make_device
 from kvstore.client.info import Transport
-from kvstore.config import (LeaseSettings, Seconds, Size, StoreConfig, TierSettings, WritePolicy, convert,
-                            parse_size)
+from kvstore.config import LeaseSettings, Seconds, Size, StoreConfig, TierSettings, WritePolicy, convert, parse_size
 from kvstore.errors import ConfigError
 from kvstore.server.config import ServerConfig
 from tiers.redis_config import RedisConfig
@@ -174,7 +173,8 @@ def test_every_documented_connector_key_is_read():
     assert keys == {f.name for f in fields(ConnectorConfig)}
     cfg = ConnectorConfig.from_extra_config(
         {"host_capacity": "64MiB", "ssd_dir": "/tmp/kv", "ssd_capacity": "1GiB", "chunk_size": "512",
-         "device": "host", "verify_loads": "false", "prefill_tokens_per_s": "900", "explore_after_s": "7", "load_timeout_s": "5",
+         "device": "host", "verify_loads": "false", "prefill_tokens_per_s": "900", "explore_after_s": "7",
+         "load_timeout_s": "5",
          "stats_path": "/tmp/s.json", "trace_path": "/tmp/t.json", "lease_ttl": "12", "store_target": "h:1",
          "store_token": "t",
          "store_tls_ca": "/ca.pem", "store_transport": "stream", "redis_url": "redis://r",
@@ -254,7 +254,8 @@ def test_connector_shared_tier_keys_convert():
 @pytest.mark.parametrize("values,needle", [
     ({"store_target": "localhost"}, "store_target: expected HOST:PORT"),
     ({"store_target": "a b:1"}, "store_target"),
-    ({"store_transport": "udp"}, "kv_connector_extra_config: store_transport: 'udp' is not one of auto, shm, tcp, stream"),
+    ({"store_transport": "udp"},
+     "kv_connector_extra_config: store_transport: 'udp' is not one of auto, shm, tcp, stream"),
     ({"write_policy": "write_around"}, "write_policy: 'write_around'"),
     ({"lower_tiers_required": "maybe"}, "lower_tiers_required: expected true or false"),
     ({"load_timeout_s": "0"}, "load_timeout_s must be a positive number of seconds"),

@@ -20,8 +20,6 @@ import pytest
 import torch
 
 from connector.config import ConnectorConfig
-from connector.device import FaultyDevice, HostDevice
-from connector.emulated_cuda import EmulatedCudaDevice
 from connector.scheduler import RequestView
 from kvstore import codec
 from tests.halves import VLLM_CPU, Engine, fill, finish, prompt, run_request
@@ -29,23 +27,6 @@ from tests.halves import VLLM_CPU, Engine, fill, finish, prompt, run_request
 LAYERS, BLOCKS, HEADS, BS, D = (VLLM_CPU.layers, VLLM_CPU.blocks, VLLM_CPU.heads, VLLM_CPU.block_size,
                                 VLLM_CPU.head_dim)
 CHUNK = 256
-
-
-@pytest.fixture(params=["host", "emulated-cuda"])
-def dev(request):
-    """A factory of copy devices of the parametrized kind: ``dev(delay=S, fail=f)``."""
-    def make(delay: float | None = None, fail=None):
-        if request.param == "host":
-            if delay is None and fail is None:
-                return HostDevice()
-            return FaultyDevice(delay=delay or 0.0, fail=fail)
-        return EmulatedCudaDevice(**({} if delay is None else {"delay": delay}), fail=fail)
-    return make
-
-
-@pytest.fixture
-def tokens():
-    return prompt(600)
 
 
 def test_save_then_load_from_host_gives_identical_pages(tmp_path, tokens, dev):

@@ -25,8 +25,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from connector.config import ConnectorConfig
 from connector.scheduler import RequestView, SchedulerHalf

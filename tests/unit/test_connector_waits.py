@@ -23,8 +23,6 @@ from kvstore.policy import Rate
 from kvstore.store.tiered import TieredStore
 from tests.halves import Engine, fill, prompt, run_request
 
-from tests.unit.test_connector_halves import dev, tokens  # noqa: F401 - fixtures
-
 
 def compute_without_report(e: Engine, req_id: str, tokens, blocks) -> None:
     """Prefill ``req_id`` in one step: its gathers are submitted (and land later)."""

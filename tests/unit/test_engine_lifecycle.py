@@ -29,7 +29,7 @@ from connector.kvcache_events import ConnectorEvents, RemovedEvent
 from connector.plan import ChunkCopy, LoadJob, SaveJob
 from connector.scheduler import RequestView, StepInput
 from connector.vllm import KVStorePromMetrics, hit_source
-from tests.halves import Engine, fill, finish, prompt, run_request
+from tests.halves import Engine, fill, finish, prompt
 
 BS = 128
 V1 = {"kvstore": {"weights_version": "step-1"}}

@@ -3,7 +3,6 @@ reused ones, uses inside ``reuse_window_s`` count as one, the write-down's hold 
 use, and a key evicted then stored again counts as reused.  Real ``HostTier``s on 4-page
 pools, time from a fake clock."""
 import numpy as np
-
 from test_host_tier import FakeClock, chain, present, put, tier
 
 

@@ -12,11 +12,11 @@ import threading
 import numpy as np
 import pytest
 
+from kvstore.bench.tiers import host_index_overhead_bytes
 from kvstore.codec import ObjectGeometry, encode_into, object_size
 from kvstore.errors import CapacityError, ConfigError, LeaseError, TierUnavailableError
 from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
 from tiers.base import PutResult, Tier, put_bytes
-from kvstore.bench.tiers import host_index_overhead_bytes
 from tiers.host import HostTier, SlotState
 
 P = 4096

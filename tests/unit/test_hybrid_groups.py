@@ -17,8 +17,6 @@ from connector.scheduler import RequestView
 from connector.transfer import PagedKV
 from tests.halves import Engine, fill, prompt
 
-from tests.unit.test_connector_halves import dev  # noqa: F401 - fixture
-
 NULL = 0
 
 

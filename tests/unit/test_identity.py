@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from connector import identity
-from connector.identity import (canonical_json, plain, resolve_hub, settings_digest,
-                                snapshot_commit, weights_identity)
+from connector.identity import canonical_json, plain, resolve_hub, settings_digest, snapshot_commit, weights_identity
 from kvstore.weights import digest_dir
 
 COMMIT_A = "a" * 40

@@ -20,8 +20,17 @@ import numpy as np
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.keys import (ROOT, ChunkHash, Identity, Namespace, ObjectKey, chunk_hashes,
-                          object_keys, tenant_mark, validate_chunk_size)
+from kvstore.keys import (
+    ROOT,
+    ChunkHash,
+    Identity,
+    Namespace,
+    ObjectKey,
+    chunk_hashes,
+    object_keys,
+    tenant_mark,
+    validate_chunk_size,
+)
 
 IDENT = Identity(model="tiny-llama", revision="abc123", kv_dtype="bf16",
                  layout_id="cpu:LBHNC:bs128", num_layers=4, num_kv_heads=2, head_dim=64)

@@ -15,11 +15,11 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from kvstore import codec
-from kvstore.wire import kv as kvwire
 from kvstore.keys import ROOT, chunk_hashes, object_keys
-from kvstore.wire.kv import CPU, LOCAL, STORAGE, KVEvent, Kind, Medium
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
+from kvstore.wire import kv as kvwire
+from kvstore.wire.kv import CPU, LOCAL, STORAGE, Kind, KVEvent, Medium
 from tests.kvobjects import namespace
 from tiers.base import Removal
 from tiers.host import HostTier

@@ -6,10 +6,19 @@ import json
 import pytest
 
 from kvstore.errors import ConfigError
+from kvstore.layout import (
+    AttentionKind,
+    ChunkShape,
+    DType,
+    KVGeometry,
+    bytes_per_request,
+    bytes_per_token,
+    format_bytes,
+    pages_per_chunk,
+    round_up_tokens,
+    validate_chunk_size,
+)
 from kvstore.layout.capacity import plan_capacity
-from kvstore.layout import (AttentionKind, ChunkShape, DType, KVGeometry, bytes_per_request, bytes_per_token,
-                            format_bytes, pages_per_chunk, round_up_tokens,
-                            validate_chunk_size)
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 BF16, FP16 = DType.BF16, DType.FP16

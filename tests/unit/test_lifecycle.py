@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import LeaseError, LifecycleError
-from kvstore.lifecycle import (TRANSITIONS, LeaseTable, LoadState, SaveState, Ticket, is_legal,
-                               load_ticket, save_ticket)
+from kvstore.lifecycle import TRANSITIONS, LeaseTable, LoadState, SaveState, Ticket, is_legal, load_ticket, save_ticket
 
 L, S = LoadState, SaveState
 
@@ -133,7 +132,8 @@ def test_a_stored_save_cannot_fail_any_more():
     assert ticket.state is S.STORED and ticket.error is None
 
 
-@pytest.mark.parametrize("path", [LOAD_PATH[:1], LOAD_PATH[:3], SAVE_PATH[:1]], ids=["looked_up", "in_buffer", "gather_issued"])
+@pytest.mark.parametrize("path", [LOAD_PATH[:1], LOAD_PATH[:3], SAVE_PATH[:1]],
+                         ids=["looked_up", "in_buffer", "gather_issued"])
 def test_releasing_an_unfinished_ticket_raises(path):
     ticket = ticket_at(path)
     with pytest.raises(LifecycleError):

@@ -3,9 +3,11 @@ hand-written frame codec (``kvstore.server.wire``) matches protobuf byte for byt
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvstore._proto import generate, kvstore_pb2 as pb
+from kvstore._proto import generate
+from kvstore._proto import kvstore_pb2 as pb
 from kvstore.server.wire import InFrame, Malformed, OutFrame, decode_put_frame, encode_get_frame, generic_handler
 
 

@@ -13,8 +13,7 @@ from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError
 from kvstore.keys import Identity, chunk_hashes, object_keys
 from tiers.redis import RedisTier
 from tiers.redis_config import DEFAULT_PART_SIZE, RedisConfig
-from tiers.redis_manifest import (INLINE, MANIFEST_SIZE, Manifest, data_keys, inline_key, manifest_key, part_keys,
-                                   unpack)
+from tiers.redis_manifest import INLINE, MANIFEST_SIZE, Manifest, data_keys, inline_key, manifest_key, part_keys, unpack
 
 NS = Identity("m", "r", "bf16", "x", 1, 1, 1).namespace()
 KEY = object_keys(NS, chunk_hashes(NS, np.arange(16), 16))[0]

@@ -2,8 +2,9 @@
 ``metrics`` of ``docs/reference/`` equal what ``harness.docgen`` renders from the typed configs
 and the Prometheus collectors now, every key of ``ConnectorConfig`` and ``ServerConfig``
 (their ``TierSettings`` and ``LeaseSettings`` included) is a row of its page whose default
-reads back as the field's default, and every declared metric is a row of the metrics page.  The README stays a front page (under 250
-lines) that links the reference.  The checks are first shown to fail on altered pages.
+reads back as the field's default, and every declared metric is a row of the metrics page.
+The README stays a front page (under 250 lines) that links the reference.  The checks are
+first shown to fail on altered pages.
 Cost: about a second (no engine, no server: the store's collector is built, not served)."""
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.store.registry import open_tier, open_tiers, parse_spec, resolve, tier_specs
 from kvstore.testing.redis_proc import free_port
 from tiers.base import Tier

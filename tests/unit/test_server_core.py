@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import LeaseError
-from tests.server_kit import (LEASE_TTL, SLOT, FakeClock, gauges, keys, make_store, put, put_lower, scoped,
-                              sealed)
+from tests.server_kit import LEASE_TTL, SLOT, FakeClock, gauges, keys, make_store, put, put_lower, scoped, sealed
 from tiers.base import PutResult
 from tiers.ssd import SSDTier
 

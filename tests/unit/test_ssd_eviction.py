@@ -6,12 +6,11 @@ import asyncio
 import threading
 
 import pytest
+from test_ssd_tier import MADE, SIZE, chain, kv_files, read, store  # noqa: E402 - shared helpers
 
 from kvstore.keys import ObjectKey
 from tiers import ssd as ssd_mod
 from tiers.ssd import SSDTier
-
-from test_ssd_tier import MADE, SIZE, chain, kv_files, read, store  # noqa: E402 - shared helpers
 
 
 async def present(tier: SSDTier) -> set[ObjectKey]:

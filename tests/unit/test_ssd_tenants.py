@@ -7,13 +7,12 @@ import os
 import stat
 
 import pytest
+from test_ssd_tier import SIZE, chain, kv_files, make_obj, store  # noqa: E402 - shared helpers
 
 from kvstore.errors import CapacityError
 from kvstore.keys import ObjectKey, tenant_mark
 from tiers.base import PutResult, put_bytes
 from tiers.ssd import SSDTier
-
-from test_ssd_tier import SIZE, chain, kv_files, make_obj, store  # noqa: E402 - shared helpers
 
 MARKS = {tenant_mark(t): t for t in ("a", "b")}
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from kvobjects import chain, keys_of, namespace
+from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
@@ -15,9 +17,6 @@ from kvstore.store.tiered import TieredStore
 from tiers.base import put_bytes
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
-
-from kvobjects import chain, keys_of, namespace
-from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 NS = namespace("store-core")
 SIZE = len(make_obj(keys_of(NS, 1)[0], 1))  # one 4 KiB slot unit

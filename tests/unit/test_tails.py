@@ -7,8 +7,6 @@ import torch
 from connector.scheduler import RequestView
 from tests.halves import Engine, fill, prompt, run_request
 
-from tests.unit.test_connector_halves import dev  # noqa: F401 - fixture
-
 
 def saved(e: Engine, req_id: str, tokens, blocks) -> None:
     assert run_request(e, req_id, tokens, blocks) == 0

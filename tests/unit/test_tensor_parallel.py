@@ -18,7 +18,6 @@ import torch
 
 from connector.config import ConnectorConfig
 from connector.device import HostDevice, make_device
-from connector.plan import WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV, Shard
 from connector.worker import WorkerHalf

@@ -4,14 +4,13 @@ backend with nothing better (``sizes`` from ``size_of``, ``present`` from ``size
 from __future__ import annotations
 
 import pytest
+from kvobjects import keys_of, namespace
+from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 from kvstore.keys import ObjectKey
 from tiers.base import Tier, TierBase, put_bytes
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
-
-from kvobjects import keys_of, namespace
-from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 NS = namespace("tier-base")
 KS = keys_of(NS, 5)

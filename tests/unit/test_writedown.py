@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from kvobjects import keys_of, namespace
+from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
@@ -14,9 +16,6 @@ from kvstore.store.writedown import Offer, WriteDown
 from tiers.base import PutResult
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
-
-from kvobjects import keys_of, namespace
-from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 NS = namespace("writedown")
 

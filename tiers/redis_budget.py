@@ -99,7 +99,7 @@ def budget_keys(prefix: str) -> dict[str, str]:
 
 class RedisBudget:
     """Needs from its host class (``RedisTier``): ``cfg``, ``_client``, ``_node``, ``_allow``,
-    ``_call``, ``_manifest``, ``_drop``, ``_removed``, ``_budget_counts`` (a dict)."""
+    ``_call``, ``_manifest``, ``_drop``, ``_removed``, ``_stats``, ``_budget_counts`` (a dict)."""
 
     def _bkeys(self) -> dict[str, str]:
         return budget_keys(self.cfg.key_prefix)
@@ -136,6 +136,7 @@ class RedisBudget:
             key = ObjectKey.parse(member)
             found = await self._manifest(key)
             self._budget_counts["budget_evicted"] += 1
+            self._stats.evictions += 1
             if found is not None:
                 await self._drop(key, *found, release=False)
                 self._removed(key, Removal.EVICTED)

@@ -339,8 +339,10 @@ class ServerStore:
         events = dict(self.events.counts) if self.events is not None else {}
         quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
                   for tenant in self.tenants.names for what in COUNTED}
+        evicted = {(tenant, tier.name): n for tier in self.lower if hasattr(tier, "evictions_by_tenant")
+                   for tenant, n in tier.evictions_by_tenant().items()}
         return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
-                        dict(self.tenants.refused), events, quotas)
+                        dict(self.tenants.refused), events, quotas, evicted)
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
         """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and

@@ -158,6 +158,10 @@ class TenantRedis(TierBase):
                 "put_failures": s.put_failures, "evictions": s.evictions,
                 "budget_refused": s.extra.get("budget_refused", 0), "key_prefix": tier.cfg.key_prefix}
 
+    def evictions_by_tenant(self) -> dict[str, int]:
+        """Objects each tenant's budget evicted (``tenant_evictions_total`` in ``/metrics``)."""
+        return {tenant: tier.stats().evictions for tenant, tier in self.tiers.items()}
+
     async def aclose(self) -> None:
         for tier in self.tiers.values():
             await tier.aclose()

@@ -13,6 +13,8 @@ Cost: about 8 s (two store starts).
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 
 import numpy as np
 import pytest
@@ -74,7 +76,7 @@ def test_a_tenant_over_its_budget_never_evicts_another_and_the_store_uses_each_u
     server, work, args = setup
     objects, rng = Objects(2 * MiB), np.random.default_rng(7)
     mine, theirs = [random_key(rng) for _ in range(6)], [random_key(rng) for _ in range(48)]
-    with StoreProcess(work / "one", *args) as proc, StoreClient(proc.target, "tok-a") as a, \
+    with StoreProcess(work / "one", *args, "--metrics-port", "0") as proc, StoreClient(proc.target, "tok-a") as a, \
             StoreClient(proc.target, "tok-b") as b:
         for i, key in enumerate(mine):
             assert a.put_stream(key, objects.make(key, SIZE, seed=i)) == pb.PUT_OUTCOME_STORED
@@ -87,6 +89,11 @@ def test_a_tenant_over_its_budget_never_evicts_another_and_the_store_uses_each_u
         doc = redis_doc(b)
         assert doc["evictions"] > 0 and doc["capacity_bytes"] == BUDGET_B and doc["key_prefix"] == "kvstore:b:"
         assert redis_doc(a)["evictions"] == 0
+        with urllib.request.urlopen(proc.metrics_url, timeout=10) as reply:
+            scraped = reply.read().decode()
+        assert f'tenant_refused_total{{tenant="b",what="redis_bytes"}} 1.0' in scraped
+        evicted = re.search(r'tenant_evictions_total\{tenant="b",tier="redis"\} (\d+)', scraped)
+        assert evicted and int(evicted.group(1)) == doc["evictions"] > 0
         users = [c["user"] for c in server.client().client_list()]  # CLIENT LIST's user= field
         assert {u for u in users if u != "default"} == {"kvstore-a", "kvstore-b"}
     assert len(under(server, "kvstore:a:", "m:")) == 6        # a lost nothing

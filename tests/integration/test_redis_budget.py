@@ -80,16 +80,18 @@ async def test_a_tenant_beyond_its_budget_evicts_only_its_own_least_recently_use
     mine = kv.keys_of(NS_A, 8, seed=1)
     assert await put_all(a, mine) == [PutResult.STORED] * 8
     theirs = kv.keys_of(NS_B, 60, seed=2)                    # 2.4 MiB into a 400 KiB budget
-    assert await put_all(b, theirs[:3]) == [PutResult.STORED] * 3
+    assert await put_all(b, theirs[:9]) == [PutResult.STORED] * 9   # b's budget is full
     buf = bytearray(OBJ)
     assert await b.read_into(theirs[0], buf) == OBJ         # refreshes theirs[0]
-    assert await put_all(b, theirs[3:]) == [PutResult.STORED] * 57
+    assert await put_all(b, theirs[9:10]) == [PutResult.STORED]
+    assert await b.sizes(theirs[:2]) == [OBJ, None]         # the least recently used went, not the read one
+    assert await put_all(b, theirs[10:]) == [PutResult.STORED] * 50
     assert b.stats().extra["budget_evicted"] >= 50
     assert 0 < bytes_under(shared_redis, "kvstore:b:") <= BUDGET
     used, count = await b.budget_usage()
     assert used <= BUDGET and count == 9
     assert await b.sizes(theirs[-9:]) == [OBJ] * 9          # the newest nine stayed
-    assert await b.sizes(theirs[1:3]) == [None, None]
+    assert await b.sizes(theirs[:3]) == [None, None, None]
     assert await a.lookup(mine) == 8 and a.stats().extra["budget_evicted"] == 0
     a2 = await tier(shared_redis, "a")                         # a fresh connection (a restarted writer)
     for k in mine:

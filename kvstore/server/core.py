@@ -43,12 +43,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.errors import ConfigError, LeaseError, TierUnavailableError
+from kvstore.errors import LeaseError, TierUnavailableError
 from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, Medium
 from kvstore.server.config import ServerConfig
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, Snapshot
+from kvstore.server.redis_tenants import open_tenant_redis, redis_specs, tenant_evictions
 from kvstore.server.reservations import PutPath
 from kvstore.server.tenants import COUNTED, Tenants
 from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS, TicketBook
@@ -66,20 +67,6 @@ from tiers.host import HostTier
 log = logging.getLogger("kvstore.server.servicer")
 MEDIA = {"host": Medium(CPU, LOCAL, "kvstore"), "ssd": Medium(STORAGE, LOCAL, "ssd"),
          "redis": Medium(STORAGE, REMOTE, "redis")}
-
-
-def _tenant_redis_configs(cfg: ServerConfig, tenants: Tenants) -> dict:
-    """Each tenant's Redis config when ``--redis`` names ``{tenant}`` (else empty); a
-    ``redis_bytes`` quota without such a URL is a ``ConfigError`` (docs/redis-tenants.md)."""
-    asked = sorted(n for n, lim in tenants.limits.items() if lim.redis_bytes is not None)
-    if not (cfg.redis and "{tenant}" in cfg.redis):
-        if asked:
-            raise ConfigError(f"tenants {', '.join(asked)} have redis_bytes but --redis does not name "
-                              "{tenant} (one key prefix and budget per tenant; docs/redis-tenants.md)")
-        return {}
-    from kvstore.server.redis_tenants import budgets_of, tenant_configs  # lazily: redis-py
-
-    return tenant_configs(cfg.redis, budgets_of(tenants.names, tenants.limits))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,19 +129,15 @@ class ServerStore:
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> "ServerStore":
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
-        per_tenant = _tenant_redis_configs(cfg, tenants)  # checked before anything opens
         specs = tier_specs(cfg, host={"pin": False,  # pin=False: no torch
                                       "pools": tenants.host_bytes, "pool_of": tenants.tenant_of},
                            ssd={"quotas": tenants.ssd_bytes, "partition": tenants.tenant_of},
-                           lower=[] if per_tenant else [(cfg.redis, {})])
+                           lower=redis_specs(cfg.redis, tenants.limits))  # per tenant: docs/redis-tenants.md
         keys = load_keys(cfg.keys_file)  # before opening: a bad keys file fails first
         tiers = await open_tiers(specs)
         events = publisher = None
         try:
-            if per_tenant:
-                from kvstore.server.redis_tenants import open_tenant_redis
-
-                tiers.append(await open_tenant_redis(per_tenant, tenants.tenant_of, tenants.refuse))
+            tiers += await open_tenant_redis(cfg.redis, tenants)
             if cfg.kv_events:
                 events = EventRecorder(MEDIA, stream_of=tenants.tenant_of, budget=tenants.descriptions)
                 events.attach(tiers)
@@ -339,10 +322,8 @@ class ServerStore:
         events = dict(self.events.counts) if self.events is not None else {}
         quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
                   for tenant in self.tenants.names for what in COUNTED}
-        evicted = {(tenant, tier.name): n for tier in self.lower if hasattr(tier, "evictions_by_tenant")
-                   for tenant, n in tier.evictions_by_tenant().items()}
         return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
-                        dict(self.tenants.refused), events, quotas, evicted)
+                        dict(self.tenants.refused), events, quotas, tenant_evictions(self.lower))
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
         """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and

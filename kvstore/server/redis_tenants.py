@@ -19,26 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CapacityError, ConfigError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle, Residency, TierBase, TierStats
-from tiers.redis import RedisTier
-from tiers.redis_config import RedisConfig
+from tiers.base import PutHandle, Residency, Tier, TierBase, TierStats
+
+if TYPE_CHECKING:  # redis-py is imported only when a --redis URL names {tenant}
+    from tiers.redis import RedisTier
+    from tiers.redis_config import RedisConfig
 
 TENANT = "{tenant}"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # what kvstore redis-acl accepts
 
 
-def is_per_tenant(url: str | None) -> bool:
-    """Whether ``url`` asks for one Redis connection per tenant."""
-    return bool(url) and TENANT in url  # type: ignore[operator]
-
-
-def tenant_configs(url: str, budgets: Mapping[str, int | None]) -> dict[str, RedisConfig]:
+def tenant_configs(url: str, budgets: Mapping[str, int | None]) -> "dict[str, RedisConfig]":
     """Each tenant's config: ``url`` with its name, and its budget (see the module docstring)."""
+    from tiers.redis_config import RedisConfig
+
     if not budgets:
         raise ConfigError("--redis names {tenant} but the store has no tenants (a tokens file's tenants)")
     out: dict[str, RedisConfig] = {}
@@ -54,19 +54,43 @@ def tenant_configs(url: str, budgets: Mapping[str, int | None]) -> dict[str, Red
     return out
 
 
-async def open_tenant_redis(configs: Mapping[str, RedisConfig], tenant_of: Callable[[bytes], str | None],
-                            refuse: Callable[[str, str], None]) -> "TenantRedis":
-    """Connect every tenant's tier (all or none)."""
+def redis_specs(url: str | None, limits: Mapping[str, Any]) -> list[tuple[str | None, dict]]:
+    """The store's Redis spec for ``kvstore.store.registry`` (none when ``url`` names
+    ``{tenant}``: ``open_tenant_redis`` opens those, their configs checked here first).  A
+    ``redis_bytes`` quota without a ``{tenant}`` URL is a ``ConfigError``."""
+    if url and TENANT in url:
+        tenant_configs(url, budgets_of(limits))
+        return []
+    asked = sorted(n for n, lim in limits.items() if lim.redis_bytes is not None)
+    if asked:
+        raise ConfigError(f"tenants {', '.join(asked)} have redis_bytes but --redis does not name "
+                          "{tenant} (one key prefix and budget per tenant; docs/redis-tenants.md)")
+    return [(url, {})]
+
+
+async def open_tenant_redis(url: str | None, tenants: Any) -> list[Tier]:
+    """``[TenantRedis]`` when ``url`` names ``{tenant}`` (every tenant connected, or none),
+    else ``[]``.  ``tenants``: ``kvstore.server.tenants.Tenants``."""
+    if not (url and TENANT in url):
+        return []
+    from tiers.redis import RedisTier
+
     tiers: dict[str, RedisTier] = {}
     try:
-        for tenant, cfg in configs.items():
+        for tenant, cfg in tenant_configs(url, budgets_of(tenants.limits)).items():
             tiers[tenant] = await RedisTier.open(cfg)
     except BaseException:
         for tier in tiers.values():
             with suppress(Exception):
                 await tier.aclose()
         raise
-    return TenantRedis(tiers, tenant_of, refuse)
+    return [TenantRedis(tiers, tenants.tenant_of, tenants.refuse)]
+
+
+def tenant_evictions(lower: Sequence[Tier]) -> dict[tuple[str, str], int]:
+    """(tenant, tier) -> objects evicted within the tenant's own budget (``/metrics``)."""
+    return {(tenant, tier.name): tier.stats().evictions for t in lower if isinstance(t, TenantRedis)
+            for tenant, tier in t.tiers.items()}
 
 
 class TenantRedis(TierBase):
@@ -74,7 +98,7 @@ class TenantRedis(TierBase):
 
     name = "redis"
 
-    def __init__(self, tiers: Mapping[str, RedisTier], tenant_of: Callable[[bytes], str | None],
+    def __init__(self, tiers: "Mapping[str, RedisTier]", tenant_of: Callable[[bytes], str | None],
                  refuse: Callable[[str, str], None]) -> None:
         self.tiers = dict(tiers)
         self._tenant_of = tenant_of
@@ -91,7 +115,7 @@ class TenantRedis(TierBase):
         for tier in self.tiers.values():
             tier.residency = listener
 
-    def _tier(self, key: ObjectKey) -> RedisTier | None:
+    def _tier(self, key: ObjectKey) -> "RedisTier | None":
         tenant = self._tenant_of(bytes(key))
         return None if tenant is None else self.tiers.get(tenant)
 
@@ -130,7 +154,7 @@ class TenantRedis(TierBase):
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
         return await self._owner(handle).put_commit(handle, ok)
 
-    def _owner(self, handle: PutHandle) -> RedisTier:
+    def _owner(self, handle: PutHandle) -> "RedisTier":
         tier = self._tier(handle.key)
         if tier is None:
             raise RuntimeError(f"put of {handle.key!r} is not in progress on the redis tier")
@@ -158,10 +182,6 @@ class TenantRedis(TierBase):
                 "put_failures": s.put_failures, "evictions": s.evictions,
                 "budget_refused": s.extra.get("budget_refused", 0), "key_prefix": tier.cfg.key_prefix}
 
-    def evictions_by_tenant(self) -> dict[str, int]:
-        """Objects each tenant's budget evicted (``tenant_evictions_total`` in ``/metrics``)."""
-        return {tenant: tier.stats().evictions for tenant, tier in self.tiers.items()}
-
     async def aclose(self) -> None:
         for tier in self.tiers.values():
             await tier.aclose()
@@ -176,9 +196,10 @@ def _add(a: TierStats, b: TierStats) -> TierStats:
     return dataclasses.replace(a, **numbers, extra=extra)
 
 
-def budgets_of(names: Iterable[str], limits: Mapping[str, object]) -> dict[str, int | None]:
+def budgets_of(limits: Mapping[str, Any]) -> dict[str, int | None]:
     """Each tenant's ``redis_bytes`` (None: none given)."""
-    return {n: getattr(limits.get(n), "redis_bytes", None) for n in names}
+    return {name: lim.redis_bytes for name, lim in limits.items()}
 
 
-__all__ = ["TENANT", "TenantRedis", "budgets_of", "is_per_tenant", "open_tenant_redis", "tenant_configs"]
+__all__ = ["TENANT", "TenantRedis", "budgets_of", "open_tenant_redis", "redis_specs", "tenant_configs",
+           "tenant_evictions"]

@@ -94,7 +94,7 @@ def test_redis_bytes_and_the_per_tenant_redis_url(tmp_path):
     for t in "ab":
         (tmp_path / f"redis-{t}.password").write_text(f"pw-{t}\n")
     url = f"redis://kvstore-{{tenant}}@h:6379/0?password_file={tmp_path}/redis-{{tenant}}.password"
-    cfgs = tenant_configs(url + "&key_prefix=kvstore:{tenant}:", budgets_of(["a", "b"], limits))
+    cfgs = tenant_configs(url + "&key_prefix=kvstore:{tenant}:", budgets_of({"a": limits["a"], "b": Limits()}))
     assert (cfgs["a"].username, cfgs["a"].password, cfgs["a"].key_prefix, cfgs["a"].budget_bytes) == \
         ("kvstore-a", "pw-a", "kvstore:a:", 2 << 20)
     assert (cfgs["b"].password, cfgs["b"].budget_bytes) == ("pw-b", 0)
@@ -102,3 +102,8 @@ def test_redis_bytes_and_the_per_tenant_redis_url(tmp_path):
         tenant_configs(url, {"a": None, "b": None})
     with pytest.raises(ConfigError, match="no tenants"):
         tenant_configs(url, {})
+    from kvstore.server.redis_tenants import redis_specs
+
+    with pytest.raises(ConfigError, match=r"tenants a have redis_bytes but --redis does not name \{tenant\}"):
+        redis_specs("redis://h:6379/0", {"a": limits["a"]})
+    assert redis_specs("redis://h:6379/0", {"b": Limits()}) == [("redis://h:6379/0", {})]

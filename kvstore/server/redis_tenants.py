@@ -171,7 +171,7 @@ class TenantRedis(TierBase):
             total = _add(total, tier.stats())
         return total
 
-    def partition_stats(self, tenant: str) -> dict[str, float]:
+    def partition_stats(self, tenant: str) -> dict[str, object]:
         """One tenant's Redis counters (its part of ``kvstore stats``): hits, puts, evictions
         and refusals by its budget, and the budget itself as ``capacity_bytes``."""
         tier = self.tiers.get(tenant)

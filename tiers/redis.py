@@ -48,6 +48,7 @@ from kvstore import codec
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
 from tiers.base import Removal, TierBase, TierStats
+from tiers.redis_budget import RedisBudget
 from tiers.redis_bulk import BulkReader, Outcome, Slot
 from tiers.redis_config import RedisConfig, connect
 from tiers.redis_manifest import (
@@ -71,7 +72,7 @@ class _Fetch(Enum):
     FAILED = "failed"      # no answer or an error reply: a miss, the object may be fine
 
 
-class RedisTier(RedisPuts, RedisNodes, TierBase):
+class RedisTier(RedisPuts, RedisBudget, RedisNodes, TierBase):
     """The Redis tier (see the module docstring).  Build with ``await RedisTier.open(cfg)``."""
 
     name = "redis"
@@ -81,6 +82,7 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
         self.bulk_limit = bulk_limit
         self._stats = TierStats(self.name)
         self._lost = 0
+        self._budget_counts = {"budget_evicted": 0, "budget_refused": 0}  # tiers.redis_budget
         self._puts: dict[int, object] = {}  # puts between put_start and put_commit (tiers.redis_put)
         self._ttl_ms = int(cfg.ttl_s * 1000) or None
         self._orphan_ms = int(cfg.orphan_ttl_s * 1000)
@@ -107,7 +109,7 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
         """Counters; ``extra``: lost, round_trips and the breakers' counters summed over
         servers (``breaker_open`` = how many are open now), and the bulk reader's ``bulk_*``."""
         bulk = self._bulk.stats()
-        extra: dict[str, float] = {"lost": self._lost, **self.breaker_stats(), **bulk,
+        extra: dict[str, float] = {"lost": self._lost, **self.breaker_stats(), **bulk, **self._budget_counts,
                                    "round_trips": self._round_trips + bulk["bulk_round_trips"]}
         return dataclasses.replace(self._stats, extra=extra)
 
@@ -162,6 +164,8 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
         else:
             self._stats.hits += 1
             self._stats.bytes_read += size
+            if self.cfg.budget_bytes:
+                await self._touch(key)
         return size
 
     async def _read(self, key: ObjectKey, view: memoryview, again: bool = True) -> int | None:
@@ -302,8 +306,9 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
         await gather_all([worker() for _ in range(workers)])
         return state[0]
 
-    async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None) -> None:
-        """Remove a dead object: its manifest if it still is ``raw``, then its parts."""
+    async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None, release: bool = True) -> None:
+        """Remove a dead object: its manifest if it still is ``raw``, then its parts; then its
+        budget reservation (``release``: not when the budget itself evicted it)."""
         mkey = manifest_key(self.cfg.key_prefix, key)
         node = self._node(mkey)
         with suppress(Down, rx.RedisError):
@@ -311,6 +316,8 @@ class RedisTier(RedisPuts, RedisNodes, TierBase):
                 await self._call(node, self._client.eval, DELETE_IF_SAME, 1, mkey, raw)
         if manifest is not None:
             await self._per_node(data_keys(self.cfg.key_prefix, key, manifest), "UNLINK")
+        if release and self.cfg.budget_bytes:
+            await self._release(key)
 
     async def delete(self, key: ObjectKey) -> bool:
         found = await self._manifest(key)

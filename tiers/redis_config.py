@@ -80,6 +80,7 @@ class RedisConfig:
     max_inflight_parts: int = 4        # concurrent part transfers of one object (measured)
     retry_s: Seconds = 1.0             # circuit-breaker probe interval
     orphan_ttl_s: Seconds = 600.0      # lifetime of parts of a put never committed
+    budget_bytes: Size = 0             # bytes this key prefix may hold, kept by the writers (0: none)
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -96,6 +97,8 @@ class RedisConfig:
             raise ConfigError(f"part_size {self.part_size} is outside [{MIN_PART_SIZE}, {REDIS_MAX_BULK}] "
                               "bytes (Redis refuses values above proto-max-bulk-len, 512 MiB)")
         _positive("max_object_bytes", self.max_object_bytes)
+        if isinstance(self.budget_bytes, bool) or self.budget_bytes < 0:
+            raise ConfigError(f"budget_bytes must be 0 (no budget) or positive, got {self.budget_bytes!r}")
         if self.cluster and self.db != 0:
             raise ConfigError(f"Redis Cluster has only database 0, the URL asks for /{self.db}")
         if not self.tls and (self.tls_ca or self.tls_cert or self.tls_key):

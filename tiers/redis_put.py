@@ -49,12 +49,14 @@ class _Put:
     failed: str = ""                 # why this put can no longer be published
     staged: bytearray | None = None  # an inline object written in pieces, until complete
     own: bool = False                # the inline value in Redis is this put's (SET NX won)
+    reserved: bool = False           # this put made the key's budget reservation (tiers.redis_budget)
 
 
 class RedisPuts:
     """Needs from its host class (``RedisTier``): ``cfg``, ``_stats``, ``_puts``, ``_ttl_ms``,
     ``_orphan_ms``, ``_client``, ``_node``, ``_allow``, ``_call``, ``_pipeline``,
-    ``_per_node``, ``_drop`` and ``_stored`` (``TierBase``: the residency listener)."""
+    ``_per_node``, ``_drop``, ``_reserve``/``_release`` (``tiers.redis_budget``) and ``_stored``
+    (``TierBase``: the residency listener)."""
 
     async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
         if size < codec.HEADER_SIZE:
@@ -65,8 +67,15 @@ class RedisPuts:
         if not self._allow(self._node(manifest_key(self.cfg.key_prefix, key))):
             self._stats.put_failures += 1
             return None
+        reserved = False
+        if self.cfg.budget_bytes:  # room within the prefix's budget first (CapacityError: never fits)
+            reserved = await self._reserve(key, size)
+            if reserved is None:
+                self._stats.put_failures += 1
+                return None
         manifest = Manifest(size, self.cfg.part_size, os.urandom(NONCE_SIZE), inline=size <= self.cfg.part_size)
-        state = _Put(manifest, data_keys(self.cfg.key_prefix, key, manifest), [0] * manifest.count)
+        state = _Put(manifest, data_keys(self.cfg.key_prefix, key, manifest), [0] * manifest.count,
+                     reserved=reserved)
         self._puts[id(state)] = state
         return PutHandle(key, size, parent, None, state)
 
@@ -156,12 +165,25 @@ class RedisPuts:
         finally:
             with suppress(TierUnavailableError):
                 await self._clean_up(handle.key, state, visible)
+                await self._settle_budget(handle, state, visible)
             self._stats.puts += visible  # also when another writer's identical object won
             self._stats.put_failures += not visible
             self._stats.bytes_written += handle.size if visible and not state.failed else 0
         if visible:
             self._stored(handle.key)
         return visible
+
+    async def _settle_budget(self, handle: PutHandle, state: _Put, visible: bool) -> None:
+        """Give back the reservation of a put not published; confirm a published one (it is
+        reserved again when another writer's eviction took it out of the index meanwhile)."""
+        if not self.cfg.budget_bytes:
+            return
+        if not visible:
+            if state.reserved:
+                await self._release(handle.key)
+            return
+        with suppress(CapacityError):
+            await self._reserve(handle.key, handle.size)
 
     async def _publish(self, key: ObjectKey, state: _Put) -> bool:
         """SET the manifest (NX), then give the data its final TTL; True when visible.

@@ -11,7 +11,7 @@ from kvstore.errors import KVStoreError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="Multi-tier KV-cache store")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvstore.cli import bench, capacity, demo, keys, redis_acl, serve, tokens
+    from kvstore.cli import bench, capacity, demo, keys, redis_acl, redis_sweep, serve, tokens
 
     capacity.register(sub)
     bench.register(sub)
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     tokens.register(sub)
     redis_acl.register(sub)
+    redis_sweep.register(sub)
     keys.register(sub)
     return parser
 

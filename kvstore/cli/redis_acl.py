@@ -27,10 +27,12 @@ from kvstore.errors import ConfigError
 
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # What the Redis tier sends (tiers/redis*.py): reads, pipelined writes, TTLs, the delete-if-same
-# script, the connection handshake, INFO (its eviction policy), and a cluster's slot map.
+# script, the budget's scripts and sweep (tiers.redis_budget: a counter, a hash and a sorted set),
+# the connection handshake, INFO (its eviction policy), and a cluster's slot map.
 COMMANDS = ("get", "set", "mget", "setrange", "getrange", "strlen", "exists", "pexpire", "persist", "unlink",
-            "del", "eval", "evalsha", "ping", "echo", "info", "hello", "auth", "select", "readonly", "multi",
-            "exec", "discard", "client|setname", "cluster|slots", "cluster|shards",
+            "del", "eval", "evalsha", "incr", "incrby", "time", "hget", "hset", "hdel", "hexists", "hgetall",
+            "zadd", "zrange", "zrem", "zscore", "zcard", "scan", "ping", "echo", "info", "hello", "auth", "select",
+            "readonly", "multi", "exec", "discard", "client|setname", "cluster|slots", "cluster|shards",
             "cluster|nodes", "cluster|info", "command|docs", "command|info")
 
 

@@ -50,6 +50,7 @@ from kvstore.server.config import ServerConfig
 from kvstore.server.kvpublish import EventPublisher, start_publisher
 from kvstore.server.leases import LeaseBook
 from kvstore.server.metrics import ServerMetrics, ServerObserver, Snapshot
+from kvstore.server.redis_tenants import open_tenant_redis, redis_specs, tenant_evictions
 from kvstore.server.reservations import PutPath
 from kvstore.server.statsdoc import dumpable
 from kvstore.server.tenants import COUNTED, Tenants
@@ -128,14 +129,14 @@ class ServerStore:
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> ServerStore:
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
-        specs = tier_specs(cfg, host={"pin": False,  # pin=False: no torch
-                                      "pools": tenants.host_bytes, "pool_of": tenants.tenant_of},
+        specs = tier_specs(cfg, host={"pin": False, "pools": tenants.host_bytes, "pool_of": tenants.tenant_of},
                            ssd={"quotas": tenants.ssd_bytes, "partition": tenants.tenant_of},
-                           lower=[(cfg.redis, {})])
+                           lower=redis_specs(cfg.redis, tenants.limits))  # per tenant: docs/redis-tenants.md
         keys = load_keys(cfg.keys_file)  # before opening: a bad keys file fails first
         tiers = await open_tiers(specs)
         events = publisher = None
         try:
+            tiers += await open_tenant_redis(cfg.redis, tenants)
             if cfg.kv_events:
                 events = EventRecorder(MEDIA, stream_of=tenants.tenant_of, budget=tenants.descriptions)
                 events.attach(tiers)
@@ -144,8 +145,7 @@ class ServerStore:
             for tier in reversed(tiers):
                 await tier.aclose()
             raise
-        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys,  # type: ignore[arg-type]
-                    events=events, publisher=publisher)
+        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys, events=events, publisher=publisher)  # type: ignore[arg-type]
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
 
@@ -321,7 +321,7 @@ class ServerStore:
         quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
                   for tenant in self.tenants.names for what in COUNTED}
         return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
-                        dict(self.tenants.refused), events, quotas)
+                        dict(self.tenants.refused), events, quotas, tenant_evictions(self.lower))
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
         """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and

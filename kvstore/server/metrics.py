@@ -20,7 +20,9 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
   ``puts_in_flight`` (gauge), ``tenant_refused_total{tenant,what}`` (a quota reached, a
   stream cut at its deadline), ``evictions_total{tier}``, ``tier_objects{tier}``,
   ``tier_bytes_used{tier}``, ``tier_capacity_bytes{tier}``, ``breaker_open{tier}``,
-  ``failures_total{reason}``.
+  ``failures_total{reason}``; ``tenant_evictions_total{tenant,tier}``: objects evicted
+  within a tenant's own Redis budget (docs/redis-tenants.md; its refusals are
+  ``tenant_refused_total{what="redis_bytes"}``).
 * ``tenant_held{tenant,what}`` and ``tenant_quota{tenant,what}``: reservations, leases,
   streams, connections and data tickets each tenant holds, beside its quota.
   ``tenant_refused_total`` also counts ``permission`` (a call without the permission it
@@ -115,6 +117,7 @@ class Snapshot:
     refused: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, quota) -> refusals
     events: dict[str, int] = field(default_factory=dict)  # KV events: kind -> count, "undescribed" objects
     quotas: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (tenant, what) -> (held, quota)
+    tenant_evictions: dict[tuple[str, str], int] = field(default_factory=dict)  # (tenant, tier) -> evicted
 
 
 class ServerMetrics:
@@ -224,6 +227,8 @@ class _Collector:
                        {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
         yield _counter("tenant_refused", "Calls refused at a tenant's quota (or cut at a stream deadline), "
                        "by tenant and what", ["tenant", "what"], refused)
+        yield _counter("tenant_evictions", "Objects evicted within a tenant's own budget, by tenant and tier",
+                       ["tenant", "tier"], _relabel(snap.tenant_evictions, mode))
         yield _counter("kv_events", "KV events published (stored, removed, cleared) and dropped unpublished",
                        ["kind"], {(k,): v for k, v in snap.events.items() if k != "undescribed"})
         yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",

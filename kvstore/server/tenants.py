@@ -19,6 +19,8 @@ Server side, event loop only (the data channel's threads reach it through the lo
   ``described_bytes`` and ``described`` cap the ``Describe`` descriptions (for KV events)
   the tenant's objects hold, in bytes and in entries (counted by
   ``kvstore.store.kvevents.EventRecorder``; refusals as ``described_bytes`` / ``described``).
+  ``redis_bytes`` is the tenant's byte budget in a shared Redis (kept by the writers,
+  ``tiers.redis_budget``; needs a ``--redis`` URL with ``{tenant}``: docs/redis-tenants.md).
   ``uid`` and ``gid`` are not quotas but whose the tenant's ``ipc://`` KV event sockets are
   (``kvstore.server.kvpublish``; docs/exposure.md): only that uid (or group) may subscribe.
   ``encrypt: true`` is not a quota either: the tenant's objects are encrypted at rest on
@@ -51,6 +53,7 @@ class Limits:
 
     host_bytes: int | None = None
     ssd_bytes: int | None = None
+    redis_bytes: int | None = None   # the tenant's Redis budget (kvstore.server.redis_tenants); None: none
     reservations: int = 64
     leases: int = 4096
     streams: int = 32

@@ -1,5 +1,6 @@
 """The Redis tier on a real 3-node Redis Cluster: parts spread over the nodes, a 512-key
-present() in one round trip per node, and one node killed: objects with any key on it are
+present() in one round trip per node, a byte budget kept by two writers (index keys in one
+slot), and one node killed: objects with any key on it are
 misses (no exception, nothing deleted, no wrong bytes), every other object still hits."""
 from __future__ import annotations
 
@@ -179,3 +180,35 @@ async def test_resharding_moves_slots_and_reads_stay_whole(redis_cluster_factory
     owners = slot_owners(cluster)
     assert any(1 in object_nodes(cluster, owners, k) and 0 in object_nodes(cluster, before, k) for k in keys)
     await tier.aclose()
+
+
+async def test_a_budget_holds_across_nodes_with_two_writers(redis_cluster):
+    """``budget_bytes`` on a cluster (``tiers.redis_budget``): the index keys share one slot
+    (the prefix's hash tag), the objects spread over the nodes; two writers of one prefix stay
+    within the budget, counted from every node's keys; the sweep finds nothing to repair."""
+    prefix, budget = "kvstore:bud:", 10 * (SIZE + 40)
+    w1, w2 = [await open_tier(redis_cluster, key_prefix=prefix, budget_bytes=budget) for _ in range(2)]
+    keys = keys_of(40, seed=11)
+
+    async def put_all(tier: RedisTier, mine: list[ObjectKey]) -> list[PutResult]:
+        return [await put_bytes(tier, k, memoryview(make_object(k))) for k in mine]
+
+    results = await asyncio.gather(put_all(w1, keys[0::2]), put_all(w2, keys[1::2]))
+    assert all(r is PutResult.STORED for rs in results for r in rs)
+    held, nodes = 0, set()
+    for i, node in enumerate(redis_cluster.nodes):
+        with node.client() as c:
+            names = [n for n in c.scan_iter(match=prefix + "*") if b"{" not in n]
+            held += sum(c.strlen(n) for n in names)
+            nodes |= {i} if names else set()
+    assert 0 < held <= budget and len(nodes) > 1
+    assert (await w1.budget_usage())[1] == 10
+    assert w1.stats().extra["budget_evicted"] + w2.stats().extra["budget_evicted"] == 30
+    assert await w1.budget_sweep() == {"adopted": 0, "released": 0}
+    plain = await open_tier(redis_cluster, key_prefix=prefix)  # a writer that counts nothing (a crash)
+    strays = keys_of(6, seed=12)
+    assert await put_all(plain, strays) == [PutResult.STORED] * 6
+    assert await w1.budget_sweep() == {"adopted": 6, "released": 0}  # found on every node
+    assert (await w1.budget_usage())[0] <= budget
+    for t in (w1, w2, plain):
+        await t.aclose()

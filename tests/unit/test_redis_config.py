@@ -168,3 +168,10 @@ async def test_object_larger_than_max_object_bytes_is_a_capacity_error(redis_ser
         assert await tier.put_commit(handle, False) is False
     finally:
         await tier.aclose()
+
+
+def test_budget_bytes_is_a_size_and_never_negative():
+    assert RedisConfig.from_url("redis://h/0?budget_bytes=64MiB").budget_bytes == 64 << 20
+    assert RedisConfig.from_url("redis://h/0").budget_bytes == 0
+    with pytest.raises(ConfigError, match="budget_bytes"):
+        RedisConfig.from_url("redis://h/0", budget_bytes=-1)

@@ -82,3 +82,28 @@ def test_encrypt_is_a_per_tenant_switch_off_by_default():
     assert limits["a"].encrypt and not limits["b"].encrypt and not Limits().encrypt
     with pytest.raises(ConfigError, match=r"tenants\.a\.encrypt: expected true or false"):
         parse_limits({"a": {"encrypt": "yes"}}, "tokens.yaml", {"a"})
+
+
+def test_redis_bytes_and_the_per_tenant_redis_url(tmp_path):
+    """``redis_bytes`` parses as a size; ``{tenant}`` in --redis gives each tenant its user,
+    password file, prefix and budget; a prefix without ``{tenant}`` is refused by name."""
+    from kvstore.server.redis_tenants import budgets_of, tenant_configs
+
+    limits = parse_limits({"a": {"redis_bytes": "2MiB"}}, "tokens.yaml", ["a", "b"])
+    assert limits["a"].redis_bytes == 2 << 20
+    for t in "ab":
+        (tmp_path / f"redis-{t}.password").write_text(f"pw-{t}\n")
+    url = f"redis://kvstore-{{tenant}}@h:6379/0?password_file={tmp_path}/redis-{{tenant}}.password"
+    cfgs = tenant_configs(url + "&key_prefix=kvstore:{tenant}:", budgets_of({"a": limits["a"], "b": Limits()}))
+    assert (cfgs["a"].username, cfgs["a"].password, cfgs["a"].key_prefix, cfgs["a"].budget_bytes) == \
+        ("kvstore-a", "pw-a", "kvstore:a:", 2 << 20)
+    assert (cfgs["b"].password, cfgs["b"].budget_bytes) == ("pw-b", 0)
+    with pytest.raises(ConfigError, match="key_prefix"):
+        tenant_configs(url, {"a": None, "b": None})
+    with pytest.raises(ConfigError, match="no tenants"):
+        tenant_configs(url, {})
+    from kvstore.server.redis_tenants import redis_specs
+
+    with pytest.raises(ConfigError, match=r"tenants a have redis_bytes but --redis does not name \{tenant\}"):
+        redis_specs("redis://h:6379/0", {"a": limits["a"]})
+    assert redis_specs("redis://h:6379/0", {"b": Limits()}) == [("redis://h:6379/0", {})]

@@ -129,15 +129,15 @@ class ReleaseQueue:
 
 
 class LeasedGetMixin:
-    """Needs from its host class: ``target``, ``counters``, ``_info``, ``_segment``,
-    ``_copier``, ``_after_copy``, ``_releases`` (a ``ReleaseQueue``), ``_unary`` and
-    ``_checked`` (all defined by ``StoreClient``)."""
+    """Needs from its host class: ``target``, ``counters``, ``rpc``, ``_segment``,
+    ``_copier``, ``_after_copy``, ``_releases`` (a ``ReleaseQueue``) and ``_checked`` (all
+    defined by ``StoreClient``)."""
 
     async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
         segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
-        resp = await self._unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
-                                                      lease_ms=self.lease_ms))
+        resp = await self.rpc.unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
+                                                         lease_ms=self.lease_ms))
         if not resp.found:
             return None
         n, off = resp.length, resp.offset
@@ -147,7 +147,7 @@ class LeasedGetMixin:
                 raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {n}")
             raise TierError(f"store {self.target}: Get answered bytes [{off}, {off + n}) outside "
                             f"its {len(segment)}-byte segment")
-        window = LeaseWindow(resp.lease_id, t0, (resp.lease_ms or self._info.lease_ms) / 1000)
+        window = LeaseWindow(resp.lease_id, t0, (resp.lease_ms or self.rpc.server.lease_ms) / 1000)
         try:
             held, digest = await self._copy_leased(dst[:n], segment[off : off + n], window)
             if self._after_copy is not None:
@@ -195,8 +195,8 @@ class LeasedGetMixin:
 
     async def _renew(self, lease_id: int, ttl_ms: int) -> int | None:
         """The TTL granted (ms), or None when the server no longer holds the lease."""
-        r = await self._unary("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms),
-                              answers=frozenset({Code.NOT_FOUND}))
+        r = await self.rpc.unary("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms),
+                                 answers=frozenset({Code.NOT_FOUND}))
         self.counters.renewals += 1
         return None if isinstance(r, Code) else r.lease_ms
 
@@ -206,7 +206,7 @@ class LeasedGetMixin:
         return len(resp.valid) == 1 and resp.valid[0]
 
     async def _send_releases(self, lease_ids: list[int]) -> pb.ReleaseLeaseResponse:
-        resp = await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=lease_ids))
+        resp = await self.rpc.unary("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=lease_ids))
         self.counters.release_calls += 1
         return resp
 

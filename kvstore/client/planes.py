@@ -26,7 +26,6 @@ from collections.abc import Awaitable
 
 import grpc
 
-from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.datachannel import DataChannel, RefusedError, Reply
 from kvstore.client.dataplane import prefault
 from kvstore.client.info import ServerInfo, Transport, local_boot_id
@@ -39,8 +38,8 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 class PlanesMixin:
     """Needs from its host class: ``target``, ``transport``, ``timeout_s``, ``_token``,
-    ``_tls``, ``_server_name``, ``_session``, ``_data``, ``shm_refusal``, ``tcp_refusal``,
-    ``_unary`` and ``_status_error`` (all defined by ``StoreClient``)."""
+    ``_tls``, ``_server_name``, ``_session``, ``_data``, ``shm_refusal``, ``tcp_refusal`` and
+    ``rpc`` (its ``ticket`` and ``status_error``; all defined by ``StoreClient``)."""
 
     @property
     def _segment(self):
@@ -70,7 +69,7 @@ class PlanesMixin:
         if not refusal and (session is None or session.path != info.shm_socket or not session.alive()):
             self._drop_segment()
             try:
-                ticket = await self._ticket()
+                ticket = await self.rpc.ticket()
                 session = await asyncio.to_thread(ShmSession.open, info.shm_socket, ticket, self._token,
                                                   self.timeout_s)
                 self._session = session
@@ -112,15 +111,15 @@ class PlanesMixin:
         if self._data is not None and self._data.port == info.data_port:
             return
         await self._drop_data("")
-        channel = DataChannel(self.target.rpartition(":")[0], info.data_port, mint=self._ticket,
+        channel = DataChannel(self.target.rpartition(":")[0], info.data_port, mint=self.rpc.ticket,
                               token=self._token, tls=self._tls, server_name=self._server_name,
                               timeout_s=self.timeout_s)
         try:
             await channel.warm()
         except TierError as err:
             await channel.aclose()
-            failure = (self._status_error("data channel", CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
-                                          err.reply.message) if isinstance(err, RefusedError) else err)
+            failure = (self.rpc.status_error("data channel", CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
+                                             err.reply.message) if isinstance(err, RefusedError) else err)
             if self.transport is Transport.TCP:
                 raise failure from err
             self.tcp_refusal = str(failure)
@@ -134,11 +133,8 @@ class PlanesMixin:
         try:
             return await request
         except RefusedError as err:
-            raise self._status_error(name, CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
-                                     err.reply.message) from err
-
-    async def _ticket(self) -> bytes:
-        return (await self._unary("OpenData", pb.OpenDataRequest())).ticket
+            raise self.rpc.status_error(name, CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
+                                        err.reply.message) from err
 
     async def _drop_data(self, why: str) -> None:
         channel, self._data = self._data, None

@@ -10,7 +10,7 @@ round trip); over gRPC, the start frame and then ``frame_bytes`` slices, each se
 once straight from them.
 A put the server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND: a read-only
 token, a damaged object, an expired reservation) is ``PutResult.FAILED`` and counted, never
-an exception; transport failures raise ``TierUnavailableError`` (``StoreClient._error``).
+an exception; transport failures raise ``TierUnavailableError`` (``kvstore.client.rpc.Rpc.status_error``).
 """
 from __future__ import annotations
 
@@ -41,9 +41,8 @@ _OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: Put
 
 class PutMixin:
     """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``, ``_session``,
-    ``_data``, ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``,
-    ``_unary``, ``_segment_changed``, ``_error``, ``_status_error`` and ``_data_request``
-    (defined by ``StoreClient`` and ``PlanesMixin``)."""
+    ``_data``, ``rpc``, ``_copier``, ``_segment_changed`` and ``_data_request`` (defined by
+    ``StoreClient`` and ``PlanesMixin``)."""
 
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
@@ -83,17 +82,17 @@ class PutMixin:
         segment = session.array  # held: a concurrent remap cannot unmap it under us
         start = _put_start(key, size, parent_hash)
         start.session = session.session_id
-        r = await self._unary("PutStart", start, answers=_REFUSED_PUT)
+        r = await self.rpc.unary("PutStart", start, answers=_REFUSED_PUT)
         if isinstance(r, Code) or r.outcome != pb.PUT_OUTCOME_UNSPECIFIED:
             return self._put_done(PutResult.FAILED if isinstance(r, Code) else _outcome(r.outcome), size)
         if r.length != size or r.offset + size > len(segment):
-            await self._unary("PutCommit", pb.PutCommitRequest(put_id=r.put_id, abort=True), answers=_REFUSED_PUT)
+            await self.rpc.unary("PutCommit", pb.PutCommitRequest(put_id=r.put_id, abort=True), answers=_REFUSED_PUT)
             raise TierError(f"store {self.target}: PutStart answered [{r.offset}, +{r.length}) for {size} bytes")
         return Reservation(key, size, r.put_id, r.offset, r.ttl_ms, segment[r.offset : r.offset + size])
 
     async def commit(self, res: Reservation, ok: bool = True) -> PutResult:
         """``PutCommit`` (or abort when not ``ok``); the server verifies and publishes."""
-        r = await self._unary("PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok),
+        r = await self.rpc.unary("PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok),
                               answers=_REFUSED_PUT)
         result = PutResult.FAILED if isinstance(r, Code) or not ok else _outcome(r.outcome)
         if isinstance(r, Code):
@@ -111,14 +110,14 @@ class PutMixin:
             return self._put_done(PutResult.FAILED, size)
         if self._data is not None:
             return await self._put_tcp(key, parts, size, parent_hash)
-        call = self._put_stream(timeout=self._deadline(size), metadata=self._metadata)
+        call = self.rpc.put_stream(timeout=self.rpc.deadline(size), metadata=self.rpc.metadata)
         try:
             await self._write_frames(call, pb.PutFrame(start=_put_start(key, size, parent_hash)), parts)
             resp = await call
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code not in _REFUSED_PUT:
-                raise self._error("PutStream", err) from err
+                raise self.rpc.error("PutStream", err) from err
             log.warning("kvstore: store %s refused put of %r: %s", self.target, key, code.name)
             return self._put_done(PutResult.FAILED, size)
         finally:
@@ -131,11 +130,11 @@ class PutMixin:
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         request = wire.encode_request(wire.Op.PUT, key, size, parent)
         parts = [memoryview(p).cast("B") for p in parts]
-        reply = await self._data_request("data put", self._data.put(request, parts, self._deadline(size)))
+        reply = await self._data_request("data put", self._data.put(request, parts, self.rpc.deadline(size)))
         if reply.code:
             code = CODES.get(reply.code, Code.UNKNOWN)
             if code not in _REFUSED_PUT:
-                raise self._status_error("data put", code, reply.message)
+                raise self.rpc.status_error("data put", code, reply.message)
             log.warning("kvstore: store %s refused put of %r: %s", self.target, key, code.name)
             return self._put_done(PutResult.FAILED, size)
         return self._put_done(_outcome(reply.flag), size)
@@ -143,7 +142,7 @@ class PutMixin:
     async def _write_frames(self, call, start: pb.PutFrame, parts: Sequence[memoryview]) -> None:
         """The start frame, then ``frame_bytes`` slices of ``parts``; stops early when the
         server has already answered (EXISTS, NO_ROOM, an error)."""
-        frame = self._info.frame_bytes or (1 << 20)
+        frame = self.rpc.server.frame_bytes or (1 << 20)
         try:
             await call.write(start.SerializeToString())
             for part in parts:
@@ -169,7 +168,7 @@ class PutMixin:
         """Whether ``Hello`` granted "write": a put the token may not make is refused here,
         without a round trip (the server would answer PERMISSION_DENIED, once it has read
         the stream)."""
-        if "write" in self._info.permissions:
+        if "write" in self.rpc.server.permissions:
             return True
         if self.counters.put_failures == 0:  # once per client: a read-only client puts often
             log.warning("kvstore: puts to store %s fail: the token lacks the write permission (first: %r)",
@@ -180,9 +179,9 @@ class PutMixin:
         """``ConfigError`` below a header's size, ``CapacityError`` above the store's limit."""
         if size < codec.HEADER_SIZE:
             raise ConfigError(f"object of {size} bytes is smaller than its {codec.HEADER_SIZE}-byte header")
-        if self._info.max_object_bytes and size > self._info.max_object_bytes:
+        if self.rpc.server.max_object_bytes and size > self.rpc.server.max_object_bytes:
             raise CapacityError(f"object of {size} bytes exceeds the store's limit of "
-                                f"{self._info.max_object_bytes} bytes")
+                                f"{self.rpc.server.max_object_bytes} bytes")
 
     async def _copy_out(self, dst: np.ndarray, src: np.ndarray) -> None:
         if len(src) <= INLINE_BYTES:

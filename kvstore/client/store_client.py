@@ -17,13 +17,14 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
   large objects, checksummed on a second thread meanwhile), the data channel's bytes
   received straight into it, or one copy per received gRPC frame.
   A buffer is never written after ``read_into`` returns or raises.  A same-host read is one
-  round trip: the lease is released later, in batches (``client_leases``), unless the copy
+  round trip: the lease is released later, in batches (``kvstore.client.leases``), unless the copy
   outran the lease's window, when the server is asked whether it still held.
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
   ``authorization: Bearer <token>`` metadata; ``connect`` given no token uses this user's
-  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status codes become domain errors in one
-  place (``_error``): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise
-  ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
+  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status
+  codes become domain errors in one place (``Rpc.status_error``, ``kvstore.client.rpc``,
+  which owns the gRPC channel): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED,
+  CANCELLED) raise ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
   FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
 * ``_after_copy`` (tests only): an awaitable factory awaited between the copy out of the
   segment and the lease check, so a test can let a short lease expire mid-read.
@@ -45,7 +46,6 @@ import xxhash
 
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import data as wire
 from kvstore.client.datachannel import DataChannel
 from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
@@ -54,16 +54,14 @@ from kvstore.client.dataplane import Copier, check_object, decode_get_frame, loo
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
 from kvstore.client.planes import CODES, PlanesMixin
 from kvstore.client.put import PutMixin
+from kvstore.client.rpc import Rpc
 from kvstore.client.shmsession import ShmSession
-from kvstore.errors import (CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError,
-                            TierUnavailableError)
+from kvstore.errors import ConfigError, ObjectFormatError, TierError
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
-_TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED})
-_STREAM_BYTES_PER_S = 100e6   # deadline allowance for streamed bytes (far below the real rate)
 
 
 class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
@@ -78,20 +76,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         self.timeout_s = timeout_s
         self.transport = transport
         self.counters = ClientCounters()
-        self.info: ServerInfo | None = None
-        self._channel = channel
-        self._stub = pb_grpc.KVStoreStub(channel)
-        # Hand-coded messages (see client_io): the streams' frames and Lookup requests are bytes.
-        self._get_stream = channel.unary_stream("/kvstore.v1.KVStore/GetStream",
-                                                request_serializer=pb.GetRequest.SerializeToString,
-                                                _registered_method=True)
-        self._put_stream = channel.stream_unary("/kvstore.v1.KVStore/PutStream",
-                                                response_deserializer=pb.PutCommitResponse.FromString,
-                                                _registered_method=True)
-        self._lookup_call = channel.unary_unary("/kvstore.v1.KVStore/Lookup",
-                                                response_deserializer=pb.LookupResponse.FromString,
-                                                _registered_method=True)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.rpc = Rpc(channel, target, token, timeout_s, self.counters)
         self._token = token
         self._tls = None           # the data channel's TLS context (set by connect)
         self._server_name: str | None = None
@@ -99,11 +84,16 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         self._after_copy = after_copy
         self._session: ShmSession | None = None   # the shared-memory session (kvstore.client.planes)
         self._copier = Copier()
-        self._releases = ReleaseQueue(self._send_releases, lambda: self._info.max_keys_per_call,
+        self._releases = ReleaseQueue(self._send_releases, lambda: self.rpc.server.max_keys_per_call,
                                       release_delay_s)
         self._scoped: dict[bytes, Namespace] = {}
         self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
         self.tcp_refusal = ""   # why the TCP data channel is not used ("" when it is)
+
+    @property
+    def info(self) -> ServerInfo | None:
+        """What the last ``Hello`` said (None before it)."""
+        return self.rpc.info
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -142,9 +132,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
 
     async def refresh(self, *, wait_for_ready: bool = False) -> ServerInfo:
         """``Hello`` again; remap the segment if the server has a new one (a restart)."""
-        resp = await self._unary("Hello", pb.HelloRequest(), wait_for_ready=wait_for_ready)
-        info = ServerInfo.from_pb(resp)
-        self.info = info
+        info = await self.rpc.hello(wait_for_ready=wait_for_ready)
         await self._choose_planes(info)
         return info
 
@@ -153,7 +141,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         the copy threads (after any copy in flight), unmap."""
         await self.flush_releases()
         await self._drop_data("closed")
-        await self._channel.close()
+        await self.rpc.close()
         self._copier.close()
         self._drop_segment()
 
@@ -170,8 +158,8 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         sharing namespace and tag (at most ``max_keys_per_call`` each), stopping at a miss."""
         tiers: list[str] = []
         sizes: list[int] = []
-        for request, asked in lookup_requests(keys, max(1, self._info.max_keys_per_call)):
-            resp = await self._unary("Lookup", request, call=self._lookup_call)
+        for request, asked in lookup_requests(keys, max(1, self.rpc.server.max_keys_per_call)):
+            resp = await self.rpc.unary("Lookup", request, call=self.rpc.lookup_call)
             codes, found, hits = resp.tiers[:], resp.sizes[:], resp.hits  # [:]: lists, fastest
             if not hits <= asked or len(codes) != hits or len(found) != hits:
                 raise TierError(f"store {self.target}: malformed Lookup reply ({hits} hits for "
@@ -213,16 +201,16 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         """One round trip on the data channel; the bytes land in ``dst``."""
         assert self._data is not None
         reply = await self._data_request("data get", self._data.get(
-            wire.encode_request(wire.Op.GET, key), memoryview(dst), self._deadline(len(dst))))
+            wire.encode_request(wire.Op.GET, key), memoryview(dst), self.rpc.deadline(len(dst))))
         if reply.code:
-            raise self._status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
+            raise self.rpc.status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
         if not reply.flag:
             return None
         return await self._checked(key, dst, reply.length, reply.digest, False, shm=False)
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
-        call = self._get_stream(req, timeout=self._deadline(len(dst)), metadata=self._metadata)
+        call = self.rpc.get_stream(req, timeout=self.rpc.deadline(len(dst)), metadata=self.rpc.metadata)
         view = memoryview(dst)
         try:
             first = await self._read_frame(call)
@@ -250,7 +238,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         try:
             raw = await call.read()
         except grpc.aio.AioRpcError as err:
-            raise self._error("GetStream", err) from err
+            raise self.rpc.error("GetStream", err) from err
         return None if raw is grpc.aio.EOF else decode_get_frame(raw)
 
     async def _checked(self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes, retry: bool,
@@ -282,7 +270,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         answers = frozenset({Code.PERMISSION_DENIED}) if quiet else frozenset()
         await self.flush_releases()  # our own pins would keep a deleted slot taken a while
         req = pb.DeleteRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag)
-        r = await self._unary("Delete", req, answers=answers)
+        r = await self.rpc.unary("Delete", req, answers=answers)
         return not isinstance(r, Code) and r.deleted
 
     @property
@@ -294,17 +282,17 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
                        lora: str | None = None) -> bool:
         """Tell the store the tokens of ``key`` (for its KV events); False when it publishes
         none (then nothing is sent)."""
-        if not self._info.kv_events:
+        if not self.rpc.server.kv_events:
             return False
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         obj = pb.ObjectDescription(chunk_hash=key[32:64], parent_hash=parent, token_ids=tokens, lora_name=lora or "")
-        r = await self._unary("Describe", pb.DescribeRequest(namespace=key[:32], tag=key.tag, objects=[obj]))
+        r = await self.rpc.unary("Describe", pb.DescribeRequest(namespace=key[:32], tag=key.tag, objects=[obj]))
         return r.described > 0
 
     async def stats(self) -> dict[str, object]:
         """The server's stats document and flat counters, and this client's counters."""
         await self.flush_releases()  # the answer then reflects every read this client finished
-        resp = await self._unary("Stats", pb.StatsRequest())
+        resp = await self.rpc.unary("Stats", pb.StatsRequest())
         try:
             doc = json.loads(resp.json) if resp.json else {}
         except ValueError as err:
@@ -313,56 +301,14 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
 
     # --- plumbing ----------------------------------------------------------------------
 
-    @property
-    def _info(self) -> ServerInfo:
-        if self.info is None:
-            raise TierUnavailableError(f"store {self.target}: not connected (no Hello yet)")
-        return self.info
-
     def _scoped_key(self, key: ObjectKey) -> ObjectKey:
         ns = key[:32]
         scoped = self._scoped.get(ns)
         if scoped is None:
             if len(self._scoped) > 4096:
                 self._scoped.clear()
-            scoped = self._scoped[ns] = Namespace(ns).scoped(self._info.tenant)
+            scoped = self._scoped[ns] = Namespace(ns).scoped(self.rpc.server.tenant)
         return ObjectKey(scoped, ChunkHash(key[32:64]), key.tag)
-
-    def _deadline(self, nbytes: int) -> float:
-        return self.timeout_s + nbytes / _STREAM_BYTES_PER_S
-
-    async def _unary(self, name: str, request, *, answers: frozenset = frozenset(),
-                     wait_for_ready: bool | None = None, call=None):
-        """The reply, or its status code when that is one of ``answers`` (``call``: a
-        multicallable of ``name`` other than the stub's, e.g. one taking encoded bytes)."""
-        try:
-            return await (call or getattr(self._stub, name))(
-                request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=wait_for_ready)
-        except grpc.aio.AioRpcError as err:
-            if err.code() in answers:
-                return err.code()
-            raise self._error(name, err) from err
-        except grpc.aio.UsageError as err:
-            raise TierUnavailableError(f"store {self.target}: client is closed") from err
-
-    def _error(self, name: str, err: grpc.aio.AioRpcError) -> Exception:
-        return self._status_error(name, err.code(), err.details())
-
-    def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception:
-        """The one place status codes (of gRPC calls and data-channel replies) become
-        domain errors."""
-        text = f"store {self.target}: {name} failed: {code.name}: {details}"
-        if code in _TRANSPORT_CODES:
-            self.counters.transport_errors += 1
-            return TierUnavailableError(text)
-        self.counters.errors += 1
-        if code in (Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE):
-            return ConfigError(text)
-        if code is Code.RESOURCE_EXHAUSTED:
-            return CapacityError(text)
-        if code is Code.NOT_FOUND:
-            return LeaseError(text)
-        return TierError(text)
 
 
 def _writable(buf) -> np.ndarray:

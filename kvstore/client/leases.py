@@ -129,12 +129,12 @@ class ReleaseQueue:
 
 
 class LeasedGetMixin:
-    """Needs from its host class: ``target``, ``counters``, ``rpc``, ``_segment``,
+    """Needs from its host class: ``target``, ``counters``, ``rpc``, ``planes``,
     ``_copier``, ``_after_copy``, ``_releases`` (a ``ReleaseQueue``) and ``_checked`` (all
     defined by ``StoreClient``)."""
 
     async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
-        segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
+        segment = self.planes.segment.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
         resp = await self.rpc.unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
                                                          lease_ms=self.lease_ms))

@@ -40,9 +40,8 @@ _OUTCOMES = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: Put
 
 
 class PutMixin:
-    """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``, ``_session``,
-    ``_data``, ``rpc``, ``_copier``, ``_segment_changed`` and ``_data_request`` (defined by
-    ``StoreClient`` and ``PlanesMixin``)."""
+    """Needs from its host class: ``target``, ``counters``, ``planes``, ``rpc``, ``_copier`` and
+    ``_segment_changed`` (all defined by ``StoreClient``)."""
 
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
@@ -50,9 +49,9 @@ class PutMixin:
         (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A put refused because
         the server came back without our session is retried once, in a new one."""
         src = np.frombuffer(memoryview(obj).cast("B"), np.uint8)
-        if self._segment is None:
+        if self.planes.segment is None:
             return await self.put_parts(key, [memoryview(src)], len(src), parent_hash)
-        if not self._may_write(key) or not self._session.writable:
+        if not self._may_write(key) or not self.planes.session.writable:
             return self._put_done(PutResult.FAILED, len(src))  # refused here: nothing to retry
         res = await self.reserve(key, len(src), parent_hash)
         if isinstance(res, PutResult):
@@ -74,11 +73,11 @@ class PutMixin:
         """``PutStart``: a region of the segment to write ``size`` bytes into, or the final
         outcome (EXISTS, NO_ROOM, FAILED when the server refuses)."""
         self.check_size(size)
-        if self._segment is None:
-            raise ConfigError(f"reserve needs the shared-memory data plane ({self.shm_refusal})")
-        if not self._may_write(key) or not self._session.writable:
+        if self.planes.segment is None:
+            raise ConfigError(f"reserve needs the shared-memory data plane ({self.planes.shm_refusal})")
+        if not self._may_write(key) or not self.planes.session.writable:
             return self._put_done(PutResult.FAILED, size)
-        session = self._session
+        session = self.planes.session
         segment = session.array  # held: a concurrent remap cannot unmap it under us
         start = _put_start(key, size, parent_hash)
         start.session = session.session_id
@@ -108,7 +107,7 @@ class PutMixin:
             raise ConfigError(f"put of {key!r}: parts hold {sum(len(p) for p in parts)} bytes, not {size}")
         if not self._may_write(key):
             return self._put_done(PutResult.FAILED, size)
-        if self._data is not None:
+        if self.planes.data is not None:
             return await self._put_tcp(key, parts, size, parent_hash)
         call = self.rpc.put_stream(timeout=self.rpc.deadline(size), metadata=self.rpc.metadata)
         try:
@@ -130,7 +129,8 @@ class PutMixin:
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         request = wire.encode_request(wire.Op.PUT, key, size, parent)
         parts = [memoryview(p).cast("B") for p in parts]
-        reply = await self._data_request("data put", self._data.put(request, parts, self.rpc.deadline(size)))
+        reply = await self.planes.data_request(
+            "data put", self.planes.data.put(request, parts, self.rpc.deadline(size)))
         if reply.code:
             code = CODES.get(reply.code, Code.UNKNOWN)
             if code not in _REFUSED_PUT:

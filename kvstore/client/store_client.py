@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 
@@ -47,15 +48,13 @@ import xxhash
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.wire import data as wire
-from kvstore.client.datachannel import DataChannel
 from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
                                  open_channel)
 from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
-from kvstore.client.planes import CODES, PlanesMixin
+from kvstore.client.planes import CODES, Planes
 from kvstore.client.put import PutMixin
 from kvstore.client.rpc import Rpc
-from kvstore.client.shmsession import ShmSession
 from kvstore.errors import ConfigError, ObjectFormatError, TierError
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
@@ -64,12 +63,13 @@ log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 
 
-class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
+class StoreClient(LeasedGetMixin, PutMixin):
     """A connection to one store process (see the module docstring)."""
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
                  transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None,
-                 release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None) -> None:
+                 release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None,
+                 *, tls: ssl.SSLContext | None = None, server_name: str | None = None) -> None:
         self.target = target
         # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
         self.lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
@@ -77,23 +77,36 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         self.transport = transport
         self.counters = ClientCounters()
         self.rpc = Rpc(channel, target, token, timeout_s, self.counters)
-        self._token = token
-        self._tls = None           # the data channel's TLS context (set by connect)
-        self._server_name: str | None = None
-        self._data: DataChannel | None = None
+        self.planes = Planes(target, transport, timeout_s, token, tls, server_name,
+                             ticket=self.rpc.ticket, status_error=self.rpc.status_error)
         self._after_copy = after_copy
-        self._session: ShmSession | None = None   # the shared-memory session (kvstore.client.planes)
         self._copier = Copier()
         self._releases = ReleaseQueue(self._send_releases, lambda: self.rpc.server.max_keys_per_call,
                                       release_delay_s)
         self._scoped: dict[bytes, Namespace] = {}
-        self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
-        self.tcp_refusal = ""   # why the TCP data channel is not used ("" when it is)
 
     @property
     def info(self) -> ServerInfo | None:
         """What the last ``Hello`` said (None before it)."""
         return self.rpc.info
+
+    @property
+    def uses_shm(self) -> bool:
+        return self.planes.uses_shm
+
+    @property
+    def uses_tcp(self) -> bool:
+        return self.planes.uses_tcp
+
+    @property
+    def shm_refusal(self) -> str:
+        """Why the shared-memory data plane is not used ("" when it is)."""
+        return self.planes.shm_refusal
+
+    @property
+    def tcp_refusal(self) -> str:
+        """Why the TCP data channel is not used ("" when it is)."""
+        return self.planes.tcp_refusal
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -121,8 +134,9 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         if not token:   # none given: the store's default token of this user, if any (kvstore.localtoken)
             token = local_token()
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
-        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s)
-        client._tls, client._server_name = data_tls(tls_ca, tls_cert, tls_key), tls_server_name
+        tls = data_tls(tls_ca, tls_cert, tls_key)
+        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s,
+                     tls=tls, server_name=tls_server_name)
         try:
             await client.refresh(wait_for_ready=True)
         except BaseException:
@@ -133,17 +147,17 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
     async def refresh(self, *, wait_for_ready: bool = False) -> ServerInfo:
         """``Hello`` again; remap the segment if the server has a new one (a restart)."""
         info = await self.rpc.hello(wait_for_ready=wait_for_ready)
-        await self._choose_planes(info)
+        await self.planes.choose(info)
         return info
 
     async def close(self) -> None:
         """Send queued lease releases, close the data channel and the gRPC channel, stop
         the copy threads (after any copy in flight), unmap."""
         await self.flush_releases()
-        await self._drop_data("closed")
+        await self.planes.drop_data("closed")
         await self.rpc.close()
         self._copier.close()
-        self._drop_segment()
+        self.planes.drop_segment()
 
     async def __aenter__(self) -> StoreClient:
         return self
@@ -183,9 +197,9 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         """Copy the verified object into ``buf`` (rekeyed to ``key``); its length or None."""
         dst = _writable(buf)
         self.counters.gets += 1
-        if self._segment is not None:
+        if self.planes.segment is not None:
             n = await self._get_shm(key, dst)
-        elif self._data is not None:
+        elif self.planes.data is not None:
             n = await self._get_tcp(key, dst)
         else:
             n = await self._get_streamed(key, dst)
@@ -199,8 +213,9 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
 
     async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         """One round trip on the data channel; the bytes land in ``dst``."""
-        assert self._data is not None
-        reply = await self._data_request("data get", self._data.get(
+        data = self.planes.data
+        assert data is not None
+        reply = await self.planes.data_request("data get", data.get(
             wire.encode_request(wire.Op.GET, key), memoryview(dst), self.rpc.deadline(len(dst))))
         if reply.code:
             raise self.rpc.status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
@@ -250,7 +265,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
             return n
         except ObjectFormatError as err:
             if shm and retry and await self._segment_changed():
-                return await self._get_shm(key, dst, retry=False) if self._segment is not None \
+                return await self._get_shm(key, dst, retry=False) if self.planes.segment is not None \
                     else await self._get_streamed(key, dst)
             self.counters.corrupt += 1
             log.warning("kvstore: damaged object %r from store %s (%s): deleting it", key, self.target, err)
@@ -259,9 +274,9 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
             return None
 
     async def _segment_changed(self) -> bool:
-        before = self._segment_id
+        before = self.planes.segment_id
         await self.refresh()
-        return self._segment_id != before
+        return self.planes.segment_id != before
 
     # --- the rest ----------------------------------------------------------------------
 

@@ -337,7 +337,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
                                            timeout=5, metadata=c.rpc.metadata)
                       for k in keys[:2]]   # held: never released here
             held = leases[0]
-            before = c._segment.array[held.offset:held.offset + MiB].copy()
+            before = c.planes.segment.array[held.offset:held.offset + MiB].copy()
             assert await c.delete(keys[0]) is True
             assert (await c.lookup(keys[:1])).hits == 0                     # hidden at once
             assert await c.read_into(keys[0], memoryview(buf)) is None       # new reads miss
@@ -345,7 +345,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
             assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
                 (2 * MiB, 1, 2)
             assert await c.put(keys[2], objs[2]) is PutResult.NO_ROOM      # the room is pinned
-            assert np.array_equal(c._segment.array[held.offset:held.offset + MiB], before)
+            assert np.array_equal(c.planes.segment.array[held.offset:held.offset + MiB], before)
             assert await c._release(held.lease_id) is False                 # deleted: conservative
             counters = await _server_counters(c)
             assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
@@ -367,7 +367,7 @@ async def test_damaged_object_is_a_counted_miss_and_deleted(store):
         assert await client.put(keys[0], obj) is PutResult.STORED
         got = await client.rpc.stub.Get(pb.GetRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
                                                       tag=keys[0].tag), timeout=5, metadata=client.rpc.metadata)
-        client._segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
+        client.planes.segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
         await client.rpc.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5,
                                            metadata=client.rpc.metadata)
         assert await client.read_into(keys[0], memoryview(buf)) is None
@@ -487,7 +487,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
                 await StoreClient.connect(proc.target, transport="shm") as putter:
             for key, obj in zip(keys[:2], objs[:2]):   # keys[0] first in the old segment
                 assert await putter.put(key, obj) is PutResult.STORED
-            old = {client: client._segment_id for client in (getter, putter)}   # their sessions
+            old = {client: client.planes.segment_id for client in (getter, putter)}   # their sessions
             assert proc.terminate(30) == 0
             proc.start()
             for client in (getter, putter):
@@ -496,7 +496,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
             assert np.array_equal(buf, objs[1])
             assert await putter.put(keys[2], objs[2]) is PutResult.STORED
             for client in (getter, putter):
-                assert client._segment_id not in (None, old[client])
+                assert client.planes.segment_id not in (None, old[client])
                 assert (client.counters.corrupt, client.counters.put_failures) == (0, 0)
             assert (await getter.lookup(keys)).hits == 3
     finally:

@@ -225,13 +225,13 @@ async def test_restart_on_the_same_ports_reconnects_once(tmp_path):
     try:
         async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=10) as client:
             assert await client.put(keys[0], obj) is PutResult.STORED
-            assert client._data.opened == 1
+            assert client.planes.data.opened == 1
             assert proc.terminate(30) == 0                            # write-through to SSD first
             proc.start()
             await client.rpc.channel.channel_ready()
             assert await client.read_into(keys[0], memoryview(buf)) == len(obj)   # from SSD
             assert np.array_equal(buf, obj)
-            assert (client._data.retries, client._data.opened) == (1, 2)
+            assert (client.planes.data.retries, client.planes.data.opened) == (1, 2)
     finally:
         proc.kill()
 

@@ -26,8 +26,9 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
   which owns the gRPC channel): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED,
   CANCELLED) raise ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
   FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
-* ``_after_copy`` (tests only): an awaitable factory awaited between the copy out of the
-  segment and the lease check, so a test can let a short lease expire mid-read.
+* ``_after_copy`` (tests only; ``LeasedReader``'s ``after_copy``): an awaitable factory
+  awaited between the copy out of the segment and the lease check, so a test can let a
+  short lease expire mid-read.
 * ``close`` sends the queued lease releases first (so do ``delete`` and ``stats``).
 
 One client belongs to one event loop.
@@ -51,7 +52,7 @@ from kvstore.wire import data as wire
 from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
                                  open_channel)
 from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
-from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
+from kvstore.client.leases import RELEASE_DELAY_S, LeasedReader
 from kvstore.client.planes import CODES, Planes
 from kvstore.client.put import PutMixin
 from kvstore.client.rpc import Rpc
@@ -63,7 +64,7 @@ log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 
 
-class StoreClient(LeasedGetMixin, PutMixin):
+class StoreClient(PutMixin):
     """A connection to one store process (see the module docstring)."""
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
@@ -71,24 +72,28 @@ class StoreClient(LeasedGetMixin, PutMixin):
                  release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None,
                  *, tls: ssl.SSLContext | None = None, server_name: str | None = None) -> None:
         self.target = target
-        # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
-        self.lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
         self.timeout_s = timeout_s
         self.transport = transport
         self.counters = ClientCounters()
         self.rpc = Rpc(channel, target, token, timeout_s, self.counters)
         self.planes = Planes(target, transport, timeout_s, token, tls, server_name,
                              ticket=self.rpc.ticket, status_error=self.rpc.status_error)
-        self._after_copy = after_copy
         self._copier = Copier()
-        self._releases = ReleaseQueue(self._send_releases, lambda: self.rpc.server.max_keys_per_call,
-                                      release_delay_s)
+        # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
+        lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
+        self.reader = LeasedReader(self.rpc, self.planes, self.counters, self._copier, lease_ms,
+                                   release_delay_s, after_copy)
         self._scoped: dict[bytes, Namespace] = {}
 
     @property
     def info(self) -> ServerInfo | None:
         """What the last ``Hello`` said (None before it)."""
         return self.rpc.info
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease each Get asks for (0: the server's default)."""
+        return self.reader.lease_ms
 
     @property
     def uses_shm(self) -> bool:
@@ -211,6 +216,11 @@ class StoreClient(LeasedGetMixin, PutMixin):
             self.counters.bytes_read += n
         return n
 
+    async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
+        """A leased read out of the pool (``LeasedReader.get``), checked here."""
+        got = await self.reader.get(key, dst)
+        return None if got is None else await self._checked(key, dst, *got, retry, shm=True)
+
     async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         """One round trip on the data channel; the bytes land in ``dst``."""
         data = self.planes.data
@@ -224,7 +234,7 @@ class StoreClient(LeasedGetMixin, PutMixin):
         return await self._checked(key, dst, reply.length, reply.digest, False, shm=False)
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
-        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
+        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.reader.lease_ms)
         call = self.rpc.get_stream(req, timeout=self.rpc.deadline(len(dst)), metadata=self.rpc.metadata)
         view = memoryview(dst)
         try:
@@ -277,6 +287,10 @@ class StoreClient(LeasedGetMixin, PutMixin):
         before = self.planes.segment_id
         await self.refresh()
         return self.planes.segment_id != before
+
+    async def flush_releases(self) -> None:
+        """Send the queued lease releases now and wait for them (and those in flight)."""
+        await self.reader.flush_releases()
 
     # --- the rest ----------------------------------------------------------------------
 

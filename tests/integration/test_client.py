@@ -346,12 +346,12 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
                 (2 * MiB, 1, 2)
             assert await c.put(keys[2], objs[2]) is PutResult.NO_ROOM      # the room is pinned
             assert np.array_equal(c.planes.segment.array[held.offset:held.offset + MiB], before)
-            assert await c._release(held.lease_id) is False                 # deleted: conservative
+            assert await c.reader.release(held.lease_id) is False           # deleted: conservative
             counters = await _server_counters(c)
             assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
                 (MiB, 0, 1)
             assert await c.put(keys[2], objs[2]) is PutResult.STORED        # now it fits
-            assert await c._release(leases[1].lease_id) is True
+            assert await c.reader.release(leases[1].lease_id) is True
             assert await c.read_into(keys[2], memoryview(buf)) == MiB and np.array_equal(buf, objs[2])
             counters = await _server_counters(c)
             assert (counters["leases_held"], counters["host.refs_held"]) == (0, 0)
@@ -569,13 +569,13 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
                 got = await client.rpc.stub.Get(pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64],
                                                               tag=key.tag), timeout=5, metadata=client.rpc.metadata)
                 leases.append(got.lease_id)
-            assert await client._renew(leases[0], 5000) == 5000
+            assert await client.reader.renew(leases[0], 5000) == 5000
             async with asyncio.timeout(10):
                 while (await _server_counters(client))["leases_held"] != 1:
                     await asyncio.sleep(0.02)
-            assert await client._release(leases[0]) is True      # renewed: still valid
-            assert await client._release(leases[1]) is False     # not renewed: expired
-            assert await client._renew(leases[1], 300) is None   # unknown now: NOT_FOUND
+            assert await client.reader.release(leases[0]) is True      # renewed: still valid
+            assert await client.reader.release(leases[1]) is False     # not renewed: expired
+            assert await client.reader.renew(leases[1], 300) is None   # unknown now: NOT_FOUND
     finally:
         assert proc.terminate(30) == 0
 

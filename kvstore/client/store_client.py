@@ -2,6 +2,13 @@
 
 Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, docs/architecture.md#the-store-process):
 
+* Composed of collaborators built in the constructor, each owning its part: ``rpc``
+  (``kvstore.client.rpc.Rpc``: the gRPC channel and stubs, the metadata, what ``Hello``
+  said), ``planes`` (``kvstore.client.planes.Planes``: the shared-memory session and the
+  TCP data channel), ``reader`` (``kvstore.client.leases.LeasedReader``: same-host reads
+  under a lease, their release queue) and ``writer`` (``kvstore.client.put.Writer``).  The
+  client owns the counters and the copy threads and passes them, and ``rpc`` and
+  ``planes``, to the others by reference; it checks and rekeys what any plane read.
 * ``connect`` calls ``Hello`` and picks the data plane (``kvstore.client.planes``): shared
   memory on the same host (the tenant's pool, through a session with the server's gate),
   else the raw TCP data channel, else gRPC streams, as the transport allows (``auto``: the
@@ -22,10 +29,10 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
   ``authorization: Bearer <token>`` metadata; ``connect`` given no token uses this user's
   default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status
-  codes become domain errors in one place (``Rpc.status_error``, ``kvstore.client.rpc``,
-  which owns the gRPC channel): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED,
-  CANCELLED) raise ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
-  FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
+  codes become domain errors in one place (``Rpc.status_error``): transport failures
+  (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise ``TierUnavailableError``; a put the
+  server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND) is
+  ``PutResult.FAILED``, not an exception.
 * ``_after_copy`` (tests only; ``LeasedReader``'s ``after_copy``): an awaitable factory
   awaited between the copy out of the segment and the lease check, so a test can let a
   short lease expire mid-read.
@@ -49,23 +56,26 @@ import xxhash
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.wire import data as wire
-from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls,
-                                 open_channel)
+from kvstore.client.info import (TIER_NAMES, ClientCounters, RemoteLookup, Reservation, ServerInfo, Transport,
+                                 data_tls, open_channel)
 from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedReader
 from kvstore.client.planes import CODES, Planes
-from kvstore.client.put import PutMixin
+from kvstore.client.put import Writer
 from kvstore.client.rpc import Rpc
 from kvstore.errors import ConfigError, ObjectFormatError, TierError
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
+from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 
 
-class StoreClient(PutMixin):
-    """A connection to one store process (see the module docstring)."""
+class StoreClient:
+    """A connection to one store process (see the module docstring).  Owns its collaborators
+    (``rpc``, ``planes``, ``reader``, ``writer``), the ``counters`` and the copy threads, and
+    caches the namespaces scoped to the token's tenant."""
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
                  transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None,
@@ -83,7 +93,10 @@ class StoreClient(PutMixin):
         lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
         self.reader = LeasedReader(self.rpc, self.planes, self.counters, self._copier, lease_ms,
                                    release_delay_s, after_copy)
+        self.writer = Writer(self.rpc, self.planes, self.counters, self._copier, self._segment_changed)
         self._scoped: dict[bytes, Namespace] = {}
+
+    # --- what the collaborators own --------------------------------------------------
 
     @property
     def info(self) -> ServerInfo | None:
@@ -291,6 +304,31 @@ class StoreClient(PutMixin):
     async def flush_releases(self) -> None:
         """Send the queued lease releases now and wait for them (and those in flight)."""
         await self.reader.flush_releases()
+
+    # --- writes (``Writer``) -------------------------------------------------------------
+
+    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
+                  *, retry: bool = True) -> PutResult:
+        """Publish a complete object (``Writer.put``)."""
+        return await self.writer.put(key, obj, parent_hash, retry=retry)
+
+    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None
+                      ) -> Reservation | PutResult:
+        """``PutStart``: a region of the segment, or the final outcome (``Writer.reserve``)."""
+        return await self.writer.reserve(key, size, parent_hash)
+
+    async def commit(self, res: Reservation, ok: bool = True) -> PutResult:
+        """``PutCommit``, or abort when not ``ok`` (``Writer.commit``)."""
+        return await self.writer.commit(res, ok)
+
+    async def put_parts(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
+                        parent_hash: ChunkHash | None = None) -> PutResult:
+        """Send ``parts`` (``size`` bytes in all) as one object (``Writer.put_parts``)."""
+        return await self.writer.put_parts(key, parts, size, parent_hash)
+
+    def check_size(self, size: int) -> None:
+        """``ConfigError`` below a header's size, ``CapacityError`` above the store's limit."""
+        self.writer.check_size(size)
 
     # --- the rest ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ caller verifies the object with it.  A put sends its request and the caller's by
 Failures.  A transport failure (refused, reset, closed mid-reply, a stall past the
 deadline) closes that connection and raises ``TierUnavailableError``; a reply carrying a
 status code comes back as ``Reply`` for the client to translate (one place,
-``StoreClient._error``).  A request that fails on a *reused* connection before any reply
+``kvstore.client.rpc.Rpc.status_error``).  A request that fails on a *reused* connection before any reply
 byte arrived (the server restarted, or dropped an idle connection) is retried once on a
 new one; gets and puts are both idempotent (a put of a stored object is EXISTS).
 

@@ -1,4 +1,4 @@
-"""The same-host read half of ``StoreClient`` (mixed into it): one ``Get``, one copy out of
+"""``LeasedReader``, the same-host read of a ``StoreClient``: one ``Get``, one copy out of
 the server's segment, and the lease released off the critical path.
 
 Client side.  The rule (proto/kvstore/v1/kvstore.proto, header): a lease granted by ``Get``
@@ -27,18 +27,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 import grpc
 import numpy as np
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.dataplane import INLINE_BYTES, Copier, payload_digest
+from kvstore.client.info import ClientCounters
+from kvstore.client.planes import Planes
+from kvstore.client.rpc import Rpc
 from kvstore.errors import ConfigError, KVStoreError, TierError
 from kvstore.keys import ObjectKey
-
-if TYPE_CHECKING:
-    from kvstore.client.info import ClientCounters, ServerInfo
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -131,62 +131,58 @@ class ReleaseQueue:
             log.debug("kvstore: releasing %d leases failed (they expire): %s", len(batch), err)
 
 
-class LeasedGetMixin:
-    """Needs from its host class: ``target``, ``counters``, ``_info``, ``_segment``,
-    ``_copier``, ``_after_copy``, ``_releases`` (a ``ReleaseQueue``), ``_unary`` and
-    ``_checked`` (all defined by ``StoreClient``)."""
+class LeasedReader:
+    """The same-host read under a lease (see the module docstring).  Owns the lease each
+    ``Get`` asks for (``lease_ms``; 0 lets the server choose) and the ``ReleaseQueue`` of
+    finished reads; uses the client's ``rpc``, ``planes`` (the session's pool), ``counters``
+    and ``copier`` by reference.  ``after_copy`` (tests only) is awaited between the copy and
+    the lease check."""
 
-    if TYPE_CHECKING:  # what StoreClient and PlanesMixin define (declared for mypy only)
-        target: str
-        counters: ClientCounters
-        lease_ms: int
-        _copier: Copier
-        _after_copy: Callable[[], Awaitable[object]] | None
-        _releases: ReleaseQueue
+    def __init__(self, rpc: Rpc, planes: Planes, counters: ClientCounters, copier: Copier, lease_ms: int,
+                 release_delay_s: float = RELEASE_DELAY_S,
+                 after_copy: Callable[[], Awaitable[object]] | None = None) -> None:
+        self._rpc = rpc
+        self._planes = planes
+        self._counters = counters
+        self._copier = copier
+        self.lease_ms = lease_ms
+        self._after_copy = after_copy
+        self.releases = ReleaseQueue(self._send_releases, lambda: rpc.server.max_keys_per_call, release_delay_s)
 
-        @property
-        def _info(self) -> ServerInfo: ...
-
-        @property
-        def _segment(self) -> Any: ...
-
-        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
-                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
-
-        async def _checked(self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes, retry: bool,
-                           *, shm: bool) -> int | None: ...
-
-    async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
-        segment = self._segment.array  # held: a concurrent remap cannot unmap it under us
+    async def get(self, key: ObjectKey, dst: np.ndarray) -> tuple[int, bytes] | None:
+        """Copy ``key``'s bytes out of the pool into ``dst`` under a lease: (their length,
+        the payload checksum of the copy), or None on a miss or a lease that did not hold.
+        The caller checks the copy against the key (``StoreClient``)."""
+        segment = self._planes.segment.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
-        resp = await self._unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
-                                                      lease_ms=self.lease_ms))
+        resp = await self._rpc.unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
+                                                          lease_ms=self.lease_ms))
         if not resp.found:
             return None
         n, off = resp.length, resp.offset
         if n > len(dst) or off + n > len(segment):
-            await self._release(resp.lease_id)
+            await self.release(resp.lease_id)
             if n > len(dst):
                 raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {n}")
-            raise TierError(f"store {self.target}: Get answered bytes [{off}, {off + n}) outside "
+            raise TierError(f"store {self._rpc.target}: Get answered bytes [{off}, {off + n}) outside "
                             f"its {len(segment)}-byte segment")
-        window = LeaseWindow(resp.lease_id, t0, (resp.lease_ms or self._info.lease_ms) / 1000)
+        window = LeaseWindow(resp.lease_id, t0, (resp.lease_ms or self._rpc.server.lease_ms) / 1000)
         try:
             held, digest = await self._copy_leased(dst[:n], segment[off : off + n], window)
             if self._after_copy is not None:
                 await self._after_copy()
         except BaseException:
-            self._releases.add(resp.lease_id)  # nobody uses this copy: release it later
+            self.releases.add(resp.lease_id)  # nobody uses this copy: release it later
             raise
         if held and window.holds():
-            self._releases.add(resp.lease_id)  # the copy is good: the release can wait
-            self.counters.releases_deferred += 1
+            self.releases.add(resp.lease_id)  # the copy is good: the release can wait
+            self._counters.releases_deferred += 1
         elif held:
-            held = await self._release(resp.lease_id)  # late: only the server can tell
+            held = await self.release(resp.lease_id)  # late: only the server can tell
         if not held:
-            self.counters.lease_expired += 1
+            self._counters.lease_expired += 1
             return None
-        return await self._checked(key, dst, n, digest, retry, shm=True)
+        return n, digest
 
     async def _copy_leased(self, dst: np.ndarray, src: np.ndarray, window: LeaseWindow
                            ) -> tuple[bool, bytes]:
@@ -209,33 +205,33 @@ class LeasedGetMixin:
                     return held, aw.result()
                 if held:
                     sent_at = time.monotonic()
-                    granted = await self._renew(window.lease_id, ttl_ms)
+                    granted = await self.renew(window.lease_id, ttl_ms)
                     held = granted is not None
                     if granted is not None:
                         window.renewed(sent_at, granted)
         finally:
             Copier.wait_done(fut)  # cancelled or failed: still never return while it copies
 
-    async def _renew(self, lease_id: int, ttl_ms: int) -> int | None:
+    async def renew(self, lease_id: int, ttl_ms: int) -> int | None:
         """The TTL granted (ms), or None when the server no longer holds the lease."""
-        r = await self._unary("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms),
-                              answers=frozenset({Code.NOT_FOUND}))
-        self.counters.renewals += 1
+        r = await self._rpc.unary("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms),
+                                  answers=frozenset({Code.NOT_FOUND}))
+        self._counters.renewals += 1
         return None if isinstance(r, Code) else r.lease_ms
 
-    async def _release(self, lease_id: int) -> bool:
+    async def release(self, lease_id: int) -> bool:
         """Synchronous release of one lease: whether a copy made under it is good."""
         resp = await self._send_releases([lease_id])
         return len(resp.valid) == 1 and resp.valid[0]
 
     async def _send_releases(self, lease_ids: list[int]) -> pb.ReleaseLeaseResponse:
-        resp = await self._unary("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=lease_ids))
-        self.counters.release_calls += 1
+        resp = await self._rpc.unary("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=lease_ids))
+        self._counters.release_calls += 1
         return resp
 
     async def flush_releases(self) -> None:
         """Send the queued lease releases now and wait for them (and those in flight)."""
-        await self._releases.flush()
+        await self.releases.flush()
 
 
-__all__ = ["LeaseWindow", "LeasedGetMixin", "RELEASE_DELAY_S", "ReleaseQueue", "Timers"]
+__all__ = ["LeaseWindow", "LeasedReader", "RELEASE_DELAY_S", "ReleaseQueue", "Timers"]

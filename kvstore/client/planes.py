@@ -1,4 +1,4 @@
-"""Which data plane a ``StoreClient`` uses, chosen again on every ``Hello`` (mixed into it).
+"""``Planes``: which data plane a ``StoreClient`` uses, chosen again on every ``Hello``.
 
 Client side.  The planes, fastest first, and when each is taken:
 
@@ -23,12 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
 
 import grpc
 
-from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.datachannel import DataChannel, RefusedError, Reply
 from kvstore.client.dataplane import prefault
 from kvstore.client.info import ServerInfo, Transport, local_boot_id
@@ -39,42 +37,49 @@ log = logging.getLogger("kvstore.client.store_client")
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class PlanesMixin:
-    """Needs from its host class: ``target``, ``transport``, ``timeout_s``, ``_token``,
-    ``_tls``, ``_server_name``, ``_session``, ``_data``, ``shm_refusal``, ``tcp_refusal``,
-    ``_unary`` and ``_status_error`` (all defined by ``StoreClient``)."""
+class Planes:
+    """Owns the data planes of one client: the shared-memory session (``session``, its pool
+    ``segment``), the TCP data channel (``data``), and why each is not used
+    (``shm_refusal``, ``tcp_refusal``: "" when it is).  ``ticket`` mints an ``OpenData``
+    ticket; ``status_error`` turns a refusal's status into the domain error (both the
+    client's ``Rpc``)."""
 
-    _data: DataChannel | None
-    _tls: ssl.SSLContext | None
-    if TYPE_CHECKING:  # what StoreClient defines (declared for mypy only)
-        target: str
-        transport: Transport
-        timeout_s: float
-        shm_refusal: str
-        tcp_refusal: str
-        _token: str | None
-        _server_name: str | None
-        _session: ShmSession | None
-
-        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
-                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
-
-        def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception: ...
+    def __init__(self, target: str, transport: Transport, timeout_s: float, token: str | None,
+                 tls: ssl.SSLContext | None, server_name: str | None, ticket: Callable[[], Awaitable[bytes]],
+                 status_error: Callable[[str, grpc.StatusCode, str | None], Exception]) -> None:
+        self.target = target
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._token = token
+        self._tls = tls
+        self._server_name = server_name
+        self._ticket = ticket
+        self._status_error = status_error
+        self.session: ShmSession | None = None   # the shared-memory session
+        self.data: DataChannel | None = None     # the TCP data channel
+        self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
+        self.tcp_refusal = ""   # why the TCP data channel is not used ("" when it is)
 
     @property
-    def _segment(self):
+    def segment(self):
         """The mapped pool of the session (None without one)."""
-        return None if self._session is None else self._session.pool
+        return None if self.session is None else self.session.pool
+
+    @property
+    def segment_id(self) -> int | None:
+        """Which session the mapping belongs to (changes when the server is a new one)."""
+        return None if self.session is None else self.session.session_id
 
     @property
     def uses_shm(self) -> bool:
-        return self._session is not None
+        return self.session is not None
 
     @property
     def uses_tcp(self) -> bool:
-        return self._data is not None
+        return self.data is not None
 
-    async def _choose_planes(self, info: ServerInfo) -> None:
+    async def choose(self, info: ServerInfo) -> None:
+        """Choose the planes again for what ``Hello`` said (see the module docstring)."""
         await self._use_segment(info)
         await self._use_data(info)
 
@@ -85,52 +90,47 @@ class PlanesMixin:
             self.shm_refusal = f"transport is {self.transport.value}"
             return
         refusal = info.shm_refusal(local_boot_id())
-        session = self._session
+        session = self.session
         if not refusal and (session is None or session.path != info.shm_socket or not session.alive()):
-            self._drop_segment()
+            self.drop_segment()
             try:
                 ticket = await self._ticket()
                 session = await asyncio.to_thread(ShmSession.open, info.shm_socket, ticket, self._token,
                                                   self.timeout_s)
-                self._session = session
+                self.session = session
                 prefault(session.array)
             except GateRefusedError as err:
                 refusal = f"the store refused shared memory: {err}"
             except (ConfigError, TierError) as err:
                 refusal = str(err)
         if refusal:
-            self._drop_segment()
+            self.drop_segment()
             if self.transport is Transport.SHM:
                 raise ConfigError(f"store {self.target}: shared memory refused: {refusal}")
             if refusal != self.shm_refusal:
                 log.info("kvstore: store %s: no shared memory (%s)", self.target, refusal)
         self.shm_refusal = refusal
 
-    @property
-    def _segment_id(self) -> int | None:
-        """Which session the mapping belongs to (changes when the server is a new one)."""
-        return None if self._session is None else self._session.session_id
-
-    def _drop_segment(self) -> None:
-        session, self._session = self._session, None
+    def drop_segment(self) -> None:
+        session, self.session = self.session, None
         if session is not None:
             session.close()  # unmapped now (or when the last in-flight view goes), then ended
 
     # --- the TCP data channel -----------------------------------------------------------------
 
     async def _use_data(self, info: ServerInfo) -> None:
-        if self.transport not in (Transport.TCP, Transport.AUTO) or self._session is not None:
-            await self._drop_data("shared memory is used" if self._session is not None
-                                  else f"transport is {self.transport.value}")
+        if self.transport not in (Transport.TCP, Transport.AUTO) or self.session is not None:
+            await self.drop_data("shared memory is used" if self.session is not None
+                                 else f"transport is {self.transport.value}")
             return
         if not info.data_port:
-            await self._drop_data("the server offers no data channel")
+            await self.drop_data("the server offers no data channel")
             if self.transport is Transport.TCP:
                 raise ConfigError(f"store {self.target}: transport tcp, but {self.tcp_refusal}")
             return
-        if self._data is not None and self._data.port == info.data_port:
+        if self.data is not None and self.data.port == info.data_port:
             return
-        await self._drop_data("")
+        await self.drop_data("")
         channel = DataChannel(self.target.rpartition(":")[0], info.data_port, mint=self._ticket,
                               token=self._token, tls=self._tls, server_name=self._server_name,
                               timeout_s=self.timeout_s)
@@ -145,9 +145,9 @@ class PlanesMixin:
             self.tcp_refusal = str(failure)
             log.info("kvstore: store %s: streaming over gRPC (%s)", self.target, failure)
             return
-        self._data, self.tcp_refusal = channel, ""
+        self.data, self.tcp_refusal = channel, ""
 
-    async def _data_request(self, name: str, request: Awaitable[Reply]) -> Reply:
+    async def data_request(self, name: str, request: Awaitable[Reply]) -> Reply:
         """A data-channel request; a connection the server refused (its hello) raises the
         refusal's status as the gRPC calls do."""
         try:
@@ -156,14 +156,11 @@ class PlanesMixin:
             raise self._status_error(name, CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
                                      err.reply.message) from err
 
-    async def _ticket(self) -> bytes:
-        return (await self._unary("OpenData", pb.OpenDataRequest())).ticket
-
-    async def _drop_data(self, why: str) -> None:
-        channel, self._data = self._data, None
+    async def drop_data(self, why: str) -> None:
+        channel, self.data = self.data, None
         self.tcp_refusal = why
         if channel is not None:
             await channel.aclose()
 
 
-__all__ = ["CODES", "PlanesMixin"]
+__all__ = ["CODES", "Planes"]

@@ -1,4 +1,4 @@
-"""The write half of ``StoreClient`` (mixed into it): two-phase puts through the shared
+"""``Writer``, the write half of a ``StoreClient``: two-phase puts through the shared
 segment, over the TCP data channel, and streamed puts.
 
 Client side.  Through the segment: ``reserve`` (``PutStart``) hands out a region that the
@@ -10,14 +10,13 @@ round trip); over gRPC, the start frame and then ``frame_bytes`` slices, each se
 once straight from them.
 A put the server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND: a read-only
 token, a damaged object, an expired reservation) is ``PutResult.FAILED`` and counted, never
-an exception; transport failures raise ``TierUnavailableError`` (``StoreClient._error``).
+an exception; transport failures raise ``TierUnavailableError`` (``kvstore.client.rpc.Rpc.status_error``).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 import grpc.aio
@@ -26,60 +25,35 @@ import numpy as np
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.dataplane import INLINE_BYTES, Copier, encode_data_frame
-from kvstore.client.info import Reservation
-from kvstore.client.planes import CODES
-from kvstore.errors import CapacityError, ConfigError, TierError
+from kvstore.client.info import ClientCounters, Reservation
+from kvstore.client.planes import CODES, Planes
+from kvstore.client.rpc import Rpc
+from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.wire import data as wire
 from tiers.base import PutResult
 
-if TYPE_CHECKING:
-    from kvstore.client.datachannel import DataChannel, Reply
-    from kvstore.client.info import ClientCounters, ServerInfo
-    from kvstore.client.shmsession import ShmSession
-
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 _REFUSED_PUT = frozenset({Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION, Code.NOT_FOUND})
-_OUTCOMES: dict[int, PutResult] = {pb.PUT_OUTCOME_STORED: PutResult.STORED,
-                                   pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
-                                   pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM}
+_OUTCOMES: dict[int, PutResult] = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
+             pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM}
 
 
-class PutMixin:
-    """Needs from its host class: ``target``, ``counters``, ``shm_refusal``, ``_segment``, ``_session``,
-    ``_data``, ``_info``, ``_copier``, ``_put_stream``, ``_metadata``, ``_deadline``,
-    ``_unary``, ``_segment_changed``, ``_error``, ``_status_error`` and ``_data_request``
-    (defined by ``StoreClient`` and ``PlanesMixin``)."""
+class Writer:
+    """The puts of one client (see the module docstring).  Owns no state: it uses the
+    client's ``rpc``, ``planes`` (the session's pool, the data channel), ``counters`` and
+    ``copier`` by reference.  ``segment_changed`` (the client's: a
+    ``Hello`` that tells whether the server has another session now) decides the one retry
+    of a refused ``put`` through the pool."""
 
-    if TYPE_CHECKING:  # declared for mypy only
-        target: str
-        counters: ClientCounters
-        shm_refusal: str
-        _session: ShmSession | None
-        _data: DataChannel | None
-        _copier: Copier
-        _put_stream: Any  # a gRPC stream-unary multicallable
-        _metadata: tuple[tuple[str, str], ...] | None
-
-        @property
-        def _info(self) -> ServerInfo: ...
-
-        @property
-        def _segment(self) -> Any: ...
-
-        def _deadline(self, nbytes: int) -> float: ...
-
-        async def _unary(self, name: str, request: Any, *, answers: frozenset = ...,
-                         wait_for_ready: bool | None = ..., call: Any = ...) -> Any: ...
-
-        async def _segment_changed(self) -> bool: ...
-
-        def _error(self, name: str, err: grpc.aio.AioRpcError) -> Exception: ...
-
-        def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception: ...
-
-        async def _data_request(self, name: str, request: Awaitable[Reply]) -> Reply: ...
+    def __init__(self, rpc: Rpc, planes: Planes, counters: ClientCounters, copier: Copier,
+                 segment_changed: Callable[[], Awaitable[bool]]) -> None:
+        self._rpc = rpc
+        self._planes = planes
+        self._counters = counters
+        self._copier = copier
+        self._segment_changed = segment_changed
 
     async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
                   *, retry: bool = True) -> PutResult:
@@ -87,8 +61,8 @@ class PutMixin:
         (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A put refused because
         the server came back without our session is retried once, in a new one."""
         src = np.frombuffer(memoryview(obj).cast("B"), np.uint8)
-        session = self._session
-        if self._segment is None or session is None:  # one goes with the other
+        session = self._planes.session
+        if session is None:
             return await self.put_parts(key, [memoryview(src)], len(src), parent_hash)
         if not self._may_write(key) or not session.writable:
             return self._put_done(PutResult.FAILED, len(src))  # refused here: nothing to retry
@@ -103,7 +77,7 @@ class PutMixin:
             finally:
                 result = await self.commit(res, ok)
         if result is PutResult.FAILED and retry and await self._segment_changed():
-            self.counters.put_failures -= 1  # the retry counts instead
+            self._counters.put_failures -= 1  # the retry counts instead
             return await self.put(key, obj, parent_hash, retry=False)
         return result
 
@@ -112,29 +86,29 @@ class PutMixin:
         """``PutStart``: a region of the segment to write ``size`` bytes into, or the final
         outcome (EXISTS, NO_ROOM, FAILED when the server refuses)."""
         self.check_size(size)
-        session = self._session
-        if self._segment is None or session is None:  # one goes with the other
-            raise ConfigError(f"reserve needs the shared-memory data plane ({self.shm_refusal})")
+        session = self._planes.session
+        if session is None:
+            raise ConfigError(f"reserve needs the shared-memory data plane ({self._planes.shm_refusal})")
         if not self._may_write(key) or not session.writable:
             return self._put_done(PutResult.FAILED, size)
         segment = session.array  # held: a concurrent remap cannot unmap it under us
         start = _put_start(key, size, parent_hash)
         start.session = session.session_id
-        r = await self._unary("PutStart", start, answers=_REFUSED_PUT)
+        r = await self._rpc.unary("PutStart", start, answers=_REFUSED_PUT)
         if isinstance(r, Code) or r.outcome != pb.PUT_OUTCOME_UNSPECIFIED:
             return self._put_done(PutResult.FAILED if isinstance(r, Code) else _outcome(r.outcome), size)
         if r.length != size or r.offset + size > len(segment):
-            await self._unary("PutCommit", pb.PutCommitRequest(put_id=r.put_id, abort=True), answers=_REFUSED_PUT)
-            raise TierError(f"store {self.target}: PutStart answered [{r.offset}, +{r.length}) for {size} bytes")
+            await self._rpc.unary("PutCommit", pb.PutCommitRequest(put_id=r.put_id, abort=True), answers=_REFUSED_PUT)
+            raise TierError(f"store {self._rpc.target}: PutStart answered [{r.offset}, +{r.length}) for {size} bytes")
         return Reservation(key, size, r.put_id, r.offset, r.ttl_ms, segment[r.offset : r.offset + size])
 
     async def commit(self, res: Reservation, ok: bool = True) -> PutResult:
         """``PutCommit`` (or abort when not ``ok``); the server verifies and publishes."""
-        r = await self._unary("PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok),
+        r = await self._rpc.unary("PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok),
                               answers=_REFUSED_PUT)
         result = PutResult.FAILED if isinstance(r, Code) or not ok else _outcome(r.outcome)
         if isinstance(r, Code):
-            log.warning("kvstore: store %s refused commit of %r: %s", self.target, res.key, r.name)
+            log.warning("kvstore: store %s refused commit of %r: %s", self._rpc.target, res.key, r.name)
         return self._put_done(result, res.size)
 
     async def put_parts(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
@@ -146,17 +120,17 @@ class PutMixin:
             raise ConfigError(f"put of {key!r}: parts hold {sum(len(p) for p in parts)} bytes, not {size}")
         if not self._may_write(key):
             return self._put_done(PutResult.FAILED, size)
-        if self._data is not None:
+        if self._planes.data is not None:
             return await self._put_tcp(key, parts, size, parent_hash)
-        call = self._put_stream(timeout=self._deadline(size), metadata=self._metadata)
+        call = self._rpc.put_stream(timeout=self._rpc.deadline(size), metadata=self._rpc.metadata)
         try:
             await self._write_frames(call, pb.PutFrame(start=_put_start(key, size, parent_hash)), parts)
             resp = await call
         except grpc.aio.AioRpcError as err:
             code = err.code()
             if code not in _REFUSED_PUT:
-                raise self._error("PutStream", err) from err
-            log.warning("kvstore: store %s refused put of %r: %s", self.target, key, code.name)
+                raise self._rpc.error("PutStream", err) from err
+            log.warning("kvstore: store %s refused put of %r: %s", self._rpc.target, key, code.name)
             return self._put_done(PutResult.FAILED, size)
         finally:
             if not call.done():
@@ -168,22 +142,22 @@ class PutMixin:
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         request = wire.encode_request(wire.Op.PUT, key, size, parent)
         parts = [memoryview(p).cast("B") for p in parts]
-        data = self._data
-        if data is None:  # callers check it first
-            raise LookupError(f"store {self.target}: a data put without a data channel")
-        reply = await self._data_request("data put", data.put(request, parts, self._deadline(size)))
+        channel = self._planes.data
+        if channel is None:
+            raise TierUnavailableError(f"store {self._rpc.target}: no data channel ({self._planes.tcp_refusal})")
+        reply = await self._planes.data_request("data put", channel.put(request, parts, self._rpc.deadline(size)))
         if reply.code:
             code = CODES.get(reply.code, Code.UNKNOWN)
             if code not in _REFUSED_PUT:
-                raise self._status_error("data put", code, reply.message)
-            log.warning("kvstore: store %s refused put of %r: %s", self.target, key, code.name)
+                raise self._rpc.status_error("data put", code, reply.message)
+            log.warning("kvstore: store %s refused put of %r: %s", self._rpc.target, key, code.name)
             return self._put_done(PutResult.FAILED, size)
         return self._put_done(_outcome(reply.flag), size)
 
     async def _write_frames(self, call, start: pb.PutFrame, parts: Sequence[memoryview]) -> None:
         """The start frame, then ``frame_bytes`` slices of ``parts``; stops early when the
         server has already answered (EXISTS, NO_ROOM, an error)."""
-        frame = self._info.frame_bytes or (1 << 20)
+        frame = self._rpc.server.frame_bytes or (1 << 20)
         try:
             await call.write(start.SerializeToString())
             for part in parts:
@@ -195,7 +169,7 @@ class PutMixin:
             return  # the call finished first: its reply (or status) tells the outcome
 
     def _put_done(self, result: PutResult, size: int) -> PutResult:
-        c = self.counters
+        c = self._counters
         if result is PutResult.STORED:
             c.puts += 1
             c.bytes_written += size
@@ -209,20 +183,20 @@ class PutMixin:
         """Whether ``Hello`` granted "write": a put the token may not make is refused here,
         without a round trip (the server would answer PERMISSION_DENIED, once it has read
         the stream)."""
-        if "write" in self._info.permissions:
+        if "write" in self._rpc.server.permissions:
             return True
-        if self.counters.put_failures == 0:  # once per client: a read-only client puts often
+        if self._counters.put_failures == 0:  # once per client: a read-only client puts often
             log.warning("kvstore: puts to store %s fail: the token lacks the write permission (first: %r)",
-                        self.target, key)
+                        self._rpc.target, key)
         return False
 
     def check_size(self, size: int) -> None:
         """``ConfigError`` below a header's size, ``CapacityError`` above the store's limit."""
         if size < codec.HEADER_SIZE:
             raise ConfigError(f"object of {size} bytes is smaller than its {codec.HEADER_SIZE}-byte header")
-        if self._info.max_object_bytes and size > self._info.max_object_bytes:
+        if self._rpc.server.max_object_bytes and size > self._rpc.server.max_object_bytes:
             raise CapacityError(f"object of {size} bytes exceeds the store's limit of "
-                                f"{self._info.max_object_bytes} bytes")
+                                f"{self._rpc.server.max_object_bytes} bytes")
 
     async def _copy_out(self, dst: np.ndarray, src: np.ndarray) -> None:
         if len(src) <= INLINE_BYTES:
@@ -245,4 +219,4 @@ def _outcome(value: int) -> PutResult:
     return _OUTCOMES.get(value, PutResult.FAILED)
 
 
-__all__ = ["PutMixin"]
+__all__ = ["Writer"]

@@ -2,6 +2,13 @@
 
 Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, docs/architecture.md#the-store-process):
 
+* Composed of collaborators built in the constructor, each owning its part: ``rpc``
+  (``kvstore.client.rpc.Rpc``: the gRPC channel and stubs, the metadata, what ``Hello``
+  said), ``planes`` (``kvstore.client.planes.Planes``: the shared-memory session and the
+  TCP data channel), ``reader`` (``kvstore.client.leases.LeasedReader``: same-host reads
+  under a lease, their release queue) and ``writer`` (``kvstore.client.put.Writer``).  The
+  client owns the counters and the copy threads and passes them, and ``rpc`` and
+  ``planes``, to the others by reference; it checks and rekeys what any plane read.
 * ``connect`` calls ``Hello`` and picks the data plane (``kvstore.client.planes``): shared
   memory on the same host (the tenant's pool, through a session with the server's gate),
   else the raw TCP data channel, else gRPC streams, as the transport allows (``auto``: the
@@ -17,16 +24,18 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
   large objects, checksummed on a second thread meanwhile), the data channel's bytes
   received straight into it, or one copy per received gRPC frame.
   A buffer is never written after ``read_into`` returns or raises.  A same-host read is one
-  round trip: the lease is released later, in batches (``client_leases``), unless the copy
+  round trip: the lease is released later, in batches (``kvstore.client.leases``), unless the copy
   outran the lease's window, when the server is asked whether it still held.
 * Every RPC carries a deadline (``timeout_s``, plus time for the bytes on streams) and the
   ``authorization: Bearer <token>`` metadata; ``connect`` given no token uses this user's
-  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status codes become domain errors in
-  one place (``_error``): transport failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise
-  ``TierUnavailableError``; a put the server refuses (PERMISSION_DENIED,
-  FAILED_PRECONDITION, NOT_FOUND) is ``PutResult.FAILED``, not an exception.
-* ``_after_copy`` (tests only): an awaitable factory awaited between the copy out of the
-  segment and the lease check, so a test can let a short lease expire mid-read.
+  default token file, if there is one (``kvstore.localtoken``; docs/exposure.md).  Status
+  codes become domain errors in one place (``Rpc.status_error``): transport failures
+  (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) raise ``TierUnavailableError``; a put the
+  server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND) is
+  ``PutResult.FAILED``, not an exception.
+* ``_after_copy`` (tests only; ``LeasedReader``'s ``after_copy``): an awaitable factory
+  awaited between the copy out of the segment and the lease check, so a test can let a
+  short lease expire mid-read.
 * ``close`` sends the queued lease releases first (so do ``delete`` and ``stats``).
 
 One client belongs to one event loop.
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 
@@ -45,63 +55,84 @@ import xxhash
 
 from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore._proto import kvstore_pb2_grpc as pb_grpc
-from kvstore.client.datachannel import DataChannel
 from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
-from kvstore.client.info import TIER_NAMES, ClientCounters, RemoteLookup, ServerInfo, Transport, data_tls, open_channel
-from kvstore.client.leases import RELEASE_DELAY_S, LeasedGetMixin, ReleaseQueue
-from kvstore.client.planes import CODES, PlanesMixin
-from kvstore.client.put import PutMixin
-from kvstore.client.shmsession import ShmSession
-from kvstore.errors import CapacityError, ConfigError, LeaseError, ObjectFormatError, TierError, TierUnavailableError
+from kvstore.client.info import (
+    TIER_NAMES,
+    ClientCounters,
+    RemoteLookup,
+    Reservation,
+    ServerInfo,
+    Transport,
+    data_tls,
+    open_channel,
+)
+from kvstore.client.leases import RELEASE_DELAY_S, LeasedReader
+from kvstore.client.planes import CODES, Planes
+from kvstore.client.put import Writer
+from kvstore.client.rpc import Rpc
+from kvstore.errors import ConfigError, ObjectFormatError, TierError
 from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
 from kvstore.wire import data as wire
+from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
-_TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED})
-_STREAM_BYTES_PER_S = 100e6   # deadline allowance for streamed bytes (far below the real rate)
 
 
-class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
-    """A connection to one store process (see the module docstring)."""
+class StoreClient:
+    """A connection to one store process (see the module docstring).  Owns its collaborators
+    (``rpc``, ``planes``, ``reader``, ``writer``), the ``counters`` and the copy threads, and
+    caches the namespaces scoped to the token's tenant."""
 
     def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
                  transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None,
-                 release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None) -> None:
+                 release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None,
+                 *, tls: ssl.SSLContext | None = None, server_name: str | None = None) -> None:
         self.target = target
-        # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
-        self.lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
         self.timeout_s = timeout_s
         self.transport = transport
         self.counters = ClientCounters()
-        self.info: ServerInfo | None = None
-        self._channel = channel
-        self._stub = pb_grpc.KVStoreStub(channel)
-        # Hand-coded messages (see client_io): the streams' frames and Lookup requests are bytes.
-        self._get_stream = channel.unary_stream("/kvstore.v1.KVStore/GetStream",
-                                                request_serializer=pb.GetRequest.SerializeToString,
-                                                _registered_method=True)
-        self._put_stream = channel.stream_unary("/kvstore.v1.KVStore/PutStream",
-                                                response_deserializer=pb.PutCommitResponse.FromString,
-                                                _registered_method=True)
-        self._lookup_call = channel.unary_unary("/kvstore.v1.KVStore/Lookup",
-                                                response_deserializer=pb.LookupResponse.FromString,
-                                                _registered_method=True)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._token = token
-        self._tls = None           # the data channel's TLS context (set by connect)
-        self._server_name: str | None = None
-        self._data: DataChannel | None = None
-        self._after_copy = after_copy
-        self._session: ShmSession | None = None   # the shared-memory session (kvstore.client.planes)
+        self.rpc = Rpc(channel, target, token, timeout_s, self.counters)
+        self.planes = Planes(target, transport, timeout_s, token, tls, server_name,
+                             ticket=self.rpc.ticket, status_error=self.rpc.status_error)
         self._copier = Copier()
-        self._releases = ReleaseQueue(self._send_releases, lambda: self._info.max_keys_per_call,
-                                      release_delay_s)
+        # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
+        lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
+        self.reader = LeasedReader(self.rpc, self.planes, self.counters, self._copier, lease_ms,
+                                   release_delay_s, after_copy)
+        self.writer = Writer(self.rpc, self.planes, self.counters, self._copier, self._segment_changed)
         self._scoped: dict[bytes, Namespace] = {}
-        self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
-        self.tcp_refusal = ""   # why the TCP data channel is not used ("" when it is)
+
+    # --- what the collaborators own --------------------------------------------------
+
+    @property
+    def info(self) -> ServerInfo | None:
+        """What the last ``Hello`` said (None before it)."""
+        return self.rpc.info
+
+    @property
+    def lease_ms(self) -> int:
+        """The lease each Get asks for (0: the server's default)."""
+        return self.reader.lease_ms
+
+    @property
+    def uses_shm(self) -> bool:
+        return self.planes.uses_shm
+
+    @property
+    def uses_tcp(self) -> bool:
+        return self.planes.uses_tcp
+
+    @property
+    def shm_refusal(self) -> str:
+        """Why the shared-memory data plane is not used ("" when it is)."""
+        return self.planes.shm_refusal
+
+    @property
+    def tcp_refusal(self) -> str:
+        """Why the TCP data channel is not used ("" when it is)."""
+        return self.planes.tcp_refusal
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -129,8 +160,9 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         if not token:   # none given: the store's default token of this user, if any (kvstore.localtoken)
             token = local_token()
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
-        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s)
-        client._tls, client._server_name = data_tls(tls_ca, tls_cert, tls_key), tls_server_name
+        tls = data_tls(tls_ca, tls_cert, tls_key)
+        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s,
+                     tls=tls, server_name=tls_server_name)
         try:
             await client.refresh(wait_for_ready=True)
         except BaseException:
@@ -140,20 +172,18 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
 
     async def refresh(self, *, wait_for_ready: bool = False) -> ServerInfo:
         """``Hello`` again; remap the segment if the server has a new one (a restart)."""
-        resp = await self._unary("Hello", pb.HelloRequest(), wait_for_ready=wait_for_ready)
-        info = ServerInfo.from_pb(resp)
-        self.info = info
-        await self._choose_planes(info)
+        info = await self.rpc.hello(wait_for_ready=wait_for_ready)
+        await self.planes.choose(info)
         return info
 
     async def close(self) -> None:
         """Send queued lease releases, close the data channel and the gRPC channel, stop
         the copy threads (after any copy in flight), unmap."""
         await self.flush_releases()
-        await self._drop_data("closed")
-        await self._channel.close()
+        await self.planes.drop_data("closed")
+        await self.rpc.close()
         self._copier.close()
-        self._drop_segment()
+        self.planes.drop_segment()
 
     async def __aenter__(self) -> StoreClient:
         return self
@@ -168,8 +198,8 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         sharing namespace and tag (at most ``max_keys_per_call`` each), stopping at a miss."""
         tiers: list[str] = []
         sizes: list[int] = []
-        for request, asked in lookup_requests(keys, max(1, self._info.max_keys_per_call)):
-            resp = await self._unary("Lookup", request, call=self._lookup_call)
+        for request, asked in lookup_requests(keys, max(1, self.rpc.server.max_keys_per_call)):
+            resp = await self.rpc.unary("Lookup", request, call=self.rpc.lookup_call)
             codes, found, hits = resp.tiers[:], resp.sizes[:], resp.hits  # [:]: lists, fastest
             if not hits <= asked or len(codes) != hits or len(found) != hits:
                 raise TierError(f"store {self.target}: malformed Lookup reply ({hits} hits for "
@@ -193,9 +223,9 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         """Copy the verified object into ``buf`` (rekeyed to ``key``); its length or None."""
         dst = _writable(buf)
         self.counters.gets += 1
-        if self._segment is not None:
+        if self.planes.segment is not None:
             n = await self._get_shm(key, dst)
-        elif self._data is not None:
+        elif self.planes.data is not None:
             n = await self._get_tcp(key, dst)
         else:
             n = await self._get_streamed(key, dst)
@@ -207,20 +237,26 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
             self.counters.bytes_read += n
         return n
 
+    async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
+        """A leased read out of the pool (``LeasedReader.get``), checked here."""
+        got = await self.reader.get(key, dst)
+        return None if got is None else await self._checked(key, dst, *got, retry, shm=True)
+
     async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:
         """One round trip on the data channel; the bytes land in ``dst``."""
-        assert self._data is not None
-        reply = await self._data_request("data get", self._data.get(
-            wire.encode_request(wire.Op.GET, key), memoryview(dst), self._deadline(len(dst))))
+        data = self.planes.data
+        assert data is not None
+        reply = await self.planes.data_request("data get", data.get(
+            wire.encode_request(wire.Op.GET, key), memoryview(dst), self.rpc.deadline(len(dst))))
         if reply.code:
-            raise self._status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
+            raise self.rpc.status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
         if not reply.flag:
             return None
         return await self._checked(key, dst, reply.length, reply.digest, False, shm=False)
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
-        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
-        call = self._get_stream(req, timeout=self._deadline(len(dst)), metadata=self._metadata)
+        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.reader.lease_ms)
+        call = self.rpc.get_stream(req, timeout=self.rpc.deadline(len(dst)), metadata=self.rpc.metadata)
         view = memoryview(dst)
         try:
             first = await self._read_frame(call)
@@ -248,7 +284,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         try:
             raw = await call.read()
         except grpc.aio.AioRpcError as err:
-            raise self._error("GetStream", err) from err
+            raise self.rpc.error("GetStream", err) from err
         return None if raw is grpc.aio.EOF else decode_get_frame(raw)
 
     async def _checked(self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes, retry: bool,
@@ -260,7 +296,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
             return n
         except ObjectFormatError as err:
             if shm and retry and await self._segment_changed():
-                return await self._get_shm(key, dst, retry=False) if self._segment is not None \
+                return await self._get_shm(key, dst, retry=False) if self.planes.segment is not None \
                     else await self._get_streamed(key, dst)
             self.counters.corrupt += 1
             log.warning("kvstore: damaged object %r from store %s (%s): deleting it", key, self.target, err)
@@ -269,9 +305,38 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
             return None
 
     async def _segment_changed(self) -> bool:
-        before = self._segment_id
+        before = self.planes.segment_id
         await self.refresh()
-        return self._segment_id != before
+        return self.planes.segment_id != before
+
+    async def flush_releases(self) -> None:
+        """Send the queued lease releases now and wait for them (and those in flight)."""
+        await self.reader.flush_releases()
+
+    # --- writes (``Writer``) -------------------------------------------------------------
+
+    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
+                  *, retry: bool = True) -> PutResult:
+        """Publish a complete object (``Writer.put``)."""
+        return await self.writer.put(key, obj, parent_hash, retry=retry)
+
+    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None
+                      ) -> Reservation | PutResult:
+        """``PutStart``: a region of the segment, or the final outcome (``Writer.reserve``)."""
+        return await self.writer.reserve(key, size, parent_hash)
+
+    async def commit(self, res: Reservation, ok: bool = True) -> PutResult:
+        """``PutCommit``, or abort when not ``ok`` (``Writer.commit``)."""
+        return await self.writer.commit(res, ok)
+
+    async def put_parts(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
+                        parent_hash: ChunkHash | None = None) -> PutResult:
+        """Send ``parts`` (``size`` bytes in all) as one object (``Writer.put_parts``)."""
+        return await self.writer.put_parts(key, parts, size, parent_hash)
+
+    def check_size(self, size: int) -> None:
+        """``ConfigError`` below a header's size, ``CapacityError`` above the store's limit."""
+        self.writer.check_size(size)
 
     # --- the rest ----------------------------------------------------------------------
 
@@ -280,7 +345,7 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
         answers = frozenset({Code.PERMISSION_DENIED}) if quiet else frozenset()
         await self.flush_releases()  # our own pins would keep a deleted slot taken a while
         req = pb.DeleteRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag)
-        r = await self._unary("Delete", req, answers=answers)
+        r = await self.rpc.unary("Delete", req, answers=answers)
         return not isinstance(r, Code) and r.deleted
 
     @property
@@ -292,17 +357,17 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
                        lora: str | None = None) -> bool:
         """Tell the store the tokens of ``key`` (for its KV events); False when it publishes
         none (then nothing is sent)."""
-        if not self._info.kv_events:
+        if not self.rpc.server.kv_events:
             return False
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         obj = pb.ObjectDescription(chunk_hash=key[32:64], parent_hash=parent, token_ids=tokens, lora_name=lora or "")
-        r = await self._unary("Describe", pb.DescribeRequest(namespace=key[:32], tag=key.tag, objects=[obj]))
+        r = await self.rpc.unary("Describe", pb.DescribeRequest(namespace=key[:32], tag=key.tag, objects=[obj]))
         return r.described > 0
 
     async def stats(self) -> dict[str, object]:
         """The server's stats document and flat counters, and this client's counters."""
         await self.flush_releases()  # the answer then reflects every read this client finished
-        resp = await self._unary("Stats", pb.StatsRequest())
+        resp = await self.rpc.unary("Stats", pb.StatsRequest())
         try:
             doc = json.loads(resp.json) if resp.json else {}
         except ValueError as err:
@@ -311,56 +376,14 @@ class StoreClient(PlanesMixin, LeasedGetMixin, PutMixin):
 
     # --- plumbing ----------------------------------------------------------------------
 
-    @property
-    def _info(self) -> ServerInfo:
-        if self.info is None:
-            raise TierUnavailableError(f"store {self.target}: not connected (no Hello yet)")
-        return self.info
-
     def _scoped_key(self, key: ObjectKey) -> ObjectKey:
         ns = key[:32]
         scoped = self._scoped.get(ns)
         if scoped is None:
             if len(self._scoped) > 4096:
                 self._scoped.clear()
-            scoped = self._scoped[ns] = Namespace(ns).scoped(self._info.tenant)
+            scoped = self._scoped[ns] = Namespace(ns).scoped(self.rpc.server.tenant)
         return ObjectKey(scoped, ChunkHash(key[32:64]), key.tag)
-
-    def _deadline(self, nbytes: int) -> float:
-        return self.timeout_s + nbytes / _STREAM_BYTES_PER_S
-
-    async def _unary(self, name: str, request, *, answers: frozenset = frozenset(),
-                     wait_for_ready: bool | None = None, call=None):
-        """The reply, or its status code when that is one of ``answers`` (``call``: a
-        multicallable of ``name`` other than the stub's, e.g. one taking encoded bytes)."""
-        try:
-            return await (call or getattr(self._stub, name))(
-                request, timeout=self.timeout_s, metadata=self._metadata, wait_for_ready=wait_for_ready)
-        except grpc.aio.AioRpcError as err:
-            if err.code() in answers:
-                return err.code()
-            raise self._error(name, err) from err
-        except grpc.aio.UsageError as err:
-            raise TierUnavailableError(f"store {self.target}: client is closed") from err
-
-    def _error(self, name: str, err: grpc.aio.AioRpcError) -> Exception:
-        return self._status_error(name, err.code(), err.details())
-
-    def _status_error(self, name: str, code: grpc.StatusCode, details: str | None) -> Exception:
-        """The one place status codes (of gRPC calls and data-channel replies) become
-        domain errors."""
-        text = f"store {self.target}: {name} failed: {code.name}: {details}"
-        if code in _TRANSPORT_CODES:
-            self.counters.transport_errors += 1
-            return TierUnavailableError(text)
-        self.counters.errors += 1
-        if code in (Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE):
-            return ConfigError(text)
-        if code is Code.RESOURCE_EXHAUSTED:
-            return CapacityError(text)
-        if code is Code.NOT_FOUND:
-            return LeaseError(text)
-        return TierError(text)
 
 
 def _writable(buf) -> np.ndarray:

@@ -15,6 +15,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.dataplane import decode_get_frame, encode_data_frame, lookup_requests
 from kvstore.client.info import ClientCounters
 from kvstore.client.leases import LeaseWindow
+from kvstore.client.rpc import Rpc
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
 from kvstore.keys import ROOT, Identity, object_keys
@@ -332,11 +333,11 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
         async with await StoreClient.connect(proc.target, transport="shm") as c:
             for key, obj in zip(keys[:2], objs[:2]):
                 assert await c.put(key, obj) is PutResult.STORED
-            leases = [await c._stub.Get(pb.GetRequest(namespace=k[:32], chunk_hash=k[32:64], tag=k.tag),
-                                        timeout=5, metadata=c._metadata)
+            leases = [await c.rpc.stub.Get(pb.GetRequest(namespace=k[:32], chunk_hash=k[32:64], tag=k.tag),
+                                           timeout=5, metadata=c.rpc.metadata)
                       for k in keys[:2]]   # held: never released here
             held = leases[0]
-            before = c._segment.array[held.offset:held.offset + MiB].copy()
+            before = c.planes.segment.array[held.offset:held.offset + MiB].copy()
             assert await c.delete(keys[0]) is True
             assert (await c.lookup(keys[:1])).hits == 0                     # hidden at once
             assert await c.read_into(keys[0], memoryview(buf)) is None       # new reads miss
@@ -344,13 +345,13 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
             assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
                 (2 * MiB, 1, 2)
             assert await c.put(keys[2], objs[2]) is PutResult.NO_ROOM      # the room is pinned
-            assert np.array_equal(c._segment.array[held.offset:held.offset + MiB], before)
-            assert await c._release(held.lease_id) is False                 # deleted: conservative
+            assert np.array_equal(c.planes.segment.array[held.offset:held.offset + MiB], before)
+            assert await c.reader.release(held.lease_id) is False           # deleted: conservative
             counters = await _server_counters(c)
             assert (counters["host.bytes_used"], counters["host.doomed"], counters["host.refs_held"]) == \
                 (MiB, 0, 1)
             assert await c.put(keys[2], objs[2]) is PutResult.STORED        # now it fits
-            assert await c._release(leases[1].lease_id) is True
+            assert await c.reader.release(leases[1].lease_id) is True
             assert await c.read_into(keys[2], memoryview(buf)) == MiB and np.array_equal(buf, objs[2])
             counters = await _server_counters(c)
             assert (counters["leases_held"], counters["host.refs_held"]) == (0, 0)
@@ -364,11 +365,11 @@ async def test_damaged_object_is_a_counted_miss_and_deleted(store):
     buf = np.empty(len(obj), np.uint8)
     async with await StoreClient.connect(store.target, transport="shm") as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
-        got = await client._stub.Get(pb.GetRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
-                                                   tag=keys[0].tag), timeout=5, metadata=client._metadata)
-        client._segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
-        await client._stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5,
-                                        metadata=client._metadata)
+        got = await client.rpc.stub.Get(pb.GetRequest(namespace=keys[0][:32], chunk_hash=keys[0][32:64],
+                                                      tag=keys[0].tag), timeout=5, metadata=client.rpc.metadata)
+        client.planes.segment.array[got.offset + 5000] ^= 0xFF       # damage it in the server's pool
+        await client.rpc.stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]), timeout=5,
+                                           metadata=client.rpc.metadata)
         assert await client.read_into(keys[0], memoryview(buf)) is None
         assert client.counters.corrupt == 1
         assert (await client.lookup(keys)).hits == 0           # deleted on the server
@@ -446,9 +447,9 @@ def test_lease_window_counts_from_the_last_start():
     assert window.holds(100.33) and not window.holds(100.34)
 
 
-def test_grpc_codes_are_translated_in_one_place():
-    client = StoreClient.__new__(StoreClient)
-    client.target, client.counters = "h:1", ClientCounters()
+async def test_grpc_codes_are_translated_in_one_place():
+    counters = ClientCounters()
+    rpc = Rpc(grpc.aio.insecure_channel("h:1"), "h:1", None, 1.0, counters)
 
     def err(code):
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="why")
@@ -458,10 +459,13 @@ def test_grpc_codes_are_translated_in_one_place():
              grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
              grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
              grpc.StatusCode.PERMISSION_DENIED: TierError}
-    for code, kind in cases.items():
-        e = client._error("Get", err(code))
-        assert type(e) is kind and code.name in str(e) and "h:1" in str(e)
-    assert (client.counters.transport_errors, client.counters.errors) == (2, 3)
+    try:
+        for code, kind in cases.items():
+            e = rpc.error("Get", err(code))
+            assert type(e) is kind and code.name in str(e) and "h:1" in str(e)
+    finally:
+        await rpc.close()
+    assert (counters.transport_errors, counters.errors) == (2, 3)
 
 
 async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
@@ -483,16 +487,16 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
                 await StoreClient.connect(proc.target, transport="shm") as putter:
             for key, obj in zip(keys[:2], objs[:2]):   # keys[0] first in the old segment
                 assert await putter.put(key, obj) is PutResult.STORED
-            old = {client: client._segment_id for client in (getter, putter)}   # their sessions
+            old = {client: client.planes.segment_id for client in (getter, putter)}   # their sessions
             assert proc.terminate(30) == 0
             proc.start()
             for client in (getter, putter):
-                await asyncio.wait_for(client._channel.channel_ready(), 10)
+                await asyncio.wait_for(client.rpc.channel.channel_ready(), 10)
             assert await getter.read_into(keys[1], memoryview(buf)) == 2 * MiB   # promoted to offset 0
             assert np.array_equal(buf, objs[1])
             assert await putter.put(keys[2], objs[2]) is PutResult.STORED
             for client in (getter, putter):
-                assert client._segment_id not in (None, old[client])
+                assert client.planes.segment_id not in (None, old[client])
                 assert (client.counters.corrupt, client.counters.put_failures) == (0, 0)
             assert (await getter.lookup(keys)).hits == 3
     finally:
@@ -562,16 +566,16 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
             leases = []
             for key in keys:
                 assert await client.put(key, sealed(key, 4096, 51)) is PutResult.STORED
-                got = await client._stub.Get(pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64],
-                                                           tag=key.tag), timeout=5, metadata=client._metadata)
+                got = await client.rpc.stub.Get(pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64],
+                                                              tag=key.tag), timeout=5, metadata=client.rpc.metadata)
                 leases.append(got.lease_id)
-            assert await client._renew(leases[0], 5000) == 5000
+            assert await client.reader.renew(leases[0], 5000) == 5000
             async with asyncio.timeout(10):
                 while (await _server_counters(client))["leases_held"] != 1:
                     await asyncio.sleep(0.02)
-            assert await client._release(leases[0]) is True      # renewed: still valid
-            assert await client._release(leases[1]) is False     # not renewed: expired
-            assert await client._renew(leases[1], 300) is None   # unknown now: NOT_FOUND
+            assert await client.reader.release(leases[0]) is True      # renewed: still valid
+            assert await client.reader.release(leases[1]) is False     # not renewed: expired
+            assert await client.reader.renew(leases[1], 300) is None   # unknown now: NOT_FOUND
     finally:
         assert proc.terminate(30) == 0
 

@@ -225,13 +225,13 @@ async def test_restart_on_the_same_ports_reconnects_once(tmp_path):
     try:
         async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=10) as client:
             assert await client.put(keys[0], obj) is PutResult.STORED
-            assert client._data.opened == 1
+            assert client.planes.data.opened == 1
             assert proc.terminate(30) == 0                            # write-through to SSD first
             proc.start()
-            await client._channel.channel_ready()
+            await client.rpc.channel.channel_ready()
             assert await client.read_into(keys[0], memoryview(buf)) == len(obj)   # from SSD
             assert np.array_equal(buf, obj)
-            assert (client._data.retries, client._data.opened) == (1, 2)
+            assert (client.planes.data.retries, client.planes.data.opened) == (1, 2)
     finally:
         proc.kill()
 
@@ -245,7 +245,7 @@ async def test_a_new_data_port_after_restart_needs_a_refresh(tmp_path):
             old = client.info.data_port
             proc.terminate(30)
             proc.start()                                               # same gRPC port, new data port
-            await client._channel.channel_ready()
+            await client.rpc.channel.channel_ready()
             with pytest.raises(TierUnavailableError, match="data channel"):
                 await client.read_into(keys[0], memoryview(buf))
             await client.refresh()                                      # the breaker's probe does this

@@ -4,7 +4,7 @@ Runs on the machine of the bench (embedded store, no server).  For each size, th
 is filled through the real store core (``TieredStore.put_payload`` into a ``HostTier``; one
 pool per tenant with several tenants, as the store process has), and the SSD tier over
 object files written before it starts (the same bytes and paths its own put writes,
-``write_files``), timing its start-up scan.  Then, per operation: lookups of present keys
+``write_files``, then ``sync``), timing its start-up scan.  Then, per operation: lookups of present keys
 (hits) and of absent ones (misses), and puts of new keys into the full tier (each evicts
 an old one; SSD puts are the store's write-through, waited for).  Each row is a size's p50
 or p99 beside the same figure at the smallest size of the same run; the target is 2×.
@@ -156,6 +156,7 @@ async def ssd_run(size: int, tenants: int, ops: int, parent: Path) -> Run:
         root = Path(tmp) / "ssd"
         t0 = time.perf_counter()
         await asyncio.to_thread(write_files, root, keys, size)
+        await asyncio.to_thread(os.sync)  # the files' writeback must not land in the timed puts
         run.fill_s = time.perf_counter() - t0
         quotas = keys.quotas(size)
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ def register(sub) -> None:
     tiers.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
     tiers.add_argument("--repeat", type=int, default=7, help="repetitions per figure (median)")
     tiers.add_argument("--growth", action="store_true",
-                       help="instead: put/lookup p50/p99 as the tiers fill (docs/store-bounds.md)")
+                       help="instead: put/lookup p50/p99 as the tiers fill (docs/store-bounds.md#how-cost-grows)")
     tiers.add_argument("--host-sizes", type=_int_list, default=[10_000, 100_000, 1_000_000],
                        help="--growth: host tier object counts (default 10000,100000,1000000)")
     tiers.add_argument("--ssd-sizes", type=_int_list, default=[10_000, 100_000, 300_000],

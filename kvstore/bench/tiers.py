@@ -346,9 +346,29 @@ async def _run(args) -> list[Row]:
 
 
 def run(args) -> int:
+    if getattr(args, "growth", False):
+        return _run_growth(args)
     rows = asyncio.run(_run(args))
     title = f"kvstore bench tiers (median of {args.repeat}; limits measured in this run)"
     print_rows(title, rows)
     write_json(args.json, rows)
+    write_plot(getattr(args, "plot", None), title, rows)
+    return 0
+
+
+def _run_growth(args) -> int:
+    """``--growth``: only the growth rows (``kvstore.bench.growth``); ``--json`` writes
+    ``{"rows": [...], "runs": [...]}`` (each run's counts: objects held, hits, misses)."""
+    import json
+
+    from kvstore.bench import growth
+
+    runs = asyncio.run(growth.run_all(args.host_sizes, args.ssd_sizes, args.tenants, args.ops, args.dir))
+    rows = growth.rows_of(runs)
+    title = f"kvstore bench tiers --growth ({args.ops} operations each; reference: the smallest size, same run)"
+    print_rows(title, rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [r.as_dict() for r in rows],
+                                               "runs": [growth.run_dict(r) for r in runs]}, indent=2))
     write_plot(getattr(args, "plot", None), title, rows)
     return 0

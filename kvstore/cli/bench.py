@@ -10,6 +10,17 @@ def register(sub) -> None:
     tiers.add_argument("--json", help="write the rows as JSON to this file")
     tiers.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
     tiers.add_argument("--repeat", type=int, default=7, help="repetitions per figure (median)")
+    tiers.add_argument("--growth", action="store_true",
+                       help="instead: put/lookup p50/p99 as the tiers fill (docs/store-bounds.md#how-cost-grows)")
+    tiers.add_argument("--host-sizes", type=_int_list, default=[10_000, 100_000, 1_000_000],
+                       help="--growth: host tier object counts (default 10000,100000,1000000)")
+    tiers.add_argument("--ssd-sizes", type=_int_list, default=[10_000, 100_000, 300_000],
+                       help="--growth: SSD tier object counts, files written before it starts "
+                            "(default 10000,100000,300000)")
+    tiers.add_argument("--tenants", type=_int_list, default=[1, 4],
+                       help="--growth: tenant counts, objects spread over their namespaces (default 1,4)")
+    tiers.add_argument("--ops", type=positive, default=2000,
+                       help="--growth: timed operations of each kind per size (default 2000)")
     tiers.set_defaults(func=_tiers)
     _register_store(suites)
     _register_redis(suites)

@@ -32,7 +32,6 @@ from kvstore.bench.common import Row
 from kvstore.keys import DIGEST_SIZE, ChunkHash, Identity, ObjectKey
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult
-
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
 from tiers.ssd_files import object_path

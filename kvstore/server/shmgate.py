@@ -6,8 +6,10 @@ uid, token or not, and one pool for all tenants lets each tenant read and rewrit
 others' objects.  Each tenant's pool is an anonymous memfd instead (``tiers.host``), and it
 leaves the server only here (format: ``kvstore.wire.shm``):
 
-1. The peer's credentials (``SO_PEERCRED``) must be the server's own uid (or root): other
-   users get nothing, whatever their token.
+1. The peer's credentials (``SO_PEERCRED``), checked against the tenant of the token in the
+   hello: a tenant with ``uid``/``gid`` in the tokens file admits that uid or primary group
+   only, a tenant without them the server's own uid only (root always; docs/tenant-uids.md).
+   Other users get nothing, whatever their token.
 2. The hello carries a single-use ticket (``OpenData``, bound to the gRPC caller's tenant and
    permissions) and the bearer token, checked as on the data channel; the principal needs
    ``shm``.  The session counts against the tenant's ``connections`` quota.
@@ -56,6 +58,10 @@ MAX_SESSIONS = 1024
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
+class PeerRefusedError(PermissionDeniedError):
+    """The peer's uid/gid is not one the tenant of its token admits (counted as ``shm_uid``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Session:
     session_id: int
@@ -84,12 +90,14 @@ class ShmGate:
         self.refused = 0
 
     async def start(self) -> str:
-        """Listen (mode 0600); the socket's path."""
+        """Listen (mode 0600, or 0666 when tenants name uids: the gate checks them); the socket's path."""
         _remove_stale(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(str(self.path))
-            os.chmod(self.path, 0o600)
+            os.chmod(self.path, 0o666 if self._tenant_uids() else 0o600)  # SO_PEERCRED decides: _admit
+            if self._own_dir and self._tenant_uids():
+                os.chmod(self.path.parent, 0o711)
         except OSError as err:
             listener.close()
             raise ConfigError(f"cannot serve the shared-memory socket {self.path}: {err.strerror or err}") from err
@@ -147,17 +155,16 @@ class ShmGate:
                 self._end(session)
 
     async def _open(self, conn: socket.socket) -> Session | None:
-        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, gid = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         try:
-            if uid not in (os.getuid(), 0):
-                raise PermissionDeniedError(f"uid {uid} may not map this store's memory (only uid {os.getuid()})")
             who = await asyncio.wait_for(self._hello(conn), self.hello_timeout)
             who.require(Permission.SHM)
+            self._admit(who.tenant, uid, gid)
             if len(self.sessions) >= MAX_SESSIONS:
                 raise CapacityError(f"the gate serves its most sessions ({MAX_SESSIONS}) at once")
             self.tenants.take(who.tenant, "connections")
         except (KVStoreError, TimeoutError, UnicodeDecodeError) as err:
-            self._refuse("hello")
+            self._refuse("uid" if isinstance(err, PeerRefusedError) else "hello")
             _reply_error(conn, err)
             return None
         session = Session(secrets.randbits(63) | 1, who.tenant, who.allows(Permission.WRITE), pid)
@@ -168,6 +175,29 @@ class ShmGate:
             raise
         self.sessions[session.session_id] = session
         return session
+
+    def _admit(self, tenant: str, uid: int, gid: int) -> None:
+        """Refuse a peer whose uid/gid the tenant of its token does not name (docs/tenant-uids.md).
+
+        Root is admitted always.  A tenant with ``uid``/``gid`` in the tokens file admits a peer of
+        that uid or of that (primary) group, and not the store's own uid; a tenant without them admits
+        the store's own uid only."""
+        limits = self.tenants.limits.get(tenant)
+        named = (limits.uid, limits.gid) if limits is not None else (None, None)
+        if uid == 0:
+            return
+        if named == (None, None):
+            if uid != os.getuid():
+                raise PeerRefusedError(f"uid {uid} may not map tenant {tenant!r}'s memory "
+                                            f"(only uid {os.getuid()}: the tenant names no uid/gid)")
+            return
+        if uid != named[0] and (named[1] is None or gid != named[1]):
+            raise PeerRefusedError(f"uid {uid} (gid {gid}) may not map tenant {tenant!r}'s memory "
+                                        f"(only uid {named[0]} / gid {named[1]})")
+
+    def _tenant_uids(self) -> bool:
+        """Whether some tenant names a uid or gid of its own (then other uids must reach the socket)."""
+        return any(lim.uid is not None or lim.gid is not None for lim in self.tenants.limits.values())
 
     async def _hello(self, conn: socket.socket) -> Principal:
         ticket, token_len = wire.decode_hello(await _recv(conn, wire.HELLO.size))

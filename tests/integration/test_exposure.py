@@ -35,24 +35,15 @@ from kvstore.errors import ConfigError
 from kvstore.localtoken import default_token_path, ensure_token
 from kvstore.testing.serve_proc import ROOT, StoreProcess
 from tests.hostile_kit import keys
+from tests.kits.second_uid import NOBODY, json_as
 from tests.store_helpers import KiB, Objects, StoreClient
 
-NOBODY = 65534
 TENANT_A_UID = 61001
 
 
 def as_uid(uid: int, code: str, env: dict | None = None) -> dict:
-    """Run ``code`` (which prints one JSON line) as ``uid`` (group ``uid``, no other groups).
-    What it imports is loaded first, as root: the interpreter's own files lie under /root,
-    which another uid cannot read."""
-    preload = ("import json, socket, grpc, zmq\n"
-               "from kvstore._proto import kvstore_pb2, kvstore_pb2_grpc\n"
-               "import kvstore.localtoken\n")
-    prelude = preload + f"import os\nos.setgroups([])\nos.setgid({uid})\nos.setuid({uid})\n"
-    run = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, cwd="/")
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    """Run ``code`` (which prints one JSON line) as ``uid`` (group ``uid``, no other groups)."""
+    return json_as(uid, uid, code, env=env)
 
 
 ATTACK = """

@@ -17,6 +17,7 @@ from kvstore.keys import ObjectKey
 from kvstore.wire import shm as shmwire
 from tests.data_kit import RawData, ticket_of
 from tests.hostile_kit import admin_counters, admin_doc, fd_links, get_request, keys, quiet, start_store
+from tests.kits.second_uid import run_as
 from tests.store_helpers import MiB, Objects, StoreClient, rpc_code, wait_until
 
 Code = grpc.StatusCode
@@ -161,26 +162,11 @@ def gate_code(path: str, ticket: bytes, token: str, uid: int | None = None) -> i
     """The gate's answer to a hello (from a child of another uid when ``uid`` is given)."""
     if uid is None:
         return _hello_code(path, ticket, token)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                            # the child: another user, same host
-        answer = b"\xff"                                    # it could not even ask
-        try:
-            os.close(read)
-            os.setgid(uid)
-            os.setuid(uid)
-            answer = bytes([_hello_code(path, ticket, token)])
-        except BaseException as err:  # noqa: BLE001 - reported to the parent
-            answer += repr(err).encode()[:200]
-        finally:
-            os.write(write, answer)
-            os._exit(0)
-    os.close(write)
-    answer = os.read(read, 512)
-    os.close(read)
-    os.waitpid(pid, 0)
-    assert len(answer) == 1, f"the child of uid {uid} failed: {answer[1:].decode(errors='replace')}"
-    return answer[0]
+    code = (f"from tests.integration.test_hostile_shm import _hello_code\n"
+            f"print(_hello_code({path!r}, bytes.fromhex({ticket.hex()!r}), {token!r}))\n")
+    run = run_as(uid, uid, code, preload=("tests.integration.test_hostile_shm",))
+    assert run.returncode == 0, f"the child of uid {uid} failed: {run.stderr[-1000:]}"
+    return int(run.stdout.strip().splitlines()[-1])
 
 
 def _hello_code(path: str, ticket: bytes, token: str) -> int:

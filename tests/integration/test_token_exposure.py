@@ -13,15 +13,16 @@ import sys
 
 from kvstore.errors import TierError
 from kvstore.testing.serve_proc import StoreProcess
+from tests.kits.second_uid import NOBODY, run_as
 
 SECRET = "tok-a-never-in-any-log-5e1d"
 
 
 def as_nobody(code: str) -> str:
     """Run ``code`` as uid/gid 65534 (an unprivileged user, never root); its stdout."""
-    prelude = "import os\nos.setgroups([])\nos.setgid(65534)\nos.setuid(65534)\n"
-    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    run = run_as(NOBODY, NOBODY, code, preload=())
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
 
 
 def test_a_malformed_tokens_file_fails_the_server_without_printing_its_tokens(tmp_path):

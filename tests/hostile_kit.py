@@ -9,6 +9,7 @@ Everything goes through real processes and sockets: ``tests.store_helpers.StoreC
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,25 @@ def keys(n: int, seed: int, tag: str = "r0") -> list[ObjectKey]:
     rng = np.random.default_rng(seed)
     ns = Namespace(rng.bytes(32))
     return [ObjectKey(ns, ChunkHash(rng.bytes(32)), tag) for _ in range(n)]
+
+
+def refused(target: str, token: str) -> dict[str, float]:
+    """The ``refused.*`` counters of ``token``'s tenant, as its own ``Stats`` shows them."""
+    with StoreClient(target, token) as c:
+        return {k.split(".", 1)[1]: v for k, v in c.stats()[1].items() if k.startswith("refused.")}
+
+
+def open_now(sock: socket.socket) -> bool:
+    """Whether the server still holds ``sock`` open: what it sent (an error reply) is read
+    and dropped; open until EOF or a reset."""
+    try:
+        while sock.recv(4096, socket.MSG_DONTWAIT):
+            pass
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def admin_counters(target: str) -> dict[str, float]:

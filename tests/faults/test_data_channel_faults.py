@@ -22,7 +22,7 @@ from kvstore.errors import TierUnavailableError
 from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import data as wire
 from tests.data_kit import RawData, ticket_of
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, random_key, wait_until, write_tokens
+from tests.store_helpers import KiB, MiB, Objects, StoreClient, random_key, wait_until
 from tiers.base import PutResult
 
 Code = grpc.StatusCode
@@ -33,13 +33,9 @@ TOKENS = [{"token": "ta", "tenant": "a", "permissions": ["read", "write"]},
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    work = tmp_path_factory.mktemp("data-faults")
-    tokens = write_tokens(work / "tokens.yaml", TOKENS)
-    proc = StoreProcess(work, "--host-capacity", "256MiB", "--auth-tokens", str(tokens),
-                        "--data-ticket-ttl", "0.3", "--put-ttl", "5").start()
-    yield proc
-    assert proc.terminate(30) == 0
+def store(store_process):
+    return store_process("--host-capacity", "256MiB", "--data-ticket-ttl", "0.3", "--put-ttl", "5", tokens=TOKENS,
+                         name="data-faults")
 
 
 @pytest.fixture(scope="module")

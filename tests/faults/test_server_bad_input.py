@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import _TAG_RE
 from kvstore.localtoken import local_token
-from kvstore.testing.serve_proc import StoreProcess
 from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
@@ -35,12 +34,10 @@ def valid_tag(tag: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    work = tmp_path_factory.mktemp("bad-input")
-    with StoreProcess(work, "--host-capacity", str(HOST), "--max-keys-per-call", str(MAX_KEYS),
-                      "--max-object-bytes", str(MAX_OBJECT), "--max-message-bytes", "2MiB",
-                      "--frame-bytes", "1MiB") as proc:
-        yield proc
+def store(store_process):
+    return store_process("--host-capacity", str(HOST), "--max-keys-per-call", str(MAX_KEYS),
+                         "--max-object-bytes", str(MAX_OBJECT), "--max-message-bytes", "2MiB", "--frame-bytes", "1MiB",
+                         name="bad-input")
 
 
 @pytest.fixture(scope="module")

@@ -36,10 +36,8 @@ sealed = kv.sealed
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    proc = StoreProcess(tmp_path_factory.mktemp("store"), "--host-capacity", "256MiB").start()
-    yield proc
-    assert proc.terminate(30) == 0
+def store(store_process):
+    return store_process("--host-capacity", "256MiB")
 
 
 @pytest.fixture(scope="module")
@@ -380,6 +378,7 @@ async def test_bad_arguments_raise_clear_errors(store):
     obj = sealed(keys[0], 2 * MiB, 11)
     async with await StoreClient.connect(store.target) as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
+        held = (await client.stats())["server"]["leases"]["held"]  # other tests' leases may still expire
         with pytest.raises(ConfigError, match="cannot hold"):
             await client.read_into(keys[0], memoryview(np.empty(MiB, np.uint8)))
         with pytest.raises(ConfigError, match="writable"):
@@ -388,7 +387,7 @@ async def test_bad_arguments_raise_clear_errors(store):
             await client.put(keys[0], np.zeros(client.info.max_object_bytes + 1, np.uint8))
         assert client.counters.hits == 0
         stats = await client.stats()
-        assert stats["server"]["leases"]["held"] == 0           # the refused read let go
+        assert stats["server"]["leases"]["held"] <= held        # the refused read let go of its lease
         assert await client.delete(keys[0])
     with pytest.raises(ConfigError, match="transport"):
         await StoreClient.connect(store.target, transport="carrier-pigeon")

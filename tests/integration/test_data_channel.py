@@ -37,10 +37,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    proc = StoreProcess(tmp_path_factory.mktemp("store"), "--host-capacity", "256MiB").start()
-    yield proc
-    assert proc.terminate(30) == 0
+def store(store_process):
+    return store_process("--host-capacity", "256MiB")
 
 
 @pytest.fixture(scope="module")

@@ -34,10 +34,8 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    proc = StoreProcess(tmp_path_factory.mktemp("store"), "--host-capacity", "128MiB").start()
-    yield proc
-    assert proc.terminate(30) == 0
+def store(store_process):
+    return store_process("--host-capacity", "128MiB")
 
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])

@@ -29,11 +29,8 @@ SIZES = [1 * KiB, 64 * KiB + 3, 1 * MiB, 3 * MiB + 5, 32 * MiB]
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    work = tmp_path_factory.mktemp("store")
-    with StoreProcess(work, "--host-capacity", "160MiB", "--ssd-dir", str(work / "ssd"),
-                      "--metrics-port", "0") as proc:
-        yield proc
+def store(store_process):
+    return store_process("--host-capacity", "160MiB", "--ssd-dir", "{work}/ssd", "--metrics-port", "0")
 
 
 @pytest.fixture(scope="module")

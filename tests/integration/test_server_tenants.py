@@ -7,8 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import KiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames, write_tokens
+from tests.store_helpers import KiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
 
 TOKENS = [
     {"token": "tok-a", "tenant": "a", "permissions": ["read", "write", "shm"]},
@@ -21,11 +20,8 @@ SIZE = 8 * KiB
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    work = tmp_path_factory.mktemp("tenants")
-    tokens = write_tokens(work / "tokens.yaml", TOKENS)
-    with StoreProcess(work, "--host-capacity", "32MiB", "--auth-tokens", str(tokens)) as proc:
-        yield proc
+def store(store_process):
+    return store_process("--host-capacity", "32MiB", tokens=TOKENS, name="tenants")
 
 
 @pytest.fixture(scope="module")

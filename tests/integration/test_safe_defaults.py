@@ -27,6 +27,19 @@ from tiers.host import HostTier
 from tiers.host_shm import SHM_DIR
 
 
+def process_list() -> list[str]:
+    """Every running process's command line, as ``ps`` shows it to any user."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:  # gone meanwhile
+                pass
+    return out
+
+
 def serve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "kvstore", "serve", "--host-capacity", "16MiB", *args],
@@ -122,6 +135,18 @@ def test_tokens_never_reach_logs_or_the_process_list(tmp_path):
         assert by_file.returncode == 0 and "tenants" in json.loads(by_file.stdout)
         assert by_env.returncode == 0 and json.loads(by_env.stdout)["tenant"] == "a"
         assert on_line.returncode == 0 and "--token puts the token in the process list" in on_line.stderr
+        # The process list itself: no running process's command line carries a token (the
+        # store was given a file; clients here use files or the environment).  The control,
+        # a process started with a token on its command line, shows the scan would see one.
+        control = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--token", "tok-control"])
+        try:
+            assert wait_until(lambda: "tok-control" in " ".join(process_list()), timeout=10)
+        finally:
+            control.kill()
+            control.wait()
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert b"--auth-tokens" in f.read()  # the store is in the list, with its tokens file's name
+        assert not [line for line in process_list() if "tok-" in line]
     finally:
         assert proc.terminate(30) == 0
     log = proc.log_text()

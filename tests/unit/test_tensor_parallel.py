@@ -42,6 +42,7 @@ class TPEngine:
         self.sched = SchedulerHalf(cfg, identity, page_bytes, SHAPE.block_size, workers=ranks,
                                    parts=per > 1)
         self.bufs, self.workers = [], []
+        self.saved = [0] * ranks  # bytes each rank's gathers wrote into host slots
         for r in range(ranks):
             if mla:   # one latent "head", the same on every rank
                 buf = self.full[:, :, :1].clone()
@@ -86,6 +87,8 @@ class TPEngine:
             self.errors |= worker.load_errors()
             if deliver is None or r in deliver:
                 reports.append(worker.take_report())
+                if reports[-1] is not None:
+                    self.saved[r] += reports[-1].bytes_saved
         merged = None
         for rep in filter(None, reports):
             merged = rep if merged is None else merged.merge(rep)
@@ -174,6 +177,8 @@ def test_mla_latent_kv_is_written_once_and_read_by_every_rank(tmp_path):
     e.request("a", tokens, BLOCKS, seed=10)
     e.step()
     assert e.sched.stats.saves_committed == 2
+    latent_pages = 2 * 2 * SHAPE.layers  # 2 chunks of 2 pages per layer, one latent "head" each
+    assert e.saved == [latent_pages * SHAPE.page_bytes // SHAPE.heads, 0]   # rank 0 wrote it; rank 1 nothing
     saved = [b.clone() for b in e.bufs]
     for b in e.bufs:
         b.zero_()

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import LeaseError
+from kvstore.server.auth import Permission, Principal
+from kvstore.server.scoping import Scoper
 from tests.server_kit import LEASE_TTL, SLOT, FakeClock, gauges, keys, make_store, put, put_lower, scoped, sealed
 from tiers.base import PutResult
 from tiers.ssd import SSDTier
@@ -221,11 +223,20 @@ async def test_a_tenant_cannot_renew_or_release_another_tenants_lease(pool, cloc
 
 
 async def test_tenants_see_only_their_own_objects(pool):
+    """The same request bytes from two tenants' principals go through the servicer's own
+    scoping (``Scoper``, as every RPC and the data channel do): b's lookup and lease of the
+    key a stored miss, and b's put of it is a separate object."""
     store, _ = pool
     (key,) = keys(1)
+    scope, perms = Scoper(), frozenset(Permission)
+    raw = (bytes(key.namespace), bytes(key.chunk_hash), key.tag)       # what each client sends
+    client_a, as_a = scope.keys(Principal("a", perms), *raw)
+    client_b, as_b = scope.keys(Principal("b", perms), *raw)
+    assert client_a == client_b == key and as_a != as_b
     assert await put(store, key, tenant="a", seed=1) is PutResult.STORED
-    assert await store.lease(scoped(key, "b"), "b", LEASE_TTL) is None
-    assert await store.lookup([scoped(key, "b")]) == ([], [])
+    assert await store.lookup([as_a]) == (["host"], [SLOT])             # a finds it its own way
+    assert await store.lease(as_b, "b", LEASE_TTL) is None
+    assert await store.lookup([as_b]) == ([], [])
     assert await put(store, key, tenant="b", seed=2) is PutResult.STORED  # a separate object
     assert gauges(store)["objects"] == 2
 

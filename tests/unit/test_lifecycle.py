@@ -361,8 +361,11 @@ def test_unknown_lease_ids_are_lease_errors():
         leases.renew(42, 1.0)
 
 
-def test_an_expired_lease_never_frees_a_buffer_a_copy_still_uses():
-    """The lease protects the object in its tier; the in-flight copy protects our buffer."""
+def test_a_ticket_whose_lease_expired_mid_copy_fails_but_keeps_its_buffer_until_the_copy_ends():
+    """The ticket's side of the rule: the lease (checked at completion) runs out under a slow
+    copy, so the ticket fails, but its buffer is released only when the copy ends.  The
+    host tier's side (an expired lease never frees a slot a reader still references) is
+    ``tests/unit/test_host_tier.py::test_expired_lease_does_not_free_a_referenced_buffer``."""
     clock = FakeClock()
     leases = LeaseTable(clock=clock)
     freed = []

@@ -39,6 +39,7 @@ class PPEngine(TPEngine):
         self.sched = SchedulerHalf(cfg, identity, SHAPE.page_bytes, SHAPE.block_size, workers=stages * ranks,
                                    parts=stages * ranks > 1)
         self.bufs, self.workers, self.where = [], [], []
+        self.saved = [0] * (stages * ranks)  # bytes each worker's gathers wrote (TPEngine.step counts them)
         per, h = SHAPE.layers // stages, SHAPE.heads // ranks
         for s in range(stages):
             for r in range(ranks):

@@ -87,7 +87,7 @@ class TPEngine:
             self.errors |= worker.load_errors()
             if deliver is None or r in deliver:
                 reports.append(worker.take_report())
-                if reports[-1] is not None and hasattr(self, "saved"):  # PPEngine (a subclass) keeps none
+                if reports[-1] is not None:
                     self.saved[r] += reports[-1].bytes_saved
         merged = None
         for rep in filter(None, reports):

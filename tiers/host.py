@@ -33,6 +33,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from kvstore.codec import decode_header
 from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError, TierUnavailableError
@@ -43,6 +44,9 @@ from tiers.base import PutHandle, Removal, TierBase, TierStats
 from tiers.host_pool import HostPool, make_pools
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
+
+if TYPE_CHECKING:
+    import numpy as np
 
 EvictCallback = Callable[[ObjectKey, memoryview], None]
 PoolOf = Callable[[bytes], "str | None"]
@@ -72,7 +76,8 @@ class HostTier(SlotOps, TierBase):
         self._alloc = one.alloc if one is not None else None
         self.shm_path: str | None = None if one is None else one.path
         # Writable, 1-D, uint8 (one pool only; None with several, and once released).
-        self.array, self.tensor = (one.array, one.tensor) if one is not None else (None, None)
+        self.array: np.ndarray | None = one.array if one is not None else None
+        self.tensor: Any = one.tensor if one is not None else None  # a torch view when pinned
         self.buffer: memoryview | None = one.buffer if one is not None else None
         self._on_evict = on_evict  # called under _lock: must be quick, must not call the tier
         # _lock guards _index, _pending, _doomed, _pools (each pool's allocator, LRU and
@@ -121,7 +126,7 @@ class HostTier(SlotOps, TierBase):
         once, not 512 times).  Like ``size_of``, it neither touches the LRU order nor counts
         hits.  Keys may also be their canonical bytes (the index compares bytes)."""
         with self._lock:
-            get = self._index.get
+            get = cast("dict[bytes, Entry]", self._index).get  # ObjectKey is bytes: the index compares bytes
             if self._one is not None:
                 size_of = self._one.alloc.size_of
                 return [None if (entry := get(key)) is None else size_of(entry.offset) for key in keys]
@@ -130,7 +135,7 @@ class HostTier(SlotOps, TierBase):
 
     # --- reads -----------------------------------------------------------------------
 
-    def read_into_sync(self, key: ObjectKey, buf) -> int | None:
+    def read_into_sync(self, key: ObjectKey, buf: memoryview) -> int | None:
         """Copy the object into ``buf`` (memcpy, outside the lock); its length or None."""
         dst = memoryview(buf).cast("B")
         with self._lock:
@@ -206,17 +211,20 @@ class HostTier(SlotOps, TierBase):
             pool.pending += 1
             return PutHandle(key, size, parent, pool.buffer[offset : offset + size], entry, offset)
 
-    def put_write_sync(self, handle: PutHandle, offset: int, data) -> None:
+    def put_write_sync(self, handle: PutHandle, offset: int, data: memoryview) -> None:
         src = memoryview(data).cast("B")
+        assert handle.buffer is not None  # a host put always hands out its slot
         handle.buffer[offset : offset + len(src)] = src
 
     def put_shrink_sync(self, handle: PutHandle, size: int) -> None:
         """A reserved slot turned out to hold a shorter object (a decrypted one,
         ``kvstore.store.promote``): ``handle`` and the slot now cover ``size`` bytes."""
         with self._lock:
-            if self._pending.get(handle.key) is not handle.token:
+            entry = self._pending.get(handle.key)
+            if entry is None or entry is not handle.token:
                 raise RuntimeError(f"shrink of {handle.key!r}: not pending")
-            handle.token.pool.alloc.shrink(handle.token.offset, size)
+            entry.pool.alloc.shrink(entry.offset, size)
+        assert handle.buffer is not None  # a host put always hands out its slot
         handle.size = size
         handle.buffer = handle.buffer[:size]
 
@@ -224,8 +232,8 @@ class HostTier(SlotOps, TierBase):
         """Publish the object if ok and its header names ``handle.key`` and ``handle.size``."""
         ok = ok and self._header_matches(handle)
         with self._lock:
-            entry = handle.token
-            if self._pending.get(handle.key) is not entry:
+            entry = self._pending.get(handle.key)
+            if entry is None or entry is not handle.token:
                 raise RuntimeError(f"commit of {handle.key!r}: not pending (committed twice?)")
             del self._pending[handle.key]
             entry.pool.pending -= 1
@@ -294,7 +302,7 @@ class HostTier(SlotOps, TierBase):
     def stats(self) -> TierStats:
         with self._lock:
             self._leases.sweep()
-            extra = {"leases_held": len(self._leases), "leases_expired": self._leases.expired_total,
+            extra: dict[str, float] = {"leases_held": len(self._leases), "leases_expired": self._leases.expired_total,
                      "refs_held": self._refs, "pending": len(self._pending), "doomed": len(self._doomed)}
             used = sum(p.alloc.used_bytes for p in self._pools.values())
             return dataclasses.replace(self._stats, objects=len(self._index), bytes_used=used, extra=extra)
@@ -346,13 +354,13 @@ class HostTier(SlotOps, TierBase):
     async def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
         return self.sizes_sync(keys)
 
-    async def read_into(self, key: ObjectKey, buf) -> int | None:
+    async def read_into(self, key: ObjectKey, buf: memoryview) -> int | None:
         return self.read_into_sync(key, buf)
 
     async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
         return self.put_start_sync(key, size, parent)
 
-    async def put_write(self, handle: PutHandle, offset: int, data) -> None:
+    async def put_write(self, handle: PutHandle, offset: int, data: memoryview) -> None:
         self.put_write_sync(handle, offset, data)
 
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:

@@ -50,11 +50,15 @@ class HostPool:
             self.shm = create_shared(capacity, pin=pin)
         elif backing is Backing.MEMFD:
             self.shm = create_memfd(capacity, name)
+        array: np.ndarray | None
+        self.tensor: Any  # a torch view when pinned, else None
         if self.shm is not None:
-            self.array, self.tensor = self.shm.array, self.shm.tensor
+            array, self.tensor = self.shm.array, self.shm.tensor
         else:
-            self.array, self.tensor = allocate(capacity, pin)
-        self.buffer: memoryview | None = memoryview(self.array)  # None once released
+            array, self.tensor = allocate(capacity, pin)
+        assert array is not None  # a fresh mapping is open
+        self.array: np.ndarray | None = array
+        self.buffer: memoryview | None = memoryview(array)  # None once released
         # LIVE objects (host_slots.Entry), each in one class, least recently used first:
         self.lru: dict[ObjectKey, Any] = {}     # used once (stored, not read since)
         self.reused: dict[ObjectKey, Any] = {}  # read, leased or saved again since stored
@@ -139,8 +143,8 @@ def make_pools(capacity: int, alignment: int, pin: bool | None, shared: bool, po
         for pool, size in pools.items():
             made[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False, reuse_window=reuse_window)
     except BaseException:
-        for pool in made.values():
-            pool.release()
+        for made_pool in made.values():
+            made_pool.release()
         raise
     return made
 

@@ -40,10 +40,14 @@ import os
 import secrets
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.errors import ConfigError, TierError
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "kvstore-pool-"
@@ -137,6 +141,7 @@ def create_memfd(size: int, name: str) -> MemfdPool:
             raise ConfigError(f"cannot allocate {size} bytes for memfd pool {name!r}: "
                               f"{err.strerror or err}") from err
         raise
+    assert pool.array is not None  # a fresh mapping is open
     pool.array.fill(0)  # fault every page in now (and fail here, not later, when memory is short)
     return pool
 
@@ -173,6 +178,7 @@ def create_shared(size: int, *, pin: bool | None = None) -> SharedPoolView:
             raise ConfigError(f"cannot allocate {size} bytes for shared pool {path}: "
                               f"{err.strerror or err}") from err
         raise
+    assert pool.array is not None  # a fresh mapping is open
     pool.array.fill(0)  # fault every page in now
     return pool
 
@@ -257,7 +263,7 @@ def _unlink_quiet(path: str) -> bool:
         return False
 
 
-def _pin(array: np.ndarray, pin: bool | None):
+def _pin(array: np.ndarray, pin: bool | None) -> torch.Tensor | None:
     """Page-lock the mapping for CUDA DMA in this process; a torch view of it, or None."""
     if pin is False:
         return None

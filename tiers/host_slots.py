@@ -21,6 +21,7 @@ it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -31,6 +32,8 @@ from tiers.base import PutHandle, Removal
 from tiers.eviction import pick_victim
 
 if TYPE_CHECKING:
+    from kvstore.lifecycle import LeaseTable
+    from tiers.base import TierStats
     from tiers.host_pool import HostPool
 
 
@@ -54,7 +57,7 @@ class Entry:
     """One slot.  Its requested size lives in the allocator (keeps this object small)."""
 
     offset: int
-    pool: HostPool | None = None      # the pool the slot is carved from
+    pool: HostPool                    # the pool the slot is carved from
     state: SlotState = SlotState.PENDING
     refs: int = 0
     children: int = 0                 # LIVE objects naming this one as parent
@@ -73,6 +76,17 @@ class SlotOps:
     """Slot moves of ``HostTier`` (mixed into it; every method runs under its ``_lock``).
     Needs: ``name``, ``_index``, ``_doomed``, ``_leases``, ``_stats``, ``_refs``, ``_on_evict``,
     and ``TierBase``'s ``_stored``/``_removed`` (the residency listener)."""
+
+    # What the host class provides (declared for the type checker; set by ``HostTier``).
+    name: str
+    _index: dict[ObjectKey, Entry]
+    _doomed: dict[ObjectKey, Entry]
+    _leases: LeaseTable
+    _stats: TierStats
+    _refs: int
+    _on_evict: Callable[[ObjectKey, memoryview], None] | None
+    _stored: Callable[[ObjectKey], None]
+    _removed: Callable[[ObjectKey, Removal], None]
 
     def _view(self, entry: Entry) -> memoryview:
         pool = entry.pool
@@ -159,7 +173,7 @@ class SlotOps:
             self._evict(victim)
         return offset
 
-    def _evictable(self, pool: HostPool):
+    def _evictable(self, pool: HostPool) -> Iterator[tuple[ObjectKey, Entry]]:
         """``(key, entry)`` of the pool's objects neither referenced nor leased: those used
         once, then those reused, least recently used first in each (a linear scan: cheap
         while the oldest objects are unpinned)."""

@@ -36,16 +36,20 @@ expired by itself) are released.
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import exceptions as rx
 
 from kvstore.errors import CapacityError
 from kvstore.keys import ObjectKey
-from tiers.base import Removal
-from tiers.redis_manifest import MANIFEST_SIZE, parse
+from tiers.base import Removal, TierStats
+from tiers.redis_manifest import MANIFEST_SIZE, Manifest, parse
 from tiers.redis_nodes import Down
+
+if TYPE_CHECKING:
+    from tiers.redis_config import RedisConfig
 
 RESERVE = """
 local budget, charge = tonumber(ARGV[1]), tonumber(ARGV[3])
@@ -100,6 +104,21 @@ def budget_keys(prefix: str) -> dict[str, str]:
 class RedisBudget:
     """Needs from its host class (``RedisTier``): ``cfg``, ``_client``, ``_node``, ``_allow``,
     ``_call``, ``_manifest``, ``_drop``, ``_removed``, ``_stats``, ``_budget_counts`` (a dict)."""
+
+    if TYPE_CHECKING:  # what the host class provides, declared for the type checker only
+        cfg: RedisConfig
+        _stats: TierStats
+        _budget_counts: dict[str, int]
+        _client: Any
+
+        def _node(self, key: str) -> str: ...
+        def _allow(self, node: str) -> bool: ...
+        async def _call(self, node: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any: ...
+        async def _manifest(self, key: ObjectKey) -> tuple[bytes, Manifest] | None: ...
+        async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None,
+                        release: bool = True) -> None: ...
+        async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]: ...
+        def _removed(self, key: ObjectKey, reason: Removal) -> None: ...
 
     def _bkeys(self) -> dict[str, str]:
         return budget_keys(self.cfg.key_prefix)

@@ -201,7 +201,8 @@ class BulkReader:
         return conn
 
     def _hello(self) -> list[Request]:
-        cfg, out = self.cfg, []
+        cfg = self.cfg
+        out: list[Request] = []
         if cfg.password is not None:
             user = [cfg.username.encode()] if cfg.username else []
             out.append((None, command(b"AUTH", *user, cfg.password.encode())))

@@ -33,7 +33,7 @@ import os
 import ssl
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from redis import exceptions as rx
@@ -136,7 +136,7 @@ class RedisConfig:
         if not isinstance(url, str) or not url.strip():
             raise ConfigError(f"redis URL must be a non-empty string, got {url!r}")
         values = _parse_url(url)
-        merged: dict[str, object] = dict(values.pop("query"))  # type: ignore[arg-type]
+        merged: dict[str, object] = dict(cast("dict[str, str]", values.pop("query")))  # _parse_url's dict
         merged.update(options)
         password_file = merged.pop("password_file", None)
         if password_file is not None:  # the password from a 0600 file, not the URL (logs, /proc)

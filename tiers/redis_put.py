@@ -26,17 +26,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import exceptions as rx
 
 from kvstore import codec
 from kvstore.errors import CapacityError, ConfigError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from tiers.base import PutHandle
+from tiers.base import PutHandle, TierStats
 from tiers.redis_manifest import NONCE_SIZE, Manifest, covered, data_keys, manifest_key, parse, pieces
 from tiers.redis_nodes import Down, gather_all
+
+if TYPE_CHECKING:
+    from tiers.redis_config import RedisConfig
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,6 +62,25 @@ class RedisPuts:
     ``_per_node``, ``_drop``, ``_reserve``/``_release`` (``tiers.redis_budget``) and ``_stored``
     (``TierBase``: the residency listener)."""
 
+    if TYPE_CHECKING:  # what the host class provides, declared for the type checker only
+        cfg: RedisConfig
+        _stats: TierStats
+        _puts: dict[int, object]
+        _ttl_ms: int | None
+        _orphan_ms: int
+        _client: Any
+
+        def _node(self, key: str) -> str: ...
+        def _allow(self, node: str) -> bool: ...
+        async def _call(self, node: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any: ...
+        def _pipeline(self) -> Any: ...
+        async def _per_node(self, keys: Sequence[str], command: str, *args: Any) -> list[Any]: ...
+        async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None,
+                        release: bool = True) -> None: ...
+        async def _reserve(self, key: ObjectKey, size: int) -> bool | None: ...
+        async def _release(self, key: ObjectKey, older_than_s: int | None = None) -> bool: ...
+        def _stored(self, key: ObjectKey) -> None: ...
+
     async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
         if size < codec.HEADER_SIZE:
             raise ConfigError(f"object size {size} is smaller than the {codec.HEADER_SIZE}-byte header")
@@ -69,10 +92,11 @@ class RedisPuts:
             return None
         reserved = False
         if self.cfg.budget_bytes:  # room within the prefix's budget first (CapacityError: never fits)
-            reserved = await self._reserve(key, size)
-            if reserved is None:
+            made = await self._reserve(key, size)
+            if made is None:
                 self._stats.put_failures += 1
                 return None
+            reserved = made
         manifest = Manifest(size, self.cfg.part_size, os.urandom(NONCE_SIZE), inline=size <= self.cfg.part_size)
         state = _Put(manifest, data_keys(self.cfg.key_prefix, key, manifest), [0] * manifest.count,
                      reserved=reserved)

@@ -29,10 +29,11 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, TypeVarTuple, cast
 
 from kvstore import codec
 from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierError, TierUnavailableError
@@ -103,7 +104,7 @@ class SSDTier(TierBase):
             raise
 
     @classmethod
-    async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw) -> SSDTier:
+    async def open(cls, directory: str | os.PathLike, capacity_bytes: int, **kw: Any) -> SSDTier:
         """Construct (and scan) in a worker thread, off the event loop."""
         return await asyncio.to_thread(cls, directory, capacity_bytes, **kw)
 
@@ -227,7 +228,7 @@ class SSDTier(TierBase):
                                 f"{self._index.quota_of(key)}")
         state = _PutState(str(self._dir / TMP / f"{key.printable()}.{os.getpid()}.{next(self._seq)}.tmp"))
         handle = PutHandle(key, size, parent, None, state)
-        victims = self._reserve(handle)
+        victims = self._reserve(handle, state)
         if victims is None:
             return None
         try:
@@ -240,7 +241,7 @@ class SSDTier(TierBase):
             raise
         return handle
 
-    def _reserve(self, handle: PutHandle) -> list[tuple[ObjectKey, Entry]] | None:
+    def _reserve(self, handle: PutHandle, state: _PutState) -> list[tuple[ObjectKey, Entry]] | None:
         with self._lock:
             self._check_open()
             victims = self._index.reserve(handle.size, handle.key)
@@ -248,8 +249,8 @@ class SSDTier(TierBase):
                 self._stats.evictions += len(victims)
                 for key, _entry in victims:
                     self._removed(key, Removal.EVICTED)
-                self._puts[id(handle.token)] = handle.token
-                handle.token.reserved = handle.size
+                self._puts[id(state)] = state
+                state.reserved = handle.size
             return victims
 
     def _open_temp(self, state: _PutState, victims: list[tuple[ObjectKey, Entry]]) -> None:
@@ -276,9 +277,9 @@ class SSDTier(TierBase):
 
     def _live_put(self, handle: PutHandle, claim: bool = False) -> _PutState:
         """The put's state; ``claim`` takes it out of the pending set (commit owns it now)."""
-        state = handle.token
         with self._lock:
-            if self._puts.get(id(state)) is not state:
+            state = self._puts.get(id(handle.token))
+            if state is None or state is not handle.token:
                 raise RuntimeError(f"put of {handle.key!r} is not in progress on {self.name!r}")
             if claim:
                 del self._puts[id(state)]
@@ -335,11 +336,12 @@ class SSDTier(TierBase):
             state.entry = None
 
     def _finish_put(self, handle: PutHandle) -> None:
+        state = cast(_PutState, handle.token)  # this tier's handles carry their _PutState
         with self._lock:
-            self._puts.pop(id(handle.token), None)
-            self._index.release(handle.token.reserved, handle.key)
-            handle.token.reserved = 0
-            if handle.token.entry is None:
+            self._puts.pop(id(state), None)
+            self._index.release(state.reserved, handle.key)
+            state.reserved = 0
+            if state.entry is None:
                 self._stats.put_failures += 1
             else:
                 self._stats.puts += 1
@@ -378,7 +380,11 @@ class SSDTier(TierBase):
 
 # --- helpers ---------------------------------------------------------------------------
 
-async def _in_thread(fn, *args):
+_T = TypeVar("_T")
+_Args = TypeVarTuple("_Args")
+
+
+async def _in_thread(fn: Callable[[*_Args], _T], *args: *_Args) -> _T:
     """Run blocking I/O in a worker thread.  If the caller is cancelled, wait for the thread
     to finish before re-raising: it may still be touching the caller's buffer or our files."""
     task = asyncio.ensure_future(asyncio.to_thread(fn, *args))

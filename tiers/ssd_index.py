@@ -22,13 +22,20 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from kvstore.errors import ConfigError
 from kvstore.keys import ObjectKey
 from tiers.eviction import pick_victim
 
 Partition = Callable[[bytes], "str | None"]
-ANY = object()  # a partition argument meaning "objects of every partition"
+
+
+class _Every(Enum):
+    ANY = "any"
+
+
+ANY = _Every.ANY  # a partition argument meaning "objects of every partition"
 
 
 @dataclass(slots=True)
@@ -154,9 +161,9 @@ class Index:
         for part in list(self.quotas):
             while self.used_by[part] > self.quotas[part] and self._has_victim(part):
                 victims.append(self._evict(part))
-        for part in (None, ANY):
-            while self.used > self.capacity and self._has_victim(part):
-                victims.append(self._evict(part))
+        for scope in (None, ANY):
+            while self.used > self.capacity and self._has_victim(scope):
+                victims.append(self._evict(scope))
         return victims
 
     def partition_stats(self, part: str) -> dict[str, int]:
@@ -174,22 +181,24 @@ class Index:
     def _over_all(self, size: int) -> int:
         return self.used + self.reserved + size - self.capacity
 
-    def _candidates(self, part: object) -> Iterator[tuple[ObjectKey, bool]]:
+    def _candidates(self, part: str | _Every | None) -> Iterator[tuple[ObjectKey, bool]]:
         """``(key, has_children)`` of objects of ``part`` (``ANY``: every partition) not
         being read, LRU first."""
-        entries = self.entries if part is ANY else self.lru.get(part, {})
+        entries: Mapping[ObjectKey, Entry] = self.entries if part is ANY else self.lru.get(part, {})
         return ((key, bool(self.children[key])) for key in entries if not self.readers[key])
 
     def _evictable_bytes(self, *parts: str | None) -> int:
         return sum(self.used_by[p] - self.reading_by[p] for p in set(parts))
 
-    def _has_victim(self, part: object) -> bool:
+    def _has_victim(self, part: str | _Every | None) -> bool:
         return next(self._candidates(part), None) is not None
 
-    def _evict(self, part: object) -> tuple[ObjectKey, Entry]:
+    def _evict(self, part: str | _Every | None) -> tuple[ObjectKey, Entry]:
         """The chain tail of ``part`` not being read, least recently used first; else its
         LRU object not being read."""
         victim = pick_victim(self._candidates(part))
         if victim is None:
             raise RuntimeError("eviction found no victim although enough bytes were evictable")
-        return victim, self.remove(victim)
+        entry = self.remove(victim)
+        assert entry is not None  # a candidate is an indexed object
+        return victim, entry

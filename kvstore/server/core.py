@@ -42,6 +42,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from kvstore.errors import LeaseError, TierUnavailableError
 from kvstore.integrity import DEFAULT_TENANT, Keyring, KeySource, load_keys
@@ -194,9 +195,8 @@ class ServerStore:
         with self.metrics.timer("get"):
             tier = self.host.name
             lease = self.host.lease(key, ttl)
-            if lease is None:
-                tier = await self.promote(key)
-                lease = self.host.lease(key, ttl) if tier is not None else None
+            if lease is None and (promoted := await self.promote(key)) is not None:
+                tier, lease = promoted, self.host.lease(key, ttl)
             place = self.host.pin(key) if lease is not None else None
         c = self.metrics.counters
         if lease is None or place is None:
@@ -217,9 +217,8 @@ class ServerStore:
         """A view of the object under a buffer reference (``release`` ends it)."""
         tier = self.host.name
         view = self.host.acquire(key)
-        if view is None:
-            tier = await self.promote(key)
-            view = self.host.acquire(key) if tier is not None else None
+        if view is None and (promoted := await self.promote(key)) is not None:
+            tier, view = promoted, self.host.acquire(key)
         c = self.metrics.counters
         if view is None:
             c.bump(c.get_misses, path)
@@ -320,7 +319,8 @@ class ServerStore:
         events = dict(self.events.counts) if self.events is not None else {}
         quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
                   for tenant in self.tenants.names for what in COUNTED}
-        return Snapshot(len(self.leases), int(host["leases_expired"]), len(self.puts.table), tiers,
+        expired = cast(float, host["leases_expired"])  # one of HostTier.stats()'s extra counters
+        return Snapshot(len(self.leases), int(expired), len(self.puts.table), tiers,
                         dict(self.tenants.refused), events, quotas, tenant_evictions(self.lower))
 
     def tenant_doc(self, tenant: str) -> dict[str, object]:
@@ -333,13 +333,12 @@ class ServerStore:
         for tier in self.lower:
             if hasattr(tier, "partition_stats"):
                 tiers[tier.name] = tier.partition_stats(tenant)
-        doc = {"tenant": tenant, "tiers": tiers, "puts_in_flight": self.puts.table.of(tenant),
-               **self.tenants.doc(tenant)}
+        counts = self.tenants.doc(tenant)
         if self.events is not None:
             max_bytes, max_entries = self.tenants.descriptions(tenant)
-            doc["quota"].update(described_bytes=max_bytes, described=max_entries)
-            doc["held"].update(described_bytes=self.events.held_bytes[tenant], described=self.events.held[tenant])
-        return doc
+            counts["quota"].update(described_bytes=max_bytes, described=max_entries)
+            counts["held"].update(described_bytes=self.events.held_bytes[tenant], described=self.events.held[tenant])
+        return {"tenant": tenant, "tiers": tiers, "puts_in_flight": self.puts.table.of(tenant), **counts}
 
     def stats_doc(self) -> dict[str, object]:
         """The whole ``Stats`` document, every tenant's part included (on the loop: expired

@@ -113,7 +113,7 @@ def parse_limits(doc: object, where: str, known: Iterable[str]) -> dict[str, Lim
 
 def _shares(names: list[str], wanted: Mapping[str, int | None], total: int, what: str) -> dict[str, int]:
     """Bytes of each tenant: what it asked for, the rest split equally among the others."""
-    fixed = {n: wanted[n] for n in names if wanted[n] is not None}
+    fixed = {n: w for n in names if (w := wanted[n]) is not None}
     left = total - sum(fixed.values())
     rest = [n for n in names if wanted[n] is None]
     share = (left // len(rest)) // _UNIT * _UNIT if rest else 0
@@ -181,7 +181,7 @@ class Tenants:
         thread may ask while the loop counts)."""
         return self.usage[tenant, what], self.limits.get(tenant, DEFAULT).count(what)
 
-    def doc(self, tenant: str) -> dict[str, object]:
+    def doc(self, tenant: str) -> dict[str, dict[str, int]]:
         """Quotas, holdings and refusals of one tenant (its part of ``Stats``)."""
         lim = self.limits.get(tenant, DEFAULT)
         return {"quota": {"host_bytes": self.host_bytes.get(tenant, 0), "ssd_bytes": self.ssd_bytes.get(tenant, 0),

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvstore import codec, integrity
 from kvstore.bench.common import Row, gbps, print_rows, write_json, write_plot
-from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import put_bytes
 from tiers.host import HostTier
@@ -39,7 +39,7 @@ MiB = 1 << 20
 IDENT = Identity("bench", "r0", "bf16", "bench:opaque", 32, 8, 128)
 
 
-def _object(size: int, seed: int) -> tuple[object, np.ndarray]:
+def _object(size: int, seed: int) -> tuple[ObjectKey, np.ndarray]:
     """A sealed object of exactly ``size`` bytes, with random payload."""
     ns = IDENT.namespace()
     key = object_keys(ns, chunk_hashes(ns, np.full(256, seed), 256))[0]
@@ -64,6 +64,7 @@ async def _host_rows(size: int, repeat: int) -> list[Row]:
     async def put() -> float:
         t0 = time.perf_counter()
         handle = await host.put_start(key, size)
+        assert handle is not None and handle.buffer is not None, "the host tier refused a bench put"
         handle.buffer[:size] = src.data
         await host.put_commit(handle, True)
         return time.perf_counter() - t0
@@ -74,12 +75,12 @@ async def _host_rows(size: int, repeat: int) -> list[Row]:
         return time.perf_counter() - t0
 
     copies = [copy() for _ in range(repeat)]
-    puts = []
+    puts: list[float] = []
     for _ in range(repeat):
         puts.append(await put())
         await host.delete(key)
     await put()
-    gets = []
+    gets: list[float] = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         await host.read_into(key, memoryview(dst))
@@ -100,7 +101,8 @@ async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
     ring = np.ones(slots * size, np.uint8)  # prefaulted, like the host pool
     host = HostTier(slots * size)
     src = _object(size, size)[1]
-    lim, put = [], []
+    lim: list[float] = []
+    put: list[float] = []
     for i in range(max(repeat, 2 * slots)):
         j = i % slots
         t0 = time.perf_counter()
@@ -109,6 +111,7 @@ async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
         key, obj = _object(size, 1000 + i)
         t0 = time.perf_counter()
         handle = await host.put_start(key, size)
+        assert handle is not None and handle.buffer is not None, "the host tier refused a bench put"
         handle.buffer[:size] = obj.data
         await host.put_commit(handle, True)
         _timed(put, t0)
@@ -143,7 +146,10 @@ async def _ssd_rows(size: int, repeat: int, root: Path) -> list[Row]:
     dst = np.empty(size, np.uint8)
     ssd = SSDTier(root / "ssd", 4 * size)
     plain = root / "plain.bin"
-    wlim, wput, rlim, rget = [], [], [], []
+    wlim: list[float] = []
+    wput: list[float] = []
+    rlim: list[float] = []
+    rget: list[float] = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         _plain_write(plain, src)
@@ -185,8 +191,9 @@ async def _ssd_hit_rows(repeat: int, root: Path, size: int = 2 * MiB) -> list[Ro
         await store.put(key, memoryview(obj))
         await store.drain()
         ssd = store.lower[0]
+        assert isinstance(ssd, SSDTier)  # the store was opened over an ssd: tier
         for cold in (True, False):
-            samples = []
+            samples: list[float] = []
             for _ in range(repeat):
                 store.host.delete_sync(key)
                 if cold:
@@ -246,7 +253,7 @@ def _stream(path: Path, buf: np.ndarray) -> None:
 async def _hash_rows(repeat: int) -> list[Row]:
     ns = IDENT.namespace()
     tokens = np.random.default_rng(1).integers(0, 128000, 512 * 256)
-    hash_t = []
+    hash_t: list[float] = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         hashes = chunk_hashes(ns, tokens, 256)
@@ -257,7 +264,7 @@ async def _hash_rows(repeat: int) -> list[Row]:
     store = TieredStore(HostTier(len(keys) * 4096 + MiB))
     for i, key in enumerate(keys):
         await store.put_payload(key, tiny, np.zeros(64, np.uint8), hashes[i - 1] if i else ROOT)
-    look_t = []
+    look_t: list[float] = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         found = await store.lookup(object_keys(ns, chunk_hashes(ns, tokens, 256)))
@@ -284,6 +291,7 @@ def host_index_overhead_bytes(n: int) -> float:
     for i, key in enumerate(keys):
         codec.encode_into(obj, key, geom, b"\x01")
         handle = host.put_start_sync(key, len(obj), keys[i - 1] if i else None)
+        assert handle is not None and handle.buffer is not None, "the host tier refused a bench put"
         handle.buffer[:] = obj
         assert host.put_commit_sync(handle)
     gc.collect()
@@ -301,7 +309,7 @@ def _integrity_rows(repeat: int, size: int = 32 * MiB) -> list[Row]:
     payload = obj[codec.HEADER_SIZE:]
 
     def median_s(fn) -> float:
-        samples = []
+        samples: list[float] = []
         for _ in range(repeat):
             t0 = time.perf_counter()
             fn()
@@ -316,7 +324,7 @@ def _integrity_rows(repeat: int, size: int = 32 * MiB) -> list[Row]:
     enc = median_s(lambda: integrity.encrypt(obj, ring, scratch))
     cipher = np.frombuffer(integrity.encrypt(obj, ring), np.uint8)
     work = np.empty_like(cipher)
-    dec_samples = []
+    dec_samples: list[float] = []
     for _ in range(repeat):
         np.copyto(work, cipher)                                    # untimed: decryption is in place
         t0 = time.perf_counter()

@@ -391,7 +391,8 @@ class HostTier(SlotOps, TierBase):
     def _pool_for(self, key: bytes) -> HostPool | None:
         if self._one is not None:
             return self._one
-        name = self._pool_of(key)  # type: ignore[misc]
+        assert self._pool_of is not None  # make_pools refuses pools without a pool_of
+        name = self._pool_of(key)
         return None if name is None else self._pools.get(name)
 
     @staticmethod

@@ -154,7 +154,7 @@ class RedisConfig:
         if scheme_cluster and values.get("cluster") is False:
             raise ConfigError(f"{_redact(url)} is a cluster URL but the options say cluster=false")
         values["cluster"] = bool(scheme_cluster or values.get("cluster", False))
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]  # each value converted to its field's type above
 
 
 _URL_FIELDS = {"host", "port", "db", "tls", "username", "password"}
@@ -266,7 +266,7 @@ class _WideReads:
     _reader: asyncio.StreamReader | None
 
     async def _connect(self) -> None:
-        await super()._connect()  # type: ignore[misc]
+        await super()._connect()  # type: ignore[misc]  # a mixin: redis-py's Connection comes after it
         if self._reader is not None and hasattr(self._reader, "_limit"):
             self._reader._limit = max(self._reader._limit, _STREAM_LIMIT)
 

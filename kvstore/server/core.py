@@ -146,7 +146,9 @@ class ServerStore:
             for tier in reversed(tiers):
                 await tier.aclose()
             raise
-        store = cls(tiers[0], tiers[1:], cfg, metrics, tenants, keys=keys, events=events, publisher=publisher)  # type: ignore[arg-type]
+        host = tiers[0]
+        assert isinstance(host, HostTier)  # tier_specs puts the host pool first
+        store = cls(host, tiers[1:], cfg, metrics, tenants, keys=keys, events=events, publisher=publisher)
         store._reaper = asyncio.get_running_loop().create_task(store._reap_forever())
         return store
 
@@ -172,7 +174,7 @@ class ServerStore:
         c.lookup_keys += len(keys)
         for name, hits in found.by_tier.items():
             c.bump(c.lookup_hits, name, hits)
-        return found.tiers, found.sizes  # type: ignore[return-value]
+        return found.tiers, cast("list[int]", found.sizes)  # a sized lookup: every hit has its size
 
     # --- reads --------------------------------------------------------------------------
 

@@ -10,13 +10,13 @@ import os
 import signal
 import time
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.testing.redis_proc import free_port
+from tests.kits import chain as kv
 from tests.kits.redis_tier import PART, open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier

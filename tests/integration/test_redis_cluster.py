@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-import kvobjects as kv
 import numpy as np
 from redis.crc import key_slot
 
 from kvstore.keys import ObjectKey
+from tests.kits import chain as kv
 from tests.kits.redis_tier import open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier

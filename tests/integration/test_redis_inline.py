@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore import codec
 from kvstore.errors import ConfigError
 from kvstore.keys import ObjectKey
+from tests.kits import chain as kv
 from tests.kits.redis_tier import PART, open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier

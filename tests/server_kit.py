@@ -18,7 +18,7 @@ from kvstore.keys import ObjectKey
 from kvstore.server.config import ServerConfig
 from kvstore.server.core import ServerStore
 from kvstore.server.metrics import ServerMetrics
-from tests import kvobjects as kv
+from tests.kits import chain as kv
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
 

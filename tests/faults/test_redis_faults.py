@@ -10,19 +10,17 @@ import os
 import signal
 import time
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.testing.redis_proc import free_port
+from tests.kits import chain as kv
+from tests.kits.redis_tier import PART, open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
-from tiers.redis_config import RedisConfig
 
-KiB = 1024
-PART = 64 * KiB
 NS = kv.namespace("redis-faults")
 
 
@@ -32,13 +30,6 @@ def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
 
 def make_object(key: ObjectKey, size: int) -> np.ndarray:
     return kv.make_object(key, size)
-
-
-async def open_tier(url: str, **options) -> RedisTier:
-    options.setdefault("part_size", PART)
-    options.setdefault("retry_s", 0.1)
-    options.setdefault("op_timeout_s", 1.0)
-    return await RedisTier.open(RedisConfig.from_url(url, **options))
 
 
 async def read_back(tier: RedisTier, key: ObjectKey, size: int) -> np.ndarray | None:
@@ -59,7 +50,7 @@ async def wait_for(cond, timeout: float) -> float:
 
 async def test_kill_mid_get_is_a_miss_and_opens_the_breaker(redis_factory):
     server = redis_factory()
-    tier = await open_tier(server.url, part_size="16KiB", max_inflight_parts=2)
+    tier = await open_redis_tier(server.url, part_size="16KiB", max_inflight_parts=2)
     key = keys_of(1, 1)[0]
     size = 32 << 20  # 2048 parts: the read is still running when the server dies
     assert await put_bytes(tier, key, memoryview(make_object(key, size))) is PutResult.STORED
@@ -82,7 +73,7 @@ async def test_kill_mid_get_is_a_miss_and_opens_the_breaker(redis_factory):
 
 async def test_kill_mid_put_never_leaves_a_partial_object(redis_factory):
     server = redis_factory(appendonly=True)
-    tier = await open_tier(server.url)
+    tier = await open_redis_tier(server.url)
     keys = keys_of(400, 2)
     size = 6 * PART + 11
     acked: list[ObjectKey] = []
@@ -100,7 +91,7 @@ async def test_kill_mid_put_never_leaves_a_partial_object(redis_factory):
     assert tier.stats().put_failures >= 1
     await tier.aclose()
     await asyncio.to_thread(server.restart)  # same port, data reloaded from the AOF
-    reader = await open_tier(server.url)
+    reader = await open_redis_tier(server.url)
     with server.client() as c:
         manifests = {k.decode() for k in c.keys("kvstore:m:*")}
     visible = [k for k in keys if f"kvstore:m:{k.printable()}" in manifests]
@@ -118,7 +109,7 @@ async def test_kill_mid_put_never_leaves_a_partial_object(redis_factory):
 
 async def test_breaker_answers_misses_without_the_network_while_down_and_closes_when_back(redis_factory):
     server = redis_factory(appendonly=True)
-    tier = await open_tier(server.url, retry_s=0.1)
+    tier = await open_redis_tier(server.url, retry_s=0.1)
     keys = keys_of(8, 3)
     for key in keys:
         assert await put_bytes(tier, key, memoryview(make_object(key, 2 * PART))) is PutResult.STORED
@@ -150,7 +141,7 @@ async def test_breaker_answers_misses_without_the_network_while_down_and_closes_
 
 async def test_noeviction_full_puts_fail_cleanly_and_earlier_objects_stay(redis_factory):
     server = redis_factory(maxmemory="6mb", maxmemory_policy="noeviction")
-    tier = await open_tier(server.url)
+    tier = await open_redis_tier(server.url)
     keys = keys_of(40, 4)
     size = 4 * PART + 1
     results = [await put_bytes(tier, key, memoryview(make_object(key, size))) for key in keys]
@@ -171,7 +162,7 @@ async def test_noeviction_full_puts_fail_cleanly_and_earlier_objects_stay(redis_
 
 async def test_allkeys_lru_evicted_parts_are_detected_counted_and_cleaned(redis_factory):
     server = redis_factory(maxmemory="4mb", maxmemory_policy="allkeys-lru")
-    tier = await open_tier(server.url)
+    tier = await open_redis_tier(server.url)
     size = 4 * PART + 3
     old, new = keys_of(6, 5), keys_of(30, 6)
     for key in old:
@@ -203,7 +194,7 @@ async def test_allkeys_lru_evicted_parts_are_detected_counted_and_cleaned(redis_
 # --- damage by hand ------------------------------------------------------------------------
 
 async def test_part_corrupted_by_hand_is_a_counted_miss_and_deleted(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     k1, k2 = keys_of(2, 7)
     size = 3 * PART + 100
     for key in (k1, k2):
@@ -222,7 +213,7 @@ async def test_part_corrupted_by_hand_is_a_counted_miss_and_deleted(redis_server
 
 
 async def test_corrupt_manifest_is_a_miss_and_deleted(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     key = keys_of(1, 8)[0]
     assert await put_bytes(tier, key, memoryview(make_object(key, 2 * PART))) is PutResult.STORED
     mkey = f"kvstore:m:{key.printable()}"
@@ -240,7 +231,7 @@ async def test_corrupt_manifest_is_a_miss_and_deleted(redis_server):
 @pytest.mark.parametrize("size", [PART, PART + 1])  # one inline value; two parts
 async def test_object_verifying_under_another_key_is_corrupt(redis_server, size):
     """Data copied under another key's manifest: intact bytes, wrong key -> a miss."""
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     k1, k2 = keys_of(2, 9)
     assert await put_bytes(tier, k1, memoryview(make_object(k1, size))) is PutResult.STORED
     with redis_server.client() as c:
@@ -262,12 +253,12 @@ async def test_object_verifying_under_another_key_is_corrupt(redis_server, size)
 async def test_wrong_password_is_a_config_error_naming_user_not_password(redis_factory):
     server = redis_factory(password="right-pass")
     with pytest.raises(ConfigError) as err:
-        await open_tier(f"redis://:wrong-pass@127.0.0.1:{server.port}/0")
+        await open_redis_tier(f"redis://:wrong-pass@127.0.0.1:{server.port}/0")
     text = str(err.value)
     assert "refused user 'default'" in text and "wrong-pass" not in text and "right-pass" not in text
     with pytest.raises(ConfigError, match="refused user 'default'"):
-        await open_tier(server.url)  # no password at all
-    tier = await open_tier(server.url_with_auth)
+        await open_redis_tier(server.url)  # no password at all
+    tier = await open_redis_tier(server.url_with_auth)
     assert await tier.lookup(keys_of(1, 10)) == 0
     await tier.aclose()
 
@@ -275,9 +266,9 @@ async def test_wrong_password_is_a_config_error_naming_user_not_password(redis_f
 async def test_wrong_acl_user_is_a_config_error(redis_factory):
     server = redis_factory(username="kv", password="pw-ok")
     with pytest.raises(ConfigError) as err:
-        await open_tier(f"redis://intruder:pw-ok@127.0.0.1:{server.port}")
+        await open_redis_tier(f"redis://intruder:pw-ok@127.0.0.1:{server.port}")
     assert "refused user 'intruder'" in str(err.value) and "pw-ok" not in str(err.value)
-    tier = await open_tier(server.url, username="kv", password="pw-ok")
+    tier = await open_redis_tier(server.url, username="kv", password="pw-ok")
     key = keys_of(1, 11)[0]
     assert await put_bytes(tier, key, memoryview(make_object(key, 300))) is PutResult.STORED
     await tier.aclose()
@@ -286,7 +277,7 @@ async def test_wrong_acl_user_is_a_config_error(redis_factory):
 async def test_tls_with_self_signed_ca_works_and_plain_client_fails_clearly(redis_factory, tls_files, tmp_path):
     server = redis_factory(tls=tls_files)
     assert server.url.startswith("rediss://")
-    tier = await open_tier(server.url, tls_ca=str(tls_files.ca_cert))
+    tier = await open_redis_tier(server.url, tls_ca=str(tls_files.ca_cert))
     key = keys_of(1, 12)[0]
     obj = make_object(key, 3 * PART + 1)
     assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
@@ -294,36 +285,36 @@ async def test_tls_with_self_signed_ca_works_and_plain_client_fails_clearly(redi
     assert got is not None and np.array_equal(got, obj)
     await tier.aclose()
     with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{server.port}.*use rediss://"):
-        await open_tier(f"redis://127.0.0.1:{server.port}")  # told what is wrong, not a timeout
+        await open_redis_tier(f"redis://127.0.0.1:{server.port}")  # told what is wrong, not a timeout
     with pytest.raises(ConfigError, match="tls_ca file .* does not exist"):
-        await open_tier(server.url, tls_ca=str(tmp_path / "missing-ca.pem"))
+        await open_redis_tier(server.url, tls_ca=str(tmp_path / "missing-ca.pem"))
     with pytest.raises(ConfigError, match="TLS handshake .* failed"):
-        await open_tier(server.url)  # the system CAs do not know the self-signed one
+        await open_redis_tier(server.url)  # the system CAs do not know the self-signed one
 
 
 async def test_mutual_tls_with_client_certificate(redis_factory, tls_files):
     server = redis_factory(tls=tls_files, tls_auth_clients=True)
-    tier = await open_tier(server.url, tls_ca=str(tls_files.ca_cert), tls_cert=str(tls_files.client_cert),
+    tier = await open_redis_tier(server.url, tls_ca=str(tls_files.ca_cert), tls_cert=str(tls_files.client_cert),
                            tls_key=str(tls_files.client_key))
     assert await tier.lookup(keys_of(2, 13)) == 0
     await tier.aclose()
     with pytest.raises((ConfigError, TierUnavailableError)):
-        await open_tier(server.url, tls_ca=str(tls_files.ca_cert))  # no client certificate
+        await open_redis_tier(server.url, tls_ca=str(tls_files.ca_cert))  # no client certificate
 
 
 async def test_unreachable_port_is_tier_unavailable_naming_the_address():
     port = free_port()
     with pytest.raises(TierUnavailableError, match=f"cannot reach redis at 127.0.0.1:{port}"):
-        await open_tier(f"redis://127.0.0.1:{port}")
+        await open_redis_tier(f"redis://127.0.0.1:{port}")
     with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}"):
-        await open_tier(f"redis+cluster://127.0.0.1:{port}")
+        await open_redis_tier(f"redis+cluster://127.0.0.1:{port}")
 
 
 async def test_part_size_above_the_servers_bulk_limit_is_refused_at_open(redis_factory):
     server = redis_factory(extra_args=["--proto-max-bulk-len", "1mb"])
     with pytest.raises(ConfigError, match="part_size 2097152 exceeds proto-max-bulk-len 1048576"):
-        await open_tier(server.url, part_size="2MiB")
-    tier = await open_tier(server.url, part_size="1MiB")
+        await open_redis_tier(server.url, part_size="2MiB")
+    tier = await open_redis_tier(server.url, part_size="1MiB")
     assert tier.bulk_limit == 1 << 20
     await tier.aclose()
 
@@ -331,7 +322,7 @@ async def test_part_size_above_the_servers_bulk_limit_is_refused_at_open(redis_f
 async def test_user_without_config_permission_assumes_the_default_bulk_limit(redis_server):
     with redis_server.client() as c:
         c.acl_setuser("nocfg", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-config"])
-    tier = await open_tier(redis_server.url, username="nocfg", password="pw")
+    tier = await open_redis_tier(redis_server.url, username="nocfg", password="pw")
     assert tier.bulk_limit == 512 << 20
     key = keys_of(1, 14)[0]
     assert await put_bytes(tier, key, memoryview(make_object(key, PART))) is PutResult.STORED

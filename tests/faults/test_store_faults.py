@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import signal
 
-from kvobjects import keys_of, namespace, sealed
-
 from kvstore.config import WritePolicy
 from kvstore.store.registry import open_tier
 from kvstore.store.tiered import TieredStore
 from kvstore.store.writedown import Offer
+from tests.kits.chain import keys_of, namespace, sealed
 from tiers.host import HostTier
 
 NS = namespace("store-faults")

@@ -5,7 +5,6 @@ import asyncio
 import socket
 
 import grpc
-import kvobjects as kv
 import numpy as np
 import pytest
 import yaml
@@ -18,21 +17,16 @@ from kvstore.client.leases import LeaseWindow
 from kvstore.client.rpc import Rpc
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import CapacityError, ConfigError, TierError, TierUnavailableError
-from kvstore.keys import ROOT, Identity, object_keys
+from kvstore.keys import Identity, object_keys
 from kvstore.testing.serve_proc import StoreProcess
+from tests.kits.chain import Chain, namespace, sealed
 from tiers.base import PutResult
 
 KiB, MiB = 1 << 10, 1 << 20
-NS = kv.namespace("client-test")
+NS = namespace("client-test")
+CHAIN = Chain(NS)
 TOKENS = {"ta": ("a", ["read", "write", "shm"]), "tb": ("b", ["read", "write", "shm"]),
           "ta-read": ("a", ["read"]), "ta-noshm": ("a", ["read", "write"])}
-
-
-def chain(n, seed=0):
-    return kv.chain(NS, n, seed)
-
-
-sealed = kv.sealed
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +48,7 @@ def tenant_store(tmp_path_factory):
 @pytest.mark.parametrize("transport", ["shm", "stream"])
 @pytest.mark.parametrize("size", [KiB, MiB, 3 * MiB + 5, 32 * MiB])
 async def test_round_trip(store, transport, size):
-    _, keys = chain(1, seed=size)
+    keys = CHAIN.keys(1, seed=size)
     obj = sealed(keys[0], size, seed=size)
     buf = np.zeros(size + 100, np.uint8)
     async with await StoreClient.connect(store.target, transport=transport) as client:
@@ -73,8 +67,8 @@ async def test_round_trip(store, transport, size):
 
 
 async def test_shm_put_is_read_by_a_stream_client_and_back(store):
-    hashes, keys = chain(2, seed=11)
-    objs = [sealed(keys[0], 2 * MiB, 1), sealed(keys[1], 5 * MiB, 2, hashes[0])]
+    _, hashes, keys = CHAIN.links(2, seed=11)
+    objs = [CHAIN.seal(keys[0], 2 * MiB, 1), CHAIN.seal(keys[1], 5 * MiB, 2)]
     async with await StoreClient.connect(store.target, transport="shm") as shm, \
             await StoreClient.connect(store.target, transport="stream") as stream:
         assert await shm.put(keys[0], objs[0]) is PutResult.STORED
@@ -89,7 +83,7 @@ async def test_shm_put_is_read_by_a_stream_client_and_back(store):
 
 
 async def test_two_phase_reservation_in_place_and_abort(store):
-    _, keys = chain(2, seed=12)
+    keys = CHAIN.keys(2, seed=12)
     obj = sealed(keys[0], 4 * MiB, 3)
     async with await StoreClient.connect(store.target, transport="shm") as client:
         res = await client.reserve(keys[0], len(obj))
@@ -107,8 +101,8 @@ async def test_two_phase_reservation_in_place_and_abort(store):
 
 
 async def test_lookup_512_keys_reports_tiers_and_sizes(tmp_path):
-    hashes, keys = chain(512, seed=13)
-    objs = [sealed(k, 1000 + i, i, hashes[i - 1] if i else ROOT) for i, k in enumerate(keys)]
+    _, hashes, keys = CHAIN.links(512, seed=13)
+    objs = [CHAIN.seal(k, 1000 + i, i) for i, k in enumerate(keys)]
     proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--ssd-dir", str(tmp_path / "ssd"),
                         "--ssd-capacity", "64MiB").start()
     try:
@@ -134,7 +128,7 @@ async def test_lookup_512_keys_reports_tiers_and_sizes(tmp_path):
 
 
 async def test_lookup_groups_keys_by_namespace_and_tag(store):
-    hashes, keys = chain(3, seed=14)
+    _, hashes, keys = CHAIN.links(3, seed=14)
     other = object_keys(NS, hashes, tag="r1")
     async with await StoreClient.connect(store.target) as client:
         for key in (*keys, other[0]):
@@ -146,7 +140,7 @@ async def test_lookup_groups_keys_by_namespace_and_tag(store):
 
 
 async def test_tenants_are_isolated_and_permissions_enforced(tenant_store):
-    _, keys = chain(2, seed=15)
+    keys = CHAIN.keys(2, seed=15)
     obj = sealed(keys[0], 2 * MiB, 6)
     buf = np.empty(len(obj), np.uint8)
     target = tenant_store.target
@@ -172,7 +166,7 @@ async def test_transport_follows_the_shm_permission(tenant_store):
     target = tenant_store.target
     async with await StoreClient.connect(target, token="ta-noshm") as auto:
         assert not auto.uses_shm and "shm permission" in auto.shm_refusal
-        _, keys = chain(1, seed=16)
+        keys = CHAIN.keys(1, seed=16)
         obj = sealed(keys[0], MiB, 8)
         assert await auto.put(keys[0], obj) is PutResult.STORED     # streamed
         assert await auto.delete(keys[0])
@@ -204,7 +198,7 @@ async def test_refused_put_streams_get_their_real_status(tenant_store):
     """The server reads a refused stream to its end before answering, so an aio client that
     is still writing sees PERMISSION_DENIED / INVALID_ARGUMENT / RESOURCE_EXHAUSTED rather
     than "INTERNAL: Internal error from Core"; nothing is stored or left reserved."""
-    _, keys = chain(1, seed=28)
+    keys = CHAIN.keys(1, seed=28)
     target = tenant_store.target
 
     def frames(size: int, **start) -> list[bytes]:
@@ -239,7 +233,7 @@ async def test_expired_lease_at_completion_is_a_miss(tmp_path, size):
     """``_after_copy`` (a test hook) pauses between the copy and the lease release, longer
     than the server's TTL (the server's clock is real: this needs a real pause)."""
     proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--lease-ttl", "0.2").start()
-    _, keys = chain(1, seed=17)
+    keys = CHAIN.keys(1, seed=17)
     obj = sealed(keys[0], size, 9)
     buf = np.zeros(size, np.uint8)
     try:
@@ -267,7 +261,7 @@ async def test_same_host_reads_release_their_leases_in_batches(tmp_path):
     30 s delay nothing goes until a call's worth (max_keys_per_call 8) is queued or the
     client flushes, and the queued leases keep their slots pinned meanwhile."""
     proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--max-keys-per-call", "8").start()
-    _, keys = chain(2, seed=24)
+    keys = CHAIN.keys(2, seed=24)
     objs = [sealed(keys[0], 64 * KiB, 52), sealed(keys[1], 4 * MiB, 53)]   # inline; copy thread
     buf = np.zeros(4 * MiB, np.uint8)
     try:
@@ -297,7 +291,7 @@ async def test_same_host_reads_release_their_leases_in_batches(tmp_path):
 async def test_queued_releases_go_by_themselves(store):
     """Without any further call from the reader, its queued releases reach the server within
     a moment (the default delay is milliseconds)."""
-    _, keys = chain(1, seed=25)
+    keys = CHAIN.keys(1, seed=25)
     obj = sealed(keys[0], 256 * KiB, 54)
     buf = np.zeros(len(obj), np.uint8)
     async with await StoreClient.connect(store.target, transport="shm") as c, \
@@ -324,7 +318,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
     its room stays taken until the lease is released (here: a 2 MiB pool, two leased 1 MiB
     objects, so a third object fits exactly when the deleted one's lease ends)."""
     proc = StoreProcess(tmp_path, "--host-capacity", "2MiB").start()
-    _, keys = chain(3, seed=26)
+    keys = CHAIN.keys(3, seed=26)
     objs = [sealed(k, MiB, 55 + i) for i, k in enumerate(keys)]
     buf = np.zeros(MiB, np.uint8)
     try:
@@ -358,7 +352,7 @@ async def test_delete_while_leased_frees_the_slot_only_when_the_lease_ends(tmp_p
 
 
 async def test_damaged_object_is_a_counted_miss_and_deleted(store):
-    _, keys = chain(1, seed=18)
+    keys = CHAIN.keys(1, seed=18)
     obj = sealed(keys[0], 2 * MiB, 10)
     buf = np.empty(len(obj), np.uint8)
     async with await StoreClient.connect(store.target, transport="shm") as client:
@@ -374,7 +368,7 @@ async def test_damaged_object_is_a_counted_miss_and_deleted(store):
 
 
 async def test_bad_arguments_raise_clear_errors(store):
-    _, keys = chain(1, seed=19)
+    keys = CHAIN.keys(1, seed=19)
     obj = sealed(keys[0], 2 * MiB, 11)
     async with await StoreClient.connect(store.target) as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
@@ -420,7 +414,7 @@ def test_lookup_requests_match_protobuf():
     """Hand-encoded Lookup requests: split into runs of one namespace and tag, at most
     ``limit`` keys each, byte-identical to protobuf's encoding (few keys are encoded in
     Python, many with numpy: both paths)."""
-    hashes, keys = chain(9, seed=27)
+    _, hashes, keys = CHAIN.links(9, seed=27)
     other_ns = Identity("client-test-2", "r", "bf16", "test:opaque", 1, 1, 1).namespace()
     mixed = [*keys[:5], *object_keys(NS, hashes[5:7], tag="rank-10"), *object_keys(other_ns, hashes[7:])]
     runs = [(0, 3), (3, 5), (5, 7), (7, 9)]
@@ -428,7 +422,7 @@ def test_lookup_requests_match_protobuf():
                               tag=mixed[a].tag).SerializeToString(), b - a) for a, b in runs]
     assert list(lookup_requests(mixed, 3)) == want
     for n in (1, 9, 16, 17, 600):                       # few keys: no numpy; many: numpy
-        hashes, keys = chain(n, seed=n)
+        _, hashes, keys = CHAIN.links(n, seed=n)
         assert list(lookup_requests(keys, 4096)) == [(pb.LookupRequest(
             namespace=bytes(NS), chunk_hashes=[bytes(h) for h in hashes], tag="r0").SerializeToString(), n)]
     mixed_many = [*keys[:40], *object_keys(NS, hashes[40:60], tag="rank-10"), *keys[60:100]]
@@ -478,7 +472,7 @@ async def test_store_restart_between_calls_remaps_the_segment(tmp_path):
         port = s.getsockname()[1]
     proc = StoreProcess(tmp_path, "--listen", f"127.0.0.1:{port}", "--host-capacity", "64MiB",
                         "--ssd-dir", str(tmp_path / "ssd"), "--ssd-capacity", "64MiB").start()
-    _, keys = chain(3, seed=20)
+    keys = CHAIN.keys(3, seed=20)
     objs = [sealed(k, 2 * MiB, 30 + i) for i, k in enumerate(keys)]
     buf = np.empty(2 * MiB, np.uint8)
     try:
@@ -508,7 +502,7 @@ async def test_tls_with_client_certificates(tmp_path):
     tls = make_tls_files(tmp_path / "tls")
     proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--tls-cert", str(tls.cert),
                         "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca_cert)).start()
-    _, keys = chain(1, seed=21)
+    keys = CHAIN.keys(1, seed=21)
     obj = sealed(keys[0], 2 * MiB, 40)
     buf = np.empty(len(obj), np.uint8)
     mtls = dict(tls_ca=str(tls.ca_cert), tls_cert=str(tls.client_cert), tls_key=str(tls.client_key))
@@ -536,7 +530,7 @@ async def test_long_copies_renew_their_lease(tmp_path):
     bytes, or a miss counted as an expired lease."""
     proc = StoreProcess(tmp_path, "--host-capacity", "300MiB", "--lease-ttl", "0.002",
                         "--put-ttl", "30", "--max-object-bytes", "256MiB").start()
-    _, keys = chain(1, seed=22)
+    keys = CHAIN.keys(1, seed=22)
     size = 256 * MiB
     obj = sealed(keys[0], size, 50)
     buf = np.zeros(size, np.uint8)
@@ -559,7 +553,7 @@ async def test_renewed_lease_outlives_its_ttl(tmp_path):
     so), the renewed one has outlived its first TTL.  The renewal rules themselves are
     stories on a fake clock in tests/unit/test_server_core.py."""
     proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--lease-ttl", "0.3").start()
-    _, keys = chain(2, seed=23)
+    keys = CHAIN.keys(2, seed=23)
     try:
         async with await StoreClient.connect(proc.target, transport="shm") as client:
             leases = []
@@ -583,7 +577,7 @@ async def test_the_clients_lease_ttl_is_what_the_server_grants(store):
     """``lease_ttl_s`` (the connector's ``lease_ttl``) is asked for on every Get: a 1 s
     lease on a store whose default is 30 s lapses by itself, while the read's release is
     still queued (60 s batching delay)."""
-    _, keys = chain(1, seed=29)
+    keys = CHAIN.keys(1, seed=29)
     buf = np.zeros(8192, np.uint8)
     async with await StoreClient.connect(store.target, transport="shm", lease_ttl_s=1.0,
                                          release_delay_s=60) as client, \

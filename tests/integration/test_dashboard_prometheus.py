@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY, start_http_server
 from kvstore.testing.redis_proc import free_port
 from kvstore.testing.serve_proc import StoreProcess
 from tests.halves import Engine, finish, prompt, run_request
-from tests.kvobjects import keys_of, make_object, namespace
+from tests.kits.chain import keys_of, make_object, namespace
 from tests.store_helpers import StoreClient
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvstore.json"

@@ -8,7 +8,6 @@ import asyncio
 import socket
 import ssl
 
-import kvobjects as kv
 import numpy as np
 import pytest
 import yaml
@@ -18,16 +17,13 @@ from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 from kvstore.testing.serve_proc import StoreProcess
 from tests.data_kit import RawData
+from tests.kits.chain import Chain, namespace
 from tiers.base import PutResult
 
 KiB, MiB = 1 << 10, 1 << 20
-NS = kv.namespace("data-channel-test")
+CHAIN = Chain(namespace("data-channel-test"))
 TOKENS = {"ta": ("a", ["read", "write", "shm"]), "tb": ("b", ["read", "write"]),
           "ta-noshm": ("a", ["read", "write"])}
-
-
-def chain(n, seed=0):
-    return kv.chain(NS, n, seed)
 
 
 def free_port() -> int:
@@ -58,8 +54,8 @@ async def server_counters(client: StoreClient) -> dict[str, float]:
 
 @pytest.mark.parametrize("size", [KiB, MiB, 3 * MiB + 5, 32 * MiB])
 async def test_round_trip(store, size):
-    hashes, keys = chain(2, seed=size)
-    obj = kv.sealed(keys[1], size, seed=size, parent=hashes[0])
+    _, hashes, keys = CHAIN.links(2, seed=size)
+    obj = CHAIN.seal(keys[1], size, seed=size)
     buf = np.zeros(size + 100, np.uint8)
     async with await StoreClient.connect(store.target, transport="tcp") as client:
         assert client.uses_tcp and not client.uses_shm and client.tcp_refusal == ""
@@ -80,8 +76,8 @@ async def test_round_trip(store, size):
 
 
 async def test_a_buffer_too_small_is_a_clear_error_and_the_client_goes_on(store):
-    _, keys = chain(1, seed=40)
-    obj = kv.sealed(keys[0], 2 * MiB, 40)
+    keys = CHAIN.keys(1, seed=40)
+    obj = CHAIN.seal(keys[0], 2 * MiB, 40)
     async with await StoreClient.connect(store.target, transport="tcp") as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
         with pytest.raises(ConfigError, match="cannot hold"):
@@ -142,8 +138,8 @@ async def test_auto_falls_back_to_streams_when_the_data_port_is_unreachable(tena
     grpc_port = int(tenant_store.target.rpartition(":")[2])
     forwarder = await asyncio.start_server(lambda r, w: _forward(r, w, grpc_port), "127.0.0.2", 0)
     target = f"127.0.0.2:{forwarder.sockets[0].getsockname()[1]}"
-    _, keys = chain(1, seed=45)
-    obj = kv.sealed(keys[0], MiB, 45)
+    keys = CHAIN.keys(1, seed=45)
+    obj = CHAIN.seal(keys[0], MiB, 45)
     buf = np.empty(MiB, np.uint8)
     try:
         async with await StoreClient.connect(target, token="ta-noshm", transport="auto") as c:
@@ -166,8 +162,8 @@ def test_a_data_port_in_use_stops_the_server_at_start(tmp_path):
 
 
 async def test_tenants_are_isolated_on_the_data_channel(tenant_store):
-    _, keys = chain(1, seed=41)
-    obj = kv.sealed(keys[0], 2 * MiB, 41)
+    keys = CHAIN.keys(1, seed=41)
+    obj = CHAIN.seal(keys[0], 2 * MiB, 41)
     buf = np.empty(len(obj), np.uint8)
     async with await StoreClient.connect(tenant_store.target, token="ta", transport="tcp") as a, \
             await StoreClient.connect(tenant_store.target, token="tb", transport="tcp") as b:
@@ -185,8 +181,8 @@ async def test_tls_with_client_certificates_on_the_data_channel(tmp_path):
     tls = make_tls_files(tmp_path / "tls")
     proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--tls-cert", str(tls.cert),
                         "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca_cert)).start()
-    _, keys = chain(1, seed=42)
-    obj = kv.sealed(keys[0], 8 * MiB + 3, 42)
+    keys = CHAIN.keys(1, seed=42)
+    obj = CHAIN.seal(keys[0], 8 * MiB + 3, 42)
     buf = np.empty(len(obj), np.uint8)
     mtls = dict(tls_ca=str(tls.ca_cert), tls_cert=str(tls.client_cert), tls_key=str(tls.client_key))
     try:
@@ -217,8 +213,8 @@ async def test_restart_on_the_same_ports_reconnects_once(tmp_path):
     args = ("--listen", f"127.0.0.1:{listen}", "--data-port", str(data), "--host-capacity", "32MiB",
             "--ssd-dir", str(tmp_path / "ssd"))
     proc = StoreProcess(tmp_path, *args).start()
-    _, keys = chain(1, seed=43)
-    obj = kv.sealed(keys[0], 4 * MiB, 43)
+    keys = CHAIN.keys(1, seed=43)
+    obj = CHAIN.seal(keys[0], 4 * MiB, 43)
     buf = np.empty(len(obj), np.uint8)
     try:
         async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=10) as client:
@@ -236,7 +232,7 @@ async def test_restart_on_the_same_ports_reconnects_once(tmp_path):
 
 async def test_a_new_data_port_after_restart_needs_a_refresh(tmp_path):
     proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--listen", f"127.0.0.1:{free_port()}").start()
-    _, keys = chain(1, seed=44)
+    keys = CHAIN.keys(1, seed=44)
     buf = np.empty(4096, np.uint8)
     try:
         async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=5) as client:
@@ -258,8 +254,8 @@ async def test_sigterm_with_pooled_connections_drains_and_exits_cleanly(tmp_path
     cuts them, the store exits 0 (its data threads joined), and the client's next request
     is a transport error (a miss in a tier)."""
     proc = StoreProcess(tmp_path, "--host-capacity", "16MiB").start()
-    _, keys = chain(1, seed=46)
-    obj = kv.sealed(keys[0], 2 * MiB, 46)
+    keys = CHAIN.keys(1, seed=46)
+    obj = CHAIN.seal(keys[0], 2 * MiB, 46)
     buf = np.empty(len(obj), np.uint8)
     async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=5) as client:
         assert await client.put(keys[0], obj) is PutResult.STORED

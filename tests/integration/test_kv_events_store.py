@@ -23,11 +23,11 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from kvstore import trace
 from kvstore.client.tier import RemoteTier
-from kvstore.keys import chunk_hashes, object_keys
+from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import kv as kvwire
 from kvstore.wire.kv import Description
-from tests.kvobjects import namespace, sealed
+from tests.kits.chain import Chain, namespace, sealed
 from tests.store_helpers import write_tokens
 from tests.trace_kit import check_nesting, track_names
 from tiers.base import put_bytes
@@ -116,11 +116,14 @@ class Subscriber:
         self.sub.close(0)
 
 
-def chain(n: int, seed: int):
-    tokens = np.random.default_rng(seed).integers(0, 50_000, n * 16).reshape(n, 16)
-    ns = namespace("kv-events-store")
-    hashes = chunk_hashes(ns, tokens.reshape(-1), 16)
-    keys = object_keys(ns, hashes)
+CHAIN = Chain(namespace("kv-events-store"))
+
+
+def described(
+    n: int, seed: int
+) -> tuple[np.ndarray, list[ChunkHash], list[ObjectKey], dict[ObjectKey, Description]]:
+    """A chain of ``CHAIN`` and each key's description (its parent's hash and its tokens)."""
+    tokens, hashes, keys = CHAIN.links(n, seed)
     descs = {k: Description.of(hashes[i - 1] if i else None, tokens[i].tolist()) for i, k in enumerate(keys)}
     return tokens, hashes, keys, descs
 
@@ -166,7 +169,7 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
     ctx = zmq.Context()
     subs = {t: Subscriber(ctx, f"ipc://{tmp_path}/{t}.events", f"ipc://{tmp_path}/{t}.replay",
                           f"kv@store@{t}".encode()) for t in "ab"}
-    tokens, hashes, keys, descs = chain(6, seed=1)
+    tokens, hashes, keys, descs = described(6, seed=1)
     try:
         # The epoch opened with AllBlocksCleared, before anyone listened: replay has it.
         (seq0, batch0, epoch0), = subs["a"].replay(0)
@@ -256,7 +259,7 @@ def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
     proc = StoreProcess(tmp_path / "store", "--host-capacity", "2MiB", "--auth-tokens", str(tokens_file),
                         "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
                         "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay", "--kv-events-format", "array")
-    tokens, hashes, keys, descs = chain(2, seed=5)
+    tokens, hashes, keys, descs = described(2, seed=5)
     old = msgspec.msgpack.Decoder(type=_OldBatch)
     ctx = zmq.Context()
     try:

@@ -19,11 +19,11 @@ import json
 import subprocess
 import sys
 
-import kvobjects as kv
 import pytest
 
 from kvstore.cli.redis_acl import acl_commands
 from kvstore.errors import CapacityError
+from tests.kits import chain as kv
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_budget import budget_keys

@@ -10,19 +10,19 @@ import asyncio
 import os
 import signal
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore import codec
 from kvstore.keys import ObjectKey
+from tests.kits import chain as kv
+from tests.kits.redis_tier import PART, open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_config import RedisConfig
 from tiers.redis_manifest import inline_key, manifest_key, part_keys, unpack
 
 KiB, MiB = 1024, 1 << 20
-PART = 64 * KiB
 SENTINEL = 0xA5
 NS = kv.namespace("redis-bulk")
 
@@ -33,13 +33,6 @@ def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
 
 def make_object(key: ObjectKey, size: int) -> np.ndarray:
     return kv.make_object(key, size)
-
-
-async def open_tier(url: str, **options) -> RedisTier:
-    options.setdefault("part_size", PART)
-    options.setdefault("retry_s", 0.2)
-    options.setdefault("op_timeout_s", 1.0)
-    return await RedisTier.open(RedisConfig.from_url(url, **options))
 
 
 async def store(tier: RedisTier, key: ObjectKey, size: int) -> np.ndarray:
@@ -73,7 +66,7 @@ SIZES = [codec.HEADER_SIZE + 1, 4 * KiB, PART - 1, PART, PART + 1, 5 * PART, 7 *
 
 
 async def test_objects_of_every_shape_read_back_byte_equal_over_one_connection(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     keys = keys_of(len(SIZES), 1)
     objs = [await store(tier, key, size) for key, size in zip(keys, SIZES)]
     for _ in range(2):
@@ -103,7 +96,7 @@ async def test_default_1mib_parts_of_a_32mib_object(redis_server):
 
 
 async def test_connection_is_reused_across_many_reads(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     keys = keys_of(10, 3)
     objs = [await store(tier, key, (i + 1) * PART // 2 + 300) for i, key in enumerate(keys)]
     out = np.empty(6 * PART, np.uint8)
@@ -123,7 +116,7 @@ async def test_connection_is_reused_across_many_reads(redis_server):
 
 
 async def test_concurrent_reads_share_a_small_pool(redis_server):
-    tier = await open_tier(redis_server.url, max_inflight_parts=3)
+    tier = await open_redis_tier(redis_server.url, max_inflight_parts=3)
     keys = keys_of(12, 4)
     objs = [await store(tier, key, 3 * PART + i) for i, key in enumerate(keys)]
     outs = [np.full(len(obj), SENTINEL, np.uint8) for obj in objs]
@@ -139,7 +132,7 @@ async def test_concurrent_reads_share_a_small_pool(redis_server):
 # --- lost and corrupt parts -------------------------------------------------------------------
 
 async def test_missing_part_is_lost_cleaned_up_and_the_connection_drained(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     lost, good = keys_of(2, 5)
     await store(tier, lost, 6 * PART + 1)
     obj = await store(tier, good, 3 * PART)
@@ -159,7 +152,7 @@ async def test_missing_part_is_lost_cleaned_up_and_the_connection_drained(redis_
 
 @pytest.mark.parametrize("delta", [-1, +1, PART])
 async def test_part_of_wrong_length_is_corrupt_and_never_lands(redis_server, delta):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     bad, good = keys_of(2, 6)
     await store(tier, bad, 4 * PART)
     obj = await store(tier, good, 2 * PART + 9)
@@ -179,7 +172,7 @@ async def test_part_of_wrong_length_is_corrupt_and_never_lands(redis_server, del
 
 
 async def test_damaged_bytes_of_the_right_length_fail_verification(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     key = keys_of(1, 7)[0]
     obj = await store(tier, key, 3 * PART)
     with redis_server.client() as c:
@@ -194,7 +187,7 @@ async def test_damaged_bytes_of_the_right_length_fail_verification(redis_server)
 
 async def test_refused_auth_on_the_bulk_connection_falls_back_to_redis_py(redis_factory):
     server = redis_factory(password="old-pass")
-    tier = await open_tier(server.url_with_auth, max_inflight_parts=1)  # one pooled connection
+    tier = await open_redis_tier(server.url_with_auth, max_inflight_parts=1)  # one pooled connection
     key = keys_of(1, 8)[0]
     obj = await store(tier, key, 3 * PART + 5)
     with server.client() as c:  # pooled connections stay authenticated; new ones are refused
@@ -207,7 +200,7 @@ async def test_refused_auth_on_the_bulk_connection_falls_back_to_redis_py(redis_
 
 
 async def test_error_reply_falls_back_and_is_a_plain_miss(redis_server):
-    tier = await open_tier(redis_server.url)
+    tier = await open_redis_tier(redis_server.url)
     key = keys_of(1, 9)[0]
     await store(tier, key, 2 * PART)
     with redis_server.client() as c:
@@ -228,7 +221,7 @@ async def test_error_reply_falls_back_and_is_a_plain_miss(redis_server):
 async def test_password_and_acl_user_and_database(redis_factory, username):
     server = redis_factory(password="s3cret:/@", username=username)
     url = server.url_with_auth.rsplit("/", 1)[0] + "/3"
-    tier = await open_tier(url)
+    tier = await open_redis_tier(url)
     key = keys_of(1, 10)[0]
     obj = await store(tier, key, 5 * PART + 3)
     with server.client(db=3) as c:
@@ -246,7 +239,7 @@ async def test_tls_and_mutual_tls(redis_factory, tls_files, mutual):
     opts = {"tls_ca": str(tls_files.ca_cert)}
     if mutual:
         opts.update(tls_cert=str(tls_files.client_cert), tls_key=str(tls_files.client_key))
-    tier = await open_tier(server.url, **opts)
+    tier = await open_redis_tier(server.url, **opts)
     key = keys_of(1, 11)[0]
     obj = await store(tier, key, 30 * PART + 77)
     out = np.empty(len(obj), np.uint8)
@@ -333,7 +326,7 @@ async def test_cancelled_read_leaves_the_buffer_alone_after_it_returns(redis_ser
 
 async def test_server_restarted_between_reads_costs_nothing(redis_factory):
     server = redis_factory(appendonly=True)
-    tier = await open_tier(server.url)
+    tier = await open_redis_tier(server.url)
     key = keys_of(1, 15)[0]
     obj = await store(tier, key, 4 * PART)
     out = np.empty(len(obj), np.uint8)
@@ -348,7 +341,7 @@ async def test_server_restarted_between_reads_costs_nothing(redis_factory):
 # --- cluster ------------------------------------------------------------------------------------
 
 async def test_cluster_reads_each_nodes_parts_over_its_own_connection(redis_cluster):
-    tier = await open_tier(redis_cluster.url, part_size="16KiB")
+    tier = await open_redis_tier(redis_cluster.url, part_size="16KiB")
     keys = keys_of(6, 16)
     objs = [await store(tier, key, 20 * 16 * KiB + i) for i, key in enumerate(keys)]  # 21 parts
     for key, obj in zip(keys, objs):

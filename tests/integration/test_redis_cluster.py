@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import asyncio
 
-import kvobjects as kv
 import numpy as np
 from redis.crc import key_slot
 
 from kvstore.keys import ObjectKey
+from tests.kits import chain as kv
+from tests.kits.redis_tier import open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
-from tiers.redis_config import RedisConfig
 from tiers.redis_manifest import data_keys, manifest_key, unpack
 
-PART = 16 * 1024
+PART = 16 * 1024  # every tier here names this part size: 4-part objects spread over 3 nodes
 SIZE = 3 * PART + 100  # 4 parts
 NS = kv.namespace("redis-cluster")
 
@@ -27,13 +27,6 @@ def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
 
 def make_object(key: ObjectKey, size: int = SIZE) -> np.ndarray:
     return kv.make_object(key, size)
-
-
-async def open_tier(cluster, **options) -> RedisTier:
-    options.setdefault("part_size", PART)
-    options.setdefault("retry_s", 0.2)
-    options.setdefault("op_timeout_s", 1.0)
-    return await RedisTier.open(RedisConfig.from_url(cluster.url, **options))
 
 
 def slot_owners(cluster) -> dict[int, int]:
@@ -60,7 +53,7 @@ async def read_back(tier: RedisTier, key: ObjectKey, size: int = SIZE) -> np.nda
 
 
 async def test_parts_spread_over_all_nodes_and_read_back(redis_cluster):
-    tier = await open_tier(redis_cluster)
+    tier = await open_redis_tier(redis_cluster, part_size=PART)
     keys = keys_of(12, 1)
     for key in keys:
         assert await put_bytes(tier, key, memoryview(make_object(key))) is PutResult.STORED
@@ -82,7 +75,7 @@ async def test_parts_spread_over_all_nodes_and_read_back(redis_cluster):
 
 
 async def test_present_of_512_keys_is_one_round_trip_per_node(redis_cluster):
-    tier = await open_tier(redis_cluster)
+    tier = await open_redis_tier(redis_cluster, part_size=PART)
     keys = keys_of(512, 2)
     stored = {i for i in range(512) if i % 3 != 1}
     small = 300
@@ -100,7 +93,7 @@ async def test_present_of_512_keys_is_one_round_trip_per_node(redis_cluster):
 
 async def test_killed_node_costs_misses_on_its_keys_only(redis_cluster_factory):
     cluster = redis_cluster_factory(appendonly=True)  # the victim's data survives its restart
-    tier = await open_tier(cluster)
+    tier = await open_redis_tier(cluster, part_size=PART)
     keys = keys_of(30, 3)
     sizes = {key: (PART - 5, 2 * PART, SIZE)[i % 3] for i, key in enumerate(keys)}  # 1, 2, 4 parts
     for key in keys:
@@ -149,7 +142,7 @@ async def test_resharding_moves_slots_and_reads_stay_whole(redis_cluster_factory
     import subprocess
 
     cluster = redis_cluster_factory()
-    tier = await open_tier(cluster)
+    tier = await open_redis_tier(cluster, part_size=PART)
     keys = keys_of(40, 5)
     for key in keys:
         assert await put_bytes(tier, key, memoryview(make_object(key))) is PutResult.STORED
@@ -187,7 +180,8 @@ async def test_a_budget_holds_across_nodes_with_two_writers(redis_cluster):
     (the prefix's hash tag), the objects spread over the nodes; two writers of one prefix stay
     within the budget, counted from every node's keys; the sweep finds nothing to repair."""
     prefix, budget = "kvstore:bud:", 10 * (SIZE + 40)
-    w1, w2 = [await open_tier(redis_cluster, key_prefix=prefix, budget_bytes=budget) for _ in range(2)]
+    w1, w2 = [await open_redis_tier(redis_cluster, part_size=PART, key_prefix=prefix, budget_bytes=budget)
+              for _ in range(2)]
     keys = keys_of(40, seed=11)
 
     async def put_all(tier: RedisTier, mine: list[ObjectKey]) -> list[PutResult]:
@@ -205,7 +199,7 @@ async def test_a_budget_holds_across_nodes_with_two_writers(redis_cluster):
     assert (await w1.budget_usage())[1] == 10
     assert w1.stats().extra["budget_evicted"] + w2.stats().extra["budget_evicted"] == 30
     assert await w1.budget_sweep() == {"adopted": 0, "released": 0}
-    plain = await open_tier(redis_cluster, key_prefix=prefix)  # a writer that counts nothing (a crash)
+    plain = await open_redis_tier(redis_cluster, part_size=PART, key_prefix=prefix)  # counts nothing (a crash)
     strays = keys_of(6, seed=12)
     assert await put_all(plain, strays) == [PutResult.STORED] * 6
     assert await w1.budget_sweep() == {"adopted": 6, "released": 0}  # found on every node

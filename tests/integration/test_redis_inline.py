@@ -8,31 +8,24 @@ from __future__ import annotations
 
 import asyncio
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore import codec
 from kvstore.errors import ConfigError
 from kvstore.keys import ObjectKey
+from tests.kits import chain as kv
+from tests.kits.redis_tier import PART, open_redis_tier
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
-from tiers.redis_config import RedisConfig
 from tiers.redis_manifest import INLINE, MANIFEST_SIZE, inline_key, manifest_key, unpack
 
 KiB = 1024
-PART = 64 * KiB
 NS = kv.namespace("redis-inline")
 
 
 def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
     return kv.keys_of(NS, n, seed)
-
-
-async def open_tier(server, **options) -> RedisTier:
-    options.setdefault("part_size", PART)
-    options.setdefault("retry_s", 0.2)
-    return await RedisTier.open(RedisConfig.from_url(server.url, **options))
 
 
 def names(key: ObjectKey) -> tuple[str, str]:
@@ -57,7 +50,7 @@ async def read_back(tier: RedisTier, key: ObjectKey, size: int) -> np.ndarray | 
 
 @pytest.mark.parametrize("size", [codec.HEADER_SIZE + 1, 4 * KiB, PART])
 async def test_a_small_object_is_two_keys_and_one_round_trip(redis_server, size):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, size % 1000)[0]
     obj = kv.make_object(key, size)
     assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
@@ -80,7 +73,7 @@ async def test_a_small_object_is_two_keys_and_one_round_trip(redis_server, size)
 
 
 async def test_pieces_written_out_of_order_are_sent_once_whole(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 1)[0]
     obj = kv.make_object(key, PART - 100)
     before = calls(redis_server)
@@ -97,7 +90,7 @@ async def test_pieces_written_out_of_order_are_sent_once_whole(redis_server):
 
 
 async def test_a_value_without_its_manifest_is_invisible_and_dies_with_its_writer(redis_server):
-    tier = await open_tier(redis_server, orphan_ttl_s=30)
+    tier = await open_redis_tier(redis_server, orphan_ttl_s=30)
     k1, k2 = keys_of(2, 2)
     obj = kv.make_object(k1, 2 * KiB)
     handle = await tier.put_start(k1, len(obj))
@@ -117,7 +110,7 @@ async def test_a_value_without_its_manifest_is_invisible_and_dies_with_its_write
 
 
 async def test_a_dead_writers_value_is_adopted_by_the_next_put(redis_server):
-    tier = await open_tier(redis_server, orphan_ttl_s=30)
+    tier = await open_redis_tier(redis_server, orphan_ttl_s=30)
     key = keys_of(1, 3)[0]
     obj = kv.make_object(key, 3 * KiB)
     mkey, ikey = names(key)
@@ -131,7 +124,7 @@ async def test_a_dead_writers_value_is_adopted_by_the_next_put(redis_server):
 
 
 async def test_concurrent_puts_of_one_small_key_leave_one_object(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 4)[0]
     obj = kv.make_object(key, PART)
     results = await asyncio.gather(*(put_bytes(tier, key, memoryview(obj)) for _ in range(6)))
@@ -144,7 +137,7 @@ async def test_concurrent_puts_of_one_small_key_leave_one_object(redis_server):
 
 
 async def test_a_lost_value_is_counted_cleaned_and_repaired_by_a_later_put(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 5)[0]
     obj = kv.make_object(key, 8 * KiB)
     assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
@@ -168,7 +161,7 @@ async def test_a_lost_value_is_counted_cleaned_and_repaired_by_a_later_put(redis
 
 @pytest.mark.parametrize("damage", ["flip", "shorter", "longer", "other key"])
 async def test_a_damaged_value_is_a_counted_miss_and_deleted(redis_server, damage):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key, other = keys_of(2, 6)
     size = 16 * KiB
     obj = kv.make_object(key, size)
@@ -186,7 +179,7 @@ async def test_a_damaged_value_is_a_counted_miss_and_deleted(redis_server, damag
 
 
 async def test_a_stray_value_never_disturbs_an_object_of_parts(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     k1, k2 = keys_of(2, 7)
     for key, stray in ((k1, 5), (k2, 10 * PART)):                         # smaller; larger than the buffer
         obj = kv.make_object(key, 3 * PART + 1)
@@ -201,7 +194,7 @@ async def test_a_stray_value_never_disturbs_an_object_of_parts(redis_server):
 
 
 async def test_an_error_reply_for_the_value_falls_back_and_is_a_plain_miss(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 8)[0]
     assert await put_bytes(tier, key, memoryview(kv.make_object(key, 4 * KiB))) is PutResult.STORED
     with redis_server.client() as c:
@@ -216,7 +209,7 @@ async def test_an_error_reply_for_the_value_falls_back_and_is_a_plain_miss(redis
 
 
 async def test_ttl_and_buffer_checks_apply_to_small_objects(redis_server):
-    tier = await open_tier(redis_server, ttl_s=0.4)
+    tier = await open_redis_tier(redis_server, ttl_s=0.4)
     key = keys_of(1, 9)[0]
     obj = kv.make_object(key, PART)
     assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import logging
 
-import kvobjects as kv
-
 from kvstore.cli.redis_acl import acl_commands
+from tests.kits import chain as kv
 from tiers.base import PutResult, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_config import RedisConfig

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore import codec
 from kvstore.errors import ConfigError
 from kvstore.keys import ObjectKey
+from tests.kits import chain as kv
+from tests.kits.redis_tier import PART, open_redis_tier
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.redis import RedisTier
 from tiers.redis_config import RedisConfig
 
 KiB = 1024
-PART = 64 * KiB
 NS = kv.namespace("redis-tier")
 
 
@@ -27,11 +27,6 @@ def keys_of(n: int, seed: int = 0) -> list[ObjectKey]:
 
 def make_object(key: ObjectKey, size: int) -> np.ndarray:
     return kv.make_object(key, size)
-
-
-async def open_tier(server, **options) -> RedisTier:
-    options.setdefault("part_size", PART)
-    return await RedisTier.open(RedisConfig.from_url(server.url, **options))
 
 
 def command_calls(server) -> dict[str, int]:
@@ -49,7 +44,7 @@ SIZES = [codec.HEADER_SIZE + 1, 4 * KiB, PART - 1, PART, PART + 1, 2 * PART, 3 *
 
 
 async def test_round_trips_of_many_sizes_are_byte_exact(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     assert isinstance(tier, Tier) and tier.name == "redis"
     keys = keys_of(len(SIZES))
     for key, size in zip(keys, SIZES):
@@ -83,7 +78,7 @@ async def test_default_part_size_object_of_three_parts_and_a_few_bytes(redis_ser
 
 
 async def test_aligned_writes_use_set_and_unaligned_writes_still_work(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     k1, k2 = keys_of(2, 3)
     size = 3 * PART + 100
     before = command_calls(redis_server)
@@ -103,7 +98,7 @@ async def test_aligned_writes_use_set_and_unaligned_writes_still_work(redis_serv
 
 
 async def test_incomplete_put_is_not_published(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 4)[0]
     obj = make_object(key, 2 * PART)
     handle = await tier.put_start(key, len(obj))
@@ -123,7 +118,7 @@ async def test_incomplete_put_is_not_published(redis_server):
 
 
 async def test_present_and_lookup_give_the_contiguous_prefix(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     keys = keys_of(6, 5)
     for i in (0, 1, 2, 4):
         assert await put_bytes(tier, keys[i], memoryview(make_object(keys[i], 300))) is PutResult.STORED
@@ -136,7 +131,7 @@ async def test_present_and_lookup_give_the_contiguous_prefix(redis_server):
 
 
 async def test_lookup_of_512_keys_is_one_command(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     keys = keys_of(512, 6)
     for key in keys[:500]:
         assert await put_bytes(tier, key, memoryview(make_object(key, 300))) is PutResult.STORED
@@ -149,7 +144,7 @@ async def test_lookup_of_512_keys_is_one_command(redis_server):
 
 
 async def test_second_tier_instance_hits_what_the_first_stored(redis_server):
-    writer, reader = await open_tier(redis_server), await open_tier(redis_server)
+    writer, reader = await open_redis_tier(redis_server), await open_redis_tier(redis_server)
     keys = keys_of(3, 8)
     objs = [make_object(k, PART * 2 + 17) for k in keys]
     for key, obj in zip(keys, objs):
@@ -166,7 +161,7 @@ async def test_second_tier_instance_hits_what_the_first_stored(redis_server):
 
 
 async def test_ttl_expires_manifest_and_parts(redis_server):
-    tier = await open_tier(redis_server, ttl_s=0.4)
+    tier = await open_redis_tier(redis_server, ttl_s=0.4)
     key = keys_of(1, 9)[0]
     assert await put_bytes(tier, key, memoryview(make_object(key, 2 * PART + 1))) is PutResult.STORED
     with redis_server.client() as c:
@@ -181,7 +176,7 @@ async def test_ttl_expires_manifest_and_parts(redis_server):
 
 
 async def test_without_ttl_committed_keys_persist_and_abandoned_parts_expire(redis_server):
-    tier = await open_tier(redis_server, orphan_ttl_s=30)
+    tier = await open_redis_tier(redis_server, orphan_ttl_s=30)
     k1, k2 = keys_of(2, 10)
     assert await put_bytes(tier, k1, memoryview(make_object(k1, 2 * PART))) is PutResult.STORED
     handle = await tier.put_start(k2, 2 * PART)
@@ -198,8 +193,8 @@ async def test_without_ttl_committed_keys_persist_and_abandoned_parts_expire(red
 
 
 async def test_key_prefix_isolates_tiers(redis_server):
-    a = await open_tier(redis_server, key_prefix="tenant-a:")
-    b = await open_tier(redis_server, key_prefix="tenant-b:")
+    a = await open_redis_tier(redis_server, key_prefix="tenant-a:")
+    b = await open_redis_tier(redis_server, key_prefix="tenant-b:")
     key = keys_of(1, 11)[0]
     obj = make_object(key, PART + 9)
     assert await put_bytes(a, key, memoryview(obj)) is PutResult.STORED
@@ -216,7 +211,7 @@ async def test_key_prefix_isolates_tiers(redis_server):
 
 
 async def test_delete_removes_every_key(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 12)[0]
     assert await put_bytes(tier, key, memoryview(make_object(key, 3 * PART))) is PutResult.STORED
     assert await tier.delete(key) is True
@@ -228,7 +223,7 @@ async def test_delete_removes_every_key(redis_server):
 
 
 async def test_concurrent_puts_of_one_key_leave_one_object(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 13)[0]
     obj = make_object(key, 4 * PART)
     results = await asyncio.gather(*(put_bytes(tier, key, memoryview(obj)) for _ in range(4)))
@@ -241,7 +236,7 @@ async def test_concurrent_puts_of_one_key_leave_one_object(redis_server):
 
 
 async def test_buffer_too_small_is_a_config_error(redis_server):
-    tier = await open_tier(redis_server)
+    tier = await open_redis_tier(redis_server)
     key = keys_of(1, 14)[0]
     assert await put_bytes(tier, key, memoryview(make_object(key, PART))) is PutResult.STORED
     with pytest.raises(ConfigError, match="cannot hold"):
@@ -250,7 +245,7 @@ async def test_buffer_too_small_is_a_config_error(redis_server):
 
 
 async def test_cancelled_read_leaves_the_buffer_alone_once_it_returns(redis_server):
-    tier = await open_tier(redis_server, part_size="16KiB", max_inflight_parts=2)
+    tier = await open_redis_tier(redis_server, part_size="16KiB", max_inflight_parts=2)
     key = keys_of(1, 15)[0]
     size = 8 << 20  # 512 parts: the read takes long enough to be cancelled mid-way
     assert await put_bytes(tier, key, memoryview(make_object(key, size))) is PutResult.STORED

@@ -5,26 +5,18 @@ import asyncio
 import socket
 import time
 
-import kvobjects as kv
 import numpy as np
 import pytest
 
 from kvstore.client.store_client import StoreClient
 from kvstore.client.tier import RemoteTier
 from kvstore.errors import TierUnavailableError
-from kvstore.keys import ROOT
 from kvstore.testing.serve_proc import StoreProcess
+from tests.kits.chain import Chain, namespace, sealed
 from tiers.base import PutResult, Tier, put_bytes
 
 MiB = 1 << 20
-NS = kv.namespace("remote-test")
-
-
-def chain(n, seed=0):
-    return kv.chain(NS, n, seed)
-
-
-sealed = kv.sealed
+CHAIN = Chain(namespace("remote-test"))
 
 
 def free_port():
@@ -40,13 +32,13 @@ def store(store_process):
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])
 async def test_tier_contract(store, transport):
-    hashes, keys = chain(5, seed=1 if transport == "shm" else 2)
-    objs = [sealed(k, 2 * MiB + i, i, hashes[i - 1] if i else ROOT) for i, k in enumerate(keys)]
+    keys = CHAIN.keys(5, seed=1 if transport == "shm" else 2)
+    objs = [CHAIN.seal(k, 2 * MiB + i, i) for i, k in enumerate(keys)]
     async with await RemoteTier.open(store.target, transport=transport) as tier:
         assert isinstance(tier, Tier) and tier.name == "remote"
         assert tier.client.uses_shm is (transport == "shm")
         for i in range(3):
-            assert await put_bytes(tier, keys[i], objs[i], keys[i - 1] if i else None) is PutResult.STORED
+            assert await put_bytes(tier, keys[i], objs[i], CHAIN.parent_of(keys[i])) is PutResult.STORED
         assert await put_bytes(tier, keys[0], objs[0]) is PutResult.EXISTS
         assert await tier.lookup(keys) == 3
         assert await tier.present(keys) == [True, True, True, False, False]
@@ -70,7 +62,7 @@ async def test_tier_contract(store, transport):
 async def test_closing_the_tier_sends_its_queued_lease_releases(store):
     """Same-host reads leave their releases queued (a 30 s delay here); ``aclose`` sends
     them, in one call, before the channel goes."""
-    _, keys = chain(3, seed=6)
+    keys = CHAIN.keys(3, seed=6)
     objs = [sealed(k, MiB + i, 10 + i) for i, k in enumerate(keys)]
     buf = np.zeros(2 * MiB, np.uint8)
     async with await StoreClient.connect(store.target, transport="stream") as watcher:
@@ -96,7 +88,7 @@ async def test_closing_the_tier_sends_its_queued_lease_releases(store):
 
 @pytest.mark.parametrize("transport", ["shm", "stream"])
 async def test_put_in_parts_and_abort(store, transport):
-    _, keys = chain(3, seed=3 if transport == "shm" else 4)
+    keys = CHAIN.keys(3, seed=3 if transport == "shm" else 4)
     obj = sealed(keys[0], 3 * MiB + 17, 5)
     async with await RemoteTier.open(store.target, transport=transport) as tier:
         handle = await tier.put_start(keys[0], len(obj))
@@ -123,13 +115,13 @@ async def test_breaker_opens_on_kill_and_closes_after_restart(tmp_path):
     port = free_port()
     proc = StoreProcess(tmp_path, "--listen", f"127.0.0.1:{port}", "--host-capacity", "64MiB",
                         "--ssd-dir", str(tmp_path / "ssd"), "--ssd-capacity", "256MiB").start()
-    hashes, keys = chain(4, seed=7)
-    objs = [sealed(k, MiB + 100 * i, 20 + i, hashes[i - 1] if i else ROOT) for i, k in enumerate(keys)]
+    keys = CHAIN.keys(4, seed=7)
+    objs = [CHAIN.seal(k, MiB + 100 * i, 20 + i) for i, k in enumerate(keys)]
     try:
         async with await RemoteTier.open(proc.target, retry_s=0.2, timeout_s=1.0) as tier:
             assert tier.client.uses_shm
-            for i, (key, obj) in enumerate(zip(keys, objs)):
-                assert await tier.put(key, obj, keys[i - 1] if i else None) is PutResult.STORED
+            for key, obj in zip(keys, objs):
+                assert await tier.put(key, obj, CHAIN.parent_of(key)) is PutResult.STORED
             await _until_written_through(tier, len(keys))
             proc.kill()
 
@@ -183,7 +175,7 @@ async def test_refusals_do_not_trip_the_breaker(tmp_path):
         {"token": "ro", "tenant": "a", "permissions": ["read"]},
         {"token": "wo", "tenant": "a", "permissions": ["write"]}]}))
     proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--auth-tokens", str(tokens)).start()
-    hashes, keys = chain(2, seed=8)
+    keys = CHAIN.keys(2, seed=8)
     obj = sealed(keys[0], MiB, 30)
     buf = np.empty(MiB, np.uint8)
     try:
@@ -213,7 +205,7 @@ async def test_present_is_per_key_and_the_core_asks_the_lowest_tier_for_a_prefix
     from kvstore.store.registry import open_tier
     from kvstore.store.tiered import TieredStore
 
-    hashes, keys = chain(6, seed=21)
+    keys = CHAIN.keys(6, seed=21)
     tier = await open_tier(f"kvstore://{store.target}", transport="stream")
     core = TieredStore(await open_tier("host:", capacity=8 * MiB, pin=False), [tier])
     try:

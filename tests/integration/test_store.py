@@ -7,19 +7,14 @@ import pytest
 from kvstore import codec
 from kvstore.config import StoreConfig
 from kvstore.errors import CapacityError, ConfigError
-from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.keys import ROOT, Identity
 from kvstore.store.tiered import TieredStore
+from tests.kits.chain import Chain
 from tiers.base import PutResult
 
 GEOM = codec.ObjectGeometry(num_layers=2, pages_per_layer=2, page_bytes=2048)
 SIZE = codec.object_size(GEOM)
-NS = Identity("m", "r", "bf16", "test:opaque", 2, 1, 64).namespace()
-
-
-def chain(n, seed=0):
-    tokens = np.random.default_rng(seed).integers(0, 50000, n * 256)
-    hashes = chunk_hashes(NS, tokens, 256)
-    return hashes, object_keys(NS, hashes)
+CHAIN = Chain(Identity("m", "r", "bf16", "test:opaque", 2, 1, 64).namespace(), chunk_tokens=256)
 
 
 def payload(i):
@@ -38,7 +33,7 @@ async def put_chain(store, hashes, keys, count=None):
 
 
 async def test_put_lookup_get_from_host(tmp_path):
-    hashes, keys = chain(4)
+    _, hashes, keys = CHAIN.links(4)
     buf = np.empty(SIZE, np.uint8)
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys, 3)
@@ -52,7 +47,7 @@ async def test_put_lookup_get_from_host(tmp_path):
 
 
 async def test_restart_reads_from_ssd_and_promotes(tmp_path):
-    hashes, keys = chain(3)
+    _, hashes, keys = CHAIN.links(3)
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys)
         assert await store.drain(10)                              # written through, in the background
@@ -70,7 +65,7 @@ async def test_restart_reads_from_ssd_and_promotes(tmp_path):
 
 
 async def test_gap_ends_the_hit_across_tiers(tmp_path):
-    hashes, keys = chain(4)
+    _, hashes, keys = CHAIN.links(4)
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys)
         assert await store.drain(10)
@@ -82,7 +77,7 @@ async def test_gap_ends_the_hit_across_tiers(tmp_path):
 
 
 async def test_corrupt_ssd_object_is_a_counted_miss(tmp_path):
-    hashes, keys = chain(2)
+    _, hashes, keys = CHAIN.links(2)
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys)
         ssd = store.lower[0]                       # closing writes everything through first
@@ -100,7 +95,7 @@ async def test_corrupt_ssd_object_is_a_counted_miss(tmp_path):
 
 
 async def test_object_larger_than_host_is_a_capacity_error(tmp_path):
-    hashes, keys = chain(1)
+    _, hashes, keys = CHAIN.links(1)
     async with await make_store(tmp_path, host_capacity=SIZE // 2) as store:
         with pytest.raises(CapacityError):
             await store.put_payload(keys[0], GEOM, payload(0), ROOT)

@@ -2,12 +2,12 @@
 every malformed fixed part is a ``WireError`` (a ``ConfigError``: INVALID_ARGUMENT)."""
 import struct
 
-import kvobjects as kv
 import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.keys import ROOT
 from kvstore.wire import data as wire
+from tests.kits import chain as kv
 
 KEY = kv.keys_of(kv.namespace("datawire"), 1)[0]
 TICKET = bytes(range(32))

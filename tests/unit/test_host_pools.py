@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import ConfigError
-from kvstore.keys import Namespace, ObjectKey, tenant_mark
-from tests.unit.test_host_tier import FakeClock, P, chain, make_obj, put, tier
+from kvstore.keys import ObjectKey, tenant_mark
+from tests.unit.test_host_tier import CHAIN, FakeClock, P, make_obj, put, tier
 from tiers.host import HostTier
 
 
@@ -22,11 +22,11 @@ def test_a_put_that_cannot_fit_evicts_nothing():
     ever exist; the 4-page put is NO_ROOM and all 16 objects stay."""
     clock = FakeClock()
     t = tier(16, clock=clock)
-    keys = chain(16)
+    keys = CHAIN.keys(16)
     assert [put(t, k) for k in keys] == [i * P for i in range(16)]
     for i in (3, 7, 11, 15):
         assert t.lease(keys[i], ttl=10.0) is not None
-    big = chain(1, seed=9)[0]
+    big = CHAIN.keys(1, seed=9)[0]
     assert t.put_start_sync(big, 4 * P) is None
     assert t.stats().evictions == 0 and _slot_keys(t) == set(keys)
     assert put(t, big, 3) is not None            # a 3-page hole can be made: evicts to make it
@@ -35,11 +35,11 @@ def test_a_put_that_cannot_fit_evicts_nothing():
 
 def test_a_put_that_fits_after_eviction_evicts_only_until_it_fits():
     t = tier(4)
-    keys = chain(4)
+    keys = CHAIN.keys(4)
     for k in keys:
         put(t, k)
     t.acquire(keys[0])                            # referenced: never a victim
-    assert put(t, chain(1, seed=5)[0], 2) is not None
+    assert put(t, CHAIN.keys(1, seed=5)[0], 2) is not None
     assert t.stats().evictions == 2 and t.contains_sync(keys[0])
 
 
@@ -51,8 +51,7 @@ def _pools(sizes: dict[str, int], clock=None) -> HostTier:
 
 
 def _tenant_keys(tenant: str, n: int, seed: int = 0) -> list[ObjectKey]:
-    ns = Namespace(bytes(32)).scoped(tenant)
-    return [ObjectKey(ns, k.chunk_hash, k.tag) for k in chain(n, seed)]
+    return CHAIN.scoped(tenant).keys(n, seed)
 
 
 def _put(t: HostTier, key: ObjectKey, pages: int = 1) -> int | None:
@@ -86,7 +85,7 @@ def test_a_key_no_pool_takes_never_fits():
     try:
         assert t.put_start_sync(_tenant_keys("zz", 1)[0], P) is None
         assert t.pool_of(_tenant_keys("zz", 1)[0]) is None
-        assert t.put_start_sync(chain(1)[0], P) is None          # an unscoped key: no pool
+        assert t.put_start_sync(CHAIN.keys(1)[0], P) is None          # an unscoped key: no pool
     finally:
         t.close()
 

@@ -3,13 +3,13 @@ reused ones, uses inside ``reuse_window_s`` count as one, the write-down's hold 
 use, and a key evicted then stored again counts as reused.  Real ``HostTier``s on 4-page
 pools, time from a fake clock."""
 import numpy as np
-from test_host_tier import FakeClock, chain, present, put, tier
+from test_host_tier import CHAIN, FakeClock, present, put, tier
 
 
 def test_a_reused_object_outlives_newer_objects_used_once():
     clock = FakeClock()
     t = tier(4, clock=clock)
-    a, b, c, d, e, f = chain(6, seed=21)  # stored without parents: all tails
+    a, b, c, d, e, f = CHAIN.keys(6, seed=21)  # stored without parents: all tails
     put(t, a)
     clock.now += 5
     t.read_into_sync(a, np.zeros(4096, np.uint8))  # a: used again 5 s later, reused
@@ -26,7 +26,7 @@ def test_a_reused_object_outlives_newer_objects_used_once():
 def test_uses_inside_the_reuse_window_count_as_one():
     clock = FakeClock()
     t = tier(3, clock=clock, reuse_window_s=10.0)
-    a, b, c, d = chain(4, seed=22)
+    a, b, c, d = CHAIN.keys(4, seed=22)
     for k in (a, b, c):
         put(t, k)
     clock.now += 5                                 # inside the window: not a reuse
@@ -37,7 +37,7 @@ def test_uses_inside_the_reuse_window_count_as_one():
     clock.now += 20
     assert t.lease(c, ttl=1) is not None           # c leased 25 s after its put: reused
     clock.now += 2                                 # (the lease has expired)
-    (x, y) = chain(2, seed=23)
+    (x, y) = CHAIN.keys(2, seed=23)
     put(t, x)                                      # a goes (used once), then d, never c
     put(t, y)
     assert present(t, [a, c, d, x, y]) == [False, True, False, True, True]
@@ -46,7 +46,7 @@ def test_uses_inside_the_reuse_window_count_as_one():
 def test_the_write_downs_hold_is_not_a_use():
     clock = FakeClock()
     t = tier(2, clock=clock)
-    a, b, c = chain(3, seed=24)
+    a, b, c = CHAIN.keys(3, seed=24)
     put(t, a)
     put(t, b)
     clock.now += 5
@@ -61,7 +61,7 @@ def test_the_write_downs_hold_is_not_a_use():
 def test_a_key_stored_again_after_its_eviction_counts_as_reused():
     clock = FakeClock()
     t = tier(2, clock=clock)
-    a, b, c, d, e = chain(5, seed=25)
+    a, b, c, d, e = CHAIN.keys(5, seed=25)
     put(t, a)
     put(t, b)
     put(t, c)                                      # a goes: remembered

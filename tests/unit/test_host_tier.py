@@ -15,12 +15,13 @@ import pytest
 from kvstore.bench.tiers import host_index_overhead_bytes
 from kvstore.codec import ObjectGeometry, encode_into, object_size
 from kvstore.errors import CapacityError, ConfigError, LeaseError, TierUnavailableError
-from kvstore.keys import ROOT, Identity, chunk_hashes, object_keys
+from kvstore.keys import ROOT, Identity
+from tests.kits.chain import Chain
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier, SlotState
 
 P = 4096
-NS = Identity("m", "r1", "bf16", "cpu:test", 2, 1, 8).namespace()
+CHAIN = Chain(Identity("m", "r1", "bf16", "cpu:test", 2, 1, 8).namespace(), chunk_tokens=4)
 
 
 class FakeClock:
@@ -29,11 +30,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def chain(n: int, seed: int = 0) -> list:
-    """Keys of one prefix chain of n chunks (key i's parent is key i-1)."""
-    return object_keys(NS, chunk_hashes(NS, np.arange(n * 4) + seed * 100_000, chunk_size=4))
 
 
 def make_obj(key, pages: int, parent_hash=ROOT) -> np.ndarray:
@@ -110,7 +106,7 @@ def test_shared_pool_is_pinned_exactly_when_cuda_is_present():
 
 def test_objects_land_first_fit_and_reuse_freed_holes():
     t = tier()
-    a, b, c, d, e = chain(5)
+    a, b, c, d, e = CHAIN.keys(5)
     assert [put(t, a, 1), put(t, b, 2), put(t, c, 1)] == [0, P, 3 * P]
     assert t.delete_sync(b)
     assert put(t, d, 1) == P                 # first hole fits
@@ -122,13 +118,13 @@ def test_objects_land_first_fit_and_reuse_freed_holes():
 def test_oversize_object_is_a_capacity_error_and_exact_fit_is_not():
     t = tier(4)
     with pytest.raises(CapacityError):
-        t.put_start_sync(chain(1)[0], 4 * P + 1)
-    assert t.put_start_sync(chain(1)[0], 4 * P) is not None
+        t.put_start_sync(CHAIN.keys(1)[0], 4 * P + 1)
+    assert t.put_start_sync(CHAIN.keys(1)[0], 4 * P) is not None
 
 
 def test_read_into_copies_exact_bytes_and_counts():
     t = tier()
-    (k, missing) = chain(2)
+    (k, missing) = CHAIN.keys(2)
     put(t, k, 3)
     out = np.zeros(4 * P, np.uint8)
     n = t.read_into_sync(k, out)
@@ -144,7 +140,7 @@ def test_read_into_copies_exact_bytes_and_counts():
 
 def test_lookup_counts_only_the_contiguous_prefix():
     t = tier()
-    keys = chain(5)
+    keys = CHAIN.keys(5)
     for i in (0, 1, 3, 4):
         put(t, keys[i], parent=keys[i - 1] if i else None)
     assert t.lookup_sync(keys) == 2
@@ -168,7 +164,7 @@ class CountingLock:
 
 def test_sizes_answer_every_key_under_one_lock_without_touching_lru():
     t = tier(5)
-    a, b, c, d, e, f = chain(6, seed=12)
+    a, b, c, d, e, f = CHAIN.keys(6, seed=12)
     put(t, a, pages=1)
     put(t, b, pages=2, parent=a)
     put(t, d, pages=1)
@@ -198,7 +194,7 @@ def test_sizes_answer_every_key_under_one_lock_without_touching_lru():
 
 def test_lease_and_acquire_count_as_use():
     t = tier(3)
-    a, b, c, d, e = chain(5, seed=11)
+    a, b, c, d, e = CHAIN.keys(5, seed=11)
     for k in (a, b, c):
         put(t, k)
     t.release_lease(t.lease(a, ttl=1).lease_id)
@@ -210,7 +206,7 @@ def test_lease_and_acquire_count_as_use():
 
 def test_lru_evicts_least_recently_used_first():
     t = tier(4)
-    a, b, c, d, e, f = chain(6, seed=1)  # stored without parents: all leaves
+    a, b, c, d, e, f = CHAIN.keys(6, seed=1)  # stored without parents: all leaves
     assert [put(t, k) for k in (a, b, c, d)] == [0, P, 2 * P, 3 * P]
     t.read_into_sync(a, np.zeros(P, np.uint8))   # a becomes most recent
     assert put(t, e) == P                         # evicts b
@@ -221,8 +217,8 @@ def test_lru_evicts_least_recently_used_first():
 
 def test_chain_tails_are_evicted_before_their_parents():
     t = tier(4)
-    k0, k1, k2 = chain(3)
-    x, y, z, w = chain(4, seed=2)
+    k0, k1, k2 = CHAIN.keys(3)
+    x, y, z, w = CHAIN.keys(4, seed=2)
     assert put(t, k0) == 0 and put(t, k1, parent=k0) == P and put(t, k2, parent=k1) == 2 * P
     assert put(t, x) == 3 * P
     assert put(t, y) == 2 * P          # k0 and k1 are older but have children: k2 goes
@@ -233,8 +229,8 @@ def test_chain_tails_are_evicted_before_their_parents():
 
 def test_parent_is_evicted_only_when_no_tail_qualifies():
     t = tier(2)
-    p, c = chain(2)
-    (x,) = chain(1, seed=3)
+    p, c = CHAIN.keys(2)
+    (x,) = CHAIN.keys(1, seed=3)
     put(t, p)
     put(t, c, parent=p)
     assert t.acquire(c) is not None       # the only tail is referenced
@@ -245,7 +241,7 @@ def test_parent_is_evicted_only_when_no_tail_qualifies():
 
 def test_eviction_coalesces_until_a_multi_page_hole_exists():
     t = tier(4)
-    a, b, c, d, e = chain(5, seed=4)
+    a, b, c, d, e = CHAIN.keys(5, seed=4)
     for k in (a, b, c, d):
         put(t, k)
     assert put(t, e, pages=2) == 0        # evicts a, then b; their holes merge
@@ -255,7 +251,7 @@ def test_eviction_coalesces_until_a_multi_page_hole_exists():
 
 def test_eviction_skips_protected_slots_and_keeps_going():
     t = tier(4)
-    a, b, c, d, e = chain(5, seed=5)
+    a, b, c, d, e = CHAIN.keys(5, seed=5)
     for k in (a, b, c, d):
         put(t, k)
     assert t.lease(b, ttl=60) is not None
@@ -267,7 +263,7 @@ def test_eviction_skips_protected_slots_and_keeps_going():
 def test_put_start_returns_none_when_everything_is_protected():
     clock = FakeClock()
     t = tier(4, clock=clock)
-    a, b, c, d, e = chain(5, seed=6)
+    a, b, c, d, e = CHAIN.keys(5, seed=6)
     for k in (a, b, d):
         put(t, k)
     lease_a = t.lease(a, ttl=10)
@@ -284,7 +280,7 @@ def test_put_start_returns_none_when_everything_is_protected():
 def test_lease_protects_only_until_it_expires():
     clock = FakeClock()
     t = tier(1, clock=clock)
-    a, b = chain(2, seed=7)
+    a, b = CHAIN.keys(2, seed=7)
     put(t, a)
     lease = t.lease(a, ttl=5)
     assert put(t, b) is None
@@ -302,7 +298,7 @@ def test_lease_protects_only_until_it_expires():
 def test_expired_lease_does_not_free_a_referenced_buffer():
     clock = FakeClock()
     t = tier(1, clock=clock)
-    a, b = chain(2, seed=8)
+    a, b = CHAIN.keys(2, seed=8)
     put(t, a)
     t.lease(a, ttl=5)
     view = t.acquire(a)
@@ -318,7 +314,7 @@ def test_expired_lease_does_not_free_a_referenced_buffer():
 def test_on_evict_sees_the_bytes_before_the_slot_is_freed():
     seen = []
     t = tier(1, on_evict=lambda key, view: seen.append((key, bytes(view))))
-    a, b = chain(2, seed=9)
+    a, b = CHAIN.keys(2, seed=9)
     put(t, a)
     put(t, b)
     assert seen == [(a, make_obj(a, 1).tobytes())]
@@ -328,7 +324,7 @@ def test_on_evict_sees_the_bytes_before_the_slot_is_freed():
 
 def test_delete_while_referenced_hides_at_once_and_frees_at_last_release():
     t = tier(4)
-    a, b, c = chain(3, seed=10)
+    a, b, c = CHAIN.keys(3, seed=10)
     put(t, a, pages=2)
     v1, v2 = t.acquire(a), t.acquire(a)
     assert t.delete_sync(a) and not t.delete_sync(a)
@@ -350,7 +346,7 @@ def test_delete_while_referenced_hides_at_once_and_frees_at_last_release():
 
 def test_delete_drops_leases_of_the_object():
     t = tier()
-    (a,) = chain(1)
+    (a,) = CHAIN.keys(1)
     put(t, a)
     lease = t.lease(a, ttl=60)
     t.delete_sync(a)
@@ -361,7 +357,7 @@ def test_delete_drops_leases_of_the_object():
 
 def test_releasing_more_than_acquired_is_an_error():
     t = tier()
-    (a,) = chain(1)
+    (a,) = CHAIN.keys(1)
     put(t, a)
     t.acquire(a)
     t.release(a)
@@ -373,7 +369,7 @@ def test_releasing_more_than_acquired_is_an_error():
 
 def test_incomplete_object_is_invisible_until_commit():
     t = tier()
-    (a,) = chain(1)
+    (a,) = CHAIN.keys(1)
     obj = make_obj(a, 1)
     h = t.put_start_sync(a, len(obj))
     h.buffer[:] = obj
@@ -389,7 +385,7 @@ def test_incomplete_object_is_invisible_until_commit():
 
 def test_failed_commit_leaves_nothing():
     t = tier()
-    (a,) = chain(1)
+    (a,) = CHAIN.keys(1)
     h = t.put_start_sync(a, len(make_obj(a, 2)))
     h.buffer[:] = make_obj(a, 2)
     assert t.put_commit_sync(h, ok=False) is False
@@ -402,7 +398,7 @@ def test_failed_commit_leaves_nothing():
 @pytest.mark.parametrize("case", ["other_key", "longer", "shorter", "garbage", "tiny"])
 def test_commit_rejects_a_header_that_does_not_match_the_handle(case):
     t = tier()
-    a, b = chain(2)
+    a, b = CHAIN.keys(2)
     obj = make_obj(b if case == "other_key" else a, 1)
     size = {"longer": len(obj) + 8, "shorter": len(obj) - 8, "tiny": 100}.get(case, len(obj))
     h = t.put_start_sync(a, size)
@@ -416,7 +412,7 @@ def test_commit_rejects_a_header_that_does_not_match_the_handle(case):
 
 def test_put_of_a_stored_key_keeps_the_stored_copy():
     t = tier()
-    (a,) = chain(1)
+    (a,) = CHAIN.keys(1)
     assert put(t, a) == 0
     obj = make_obj(a, 1)
     h = t.put_start_sync(a, len(obj))
@@ -430,7 +426,7 @@ def test_put_of_a_stored_key_keeps_the_stored_copy():
 def test_async_protocol_through_put_bytes():
     async def story():
         async with tier() as t:
-            a, b = chain(2)
+            a, b = CHAIN.keys(2)
             obj = make_obj(a, 2)
             assert await put_bytes(t, a, memoryview(obj)) is PutResult.STORED
             assert await put_bytes(t, a, memoryview(obj)) is PutResult.EXISTS
@@ -489,7 +485,7 @@ class SimClock(FakeClock):
             self.now += 0.001
 
 
-SIM_KEYS = chain(12, seed=99)
+SIM_KEYS = CHAIN.keys(12, seed=99)
 OBJS = {k: make_obj(k, 1 + i * 7 % 3) for i, k in enumerate(SIM_KEYS)}
 PARENT = {k: (SIM_KEYS[i - 1] if i else None) for i, k in enumerate(SIM_KEYS)}
 

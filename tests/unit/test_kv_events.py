@@ -15,12 +15,12 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from kvstore import codec
-from kvstore.keys import ROOT, chunk_hashes, object_keys
+from kvstore.keys import ROOT
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
 from kvstore.wire import kv as kvwire
 from kvstore.wire.kv import CPU, LOCAL, STORAGE, Kind, KVEvent, Medium
-from tests.kvobjects import namespace
+from tests.kits.chain import Chain, namespace
 from tiers.base import Removal
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
@@ -28,13 +28,7 @@ from tiers.ssd import SSDTier
 SLOT = 64 * 1024
 MEDIA = {"host": Medium(CPU), "ssd": Medium(STORAGE, LOCAL, "ssd")}
 VLLM = msgspec.msgpack.Decoder(type=KVEventBatch)
-
-
-def chain(n: int, seed: int = 0):
-    ns = namespace("events")
-    tokens = np.random.default_rng(seed).integers(0, 50_000, n * 16)
-    hashes = chunk_hashes(ns, tokens, 16)
-    return tokens.reshape(n, 16), hashes, object_keys(ns, hashes)
+CHAIN = Chain(namespace("events"))
 
 
 def geometry() -> codec.ObjectGeometry:
@@ -65,7 +59,7 @@ def test_batch_carries_the_epoch_and_vllm_ignores_it():
 
 
 async def test_store_eviction_corruption_and_delete_in_order(tmp_path):
-    tokens, hashes, keys = chain(5)
+    tokens, hashes, keys = CHAIN.links(5)
     host = HostTier(4 * SLOT, alignment=SLOT)
     ssd = await SSDTier.open(tmp_path / "ssd", 64 * SLOT)
     rec = EventRecorder(MEDIA, group_idx=0)
@@ -110,7 +104,7 @@ async def test_store_eviction_corruption_and_delete_in_order(tmp_path):
 
 
 async def test_restart_knows_survivors_and_announces_them_once_described(tmp_path):
-    tokens, hashes, keys = chain(3, seed=1)
+    tokens, hashes, keys = CHAIN.links(3, seed=1)
     async with TieredStore(HostTier(4 * SLOT, alignment=SLOT), [await SSDTier.open(tmp_path, 64 * SLOT)]) as store:
         for i in range(3):
             await put(store, keys[i], hashes[i - 1] if i else None)
@@ -133,7 +127,7 @@ async def test_restart_knows_survivors_and_announces_them_once_described(tmp_pat
 
 
 def test_removal_of_a_block_never_announced_is_silent():
-    _, _, keys = chain(1)
+    keys = CHAIN.keys(1)
     rec = EventRecorder(MEDIA)
     rec.stored("host", keys[0])
     rec.removed("host", keys[0], Removal.EVICTED)
@@ -142,7 +136,7 @@ def test_removal_of_a_block_never_announced_is_silent():
 
 
 def test_pending_events_are_bounded():
-    tokens, hashes, keys = chain(3)
+    tokens, hashes, keys = CHAIN.links(3)
     rec = EventRecorder(MEDIA, max_pending=2)
     for i in range(3):
         rec.describe(keys[i], None, tokens[i].tolist())
@@ -153,7 +147,7 @@ def test_pending_events_are_bounded():
 
 @pytest.mark.parametrize("stream_of, published", [(lambda key: "a", 1), (lambda key: None, 0)])
 def test_a_key_of_no_stream_is_never_published(stream_of, published):
-    tokens, _, keys = chain(1)
+    tokens, _, keys = CHAIN.links(1)
     rec = EventRecorder(MEDIA, stream_of=stream_of)
     rec.describe(keys[0], None, tokens[0].tolist())
     rec.stored("host", keys[0])
@@ -194,8 +188,8 @@ def test_each_stream_holds_descriptions_within_its_budget():
     loses its own spare descriptions, then is refused; another stream is untouched."""
     from kvstore.store.kvevents import ENTRY_COST, DescriptionRefused
 
-    tokens, _, keys = chain(8)
-    other = [k for k in chain(4, seed=1)[2]]
+    tokens, _, keys = CHAIN.links(8)
+    other = CHAIN.keys(4, seed=1)
     one = ENTRY_COST + 4 * 16
     stream_of = lambda key: "b" if key in keys else "a"            # noqa: E731
     budget = {"b": (3 * one, 100), "a": (100 * one, 2)}

@@ -4,7 +4,6 @@ failure and byte counters.  The write-down itself is ``tests/unit/test_writedown
 from __future__ import annotations
 
 import pytest
-from kvobjects import keys_of, namespace
 from test_host_tier import make_obj  # noqa: E402 - shared object maker
 
 from connector.config import ConnectorConfig
@@ -12,6 +11,7 @@ from connector.lower import open_store, tier_specs
 from kvstore.errors import TierUnavailableError
 from kvstore.store.writedown import Offer
 from kvstore.testing.redis_proc import free_port
+from tests.kits.chain import keys_of, namespace
 
 NS = namespace("lower")
 

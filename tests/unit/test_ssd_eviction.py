@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 import pytest
-from test_ssd_tier import MADE, SIZE, chain, kv_files, read, store  # noqa: E402 - shared helpers
+from test_ssd_tier import CHAIN, SIZE, kv_files, read, store  # noqa: E402 - shared helpers
 
 from kvstore.keys import ObjectKey
 from tiers import ssd as ssd_mod
@@ -14,7 +14,7 @@ from tiers.ssd import SSDTier
 
 
 async def present(tier: SSDTier) -> set[ObjectKey]:
-    return {k for k in MADE if await tier.contains(k)}
+    return {k for k in CHAIN.made if await tier.contains(k)}
 
 
 async def evicted_by(tier: SSDTier, key: ObjectKey) -> set[ObjectKey]:
@@ -24,8 +24,8 @@ async def evicted_by(tier: SSDTier, key: ObjectKey) -> set[ObjectKey]:
 
 
 async def test_eviction_takes_lru_chain_tails_before_parents(tmp_path):
-    a0, a1, a2 = chain(3, seed=1)
-    b0, c0, d0, e0 = (chain(1, seed=s)[0] for s in (2, 3, 4, 5))
+    a0, a1, a2 = CHAIN.keys(3, seed=1)
+    b0, c0, d0, e0 = (CHAIN.keys(1, seed=s)[0] for s in (2, 3, 4, 5))
     tier = SSDTier(tmp_path, 4 * SIZE)
     await store(tier, [a0, a1, a2])
     await store(tier, [b0])
@@ -63,14 +63,14 @@ async def start_read(tier: SSDTier, key: ObjectKey, started: threading.Semaphore
 
 async def test_an_object_being_read_is_not_evicted(tmp_path, held_reads):
     release, started = held_reads
-    x0, y0, z0, w0 = (chain(1, seed=s)[0] for s in range(4))
+    x0, y0, z0, w0 = (CHAIN.keys(1, seed=s)[0] for s in range(4))
     tier = SSDTier(tmp_path, 2 * SIZE)
     await store(tier, [x0, y0])
     reading = await start_read(tier, x0, started)
     assert await evicted_by(tier, z0) == {y0}  # x0 is LRU but pinned by the reader
     handle = await tier.put_start(w0, SIZE)    # x0 pinned, z0 evictable: evicts z0
     assert handle is not None and not await tier.contains(z0)
-    assert await tier.put_start(chain(1, seed=9)[0], SIZE) is None  # only x0 left, pinned
+    assert await tier.put_start(CHAIN.keys(1, seed=9)[0], SIZE) is None  # only x0 left, pinned
     release.set()
     assert await reading == SIZE and await tier.contains(x0)
     assert not await tier.put_commit(handle, ok=False)
@@ -79,11 +79,11 @@ async def test_an_object_being_read_is_not_evicted(tmp_path, held_reads):
 
 async def test_fallback_evicts_a_parent_when_no_tail_is_evictable(tmp_path, held_reads):
     release, started = held_reads
-    p0, p1 = chain(2, seed=1)
+    p0, p1 = CHAIN.keys(2, seed=1)
     tier = SSDTier(tmp_path, 2 * SIZE)
     await store(tier, [p0, p1])
     reading = await start_read(tier, p1, started)
-    assert await evicted_by(tier, chain(1, seed=2)[0]) == {p0}
+    assert await evicted_by(tier, CHAIN.keys(1, seed=2)[0]) == {p0}
     release.set()
     assert await reading == SIZE
     await tier.aclose()
@@ -91,7 +91,7 @@ async def test_fallback_evicts_a_parent_when_no_tail_is_evictable(tmp_path, held
 
 async def test_a_cancelled_read_drains_before_it_unpins(tmp_path, held_reads):
     release, started = held_reads
-    x0, y0 = chain(1, seed=1)[0], chain(1, seed=2)[0]
+    x0, y0 = CHAIN.keys(1, seed=1)[0], CHAIN.keys(1, seed=2)[0]
     tier = SSDTier(tmp_path, SIZE)
     await store(tier, [x0])
     reading = await start_read(tier, x0, started)

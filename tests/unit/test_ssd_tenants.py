@@ -7,7 +7,7 @@ import os
 import stat
 
 import pytest
-from test_ssd_tier import SIZE, chain, kv_files, make_obj, store  # noqa: E402 - shared helpers
+from test_ssd_tier import CHAIN, SIZE, kv_files, make_obj, store  # noqa: E402 - shared helpers
 
 from kvstore.errors import CapacityError
 from kvstore.keys import ObjectKey, tenant_mark
@@ -23,7 +23,7 @@ def mode(path) -> int:
 
 async def test_objects_are_0600_in_0700_directories(tmp_path):
     tier = SSDTier(tmp_path / "ssd", 1 << 20)
-    await store(tier, chain(3, seed=1))
+    await store(tier, CHAIN.keys(3, seed=1))
     files = kv_files(tmp_path / "ssd")
     assert files and {mode(f) for f in files} == {0o600}
     assert {mode(f.parent) for f in files} == {0o700}
@@ -34,7 +34,7 @@ async def test_objects_are_0600_in_0700_directories(tmp_path):
 
 async def test_files_of_an_older_version_are_tightened_at_start(tmp_path):
     tier = SSDTier(tmp_path / "ssd", 1 << 20)
-    await store(tier, chain(2, seed=2))
+    await store(tier, CHAIN.keys(2, seed=2))
     await tier.aclose()
     for f in kv_files(tmp_path / "ssd"):
         os.chmod(f, 0o644)
@@ -56,7 +56,7 @@ async def test_the_rebuild_never_follows_a_symlinked_tmp_or_shard(tmp_path):
         (precious / name).write_text("keep me")
     root = tmp_path / "ssd"
     tier = SSDTier(root, 1 << 20)
-    await store(tier, chain(1, seed=3))
+    await store(tier, CHAIN.keys(1, seed=3))
     await tier.aclose()
     os.rmdir(root / "tmp")
     os.symlink(precious, root / "tmp")
@@ -73,7 +73,7 @@ async def test_the_rebuild_never_follows_a_symlinked_tmp_or_shard(tmp_path):
 
 
 def scoped(tenant: str, n: int, seed: int) -> list[ObjectKey]:
-    return [ObjectKey(k.namespace.scoped(tenant), k.chunk_hash, k.tag) for k in chain(n, seed)]
+    return CHAIN.scoped(tenant).keys(n, seed)
 
 
 def partitioned(root, capacity: int, quotas: dict[str, int]) -> SSDTier:

@@ -11,23 +11,14 @@ import pytest
 
 from kvstore.codec import HEADER_SIZE, ObjectGeometry, encode_into, object_size, verify
 from kvstore.errors import CapacityError, ConfigError, TierUnavailableError
-from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import ROOT, Identity, ObjectKey
+from tests.kits.chain import Chain
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.ssd import SSDTier, drop_page_cache
 
-NS = Identity("test-model", "r1", "bf16", "cpu:test", 2, 2, 64).namespace()
+CHAIN = Chain(Identity("test-model", "r1", "bf16", "cpu:test", 2, 2, 64).namespace(), chunk_tokens=4)
 PAYLOAD = 4096
 SIZE = HEADER_SIZE + PAYLOAD
-PARENT: dict[ObjectKey, ObjectKey] = {}  # every chained key made by chain() -> its parent
-MADE: set[ObjectKey] = set()  # every key made by chain()
-
-
-def chain(n: int, seed: int = 0, tag: str = "r0") -> list[ObjectKey]:
-    """Keys of ``n`` chained chunks (key i+1's parent is key i)."""
-    keys = object_keys(NS, chunk_hashes(NS, [seed] * 4 * n, chunk_size=4), tag)
-    PARENT.update(zip(keys[1:], keys))
-    MADE.update(keys)
-    return keys
 
 
 def make_obj(key: ObjectKey, payload: int = PAYLOAD, parent: ObjectKey | None = None) -> bytearray:
@@ -40,7 +31,7 @@ def make_obj(key: ObjectKey, payload: int = PAYLOAD, parent: ObjectKey | None = 
 
 async def store(tier: SSDTier, keys: list[ObjectKey], payload: int = PAYLOAD, chained: bool = True) -> None:
     for key in keys:
-        parent = PARENT.get(key) if chained else None
+        parent = CHAIN.parent_of(key) if chained else None
         obj = memoryview(make_obj(key, payload, parent))
         assert await put_bytes(tier, key, obj, parent) is PutResult.STORED
 
@@ -68,7 +59,7 @@ async def test_round_trip_several_sizes(tmp_path, fsync):
     tier = SSDTier(tmp_path / "ssd", 1 << 30, fsync=fsync)
     assert isinstance(tier, Tier)
     sizes = [1, 255, 4096, (1 << 20) + 3, 8 << 20]
-    keys = chain(len(sizes))
+    keys = CHAIN.keys(len(sizes))
     for key, size in zip(keys, sizes):
         obj = make_obj(key, size)
         assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
@@ -84,7 +75,7 @@ async def test_round_trip_several_sizes(tmp_path, fsync):
 
 
 async def test_survives_reopen(tmp_path):
-    keys = chain(6)
+    keys = CHAIN.keys(6)
     async with SSDTier(tmp_path, 1 << 30) as tier:
         await store(tier, keys)
     tier = SSDTier(tmp_path, 1 << 30)
@@ -93,12 +84,12 @@ async def test_survives_reopen(tmp_path):
     assert st.extra["torn_removed"] == st.extra["corrupt_removed"] == 0
     assert await tier.lookup(keys) == 6
     for key in keys:
-        assert await read(tier, key) == make_obj(key, parent=PARENT.get(key))
+        assert await read(tier, key) == make_obj(key, parent=CHAIN.parent_of(key))
     await tier.aclose()
 
 
 async def test_flipped_payload_byte_is_a_counted_miss(tmp_path):
-    keys = chain(2)
+    keys = CHAIN.keys(2)
     tier = SSDTier(tmp_path, 1 << 30)
     await store(tier, keys)
     flip(tier.path_of(keys[0]), HEADER_SIZE + 100)
@@ -112,7 +103,7 @@ async def test_flipped_payload_byte_is_a_counted_miss(tmp_path):
 
 @pytest.mark.parametrize("damage", ["header", "truncate", "extend", "other_key", "bad_name"])
 async def test_damaged_files_are_removed_at_scan(tmp_path, damage):
-    keys = chain(3)
+    keys = CHAIN.keys(3)
     async with SSDTier(tmp_path, 1 << 30) as tier:
         await store(tier, keys)
         victim = tier.path_of(keys[1])
@@ -135,7 +126,7 @@ async def test_damaged_files_are_removed_at_scan(tmp_path, damage):
 
 async def test_stray_temp_files_are_removed_at_scan(tmp_path):
     async with SSDTier(tmp_path, 1 << 30) as tier:
-        await store(tier, chain(1))
+        await store(tier, CHAIN.keys(1))
     (tmp_path / "tmp" / "half-written.1.2.tmp").write_bytes(b"\0" * 1000)
     (tmp_path / "tmp" / "other").write_bytes(b"x")
     tier = SSDTier(tmp_path, 1 << 30)
@@ -146,7 +137,7 @@ async def test_stray_temp_files_are_removed_at_scan(tmp_path):
 
 
 async def test_another_keys_object_under_this_name_is_a_miss(tmp_path, caplog):
-    a, b = chain(1, seed=1) + chain(1, seed=2)
+    a, b = CHAIN.keys(1, seed=1) + CHAIN.keys(1, seed=2)
     tier = SSDTier(tmp_path, 1 << 30)
     await store(tier, [a, b], chained=False)
     tier.path_of(a).write_bytes(tier.path_of(b).read_bytes())  # same size: only the key differs
@@ -158,7 +149,7 @@ async def test_another_keys_object_under_this_name_is_a_miss(tmp_path, caplog):
 
 
 async def test_file_truncated_while_indexed_is_a_counted_miss(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     tier = SSDTier(tmp_path, 1 << 30)
     await store(tier, [key])
     os.truncate(tier.path_of(key), SIZE - 100)
@@ -168,7 +159,7 @@ async def test_file_truncated_while_indexed_is_a_counted_miss(tmp_path):
 
 
 async def test_a_late_removal_never_deletes_a_newer_put_of_the_key(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     tier = SSDTier(tmp_path, 1 << 30)
     await store(tier, [key])
     old_inode = tier.path_of(key).stat().st_ino
@@ -181,7 +172,7 @@ async def test_a_late_removal_never_deletes_a_newer_put_of_the_key(tmp_path):
 
 
 async def test_vanished_file_is_a_miss_and_leaves_the_index(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     tier = SSDTier(tmp_path, 1 << 30)
     await store(tier, [key])
     tier.path_of(key).unlink()
@@ -191,7 +182,7 @@ async def test_vanished_file_is_a_miss_and_leaves_the_index(tmp_path):
 
 
 async def test_abandoned_put_leaves_nothing(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     tier = SSDTier(tmp_path, 1 << 30)
     handle = await tier.put_start(key, SIZE)
     await tier.put_write(handle, 0, memoryview(make_obj(key)))
@@ -212,7 +203,7 @@ async def assert_nothing_published(tier: SSDTier, root: Path, key: ObjectKey) ->
 
 @pytest.mark.parametrize("bad", ["other_key", "zeros", "short", "longer_header", "write_error"])
 async def test_a_bad_put_is_not_published(tmp_path, bad):
-    key, other = chain(1, seed=1)[0], chain(1, seed=2)[0]
+    key, other = CHAIN.keys(1, seed=1)[0], CHAIN.keys(1, seed=2)[0]
     tier = SSDTier(tmp_path, 1 << 30)
     obj = make_obj(other if bad == "other_key" else key, 2 * PAYLOAD if bad == "longer_header" else PAYLOAD)
     data = {"zeros": bytearray(SIZE), "short": obj[: SIZE - 10], "longer_header": obj[:SIZE]}.get(bad, obj)
@@ -226,7 +217,7 @@ async def test_a_bad_put_is_not_published(tmp_path, bad):
 
 
 async def test_put_write_outside_the_object_is_rejected(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     async with SSDTier(tmp_path, 1 << 30) as tier:
         handle = await tier.put_start(key, SIZE)
         with pytest.raises(ConfigError):
@@ -235,7 +226,7 @@ async def test_put_write_outside_the_object_is_rejected(tmp_path):
 
 
 async def test_configuration_failures_lose_nothing(tmp_path):
-    keys = chain(3)
+    keys = CHAIN.keys(3)
     tier = SSDTier(tmp_path / "ssd", 3 * SIZE)
     await store(tier, keys)
     (tmp_path / "file").write_bytes(b"")
@@ -246,7 +237,7 @@ async def test_configuration_failures_lose_nothing(tmp_path):
     with pytest.raises(ConfigError, match="in use"):
         SSDTier(tmp_path / "ssd", 1 << 20)
     with pytest.raises(CapacityError):
-        await tier.put_start(chain(1, seed=7)[0], 3 * SIZE + 1)
+        await tier.put_start(CHAIN.keys(1, seed=7)[0], 3 * SIZE + 1)
     with pytest.raises(ConfigError, match="buffer"):
         await tier.read_into(keys[0], memoryview(bytearray(SIZE - 1)))
     assert await tier.lookup(keys) == 3 and tier.stats().evictions == 0
@@ -258,7 +249,7 @@ async def test_configuration_failures_lose_nothing(tmp_path):
 
 
 async def test_lookup_delete_and_reopen_with_less_capacity(tmp_path):
-    keys = chain(4)
+    keys = CHAIN.keys(4)
     tier = SSDTier(tmp_path, 1 << 30)
     await store(tier, keys)
     assert await tier.delete(keys[3]) and not await tier.delete(keys[3])
@@ -275,7 +266,7 @@ async def test_lookup_delete_and_reopen_with_less_capacity(tmp_path):
 
 
 async def test_aclose_abandons_puts_in_progress(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     tier = SSDTier(tmp_path, 1 << 30)
     handle = await tier.put_start(key, SIZE)
     await tier.put_write(handle, 0, memoryview(make_obj(key)))
@@ -284,7 +275,7 @@ async def test_aclose_abandons_puts_in_progress(tmp_path):
 
 
 async def test_cold_read_after_drop_page_cache(tmp_path):
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     async with SSDTier(tmp_path, 1 << 30) as tier:
         await store(tier, [key], payload=1 << 20)
         drop_page_cache(tier.path_of(key))
@@ -295,7 +286,7 @@ async def test_cold_read_after_drop_page_cache(tmp_path):
 async def test_random_concurrent_ops_match_the_disk(tmp_path, seed):
     """Concurrent puts, reads and deletes on a small tier; then index == files, all verify."""
     rng = random.Random(seed)
-    keys = [k for s in range(6) for k in chain(3, seed=s)]
+    keys = [k for s in range(6) for k in CHAIN.keys(3, seed=s)]
     tier = SSDTier(tmp_path, 8 * SIZE)
 
     async def worker(n: int) -> None:
@@ -324,7 +315,7 @@ async def test_batch_sizes_match_size_of(tmp_path):
     """``sizes`` answers a whole batch like ``size_of`` per key (used by batched lookups);
     ``present``, ``lookup`` and ``contains`` are ``TierBase``'s over it."""
     tier = SSDTier(tmp_path / "batch", 1 << 20)
-    ks = chain(4, seed=77)
+    ks = CHAIN.keys(4, seed=77)
     await put_bytes(tier, ks[0], memoryview(make_obj(ks[0], 1000)))
     await put_bytes(tier, ks[2], memoryview(make_obj(ks[2], 5000)))
     expected = [await tier.size_of(k) for k in ks]
@@ -379,7 +370,7 @@ def test_another_uid_cannot_replace_an_object_in_the_tier(tmp_path):
 
 
 async def _put_one(tier: SSDTier) -> None:
-    key = chain(1)[0]
+    key = CHAIN.keys(1)[0]
     try:
         assert await put_bytes(tier, key, make_obj(key)) is PutResult.STORED
     finally:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvobjects import chain, keys_of, namespace
 from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
 from kvstore.store.observer import StoreObserver
 from kvstore.store.tiered import TieredStore
+from tests.kits.chain import Chain, keys_of, namespace
 from tiers.base import put_bytes
 from tiers.host import HostTier
 from tiers.ssd import SSDTier
@@ -145,7 +145,7 @@ async def test_promotion_without_room_is_a_counted_miss(rig):
 
 async def test_a_promoted_chain_keeps_its_parents_so_host_eviction_drops_the_tail(rig):
     store = rig(slots=2)
-    hashes, (a, b, c) = chain(namespace("chain"), 3, seed=6)
+    _, hashes, (a, b, c) = Chain(namespace("chain")).links(3, seed=6)
     await put_bytes(store.lower[0], a, memoryview(make_obj(a, 1)))
     await put_bytes(store.lower[0], b, memoryview(make_obj(b, 1, hashes[0])))  # names a as parent
     assert await store.promote(a) == "ssd0" and await store.promote(b) == "ssd0"

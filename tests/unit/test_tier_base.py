@@ -4,10 +4,10 @@ backend with nothing better (``sizes`` from ``size_of``, ``present`` from ``size
 from __future__ import annotations
 
 import pytest
-from kvobjects import keys_of, namespace
 from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 from kvstore.keys import ObjectKey
+from tests.kits.chain import keys_of, namespace
 from tiers.base import Tier, TierBase, put_bytes
 from tiers.host import HostTier
 from tiers.ssd import SSDTier

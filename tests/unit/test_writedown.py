@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvobjects import keys_of, namespace
 from test_host_tier import P, make_obj  # noqa: E402 - shared object maker
 
 from kvstore.config import WritePolicy
 from kvstore.keys import ObjectKey
 from kvstore.store.observer import StoreCounters, StoreObserver
 from kvstore.store.writedown import Offer, WriteDown
+from tests.kits.chain import keys_of, namespace
 from tiers.base import PutResult
 from tiers.host import HostTier
 from tiers.ssd import SSDTier

@@ -2,11 +2,12 @@
 process): vLLM started with ``--kv-events-config`` (``kv_events_config``: ZMQ on an ipc
 endpoint, a replay endpoint, a topic) and the connector with ``trace_path``.
 
-Engine 1 saves four 2-chunk prompts into a host pool that holds four objects, written back
-(``write_back``: an object is evicted only once it is on SSD, and every one is there at the
-latest when the engine exits, so the story does not hang on the write-through queue's
-timing), then repeats the first prompt (its chunks were evicted: it loads them from SSD
-through a prefetch).  Engine 2, a new
+Engine 1 saves four 2-chunk prompts into a host pool that holds four objects, written
+through to SSD, then repeats the first prompt (its chunks were evicted: it loads them from
+SSD through a prefetch).  Each prompt after the first, and the repeat, wait at a barrier until
+everything saved before them is on SSD (``wait_written``): an object still queued for SSD
+cannot be evicted, so without the wait a slow disk would turn a save into a refused one
+(``save:no_room``) and the story would depend on the queue's timing.  Engine 2, a new
 process on the same SSD directory, repeats it again.
 
 A pyzmq subscriber decodes every message of both engines with vLLM's own msgspec structs
@@ -47,7 +48,8 @@ VLLM = msgspec.msgpack.Decoder(type=KVEventBatch)
 def workload(vocab: int, repeat_only: bool = False) -> tuple[kit.Workload, list[tuple[int, ...]]]:
     g = kit.TokenSource(5, vocab)
     prompts = [g.take(2 * CHUNK + 40) for _ in range(4)]
-    reqs = [] if repeat_only else [kit.Request(f"p{i}", p) for i, p in enumerate(prompts)]
+    reqs = [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}" if i else None)
+                                   for i, p in enumerate(prompts)]
     reqs.append(kit.Request("p0-again", prompts[0], barrier="replay"))
     return kit.Workload(tuple(reqs)), prompts
 
@@ -100,20 +102,43 @@ class Capture:
         return [ev for seq in seqs for ev in zip(self.got[seq][0].events, self.got[seq][1][1])]
 
 
+# The kit's warm-up prompt (3 blocks of 128 tokens) saves one full chunk and one 1-block tail.
+WARMUP_OBJECTS = -(-3 * kit.BLOCK_SIZE // CHUNK)
+
+
+def wait_written(ssd: Path, objects: int, timeout_s: float = 300) -> None:
+    """Until ``objects`` objects are on SSD (``<dir>/<xx>/<key>.kv``; puts in progress live in
+    ``tmp/``): the engine is idle at a barrier, and its write-through queue drains meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while (have := len(list(ssd.glob("*/*.kv")))) < objects:
+        assert time.monotonic() < deadline, f"{have} objects on SSD, {objects} expected: the write-down stalled"
+        time.sleep(0.05)
+
+
 def run(model: Path, work: Path, wl: kit.Workload, n: int, ctx: zmq.Context):
     ev, rep = f"ipc://{work}/events-{n}", f"ipc://{work}/replay-{n}"
     cap = Capture(ctx, ev, rep)
     barriers = work / f"barriers-{n}"
     barriers.mkdir()
     cfg = connector_config(work / "ssd", work / f"stats-{n}.json", host_capacity="4400KiB",
-                           write_policy="write_back", trace_path=str(work / f"trace-{n}.json"))
+                           write_policy="write_through", trace_path=str(work / f"trace-{n}.json"))
     engine = {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ev,
                                    "replay_endpoint": rep, "topic": TOPIC.decode()}}
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(result=kit.run_engine(
         model, cfg, wl, engine_args=engine, barriers=barriers, timeout_s=900)))
+
+    def at_barrier(before: int, name: str) -> None:
+        if n == 1:
+            wait_written(work / "ssd", WARMUP_OBJECTS + 2 * before)
+        if name == "replay":
+            cap.replay_all()
+
     thread.start()
-    kit.open_barrier(barriers, "replay", then=cap.replay_all, timeout_s=900)
+    for before, req in enumerate(wl.requests):  # engine 1: `before` prompts of 2 chunks were saved
+        if req.barrier:
+            kit.open_barrier(barriers, req.barrier, then=lambda b=before, name=req.barrier: at_barrier(b, name),
+                             timeout_s=900)
     thread.join()
     assert "result" in out, "the engine run failed (see its log above)"
     return out["result"], cap.stop(), json.loads((work / f"stats-{n}.json").read_text())

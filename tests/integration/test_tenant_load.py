@@ -1,6 +1,6 @@
 """The tenant load test (issues 12 and 23): good clients of tenant ``good`` against one real
 ``kvstore serve``, first alone (baseline, ``KVSTORE_LOAD_BASE_S``, default 10 s), then beside
-every attacker at once (``KVSTORE_LOAD_S``, default 20 s).  Cost: about 70 s on 2 shared cores.
+every attacker at once (``KVSTORE_LOAD_S``, default 20 s).  Cost: about 75 s on 2 shared cores.
 
 The good clients (4 processes: shared memory twice, the data channel, gRPC streams) read
 their objects back and compare every byte, put and delete fresh objects (written through
@@ -62,11 +62,13 @@ QUOTAS = {"good": {"host_bytes": "32MiB", "ssd_bytes": "64MiB", "described_bytes
           "evil4": {**HOSTILE, "host_bytes": "8MiB", "ssd_bytes": "48MiB"},
           "evil5": {**HOSTILE, "host_bytes": "4MiB", "ssd_bytes": "8MiB"}}
 HOST_CAPACITY, SSD_CAPACITY, MAX_RPCS = 92 * MiB, 184 * MiB, 64
+PER_PEER, STRANGER_PEERS = 16, 8         # max_unauthenticated_per_peer (default); data_strangers' addresses
 SSD_SEEDED = 40_000                      # evil4's 1 KiB objects, in its SSD files before the store starts
 MAX_MESSAGE = 2 * MiB                    # --max-message-bytes: a request in flight holds at most this
-RSS_ALLOWANCE = 128 * MiB                # fixed: the interpreter's heap growth, grpc's connection buffers
+RSS_ALLOWANCE = 64 * MiB                 # fixed: the interpreter's heap growth, grpc's connection buffers
 DESCRIBED = 6 * MiB                      # described_bytes of the six tenants that may write (ops may not)
-RSS_BOUND = DESCRIBED + MAX_RPCS * MAX_MESSAGE + RSS_ALLOWANCE   # beyond the server's RssAnon at the start
+EVENT_BUFFER = 2 * MiB                   # --kv-events-buffer-bytes: each tenant's KV event batches kept for replay
+RSS_BOUND = DESCRIBED + (len(QUOTAS) + 1) * EVENT_BUFFER + MAX_RPCS * MAX_MESSAGE + RSS_ALLOWANCE  # beyond the start
 GOOD = [("good", "tok-good", f"{transport}:{i}") for i, transport in enumerate(("shm", "shm", "tcp", "stream"))]
 HOSTILE12 = [("flooder", "tok-evil1"), ("forger", "tok-evil1"), ("staller", "tok-evil2"), ("scribbler", "tok-evil2")]
 ATTACK_TOKENS = {"describe_flood": "evil5", "refused_streams": "evil3", "silent_calls": "evil3",
@@ -178,7 +180,7 @@ def start(work: Path) -> StoreProcess:
                         "--put-ttl", "1", "--lease-ttl", "5", "--stream-min-rate", "32MiB",
                         "--stream-grace", "1", "--idle-timeout", "5", "--data-ticket-ttl", "2",
                         "--max-concurrent-rpcs", str(MAX_RPCS), "--max-message-bytes", str(MAX_MESSAGE),
-                        "--kv-events", f"ipc://{work}/{{tenant}}.events",
+                        "--kv-events", f"ipc://{work}/{{tenant}}.events", "--kv-events-buffer-bytes", str(EVENT_BUFFER),
                         ).start(timeout=60)
 
 
@@ -281,8 +283,10 @@ EXPECTED = {   # attacker: (outcomes that must each occur, the only outcomes all
     "silent_calls": ({"silent_call:none:code:UNAUTHENTICATED:while_silent",
                       "silent_call:token:code:DEADLINE_EXCEEDED:while_silent"}, set()),
     "ticket_minting": ({"ticket:code:OK", "ticket:code:RESOURCE_EXHAUSTED"}, set()),
-    "data_strangers": ({"data_stranger:closed_at_once", "data_stranger:cut_after_hello_timeout"}, set()),
-    "gate_strangers": ({"gate_stranger:closed_at_once", "gate_stranger:cut_after_hello_timeout"}, set()),
+    "data_strangers": ({"data_stranger:closed_at_once", "data_stranger:cut_after_hello_timeout"},
+                       {"data_stranger:most_held"}),
+    "gate_strangers": ({"gate_stranger:closed_at_once", "gate_stranger:cut_after_hello_timeout"},
+                       {"gate_stranger:most_held"}),
     "ssd_flood": ({"ssd_put:PUT_OUTCOME_STORED"}, {"ssd_put:PUT_OUTCOME_EXISTS"}),
 }
 
@@ -293,6 +297,8 @@ def check_attack(name: str, counts: dict[str, int]) -> None:
     must, may = EXPECTED[name]
     assert all(counts.get(k, 0) > 0 for k in must), (name, counts)
     assert {k for k, v in counts.items() if v} <= must | may, (name, counts)
+    held = counts.get(name.replace("strangers", "stranger:most_held"), 0)
+    assert held <= PER_PEER * (STRANGER_PEERS if name == "data_strangers" else 1), (name, counts)
 
 
 def print_tables(phases: list, doc: dict, outside: OutsideWatch, before: dict, after: dict) -> None:

@@ -188,10 +188,11 @@ def ticket_minting(target: str, tokens: dict[str, str], deadline: float, counts:
 
 def _hold(socks: list[socket.socket], counts: Counter, what: str, hello_timeout: float = 2.0) -> None:
     """Count how ``socks`` (connections that never send a hello) end: closed at once, cut
-    once the hello deadline passed, or still open well after it."""
+    once the hello deadline passed, or still open well after it; and the most held at once."""
     time.sleep(0.3)
     held = [s for s in socks if open_now(s)]
     counts[f"{what}:closed_at_once"] += len(socks) - len(held)
+    counts[f"{what}:most_held"] = max(counts[f"{what}:most_held"], len(held))   # in any one round
     time.sleep(hello_timeout + 1.5)
     still = sum(open_now(s) for s in held)
     counts[f"{what}:cut_after_hello_timeout"] += len(held) - still

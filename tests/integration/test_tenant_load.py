@@ -278,8 +278,8 @@ EXPECTED = {   # attacker: (outcomes that must each occur, the only outcomes all
                        {"describe_put:PUT_OUTCOME_STORED", "describe_put:PUT_OUTCOME_EXISTS"}),
     "refused_streams": ({"refused_stream:code:PERMISSION_DENIED:while_sending",
                          "refused_stream:code:RESOURCE_EXHAUSTED:while_sending"},
-                        {"refused_stream:code:DEADLINE_EXCEEDED:while_sending",   # holding one of its 2 streams:
-                         "refused_stream:code:PERMISSION_DENIED:after_sending"}),  # drained first (store-bounds.md)
+                        {"refused_stream:code:DEADLINE_EXCEEDED:while_sending",  # one holding a stream of its 2
+                         "refused_stream:code:PERMISSION_DENIED:after_sending"}), # is drained (docs/store-bounds.md)
     "silent_calls": ({"silent_call:none:code:UNAUTHENTICATED:while_silent",
                       "silent_call:token:code:DEADLINE_EXCEEDED:while_silent"}, set()),
     "ticket_minting": ({"ticket:code:OK", "ticket:code:RESOURCE_EXHAUSTED"}, set()),

@@ -3,8 +3,9 @@ function is the body of one spawned process against a real ``kvstore serve``, an
 its counters (a dict) through a queue.
 
 * ``good``: a well-behaved client of tenant ``good`` (the real ``StoreClient``, over shared
-  memory, the data channel or gRPC streams): puts its own objects, reads them back, and
-  checks every byte against what it wrote; it counts reads, misses and wrong bytes.
+  memory, the data channel or gRPC streams): puts its own objects, reads them back and
+  checks every byte against what it wrote, puts and deletes fresh objects, and connects
+  anew every ``RECONNECT_S``; it counts its steps, those served right, and its read p99.
 * ``flooder`` and ``forger`` (tenant ``evil1``): floods puts, hoards leases and
   reservations; malformed requests, bad frames, garbage on the data channel, forged
   tickets and forged objects claiming good's keys, reads and deletes of good's keys.
@@ -12,7 +13,8 @@ its counters (a dict) through a queue.
   data channel; scribbles over its own pool, writes late into expired reservations,
   churns sessions beyond its quota.
 
-Hostile attempts count what they tried and how the server answered (``code:NAME``).
+Hostile attempts count what they tried and how the server answered (``code:NAME``); hostile
+processes run at nice 19 (on 2 cores: the server is measured, not CPU contention).
 """
 from __future__ import annotations
 

@@ -67,6 +67,8 @@ def refused(target: str, token: str) -> dict[str, float]:
 def open_now(sock: socket.socket) -> bool:
     """Whether the server still holds ``sock`` open: what it sent (an error reply) is read
     and dropped; open until EOF or a reset."""
+    timeout = sock.gettimeout()
+    sock.settimeout(0)                  # a socket with a timeout would wait for data despite MSG_DONTWAIT
     try:
         while sock.recv(4096, socket.MSG_DONTWAIT):
             pass
@@ -75,6 +77,8 @@ def open_now(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
+    finally:
+        sock.settimeout(timeout)
 
 
 def admin_counters(target: str) -> dict[str, float]:

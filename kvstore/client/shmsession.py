@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +61,7 @@ class ShmSession:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
+            _connect(sock, path, timeout_s)
             sock.sendall(wire.encode_hello(ticket, token))
             reply, fd = _receive(sock)
             try:
@@ -91,6 +92,21 @@ class ShmSession:
             self.sock.close()
         except OSError:
             pass
+
+
+def _connect(sock: socket.socket, path: str, timeout_s: float) -> None:
+    """Connect to the gate, waiting up to ``timeout_s`` while its backlog is full: a Unix
+    socket with a timeout answers EAGAIN at once instead of waiting for room, so other
+    processes' connects (a flood of them, issue 23) would otherwise refuse this session."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _receive(sock: socket.socket) -> tuple[wire.GateReply, int]:

@@ -101,7 +101,7 @@ class ShmGate:
         except OSError as err:
             listener.close()
             raise ConfigError(f"cannot serve the shared-memory socket {self.path}: {err.strerror or err}") from err
-        listener.listen(64)
+        listener.listen(socket.SOMAXCONN)  # a burst of strangers' connects must not fill it (issue 23)
         listener.setblocking(False)
         self._listener = listener
         self._spawn(self._accept_forever(listener))

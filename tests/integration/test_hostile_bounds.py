@@ -7,7 +7,6 @@ import json
 import socket
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import pytest
 from kvstore._proto import kvstore_pb2 as pb
 from tests.data_kit import RawData, ticket_of
 from tests.hostile_kit import QUOTAS, admin_counters, keys, open_now, quiet, refused, start_store
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
+from tests.kits.attacks import Silent, Trickle, describe
+from tests.store_helpers import KiB, MiB, Objects, StoreClient, rpc_code, wait_until
 
 Code = grpc.StatusCode
 MAX_RPCS = 16
@@ -33,41 +33,6 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def objects():
     return Objects(4 * MiB)
-
-
-class Trickle:
-    """A PutStream announcing ``size`` bytes that sends 1 KiB every ``every`` s, ``frames``
-    times, then waits for ``stop()``: it is still sending until ``exhausted`` is set.
-    ``code`` is how the server ended it and ``while_sending`` whether that came before the
-    trickle ran out."""
-
-    def __init__(self, client: StoreClient, key, size: int, frames: int = 40, every: float = 0.25) -> None:
-        self.release, self.exhausted = threading.Event(), threading.Event()
-        self.code: Code | None = None
-        self.while_sending: bool | None = None
-        self._paced = threading.Event()
-        gen = self._frames(key, size, frames, every)
-        self.thread = threading.Thread(target=self._run, args=(client, gen), daemon=True)
-        self.thread.start()
-
-    def _run(self, client, gen) -> None:
-        code = rpc_code(lambda: client.put_frames(gen))
-        self.while_sending = not self.exhausted.is_set()
-        self.code = code
-
-    def _frames(self, key, size, frames, every):
-        yield pb.PutFrame(start=pb.PutStartRequest(size=size, **key_fields(key)))
-        for _ in range(frames):
-            if self._paced.wait(every):
-                return
-            yield pb.PutFrame(data=b"\0" * KiB)
-        self.exhausted.set()
-        self.release.wait(60)
-
-    def stop(self) -> None:
-        self._paced.set()
-        self.release.set()
-        self.thread.join(30)
 
 
 def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -128,35 +93,6 @@ def test_a_read_only_token_cannot_take_the_ticket_table(store):
                 assert raw.hello(ticket, "tok-a")[0].code == 0
 
 
-class Silent:
-    """A call of ``method`` (a single-request RPC) whose request never comes: its headers
-    (and ``token``'s metadata) are sent, then nothing until ``stop()``.  ``code`` is how the
-    server ended it and ``while_silent`` whether that came before ``stop()``."""
-
-    def __init__(self, channel: grpc.Channel, method: str, token: str | None = None) -> None:
-        self.release = threading.Event()
-        self.code: Code | None = None
-        self.while_silent: bool | None = None
-        call = channel.stream_unary(f"/kvstore.v1.KVStore/{method}", request_serializer=lambda m: m,
-                                    response_deserializer=lambda raw: raw)
-        meta = (("authorization", f"Bearer {token}"),) if token else None
-        self.future = call.future(self._nothing(), metadata=meta, timeout=60)
-        self.future.add_done_callback(self._done)
-
-    def _nothing(self):
-        self.release.wait(60)
-        return
-        yield
-
-    def _done(self, fut) -> None:
-        self.while_silent = not self.release.is_set()
-        self.code = fut.code()
-
-    def stop(self) -> None:
-        self.release.set()
-        self.future.cancel()
-
-
 def test_calls_without_a_token_or_without_a_request_hold_no_call_slot(store):
     """3 x MAX_RPCS calls with no token that never send their request are refused at once
     (counted, before any request is read); calls with b's token that never send theirs are
@@ -186,16 +122,6 @@ def test_calls_without_a_token_or_without_a_request_hold_no_call_slot(store):
     unauthenticated = "store.failures.grpc_unauthenticated"
     assert after[unauthenticated] - before.get(unauthenticated, 0) == 3 * MAX_RPCS
     assert after["store.failures.grpc_request_timeout"] - before.get("store.failures.grpc_request_timeout", 0) == 2
-
-
-def describe(client: StoreClient, keys_, n_tokens: int) -> list[Code]:
-    """Describe each of ``keys_`` (one call each) with ``n_tokens`` tokens; the codes."""
-    codes = []
-    for k in keys_:
-        req = pb.DescribeRequest(namespace=bytes(k.namespace), tag=k.tag, objects=[pb.ObjectDescription(
-            chunk_hash=bytes(k.chunk_hash), token_ids=list(range(n_tokens)))])
-        codes.append(rpc_code(lambda: client.call("Describe", req)))
-    return codes
 
 
 def test_descriptions_count_against_their_tenant(tmp_path, objects):

@@ -6,7 +6,6 @@ another tenant; gRPC and the data channel bound calls and idle connections."""
 from __future__ import annotations
 
 import socket
-import threading
 import urllib.request
 
 import grpc
@@ -17,6 +16,7 @@ from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import data as wire
 from tests.data_kit import RawData, ticket_of
 from tests.hostile_kit import admin_counters, get_request, keys, quiet, refused, start_store
+from tests.kits.attacks import StalledPut
 from tests.store_helpers import MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
 
 Code = grpc.StatusCode
@@ -34,28 +34,6 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def objects():
     return Objects(24 * MiB)
-
-
-class StalledPut:
-    """A PutStream that announces ``size`` bytes, sends one frame and then goes silent
-    until ``stop()``; ``code`` is how the server ended it."""
-
-    def __init__(self, client: StoreClient, key, obj, size: int) -> None:
-        self.release = threading.Event()
-        self.code: Code | None = None
-        frames = self._frames(key, obj, size)
-        self.thread = threading.Thread(target=lambda: setattr(self, "code", rpc_code(
-            lambda: client.put_frames(frames))), daemon=True)
-        self.thread.start()
-
-    def _frames(self, key, obj, size):
-        yield pb.PutFrame(start=pb.PutStartRequest(size=size, **key_fields(key)))
-        yield pb.PutFrame(data=bytes(obj[:MiB]))
-        self.release.wait(30)
-
-    def stop(self) -> None:
-        self.release.set()
-        self.thread.join(30)
 
 
 def test_a_slow_put_stream_is_cut_and_a_still_puts(store, objects):

@@ -4,12 +4,20 @@ Proves that the events ``connector.kvcache_events.ConnectorEvents`` hands vLLM, 
 vLLM's real ``ZmqEventPublisher`` and read off a real ZMQ socket, decode with vLLM's own
 decoder (``map``) and with a decoder of the positional era (``array``: the structs of
 tests/unit/test_kv_events.py), hashes, parents and tokens intact; and that a bad encoding is
-refused naming the key.  No engine: a real host tier and vLLM's publisher.  Cost: about 2 s.
+refused naming the key.  No engine: a real host tier and vLLM's publisher.  Under vLLM 0.33
+(``.venv-vllm033``, a subprocess probe as in tests/integration/test_vllm033_contract.py) our
+structs, built on 0.33's ``BlockStored`` (which adds ``lookahead_token_ids``), decode with
+0.33's own decoder and leave ``lookahead_token_ids`` None: a chunk hash takes no tokens beyond
+its chunk.  Cost: about 2 s, plus about 10 s for the 0.33 probe.
 """
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -86,3 +94,33 @@ def test_the_encoding_key_is_checked():
     assert cfg.kv_events_encoding is EventLayout.ARRAY
     with pytest.raises(ConfigError, match=r"kv_events_encoding.*'positional'.*map, array"):
         ConnectorConfig.from_extra_config({"kv_events_encoding": "positional"}, {})
+
+
+_PROBE = """
+import json, msgspec
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from connector.kvcache_events import StoredArray, StoredEvent
+def ev(cls):
+    return cls(block_hashes=[7], parent_block_hash=3, token_ids=[1, 2], block_size=2, lora_id=None,
+               medium="CPU", lora_name=None, epoch=11)
+enc = msgspec.msgpack.Encoder()
+m = msgspec.msgpack.Decoder(type=KVEventBatch).decode(enc.encode(KVEventBatch(ts=1.0, events=[ev(StoredEvent)])))
+raw = msgspec.msgpack.decode(enc.encode(KVEventBatch(ts=1.0, events=[ev(StoredArray)])))
+print(json.dumps({"has_lookahead": "lookahead_token_ids" in BlockStored.__struct_fields__,
+                  "map": [type(m.events[0]).__name__, m.events[0].token_ids, m.events[0].lookahead_token_ids],
+                  "array": raw[1][0]}))
+"""
+
+
+def test_vllm033_decodes_our_events_without_lookahead_tokens():
+    root = Path(__file__).resolve().parents[2]
+    python = root / ".venv-vllm033" / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run `make vllm033` (make test does)"
+    proc = subprocess.run([str(python), "-c", _PROBE], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["has_lookahead"]  # it really is 0.33's struct
+    assert report["map"] == ["BlockStored", [1, 2], None]
+    positional = report["array"]
+    assert positional[:7] == ["BlockStored", [7], 3, [1, 2], 2, None, "CPU"] and positional[-1] == 11

@@ -37,6 +37,7 @@ from kvstore.config import (
 )
 from kvstore.errors import ConfigError
 from kvstore.layout import validate_chunk_size
+from kvstore.wire.kv import EventLayout
 
 log = logging.getLogger("kvstore.connector")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
@@ -147,6 +148,9 @@ class ConnectorConfig(LeaseSettings, TierSettings):
     encrypt_at_rest: bool = setting(False, "encrypt every object this connector writes to its own SSD directory "
                                     "or Redis with AES-256-GCM under the tenant's key (docs/integrity.md); "
                                     "the store process encrypts per its tenants' `encrypt` setting")
+    kv_events_encoding: EventLayout = setting(EventLayout.MAP, "how the connector's KV events are encoded in "
+                                              "vLLM's stream: `map` (vLLM's) or `array` (positional, for decoders "
+                                              "written before maps); vLLM's own GPU block events stay maps")
     lower_tiers_required: bool = setting(True, "whether an unreachable store process or Redis at engine start "
                                          "is an error (true) or leaves that tier out, counted (false)")
 

@@ -30,6 +30,14 @@ Beyond vLLM (fields its decoders ignore): every event of ours carries ``epoch`` 
 process's start, in ms: an engine restart is a new epoch, whose first event is
 ``AllBlocksCleared``), and ``BlockRemoved`` its ``reason``.  vLLM builds the batches
 itself, so the epoch rides in the events here, not in the batch.
+
+Encoding (``kv_events_encoding``): ``map`` (vLLM's own) or ``array``: our events as
+positional arrays (``StoredArray`` and the others: the same structs, ``array_like``), field
+for field in vLLM's order, our extensions trailing, for decoders written before vLLM's maps.
+vLLM's own GPU block events in the same stream stay in vLLM's encoding (maps): a stream
+with both mixes the two, so a positional-only decoder reads ours and fails on vLLM's unless
+vLLM's prefix caching publishes none.  ``lookahead_token_ids`` (vLLM 0.33's, for hashes that
+take tokens beyond their block) is never set on ours: a chunk hash covers its own tokens only.
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ from connector.requests import Piece, ReqState
 from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.store.kvevents import EventRecorder
 from kvstore.store.tiered import TieredStore
-from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, Kind, KVEvent, Medium, new_epoch
+from kvstore.wire.kv import CPU, LOCAL, REMOTE, STORAGE, EventLayout, Kind, KVEvent, Medium, new_epoch
 
 
 class StoredEvent(BlockStored, tag="BlockStored"):  # type: ignore[call-arg]  # vLLM's msgspec base, unfollowed
@@ -56,6 +64,22 @@ class RemovedEvent(BlockRemoved, tag="BlockRemoved"):  # type: ignore[call-arg] 
 
 class ClearedEvent(AllBlocksCleared, tag="AllBlocksCleared"):  # type: ignore[call-arg]  # vLLM's msgspec base, unfollowed
     epoch: int | None = None
+
+
+class StoredArray(StoredEvent, tag="BlockStored", array_like=True):  # type: ignore[call-arg]
+    """``StoredEvent`` as a positional array (``kv_events_encoding: array``)."""
+
+
+class RemovedArray(RemovedEvent, tag="BlockRemoved", array_like=True):  # type: ignore[call-arg]
+    """``RemovedEvent`` as a positional array."""
+
+
+class ClearedArray(ClearedEvent, tag="AllBlocksCleared", array_like=True):  # type: ignore[call-arg]
+    """``ClearedEvent`` as a positional array."""
+
+
+_CLASSES = {EventLayout.MAP: (StoredEvent, RemovedEvent, ClearedEvent),
+            EventLayout.ARRAY: (StoredArray, RemovedArray, ClearedArray)}
 
 
 class KVStoreKVEvents(KVConnectorKVEvents):
@@ -104,8 +128,10 @@ class ConnectorEvents:
     """The scheduler half's event source: describes objects, follows the tiers (when vLLM
     publishes), converts to vLLM's structs."""
 
-    def __init__(self, store: TieredStore, chunk_size: int, block_size: int, publish: bool) -> None:
+    def __init__(self, store: TieredStore, chunk_size: int, block_size: int, publish: bool,
+                 encoding: EventLayout = EventLayout.MAP) -> None:
         self.chunk_size, self.block_size = chunk_size, block_size
+        self.classes = _CLASSES[encoding]
         self.epoch = new_epoch()
         self.publish = publish
         self.recorder = EventRecorder(media(store) if publish else {}, group_idx=0)
@@ -145,18 +171,19 @@ class ConnectorEvents:
 
     def _vllm(self, e: KVEvent) -> KVCacheEvent:
         m = e.medium or Medium(CPU)
+        stored, removed, cleared = self.classes
         if e.kind is Kind.STORED:
             if e.tokens is None:
                 raise ValueError(f"KV event of {e.block_hash!r}: a stored block without its tokens")
             tokens = e.tokens.tolist()
-            return StoredEvent(block_hashes=[e.block_hash], parent_block_hash=e.parent_hash, token_ids=tokens,
+            return stored(block_hashes=[e.block_hash], parent_block_hash=e.parent_hash, token_ids=tokens,
                                block_size=len(tokens), lora_id=None, medium=m.medium, lora_name=e.lora,
                                group_idx=e.group_idx, locality=m.locality, ownership=m.ownership,
                                epoch=self.epoch)
         if e.kind is Kind.REMOVED:
-            return RemovedEvent(block_hashes=[e.block_hash], medium=m.medium, group_idx=e.group_idx,
+            return removed(block_hashes=[e.block_hash], medium=m.medium, group_idx=e.group_idx,
                                 locality=m.locality, ownership=m.ownership, reason=e.reason, epoch=self.epoch)
-        return ClearedEvent(epoch=self.epoch)
+        return cleared(epoch=self.epoch)
 
 
 def publishes(vllm_config) -> bool:
@@ -172,7 +199,8 @@ def kv_events_of(vllm_config, cfg, block_size: int) -> Callable[[TieredStore], C
     publish = publishes(vllm_config)
     if not publish and not cfg.store_target:
         return None
-    return lambda store: ConnectorEvents(store, cfg.chunk_size, block_size, publish)
+    return lambda store: ConnectorEvents(store, cfg.chunk_size, block_size, publish,
+                                           cfg.kv_events_encoding)
 
 
 __all__ = ["ConnectorEvents", "KVStoreKVEvents", "kv_events_of", "media", "publishes"]

@@ -111,9 +111,9 @@ class ServerConfig(LeaseSettings, TierSettings):
                                            "does (`{tenant}` as for kv_events; none: no replay)")
     kv_events_topic: str = setting("", "topic of every KV event message (`{tenant}` is replaced), e.g. "
                                    "llm-d's `kv@HOST:PORT@MODEL`")
-    kv_events_format: EventLayout = setting(EventLayout.MAP, "how each KV event is encoded: `map` (vLLM's "
-                                            "since its PR #42892) or `array` (positional, for decoders "
-                                            "written before maps, e.g. llm-d-kv-cache up to v0.8.1)")
+    kv_events_encoding: EventLayout = setting(EventLayout.MAP, "how each KV event is encoded: `map` (vLLM's "
+                                              "since its PR #42892) or `array` (positional, for decoders "
+                                              "written before maps, e.g. llm-d-kv-cache up to v0.8.1)")
     kv_events_buffer: int = setting(10000, "KV event batches kept for replay, per stream")
     kv_events_buffer_bytes: Size = setting(64 * MiB, "bytes of KV event batches kept for replay, per stream "
                                            "(the oldest go first)")

@@ -291,7 +291,7 @@ def start_publisher(cfg: ServerConfig, recorder: EventRecorder, tenants: Tenants
     owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
     specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
     publisher = EventPublisher(recorder, specs, buffer=cfg.kv_events_buffer, buffer_bytes=cfg.kv_events_buffer_bytes,
-                               layout=cfg.kv_events_format)
+                               layout=cfg.kv_events_encoding)
     publisher.start()
     return publisher
 

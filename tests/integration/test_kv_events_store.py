@@ -250,7 +250,7 @@ async def _delete(target: str, token: str, key) -> None:
 
 
 def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
-    """``--kv-events-format array``: a real store's stream and replay read by a decoder of
+    """``--kv-events-encoding array``: a real store's stream and replay read by a decoder of
     the positional era (the structs of tests/unit/test_kv_events.py), tokens and hashes
     intact.  Cost: about 3 s (one store, one chain of 2)."""
     from tests.unit.test_kv_events import _OldBatch, _OldStored
@@ -258,7 +258,7 @@ def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
     tokens_file = write_tokens(tmp_path / "tokens.yaml", TOKENS)
     proc = StoreProcess(tmp_path / "store", "--host-capacity", "2MiB", "--auth-tokens", str(tokens_file),
                         "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
-                        "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay", "--kv-events-format", "array")
+                        "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay", "--kv-events-encoding", "array")
     tokens, hashes, keys, descs = described(2, seed=5)
     old = msgspec.msgpack.Decoder(type=_OldBatch)
     ctx = zmq.Context()

@@ -179,7 +179,7 @@ def test_every_documented_connector_key_is_read():
          "store_token": "t",
          "store_tls_ca": "/ca.pem", "store_transport": "stream", "redis_url": "redis://r",
          "write_policy": "host_only", "lower_tiers_required": "off", "store_tls_cert": "/c.pem",
-         "store_tls_key": "/k.pem", "encrypt_at_rest": "true"}, env={})
+         "store_tls_key": "/k.pem", "encrypt_at_rest": "true", "kv_events_encoding": "array"}, env={})
     defaults = ConnectorConfig()
     assert all(getattr(cfg, k) != getattr(defaults, k) for k in keys - {"store_token_file", "keys_file"})
     from_file = ConnectorConfig.from_extra_config({"store_token_file": "/run/t"}, env={})

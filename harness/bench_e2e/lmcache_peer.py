@@ -1,8 +1,11 @@
-"""LMCache as a peer of ``kvstore bench e2e``: its install into this venv and its server.
+"""LMCache as a peer of ``kvstore bench e2e`` and ``kvstore bench serve``: its install into
+this venv, its server, and the engine's connector config for it.
 
 Host side.  ``ensure_lmcache()`` installs LMCache ``LMCACHE_VERSION`` by the recipe in docs/engines.md#peers
 when it is missing; ``lmcache_server(log)`` runs its multiprocess server in its own process
 group and yields the port.  Either raises ``PeerError`` with the error tail.
+``connector_config(port)`` is the ``--kv-transfer-config`` that points an engine at that
+server (``LMCacheMPConnector``); the engine runs with ``QUIET`` in its environment.
 """
 from __future__ import annotations
 
@@ -28,6 +31,11 @@ QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 class PeerError(RuntimeError):
     """A peer could not be installed or started; the message carries the error tail."""
 
+
+def connector_config(port: int) -> dict:
+    """vLLM's ``kv_transfer_config`` for LMCache's multiprocess connector, its server on ``port``."""
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
 
 
 def ensure_lmcache() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness import kit
 from harness import main as job
-from harness.bench_e2e.lmcache_peer import QUIET, PeerError, ensure_lmcache, lmcache_server
+from harness.bench_e2e.lmcache_peer import QUIET, PeerError, connector_config, ensure_lmcache, lmcache_server
 from harness.bench_e2e.oracle import check_outputs, references
 from harness.bench_e2e.setups import TITLES, Outcome
 
@@ -94,10 +94,7 @@ def _lmcache(work: Path, run: Callable[[dict], kit.EngineResult]) -> Outcome:
         return Outcome("lmcache", error=f"install: {err}")
     try:
         with lmcache_server(work / "lmcache-server.log") as port:
-            conn = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost",
-                                                  "lmcache.mp.port": port}}
-            return _attempt("lmcache", lambda: run(conn))
+            return _attempt("lmcache", lambda: run(connector_config(port)))
     except PeerError as err:
         print(f"  lmcache skipped: server failed:\n{_indent(str(err))}", flush=True)
         return Outcome("lmcache", error=f"server: {err}")

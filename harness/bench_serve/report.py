@@ -1,8 +1,10 @@
 """The figures of ``kvstore bench serve``: per-setup summaries, correctness against the
 connector-less server, and rows beside the limit and beside no connector.
 
-Host side.  Later turns are turns >= 2 (the ones a cache can serve); output tokens/s is every
-generated token over the serving time (restarts excluded).  ``check`` compares each request's
+Host side.  Later turns are turns >= 2 (the ones a cache can serve; ``rag``'s rounds >= 2);
+output tokens/s is every generated token over the serving time (the time at least one
+request was in flight: restarts and the workload's pauses excluded).  Rows are per workload,
+named ``WORKLOAD SETUP FIGURE``.  ``check`` compares each request's
 output token ids with the ``none`` setup's (equal greedy outputs mean equal prompts, turn
 after turn) and its chosen-token logprobs within ``harness.kit.LOGPROB_TOL`` of the dtype.
 """
@@ -76,8 +78,9 @@ def summary(run: SetupRun, reference: SetupRun | None, tolerance: float) -> dict
     return d
 
 
-def build_rows(summaries: dict[str, dict]) -> list[Row]:
-    """Each setup's figures beside the limit's, and the connectors' beside no connector's."""
+def build_rows(workload: str, summaries: dict[str, dict]) -> list[Row]:
+    """Each setup's figures beside the limit's, and the connectors' beside no connector's,
+    in one workload."""
     rows = []
     for key, name, unit, better in FIGURES:
         for base in (LIMIT, REFERENCE):
@@ -86,12 +89,13 @@ def build_rows(summaries: dict[str, dict]) -> list[Row]:
                 value = d.get(key)
                 if setup in (LIMIT, base) or value is None or limit is None:
                     continue
-                rows.append(Row(f"{setup} {name}", value, unit, f"{base} {name}", limit, better))
+                rows.append(Row(f"{workload} {setup} {name}", value, unit, f"{workload} {base} {name}", limit,
+                                better))
     return rows
 
 
-def format_summary(key: str, d: dict, summaries: dict[str, dict]) -> str:
-    lines = [f"== {key}: {d['title']}"]
+def format_summary(key: str, d: dict, summaries: dict[str, dict], workload: str = "") -> str:
+    lines = [f"== {workload + ' ' if workload else ''}{key}: {d['title']}"]
     if not d["ran"]:
         first = (d["error"] or "").strip().splitlines()[-1:]
         return "\n".join(lines + [f"  did not run: {first[0] if first else '?'}"])

@@ -274,8 +274,9 @@ class WritePolicy(Enum):
 class RetentionPolicy(Enum):
     """Which objects the host DRAM pool evicts first when a put needs room (``tiers.retention``)."""
 
-    REUSE = "reuse"  # objects used once before reused ones, least recently used first in each
-    LRU = "lru"      # least recently used first
+    REUSE = "reuse"        # objects used once before reused ones, least recently used first in each
+    ADAPTIVE = "adaptive"  # the same two classes, each's share adapted to its evicted keys' returns (ARC)
+    LRU = "lru"            # least recently used first
 
 
 def check_seconds(name: str, value: float) -> None:
@@ -306,7 +307,9 @@ class TierSettings:
     host_retention: RetentionPolicy = setting(RetentionPolicy.REUSE, (
         "which objects the host DRAM pool evicts first when a put needs room (chain tails always before their "
         "parents; leased, read or written objects never): `reuse` (objects used once before reused ones, least "
-        "recently used first in each) or `lru` (least recently used first)"))
+        "recently used first in each), `adaptive` (the same two classes, the share of each adapted online to "
+        "how often the keys it evicted come back, as in ARC) or `lru` (least recently used first); "
+        "see docs/bench-trace.md"))
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -20,7 +20,9 @@ Policies (``kvstore.config.RetentionPolicy``: the host tier's ``retention`` opti
   counts as a reuse only ``reuse_window`` seconds or more after the object's last use; a
   key evicted and stored again joins the reused class (the policy remembers the hashes of
   the keys it evicted, at most twice as many as it holds).
-* ``LRU``: least recently used first, nothing else (the baseline the other is measured
+* ``ADAPTIVE``: the two classes of ``REUSE``, each with the share of the pool it may keep
+  adapted online to which class's evicted keys come back (ARC's rule, ``AdaptiveRetention``).
+* ``LRU``: least recently used first, nothing else (the baseline the others are measured
   against, ``kvstore bench trace``).
 """
 from __future__ import annotations
@@ -153,11 +155,69 @@ class ReuseRetention(Retention[Entry]):
             yield from objects.items()
 
 
+class AdaptiveRetention(ReuseRetention[Entry]):
+    """``RetentionPolicy.ADAPTIVE``: the two classes of ``REUSE`` (used once, reused; what
+    counts as a reuse is the same), but the share of the pool each may keep adapts, as in
+    ARC (Megiddo and Modha, FAST'03), to which class's evicted keys come back: each class
+    has its own ghosts (hashes of the keys it evicted, at most as many as the pool holds),
+    a key stored again that the used-once class evicted raises that class's target share,
+    one the reused class evicted lowers it.  The class over its target goes first.  So
+    reused objects that stopped being used age out, where ``REUSE`` keeps them forever.
+    No parameter beyond ``reuse_window``."""
+
+    policy = RetentionPolicy.ADAPTIVE
+
+    def __init__(self, reuse_window: float) -> None:
+        super().__init__(reuse_window)
+        self.reused_ghosts: OrderedDict[int, bool] = OrderedDict()  # keys the reused class evicted
+        self.target = 0.0  # objects the used-once class may keep before it goes first
+
+    def add(self, key: ObjectKey, entry: Entry, now: float) -> None:
+        mark, once_ghosts, reused_ghosts = hash(key), self.ghosts, self.reused_ghosts
+        if mark in once_ghosts:
+            self.target = min(len(self) + 1.0, self.target + max(len(reused_ghosts) / len(once_ghosts), 1.0))
+            del once_ghosts[mark]
+        elif mark in reused_ghosts:
+            self.target = max(0.0, self.target - max(len(once_ghosts) / len(reused_ghosts), 1.0))
+            del reused_ghosts[mark]
+        else:
+            Retention.add(self, key, entry, now)  # new: used once
+            return
+        entry.used = self.stamp(now)
+        self.reused[key] = entry
+
+    def forget(self, key: ObjectKey, *, evicted: bool) -> None:
+        once = self.objects.pop(key, None) is not None
+        if not once:
+            del self.reused[key]
+        mark = hash(key)
+        if not evicted:
+            self.ghosts.pop(mark, None)
+            self.reused_ghosts.pop(mark, None)
+            return
+        ghosts = self.ghosts if once else self.reused_ghosts
+        ghosts[mark] = True
+        ghosts.move_to_end(mark)
+        while len(ghosts) > max(64, len(self)):
+            ghosts.popitem(last=False)
+
+    def order(self) -> Iterator[tuple[ObjectKey, Entry]]:
+        """The class over its target share first (the used-once class while it holds more
+        than ``target`` objects), then the other; least recently used first in each."""
+        once_first = len(self.objects) > self.target or not self.reused
+        first, then = (self.objects, self.reused) if once_first else (self.reused, self.objects)
+        yield from first.items()
+        yield from then.items()
+
+
 def make_retention(policy: RetentionPolicy, reuse_window: float) -> Retention[Any]:
     """A fresh policy of one pool."""
     if policy is RetentionPolicy.REUSE:
         return ReuseRetention(reuse_window)
+    if policy is RetentionPolicy.ADAPTIVE:
+        return AdaptiveRetention(reuse_window)
     return Retention(reuse_window)
 
 
-__all__ = ["Retention", "RetentionPolicy", "ReuseRetention", "Slot", "make_retention", "parse_policy"]
+__all__ = ["AdaptiveRetention", "Retention", "RetentionPolicy", "ReuseRetention", "Slot", "make_retention",
+           "parse_policy"]

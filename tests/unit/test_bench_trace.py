@@ -1,6 +1,7 @@
 """``kvstore bench trace``: plain LRU and Belady's MIN against values worked out by hand,
 strict reading of the trace file, the ``--json`` shape, and the host tier's own policy
-(the real ``HostTier`` through the store core) beside LRU on a hot prefix among scans."""
+(the real ``HostTier`` through the store core) beside LRU on a hot prefix among scans,
+under each retention policy."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import pytest
 
 from kvstore.bench.trace import Request, lru_ratio, min_ratio, ours_ratio, read_trace
 from kvstore.cli.main import main
+from kvstore.config import RetentionPolicy
 from kvstore.errors import ConfigError
 
 
@@ -110,3 +112,12 @@ def test_ours_beats_plain_lru_on_a_hot_prefix_among_scans():
     # second question, its keys return (the pool remembers evicted keys): reused, they stay,
     # and the prompt (4 of 6 blocks) hits on every question from the third on.
     assert ours == pytest.approx(28 * 4 * 512 / sum(r.input_length for r in reqs))
+
+
+def test_the_retention_policy_measured_as_ours_is_selectable():
+    """``--retention``: the same replay through a host tier of each policy; ``lru`` loses the
+    prompt to every scan as plain LRU does, ``adaptive`` keeps it as ``reuse`` does."""
+    reqs = hot_prefix_with_scans()
+    ratio = {p: asyncio.run(ours_ratio(reqs, 12, RetentionPolicy(p))) for p in ("reuse", "adaptive", "lru")}
+    assert ratio["lru"] == lru_ratio(reqs, 12) == 0.0
+    assert ratio["adaptive"] == ratio["reuse"] == asyncio.run(ours_ratio(reqs, 12)) > 0.0

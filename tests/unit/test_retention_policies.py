@@ -1,10 +1,11 @@
 """The host tier's retention policies (``tiers.retention``), each through a real ``HostTier``
-on 4-page pools with time from a fake clock: ``reuse`` (the default) keeps reused objects
-through a scan of objects used once where ``lru`` does not; under both, parents outlive
+on 4-page pools with time from a fake clock: ``reuse`` (the default) and ``adaptive`` keep
+reused objects through a scan of objects used once where ``lru`` does not; ``adaptive``
+lets stale reused objects go once evicted newcomers come back; under all, parents outlive
 their children and a leased, acquired or pinned object is never evicted; the policy
 changes which objects stay, never the bytes a held object returns; the ``host_retention``
 setting reaches the tier the embedded store opens, and a bad name is a ``ConfigError``
-naming it.  About 1 s."""
+naming it.  About 2 s."""
 import asyncio
 
 import numpy as np
@@ -15,7 +16,7 @@ from kvstore.config import RetentionPolicy, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.store.tiered import TieredStore
 
-POLICIES = ["reuse", "lru"]
+POLICIES = ["reuse", "adaptive", "lru"]
 
 
 def _reuse(t, clock, key) -> None:
@@ -38,8 +39,8 @@ def test_a_scan_of_objects_used_once_flushes_reused_ones_only_under_lru(policy):
         clock.now += 1
         put(t, k)
     kept = present(t, [a, b])
-    assert kept == ([True, True] if policy == "reuse" else [False, False])
-    assert sum(present(t, scan)) == (2 if policy == "reuse" else 4)
+    assert kept == ([False, False] if policy == "lru" else [True, True])
+    assert sum(present(t, scan)) == (4 if policy == "lru" else 2)
     assert t.retention is RetentionPolicy(policy)
 
 
@@ -84,8 +85,27 @@ def test_a_leased_acquired_or_pinned_object_is_never_evicted(policy):
     assert present(t, [a, b, c]) == [False, False, False]
 
 
+@pytest.mark.parametrize("policy", ["reuse", "adaptive"])
+def test_reused_objects_no_longer_used_age_out_only_under_adaptive(policy):
+    """Two reused objects stop being used while new objects, evicted as used once, come
+    back: ``reuse`` evicts the newcomers first, always; ``adaptive`` learns from their
+    returns that used-once objects are worth room, and lets a stale reused one go."""
+    clock = FakeClock()
+    t = tier(4, clock=clock, retention=policy)
+    a, b = chain(2, seed=37)
+    put(t, a)
+    put(t, b)
+    _reuse(t, clock, a)
+    _reuse(t, clock, b)                 # a, b: reused, and never used again below
+    x1, x2, x3 = chain(3, seed=38)
+    for k in (x1, x2, x3, x1, x2):      # x1, then x2, evicted as used once, come back
+        clock.now += 1
+        put(t, k)
+    assert present(t, [a, b, x1, x2]) == [policy == "reuse", True, True, True]
+
+
 def test_bad_policy_names_are_config_errors_naming_the_setting():
-    with pytest.raises(ConfigError, match="retention must be one of reuse, lru, got 'mru'"):
+    with pytest.raises(ConfigError, match="retention must be one of reuse, adaptive, lru, got 'mru'"):
         tier(4, retention="mru")
     with pytest.raises(ConfigError, match="host_retention"):
         StoreConfig.from_mapping({"host_retention": "mru"}, env={})

@@ -1,7 +1,7 @@
 """``kvstore bench trace``: plain LRU and Belady's MIN against values worked out by hand,
 strict reading of the trace file, the ``--json`` shape, and the host tier's own policy
 (the real ``HostTier`` through the store core) beside LRU on a hot prefix among scans,
-under each retention policy."""
+under each retention policy, and the generated second trace shape.  About 3 s."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,7 @@ from fractions import Fraction
 
 import pytest
 
+from kvstore.bench import trace_gen
 from kvstore.bench.trace import Request, lru_ratio, min_ratio, ours_ratio, read_trace
 from kvstore.cli.main import main
 from kvstore.config import RetentionPolicy
@@ -121,3 +122,14 @@ def test_the_retention_policy_measured_as_ours_is_selectable():
     ratio = {p: asyncio.run(ours_ratio(reqs, 12, RetentionPolicy(p))) for p in ("reuse", "adaptive", "lru")}
     assert ratio["lru"] == lru_ratio(reqs, 12) == 0.0
     assert ratio["adaptive"] == ratio["reuse"] == asyncio.run(ours_ratio(reqs, 12)) > 0.0
+
+
+def test_the_generated_chat_and_scan_trace_reads_back_and_repeats_for_a_seed(tmp_path):
+    """``kvstore.bench.trace_gen``: the second trace shape of docs/bench-trace.md."""
+    out = tmp_path / "gen.jsonl"
+    assert trace_gen.main([str(out), "--seed", "3", "--requests", "300"]) == 0
+    reqs = read_trace(out)
+    assert len(reqs) == 300
+    assert [list(r.hash_ids) for r in reqs] == [r["hash_ids"] for r in trace_gen.chat_and_scans(300, 3)]
+    assert [r.hash_ids for r in reqs] != [tuple(r["hash_ids"]) for r in trace_gen.chat_and_scans(300, 4)]
+    assert 0.0 < lru_ratio(reqs, 200) <= min_ratio(reqs, 200)  # prompts and turns are reused

@@ -271,6 +271,14 @@ class WritePolicy(Enum):
     HOST_ONLY = "host_only"          # lower tiers are read (and promoted from), never written
 
 
+class RetentionPolicy(Enum):
+    """Which objects the host DRAM pool evicts first when a put needs room (``tiers.retention``)."""
+
+    REUSE = "reuse"        # objects used once before reused ones, least recently used first in each
+    ADAPTIVE = "adaptive"  # the same two classes, each's share adapted to its evicted keys' returns (ARC)
+    LRU = "lru"            # least recently used first
+
+
 def check_seconds(name: str, value: float) -> None:
     if not 0 < value < MAX_SECONDS:
         raise ConfigError(f"{name} must be a positive number of seconds below {MAX_SECONDS:.0f}, got {value}")
@@ -296,6 +304,12 @@ class TierSettings:
         "`write_back` (kept in host DRAM, unwritten ones never evicted; the oldest go down once they "
         "exceed half the pool, and all at shutdown; not in the store process) or `host_only` "
         "(lower tiers are only read)"))
+    host_retention: RetentionPolicy = setting(RetentionPolicy.REUSE, (
+        "which objects the host DRAM pool evicts first when a put needs room (chain tails always before their "
+        "parents; leased, read or written objects never): `reuse` (objects used once before reused ones, least "
+        "recently used first in each), `adaptive` (the same two classes, the share of each adapted online to "
+        "how often the keys it evicted come back, as in ARC) or `lru` (least recently used first); "
+        "see docs/bench-trace.md"))
 
     def __post_init__(self) -> None:
         check_types(self)

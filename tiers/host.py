@@ -12,8 +12,9 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
   lease protects the *object* from eviction for a TTL; an expiring lease frees nothing.
   ``delete`` removes an object from lookup at once (dropping its leases) and frees its slot
   when the last reference is released ("doomed" until then).
-* **Eviction** (only when a put needs room): chain tails before parents, objects used once
-  before reused ones, least recently used first; planned first, so a put that cannot fit
+* **Eviction** (only when a put needs room): chain tails before parents, then in the order
+  of the ``retention`` policy (``tiers.retention``; by default objects used once before
+  reused ones, least recently used first); planned first, so a put that cannot fit
   (NO_ROOM) evicts nothing.  The order, and what counts as a reuse: ``tiers.host_slots``.
 * **Pools.**  One pool by default (``shared=True``: a file in /dev/shm that another process
   maps, ``tiers.host_shm``; ``close`` unlinks it); with ``pools={name: bytes}`` and
@@ -44,6 +45,7 @@ from tiers.base import PutHandle, Removal, TierBase, TierStats
 from tiers.host_pool import HostPool, make_pools
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
+from tiers.retention import RetentionPolicy, parse_policy
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,15 +61,17 @@ class HostTier(SlotOps, TierBase):
                  clock: Clock = time.monotonic, name: str = "host",
                  on_evict: EvictCallback | None = None, shared: bool = False,
                  pools: Mapping[str, int] | None = None, pool_of: PoolOf | None = None,
-                 reuse_window_s: float = 1.0) -> None:
+                 reuse_window_s: float = 1.0, retention: RetentionPolicy | str = RetentionPolicy.REUSE) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"host tier capacity must be positive, got {capacity_bytes}")
         self.name = name
         self._pools: dict[str, HostPool] = {}
         self._pool_of = pool_of
         self._reuse_window = reuse_window_s
+        self.retention = parse_policy(retention)
         try:
-            self._pools.update(make_pools(capacity_bytes, alignment, pin, shared, pools, pool_of, reuse_window_s))
+            self._pools.update(make_pools(capacity_bytes, alignment, pin, shared, pools, pool_of, reuse_window_s,
+                                          self.retention))
         except BaseException:
             self._release_pools()
             raise

@@ -1,5 +1,6 @@
-"""One pool of the host DRAM tier (``tiers.host``): its memory, its slot allocator, its LRU
-order and counters, and the plan that says whether evicting can make room at all.
+"""One pool of the host DRAM tier (``tiers.host``): its memory, its slot allocator, its
+retention policy (``tiers.retention``) and counters, and the plan that says whether
+evicting can make room at all.
 
 A host tier has one pool, or (the store process) one per tenant.  Each pool is a buffer of
 its own, so a mapping of one reaches only that pool's objects, and a put evicts only within
@@ -17,7 +18,6 @@ evicts nothing.  Bookkeeping only: ``HostTier`` guards every pool with its lock.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,7 @@ import numpy as np
 from kvstore.errors import ConfigError
 from tiers.allocator import SlotAllocator
 from tiers.host_shm import MemfdPool, SharedPoolView, create_memfd, create_shared
+from tiers.retention import RetentionPolicy, make_retention
 
 if TYPE_CHECKING:
     from kvstore.keys import ObjectKey
@@ -42,7 +43,8 @@ class HostPool:
     """One buffer carved into slots (see the module docstring)."""
 
     def __init__(self, name: str, capacity: int, alignment: int, backing: Backing,
-                 pin: bool | None, reuse_window: float = 1.0) -> None:
+                 pin: bool | None, reuse_window: float = 1.0,
+                 retention: RetentionPolicy = RetentionPolicy.REUSE) -> None:
         self.name = name
         self.alloc = SlotAllocator(capacity, alignment)
         self.shm: SharedPoolView | None = None
@@ -59,15 +61,7 @@ class HostPool:
         assert array is not None  # a fresh mapping is open
         self.array: np.ndarray | None = array
         self.buffer: memoryview | None = memoryview(array)  # None once released
-        # LIVE objects (host_slots.Entry), each in one class, least recently used first:
-        self.lru: dict[ObjectKey, Any] = {}     # used once (stored, not read since)
-        self.reused: dict[ObjectKey, Any] = {}  # read, leased or saved again since stored
-        # Keys evicted from this pool, as their hash (at most twice as many as it holds,
-        # oldest dropped first): one stored again is a reuse.  A hash collision only
-        # misplaces an object in the eviction order.
-        self.ghosts: OrderedDict[int, bool] = OrderedDict()
-        self.reuse_window = reuse_window
-        self._stamp = float("-inf")
+        self.retention = make_retention(retention, reuse_window)  # its LIVE objects, in eviction order
         self.evictions = 0
         self.pending = 0
 
@@ -81,28 +75,12 @@ class HostPool:
         return self.shm if isinstance(self.shm, MemfdPool) else None
 
     def stats(self) -> dict[str, int]:
-        return {"objects": len(self.lru) + len(self.reused), "bytes_used": self.alloc.used_bytes,
+        return {"objects": len(self.retention), "bytes_used": self.alloc.used_bytes,
                 "capacity_bytes": self.alloc.capacity, "evictions": self.evictions, "pending": self.pending}
 
-    def stamp(self, now: float) -> float:
-        """``now``, as one float object shared by every use within a sixteenth of the reuse
-        window (an object's last-use time then costs it a reference, not a float)."""
-        if not now - self._stamp < self.reuse_window / 16:
-            self._stamp = float(now)
-        return self._stamp
-
     def forget(self, key: ObjectKey, *, evicted: bool) -> None:
-        """``key`` left the pool: an evicted key is remembered as a ghost, a deleted one not."""
-        if self.lru.pop(key, None) is None:
-            del self.reused[key]
-        if evicted:
-            ghosts, mark = self.ghosts, hash(key)
-            ghosts[mark] = True
-            ghosts.move_to_end(mark)
-            while len(ghosts) > max(64, 2 * (len(self.lru) + len(self.reused))):
-                ghosts.popitem(last=False)
-        else:
-            self.ghosts.pop(hash(key), None)
+        """``key`` left the pool (evicted, or deleted when not ``evicted``)."""
+        self.retention.forget(key, evicted=evicted)
 
     def fits_after_evicting(self, size: int, victims: Iterable[int]) -> bool:
         """Whether a ``size``-byte slot would fit once the slots at offsets ``victims`` are
@@ -128,12 +106,13 @@ class HostPool:
 
 
 def make_pools(capacity: int, alignment: int, pin: bool | None, shared: bool, pools: Mapping[str, int] | None,
-               pool_of: object, reuse_window: float) -> dict[str, HostPool]:
+               pool_of: object, reuse_window: float,
+               retention: RetentionPolicy = RetentionPolicy.REUSE) -> dict[str, HostPool]:
     """A host tier's pools: one (``""``, in /dev/shm when ``shared``) without ``pools``, else
     one memfd per name, their sizes summing to at most ``capacity`` (``pool_of`` required)."""
     if pools is None:
         backing = Backing.NAMED if shared else Backing.PRIVATE
-        return {"": HostPool("", capacity, alignment, backing, pin, reuse_window)}
+        return {"": HostPool("", capacity, alignment, backing, pin, reuse_window, retention)}
     if not pools or pool_of is None:
         raise ConfigError("host tier pools need at least one pool and a pool_of function")
     if sum(pools.values()) > capacity:
@@ -141,7 +120,8 @@ def make_pools(capacity: int, alignment: int, pin: bool | None, shared: bool, po
     made: dict[str, HostPool] = {}
     try:
         for pool, size in pools.items():
-            made[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False, reuse_window=reuse_window)
+            made[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False, reuse_window=reuse_window,
+                                  retention=retention)
     except BaseException:
         for made_pool in made.values():
             made_pool.release()

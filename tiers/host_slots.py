@@ -5,17 +5,12 @@ through its states (publish, reference, evict, free) and the eviction plan of a 
 Bookkeeping only: ``HostTier`` owns every instance and calls ``SlotOps`` (mixed into it)
 with its lock held.
 
-Eviction (only when a put needs room) is prefix-aware and reuse-aware: among complete
-objects with no reference and no valid lease, chain tails (no child in this tier) go
-first, and a parent only when no tail qualifies; among either, objects used once (stored,
-never read, leased or saved again since) go before reused ones, least recently used
-first within each class (an LRU-2 order: a flood of prompts seen once cannot push out
-the blocks that are reused).  A use counts as a reuse only ``reuse_window_s`` (default
-1 s, on the tier's ``clock``) or more after the object's last use.  A key evicted and
-stored again joins the reused class: the pool remembers the keys it evicted
-(``HostPool.ghosts``, key hashes only, at most twice as many as it holds).  The
-write-down's own hold (``acquire(use=False)``) is not a use.  Incomplete objects are
-never evicted.
+Eviction (only when a put needs room) is prefix-aware: among complete objects with no
+reference and no valid lease, chain tails (no child in this tier) go first, and a parent
+only when no tail qualifies; within either, in the order of the pool's retention policy
+(``tiers.retention``: by default objects used once before reused ones, least recently
+used first within each).  The write-down's own hold (``acquire(use=False)``) is not a
+use.  Incomplete objects are never evicted.
 It plans first: a put evicts only when freeing everything it may evict would leave a hole
 it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
 """
@@ -95,22 +90,9 @@ class SlotOps:
         return pool.buffer[entry.offset : entry.offset + pool.alloc.size_of(entry.offset)]
 
     def _touch(self, key: ObjectKey, entry: Entry, use: bool = True) -> None:
-        """Most recently used now.  A ``use`` (a read, a lease, a second save; not the
-        write-down's own hold) of an object used once, at least ``reuse_window_s`` after its
-        last use, moves it to the reused class (uses closer together are one use: a lookup,
-        its load and its retries)."""
-        pool = entry.pool
-        once = pool.lru
-        now = pool.stamp(self._leases.clock())
-        if key in once:
-            del once[key]
-            reuse = use and now - entry.used >= pool.reuse_window
-            (pool.reused if reuse else once)[key] = entry
-            entry.used = now
-        else:
-            reused = pool.reused
-            del reused[key]
-            reused[key] = entry  # re-insert: most recently used
+        """A use (a read, a lease, a second save; ``use=False``: the write-down's own hold),
+        told to the pool's retention policy."""
+        entry.pool.retention.touch(key, entry, self._leases.clock(), use)
 
     def _hold(self, key: ObjectKey, entry: Entry, use: bool = True) -> None:
         entry.refs += 1
@@ -143,11 +125,7 @@ class SlotOps:
             parent.children += 1
             entry.parent = parent
         self._index[handle.key] = entry
-        pool = entry.pool
-        # A key evicted before and stored again is a reuse: it joins the reused class.
-        returning = pool.ghosts.pop(hash(handle.key), False)
-        entry.used = pool.stamp(self._leases.clock())
-        (pool.reused if returning else pool.lru)[handle.key] = entry
+        entry.pool.retention.add(handle.key, entry, self._leases.clock())
         self._stats.puts += 1
         self._stats.bytes_written += handle.size
         self._stored(handle.key)
@@ -174,12 +152,10 @@ class SlotOps:
         return offset
 
     def _evictable(self, pool: HostPool) -> Iterator[tuple[ObjectKey, Entry]]:
-        """``(key, entry)`` of the pool's objects neither referenced nor leased: those used
-        once, then those reused, least recently used first in each (a linear scan: cheap
-        while the oldest objects are unpinned)."""
+        """``(key, entry)`` of the pool's objects neither referenced nor leased, in its
+        retention policy's order (a linear scan: cheap while the first objects are unpinned)."""
         held = self._leases.held
-        return ((key, entry) for objects in (pool.lru, pool.reused) for key, entry in objects.items()
-                if not (entry.refs or held(key)))
+        return ((key, entry) for key, entry in pool.retention.order() if not (entry.refs or held(key)))
 
     def _evict(self, key: ObjectKey) -> None:
         entry = self._index.pop(key)

@@ -12,9 +12,10 @@ file order; a request's hit is the longest prefix of its ``hash_ids`` cached, as
 tokens:
 
 * **ours**: the store core (``TieredStore`` over a ``HostTier`` holding exactly that many
-  objects, no lower tier): a ``lookup`` of the request's keys, a read of each hit object (a
-  use), then a put of each block not held, each one small object chained to the block
-  before it (its parent); the tier's clock is the trace's ``timestamp``.
+  objects, no lower tier, with the retention policy ``--retention``, ``tiers.retention``):
+  a ``lookup`` of the request's keys, a read of each hit object (a use), then a put of
+  each block not held, each one small object chained to the block before it (its
+  parent); the tier's clock is the trace's ``timestamp``.
 * **plain LRU**: every block of the request is inserted or touched, then the least
   recently used go while over capacity.
 * **MIN** (Belady): every block of the request is inserted, then while over capacity the
@@ -36,6 +37,7 @@ import numpy as np
 
 from kvstore import codec
 from kvstore.bench.common import Row, print_rows
+from kvstore.config import RetentionPolicy
 from kvstore.errors import ConfigError
 from kvstore.keys import ROOT, ChunkHash, Identity, ObjectKey
 from kvstore.store.tiered import TieredStore
@@ -166,11 +168,12 @@ def block_hash(hash_id: int) -> ChunkHash:
     return ChunkHash((hash_id + 1).to_bytes(32, "big"))  # never ROOT (all zeros)
 
 
-async def ours_ratio(requests: list[Request], capacity: int) -> float:
+async def ours_ratio(requests: list[Request], capacity: int,
+                     retention: RetentionPolicy = RetentionPolicy.REUSE) -> float:
     """The host tier's own policy through the store core (see the module docstring)."""
     now = [0.0]
     slot = -(-codec.object_size(GEOMETRY) // ALIGNMENT) * ALIGNMENT
-    host = HostTier(capacity * slot, alignment=ALIGNMENT, pin=False, clock=lambda: now[0])
+    host = HostTier(capacity * slot, alignment=ALIGNMENT, pin=False, clock=lambda: now[0], retention=retention)
     store = TieredStore(host)
     payload = np.zeros(GEOMETRY.payload_bytes, np.uint8)
     buf = memoryview(np.empty(slot, np.uint8))
@@ -207,10 +210,11 @@ class Result:
     min: float
 
 
-def measure(requests: list[Request], capacities: list[tuple[float, int]]) -> list[Result]:
+def measure(requests: list[Request], capacities: list[tuple[float, int]],
+            retention: RetentionPolicy = RetentionPolicy.REUSE) -> list[Result]:
     out = []
     for fraction, blocks in capacities:
-        out.append(Result(fraction, blocks, asyncio.run(ours_ratio(requests, blocks)),
+        out.append(Result(fraction, blocks, asyncio.run(ours_ratio(requests, blocks, retention)),
                           lru_ratio(requests, blocks), min_ratio(requests, blocks)))
     return out
 
@@ -236,9 +240,10 @@ def rows_of(results: list[Result]) -> list[Row]:
 def run(args) -> int:
     requests = read_trace(args.file)
     fractions = args.fractions
-    results = measure(requests, capacities_of(requests, fractions, args.capacity_blocks))
+    retention = RetentionPolicy(getattr(args, "retention", "reuse"))
+    results = measure(requests, capacities_of(requests, fractions, args.capacity_blocks), retention)
     print(f"trace {args.file}: {len(requests)} requests, {distinct_blocks(requests)} distinct blocks, "
-          f"{sum(r.input_length for r in requests)} input tokens")
+          f"{sum(r.input_length for r in requests)} input tokens; ours: host retention {retention.value}")
     print_rows("token hit ratio, beside Belady's offline MIN of the same run (ratio = ours/MIN)",
                rows_of(results))
     if args.json:

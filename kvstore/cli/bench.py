@@ -49,6 +49,8 @@ def _register_trace(suites) -> None:
     trace.add_argument("--capacity-blocks", type=positive, default=None,
                        help="one host capacity, in blocks (instead of --fractions)")
     trace.add_argument("--json", help="write {\"rows\": [...]} to this file")
+    trace.add_argument("--retention", choices=["reuse", "adaptive", "lru"], default="reuse",
+                       help="the host tier's retention policy measured as ours (default reuse; tiers.retention)")
     trace.set_defaults(func=_trace)
 
 

@@ -5,7 +5,8 @@ Runs wherever a store is opened (the embedded store, the store process, the conn
 Specs, and the keyword options each takes:
 
     host:                    the host DRAM pool: capacity (required), shared, pin, alignment, name,
-                             pools and pool_of (one memfd pool per name: ``tiers.host``)
+                             pools and pool_of (one memfd pool per name: ``tiers.host``), retention
+                             (``tiers.retention``)
     ssd:PATH                 an SSD directory: capacity (required), fsync, name, partition and
                              quotas (bytes per partition: ``tiers.ssd_index``)
     redis://HOST:PORT/DB     Redis; also rediss:// (TLS), redis+cluster://, rediss+cluster://:
@@ -43,7 +44,7 @@ EXPECTED = ("host:, ssd:PATH, redis://HOST:PORT, rediss://HOST:PORT, redis+clust
             "or kvstore://HOST:PORT")
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 _OPTIONS = {
-    "host": {"capacity", "shared", "pin", "alignment", "name", "pools", "pool_of"},
+    "host": {"capacity", "shared", "pin", "alignment", "name", "pools", "pool_of", "retention"},
     "ssd": {"capacity", "fsync", "name", "partition", "quotas"},
     "remote": {"token", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "transport",
                "timeout_s", "release_delay_s", "lease_ttl_s", "name", "retry_s"},
@@ -100,11 +101,12 @@ def tier_specs(cfg: TierSettings, *, host: Mapping[str, object] | None = None,
                ssd: Mapping[str, object] | None = None,
                lower: Sequence[tuple[str | None, Mapping[str, object]]] = ()) -> list[tuple[str, dict[str, object]]]:
     """The one builder of a store's specs, fastest first: ``cfg``'s host pool (its capacity
-    plus ``host``'s options), its SSD directory when ``cfg.ssd_dir`` is set (its capacity
+    and retention policy plus ``host``'s options), its SSD directory when ``cfg.ssd_dir`` is set (its capacity
     plus ``ssd``'s), then each ``(spec, options)`` of ``lower`` whose spec is given (the
     store process, Redis).  Used by the embedded store, the store process and the
     connector."""
-    specs: list[tuple[str, dict[str, object]]] = [("host:", {"capacity": cfg.host_capacity, **(host or {})})]
+    specs: list[tuple[str, dict[str, object]]] = [
+        ("host:", {"capacity": cfg.host_capacity, "retention": cfg.host_retention, **(host or {})})]
     if cfg.ssd_dir is not None:
         specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity, **(ssd or {})}))
     specs.extend((spec, dict(options)) for spec, options in lower if spec)

@@ -1,6 +1,7 @@
 """``kvstore bench trace``: plain LRU and Belady's MIN against values worked out by hand,
 strict reading of the trace file, the ``--json`` shape, and the host tier's own policy
-(the real ``HostTier`` through the store core) beside LRU on a hot prefix among scans."""
+(the real ``HostTier`` through the store core) beside LRU on a hot prefix among scans,
+under each retention policy, and the generated second trace shape.  About 3 s."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,10 @@ from fractions import Fraction
 
 import pytest
 
+from kvstore.bench import trace_gen
 from kvstore.bench.trace import Request, lru_ratio, min_ratio, ours_ratio, read_trace
 from kvstore.cli.main import main
+from kvstore.config import RetentionPolicy
 from kvstore.errors import ConfigError
 
 
@@ -110,3 +113,23 @@ def test_ours_beats_plain_lru_on_a_hot_prefix_among_scans():
     # second question, its keys return (the pool remembers evicted keys): reused, they stay,
     # and the prompt (4 of 6 blocks) hits on every question from the third on.
     assert ours == pytest.approx(28 * 4 * 512 / sum(r.input_length for r in reqs))
+
+
+def test_the_retention_policy_measured_as_ours_is_selectable():
+    """``--retention``: the same replay through a host tier of each policy; ``lru`` loses the
+    prompt to every scan as plain LRU does, ``adaptive`` keeps it as ``reuse`` does."""
+    reqs = hot_prefix_with_scans()
+    ratio = {p: asyncio.run(ours_ratio(reqs, 12, RetentionPolicy(p))) for p in ("reuse", "adaptive", "lru")}
+    assert ratio["lru"] == lru_ratio(reqs, 12) == 0.0
+    assert ratio["adaptive"] == ratio["reuse"] == asyncio.run(ours_ratio(reqs, 12)) > 0.0
+
+
+def test_the_generated_chat_and_scan_trace_reads_back_and_repeats_for_a_seed(tmp_path):
+    """``kvstore.bench.trace_gen``: the second trace shape of docs/bench-trace.md."""
+    out = tmp_path / "gen.jsonl"
+    assert trace_gen.main([str(out), "--seed", "3", "--requests", "300"]) == 0
+    reqs = read_trace(out)
+    assert len(reqs) == 300
+    assert [list(r.hash_ids) for r in reqs] == [r["hash_ids"] for r in trace_gen.chat_and_scans(300, 3)]
+    assert [r.hash_ids for r in reqs] != [tuple(r["hash_ids"]) for r in trace_gen.chat_and_scans(300, 4)]
+    assert 0.0 < lru_ratio(reqs, 200) <= min_ratio(reqs, 200)  # prompts and turns are reused

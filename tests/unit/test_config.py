@@ -110,7 +110,8 @@ def test_from_mapping_converts_and_reads_env(tmp_path):
 
 
 def test_unknown_keys_are_named():
-    with pytest.raises(ConfigError, match="config: unknown key 'ssd_dirr'; known: host_capacity, ssd_capacity"):
+    known = "known: host_capacity, host_retention, ssd_capacity"
+    with pytest.raises(ConfigError, match=f"config: unknown key 'ssd_dirr'; {known}"):
         StoreConfig.from_mapping({"ssd_dirr": "/tmp/x"}, env={})
     with pytest.raises(ConfigError, match="unknown keys 'a', 'b'"):
         StoreConfig.from_mapping({"a": 1, "b": 2}, env={})
@@ -178,8 +179,9 @@ def test_every_documented_connector_key_is_read():
          "stats_path": "/tmp/s.json", "trace_path": "/tmp/t.json", "lease_ttl": "12", "store_target": "h:1",
          "store_token": "t",
          "store_tls_ca": "/ca.pem", "store_transport": "stream", "redis_url": "redis://r",
-         "write_policy": "host_only", "lower_tiers_required": "off", "store_tls_cert": "/c.pem",
-         "store_tls_key": "/k.pem", "encrypt_at_rest": "true", "kv_events_encoding": "array"}, env={})
+         "write_policy": "host_only", "host_retention": "lru", "lower_tiers_required": "off",
+         "store_tls_cert": "/c.pem", "store_tls_key": "/k.pem", "encrypt_at_rest": "true",
+         "kv_events_encoding": "array"}, env={})
     defaults = ConnectorConfig()
     assert all(getattr(cfg, k) != getattr(defaults, k) for k in keys - {"store_token_file", "keys_file"})
     from_file = ConnectorConfig.from_extra_config({"store_token_file": "/run/t"}, env={})

@@ -8,6 +8,7 @@ from test_host_tier import make_obj  # noqa: E402 - shared object maker
 
 from connector.config import ConnectorConfig
 from connector.lower import open_store, tier_specs
+from kvstore.config import RetentionPolicy
 from kvstore.errors import TierUnavailableError
 from kvstore.store.writedown import Offer
 from kvstore.testing.redis_proc import free_port
@@ -35,7 +36,8 @@ def test_specs_follow_the_config_host_pool_first(tmp_path):
     specs = tier_specs(cfg)
     assert [s for s, _ in specs] == ["host:", f"ssd:{tmp_path / 'ssd'}", "kvstore://127.0.0.1:7000",
                                      "redis://127.0.0.1:6390/0"]
-    assert specs[0][1] == {"capacity": 1 << 20, "shared": True, "pin": False}
+    assert specs[0][1] == {"capacity": 1 << 20, "retention": RetentionPolicy.REUSE, "shared": True, "pin": False}
+    assert tier_specs(config(host_retention="adaptive"))[0][1]["retention"] is RetentionPolicy.ADAPTIVE
     assert specs[2][1]["token"] == "t" and specs[2][1]["transport"] == cfg.store_transport
     assert specs[2][1]["lease_ttl_s"] == cfg.lease_ttl == 30.0        # one default, and it is read
     assert tier_specs(config(store_target="h:1", lease_ttl="2.5"))[1][1]["lease_ttl_s"] == 2.5

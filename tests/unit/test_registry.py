@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.config import StoreConfig
+from kvstore.config import RetentionPolicy, StoreConfig
 from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.store.registry import open_tier, open_tiers, parse_spec, resolve, tier_specs
 from kvstore.testing.redis_proc import free_port
@@ -134,12 +134,13 @@ async def test_a_failed_open_closes_the_tiers_already_open(tmp_path):
 def test_tier_specs_is_the_one_builder_of_a_stores_specs(tmp_path):
     """Host first with its capacity and options, SSD only when configured, lower tiers in
     order, a lower tier without a spec left out; every spec it builds resolves."""
-    bare = StoreConfig(host_capacity=1 << 20, ssd_dir=None)
-    assert tier_specs(bare, lower=[(None, {}), ("", {})]) == [("host:", {"capacity": 1 << 20})]
+    bare = StoreConfig(host_capacity=1 << 20, ssd_dir=None, host_retention=RetentionPolicy.LRU)
+    assert tier_specs(bare, lower=[(None, {}), ("", {})]) == [
+        ("host:", {"capacity": 1 << 20, "retention": RetentionPolicy.LRU})]
     cfg = StoreConfig(host_capacity=1 << 20, ssd_dir=tmp_path / "ssd", ssd_capacity=2 << 20)
     specs = tier_specs(cfg, host={"pin": False}, ssd={"fsync": False},
                        lower=[("redis://127.0.0.1:1/0", {}), (None, {"x": 1})])
-    assert specs == [("host:", {"capacity": 1 << 20, "pin": False}),
+    assert specs == [("host:", {"capacity": 1 << 20, "retention": RetentionPolicy.REUSE, "pin": False}),
                      (f"ssd:{tmp_path / 'ssd'}", {"capacity": 2 << 20, "fsync": False}),
                      ("redis://127.0.0.1:1/0", {})]
     for spec, options in specs:

@@ -145,8 +145,11 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             del self._lookups[key]
 
     def shutdown(self) -> None:
+        """Drain, close the tiers, and release this tier's view of the primary region (so
+        vLLM can unmap it)."""
         self.drain_jobs()
         self.store.close()
+        self._rows.release()
 
 
 __all__ = ["LOOKUP_WAIT_S", "KVStoreSecondaryTier"]

@@ -8,13 +8,19 @@ the rows a load promoted.
 Proves, against a real SSD directory, a real ``kvstore serve`` and a real redis-server:
 chunks cascaded by vLLM are stored, looked up, promoted back by a new manager (a restart) and
 are byte-identical; a second live manager shares them through the store process and Redis;
-another model never sees them; a forged SSD object (no MAC) is refused (a miss, removed) and never
-reaches vLLM's primary tier, nor does a damaged one; ``host_capacity`` and tier-less configs are refused by name.
-Cost: about 2 s of tests (one store process, one redis-server, ten small managers), plus
-importing vLLM's offloading modules when no earlier test did (20-35 s on a busy 2-core host).
+another model never sees them; a damaged SSD object and a forged one (valid checksum, no
+MAC) never reach vLLM's primary tier and are removed; ``host_capacity``, other host-only
+keys, unknown keys and tier-less configs are refused by name.  The restart and the refusal
+are repeated under vLLM 0.33.0 (``vllm_tier033_probe.py`` in .venv-vllm033).
+Cost: about 25 s: 2 s of tests (one store process, one redis-server, ten small managers) and
+20 s for the 0.33 probe's process, plus importing vLLM's offloading modules when no earlier
+test did (20-35 s on a busy 2-core host).
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -28,6 +34,7 @@ from tests.kits import vllm_tier as kit
 from tiers.base import PutResult, put_bytes
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +144,18 @@ def test_bad_parameters_are_refused_by_name(models, params, named):
         kit.manager(models[0], params)
     if named == "host_capacity":
         assert "cpu_bytes_to_use" in str(err.value)
+
+
+def test_the_same_tier_under_vllm_033(tmp_path):
+    """vLLM 0.33.0's own TieringOffloadingSpec and TieringOffloadingManager (its CUDA
+    release, in .venv-vllm033 as tests/integration/test_vllm033_contract.py runs it) with our
+    tier: stored chunks survive a restart byte for byte, and host_capacity is refused."""
+    python = ROOT / ".venv-vllm033" / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run `make vllm033` (make test does)"
+    proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_tier033_probe.py")), str(tmp_path)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["version"] == "0.33.0"
+    assert report["restart"] == {"lookup": ["HIT"] * 3, "equal": True}, report["restart"]
+    assert report["refused"]["type"] == "ConfigError" and "host_capacity" in report["refused"]["message"]

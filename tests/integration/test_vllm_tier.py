@@ -8,12 +8,13 @@ the rows a load promoted.
 Proves, against a real SSD directory, a real ``kvstore serve`` and a real redis-server:
 chunks cascaded by vLLM are stored, looked up, promoted back by a new manager (a restart) and
 are byte-identical; a second live manager shares them through the store process and Redis;
-another model never sees them; a damaged SSD object and a forged one (valid checksum, no
-MAC) never reach vLLM's primary tier and are removed; ``host_capacity``, other host-only
-keys, unknown keys and tier-less configs are refused by name.  The restart and the refusal
+another model or scope never sees them; encryption at rest keeps payloads off the disk in
+clear; a damaged SSD object and a forged one (valid checksum, no MAC) never reach vLLM's
+primary tier and are removed; ``host_capacity``, other host-only keys, unknown keys and
+tier-less configs are refused by name.  The restart and the refusal
 are repeated under vLLM 0.33.0 (``vllm_tier033_probe.py`` in .venv-vllm033).
-Cost: about 25 s: 2 s of tests (one store process, one redis-server, ten small managers) and
-20 s for the 0.33 probe's process, plus importing vLLM's offloading modules when no earlier
+Cost: about 15-25 s: 2 s of tests (one store process, one redis-server, a dozen small managers)
+and 12-20 s for the 0.33 probe's process, plus importing vLLM's offloading modules when no earlier
 test did (20-35 s on a busy 2-core host).
 """
 from __future__ import annotations
@@ -76,13 +77,34 @@ def test_ssd_alone_survives_a_restart(models, tmp_path):
         second.shutdown()
 
 
+def test_encrypted_at_rest_on_ssd(models, tmp_path):
+    """With encrypt_at_rest, no stored payload appears in clear on disk, and a restarted
+    manager still gets the exact bytes back."""
+    keys, data = kit.offload_keys(2, seed=4), kit.payloads(2, seed=4)
+    params = {"ssd_dir": str(tmp_path / "ssd"), "ssd_capacity": "64MiB", "encrypt_at_rest": True}
+    first = kit.manager(models[0], params)
+    try:
+        kit.store(first, keys, data)
+    finally:
+        first.shutdown()
+    on_disk = b"".join(p.read_bytes() for p in (tmp_path / "ssd").rglob("*") if p.is_file())
+    assert len(on_disk) > 2 * kit.CHUNK_BYTES and not any(d[:64] in on_disk for d in data)
+    second = kit.manager(models[0], params)
+    try:
+        assert kit.lookup(second, keys) == [HIT] * 2 and kit.load(second, keys) == data
+    finally:
+        second.shutdown()
+
+
 def test_second_manager_shares_through_store_and_redis(models, store, redis):
     """Two live managers of one model share through the store process and Redis (written
-    through to both); a manager on Redis alone finds them too; another model finds none."""
+    through to both); a manager on Redis alone finds them too; another model, or the same
+    model under another scope, finds none."""
     keys, data = kit.offload_keys(4, seed=2), kit.payloads(4, seed=2)
     both = {"store_target": store.target, "redis_url": redis.url}
     writer, reader = kit.manager(models[0], both), kit.manager(models[0], both)
     redis_only, other_model = kit.manager(models[0], {"redis_url": redis.url}), kit.manager(models[1], both)
+    other_scope = kit.manager(models[0], {**both, "scope": "tenant-b"})
     try:
         kit.store(writer, keys, data)
         counters = kit.our_tier(writer).store.counters
@@ -91,9 +113,11 @@ def test_second_manager_shares_through_store_and_redis(models, store, redis):
         assert kit.our_tier(reader).store.counters["remote:read"] == 4
         assert kit.lookup(redis_only, keys) == [HIT] * 4 and kit.load(redis_only, keys) == data
         assert kit.lookup(other_model, keys) == [MISS] * 4
+        assert kit.lookup(other_scope, keys) == [MISS] * 4
         assert kit.our_tier(other_model).namespace != kit.our_tier(writer).namespace
+        assert kit.our_tier(reader).namespace == kit.our_tier(writer).namespace
     finally:
-        for mgr in (writer, reader, redis_only, other_model):
+        for mgr in (writer, reader, redis_only, other_model, other_scope):
             mgr.shutdown()
 
 

@@ -66,7 +66,9 @@ def parse_params(params: Mapping[str, Any], env: Mapping[str, str] | None = None
         raise ConfigError("secondary_tiers: the kvstore tier needs at least one of ssd_dir, store_target "
                           "or redis_url")
     locality = params.get("locality")
-    return TierParams(store, scope, None if locality is None else str(locality))
+    if locality not in (None, "LOCAL", "REMOTE"):
+        raise ConfigError(f"secondary_tiers: locality must be LOCAL or REMOTE, got {locality!r}")
+    return TierParams(store, scope, locality)
 
 
 def geometry_of(config: Any, block_bytes: int) -> dict[str, object]:

@@ -48,12 +48,12 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(parsed.locality) if parsed.locality else None
         self.namespace = namespace_of(offloading_spec.config, self.block_size_bytes, parsed.scope)
-        self._rows = primary_kv_view.cast("B")
         self._lookups: dict[bytes, tuple[concurrent.futures.Future[bool], int]] = {}
         self._step = 0
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
         self._finished: deque[JobResult] = deque()
         self.store = LowerStore(parsed.store, LAYOUT_ID)
+        self._rows = primary_kv_view.cast("B")  # after the last step that can fail: released at shutdown
 
     def key_of(self, offload_key: bytes) -> ObjectKey:
         """The object key of one of vLLM's offload keys."""

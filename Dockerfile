@@ -83,6 +83,7 @@ COPY README.md ./
 COPY kvstore ./kvstore
 COPY tiers ./tiers
 COPY connector ./connector
+COPY adapters ./adapters
 COPY harness ./harness
 RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     --mount=type=secret,id=pip_ca --mount=type=secret,id=pip_conf \

@@ -100,9 +100,9 @@ bench: $(STAMP) redis-server
 ## kvstore and tiers never import connector, the connector's halves apart), then ruff's lint
 ## and mypy over kvstore, tiers and connector (both configured in pyproject.toml).
 lint: $(STAMP)
-	$(PY) -m compileall -q kvstore tiers connector harness tests scripts
+	$(PY) -m compileall -q kvstore tiers connector adapters harness tests scripts
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/ruff check kvstore tiers connector harness tests scripts
+	$(VENV)/bin/ruff check kvstore tiers connector adapters harness tests scripts
 	$(VENV)/bin/mypy
 
 clean:

@@ -72,6 +72,16 @@ def tier_specs(cfg: ConnectorConfig) -> list[tuple[str, dict[str, object]]]:
     return registry.tier_specs(cfg, host={"shared": True, "pin": False}, lower=[*store, (cfg.redis_url, {})])
 
 
+def lower_tier_specs(cfg: ConnectorConfig) -> list[tuple[str, dict[str, object]]]:
+    """The connector's tiers below the host pool (SSD, store process, Redis), fastest first:
+    what a store whose host tier is someone else's opens (``adapters.vllm_tier``, under
+    vLLM's CPU primary tier)."""
+    host, *lower = tier_specs(cfg)
+    if not host[0].startswith("host:"):
+        raise LookupError(f"the connector's first tier spec is {host[0]!r}, not the host pool")
+    return lower
+
+
 async def open_store(cfg: ConnectorConfig, on_bytes: Callable[[str, str, int], None],
                      on_fail: Callable[[str, str], None]) -> TieredStore:
     """The connector's store (on the I/O loop: the write-down binds to it)."""
@@ -89,4 +99,4 @@ def keys_of(cfg: ConnectorConfig):
     return lambda _key: ring
 
 
-__all__ = ["ConnectorObserver", "keys_of", "open_store", "tier_specs"]
+__all__ = ["ConnectorObserver", "keys_of", "lower_tier_specs", "open_store", "tier_specs"]

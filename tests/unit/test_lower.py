@@ -7,7 +7,7 @@ import pytest
 from test_host_tier import make_obj  # noqa: E402 - shared object maker
 
 from connector.config import ConnectorConfig
-from connector.lower import open_store, tier_specs
+from connector.lower import lower_tier_specs, open_store, tier_specs
 from kvstore.config import RetentionPolicy
 from kvstore.errors import TierUnavailableError
 from kvstore.store.writedown import Offer
@@ -40,6 +40,8 @@ def test_specs_follow_the_config_host_pool_first(tmp_path):
     assert tier_specs(config(host_retention="adaptive"))[0][1]["retention"] is RetentionPolicy.ADAPTIVE
     assert specs[2][1]["token"] == "t" and specs[2][1]["transport"] == cfg.store_transport
     assert specs[2][1]["lease_ttl_s"] == cfg.lease_ttl == 30.0        # one default, and it is read
+    assert lower_tier_specs(cfg) == specs[1:]                       # the tiers below the host pool
+    assert lower_tier_specs(config()) == []
     assert tier_specs(config(store_target="h:1", lease_ttl="2.5"))[1][1]["lease_ttl_s"] == 2.5
 
 

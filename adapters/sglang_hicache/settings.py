@@ -24,7 +24,8 @@ from kvstore.config import from_env, given, load
 from kvstore.errors import ConfigError
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
-                         "prefetch_threshold", "prefetch_timeout_base"})
+                         "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                         "hicache_storage_pass_prefix_keys"})
 OWN_KEYS = frozenset({"scope", "model"})
 TIER_KEYS = frozenset({
     "host_capacity", "ssd_dir", "ssd_capacity", "write_policy", "lease_ttl", "redis_url", "store_target",

@@ -14,6 +14,8 @@ Phase ``main``:
              and which of the v1/v2 methods our class defines itself;
   factory    SGLang's ``StorageBackendFactory.create_backend("dynamic", ...)`` with our
              module and class named in the extra config; a bad extra config's error;
+  cli        the documented flags through SGLang's argument parser, ``ServerArgs`` and its
+             parser of the extra config (inline and ``@file``), then its factory;
   keys       SGLang's page keys (``get_storage_hash_str``) for a token sequence: their form,
              the chain (a change in page 0 changes every later key), our object names;
   layouts    for each host layout of SGLang's ``MHATokenToKVPoolHost`` (over its
@@ -139,6 +141,38 @@ def factory_part(args: dict) -> dict:
             out[name] = None
         except Exception as exc:  # noqa: BLE001 - recorded: the error a user sees
             out[name] = _error(exc)
+    return out
+
+
+def cli_part(args: dict) -> dict:
+    """The command line of docs/sglang-hicache.md through SGLang's own parsing: its CLI
+    arguments, ``ServerArgs``, its parser of the extra config (inline JSON and ``@file``),
+    then its backend factory."""
+    import argparse
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.server_args import ServerArgs
+
+    extra = {"backend_name": "kvstore", "module_path": "adapters.sglang_hicache.backend",
+             "class_name": "KVStoreHiCache", "host_capacity": "16MiB", "hicache_storage_pass_prefix_keys": True,
+             **remote(args)}
+    path = Path(args["work"]) / "hicache.json"
+    path.write_text(json.dumps(extra))
+    out = {}
+    for form, value in (("inline", json.dumps(extra)), ("file", f"@{path}")):
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        server = ServerArgs.from_cli_args(parser.parse_args([
+            "--model-path", MODEL, "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", value]))
+        parsed, *_ = HybridCacheController.parse_storage_backend_extra_config(
+            server.hicache_storage_backend_extra_config)
+        made = StorageBackendFactory.create_backend(server.hicache_storage_backend, storage_config(parsed), None)
+        out[form] = {"backend": server.hicache_storage_backend, "hierarchical": server.enable_hierarchical_cache,
+                     "class": f"{type(made).__module__}.{type(made).__qualname__}",
+                     "tiers": [t.name for t in made.store.tiers]}
+        made.close()
     return out
 
 
@@ -336,7 +370,8 @@ def run_parts(parts: dict) -> dict:
 def main() -> None:
     args = json.loads(sys.argv[1])
     report = {"main": run_parts({
-        "env": env_part, "interface": interface_part, "factory": lambda: factory_part(args), "keys": keys_part,
+        "env": env_part, "interface": interface_part, "factory": lambda: factory_part(args),
+        "cli": lambda: cli_part(args), "keys": keys_part,
         "layouts": lambda: layouts_part(args), "controller": lambda: controller_part(args),
         "pools": lambda: pools_part(args), "tenants": lambda: tenants_part(args),
         "persist": lambda: persist_part(args, False)})}

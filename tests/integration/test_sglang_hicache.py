@@ -9,7 +9,8 @@ module restarts halfway, and reports each part; the tests here assert on them:
 
 1. our class is a ``HiCacheStorage`` with every abstract method and the v1/v2 API its own,
    and SGLang's ``dynamic`` backend factory builds it from the extra config (bad configs
-   are refused by name);
+   are refused by name), also from the documented command line through SGLang's own
+   argument parsing (inline JSON and ``@file``);
 2. SGLang's page keys are content keys: each is the sha256 of the previous page's digest
    and the page's tokens (recomputed here), so a change in a page changes its key and every
    later one, and they name our objects as they are;
@@ -110,6 +111,13 @@ def test_sglang_dynamic_factory_builds_ours(reports):
     assert "chunk_size" in factory["engine_key"]["message"]
     assert factory["engine_key"]["type"] == "ConfigError"
     assert "needs a tier below host memory" in factory["no_lower_tier"]["message"]
+
+
+def test_the_documented_command_line_builds_ours(reports):
+    """docs/sglang-hicache.md's flags, through SGLang's own argument parsing to its factory."""
+    for form in ("inline", "file"):
+        assert reports["main"]["cli"][form] == {"backend": "dynamic", "hierarchical": True, "class": OURS,
+                                                "tiers": ["host", "remote"]}, form
 
 
 def test_sglang_keys_are_chained_content_keys(reports):

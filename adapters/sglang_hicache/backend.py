@@ -198,13 +198,14 @@ class KVStoreHiCache(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
-        """Each page read into its target tensor (SGLang's ``get_dummy_flat_data_page``), or
-        None where the store has none."""
-        if target_locations is None:
+        """Each page read into its target tensor (SGLang's ``get_dummy_flat_data_page``; a
+        new one of the KV host pool where none is given), or None where the store has none."""
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if any(t is None for t in targets):
             pool = self._pool(KV)
-            target_locations = [pool.get_dummy_flat_data_page() for _ in keys]
-        ok = self._get_pages(KV, keys, target_locations)
-        return [t if hit else None for t, hit in zip(target_locations, ok)]
+            targets = [pool.get_dummy_flat_data_page() if t is None else t for t in targets]
+        ok = self._get_pages(KV, keys, targets)
+        return [t if hit else None for t, hit in zip(targets, ok)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

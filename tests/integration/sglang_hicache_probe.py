@@ -323,6 +323,13 @@ def tenants_part(args: dict) -> dict:
     out["b_exists"] = bes["b"].batch_exists(keys)
     out["other_scope_exists"] = bes["a_other_scope"].batch_exists(keys)
     out["b_get"] = [p is not None for p in bes["b"].batch_get(keys)]
+    out["b_get_one"], out["a_get_one"] = bes["b"].get(keys[0]), bes["a"].get(keys[0])
+    out["a_get_one"] = out["a_get_one"] is not None and torch.equal(
+        out["a_get_one"], pool.get_data_page(int(a_idx[0]), flat=True))
+    other = pool.get_data_page(int(b_idx[0]), flat=True)
+    out["other_scope_set_one"] = bes["a_other_scope"].set(keys[0], other)
+    got = bes["a_other_scope"].get(keys[0], pool.get_dummy_flat_data_page())
+    out["other_scope_get_one"] = got is not None and torch.equal(got, other)
     out["b_set"] = bes["b"].batch_set_v1(keys, b_idx)
     dst_a, dst_b = pool.alloc(2 * PAGE), pool.alloc(2 * PAGE)
     out["a_get"], out["b_get_own"] = bes["a"].batch_get_v1(keys, dst_a), bes["b"].batch_get_v1(keys, dst_b)

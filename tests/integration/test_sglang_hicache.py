@@ -173,6 +173,8 @@ def test_tenants_and_scopes_stay_apart(reports):
     t = reports["main"]["tenants"]
     assert t["a_set"] == [True, True]
     assert t["b_exists"] == 0 and t["other_scope_exists"] == 0 and t["b_get"] == [False, False]
+    assert t["b_get_one"] is None and t["a_get_one"] is True   # get(key), one page: only a's
+    assert t["other_scope_set_one"] is True and t["other_scope_get_one"] is True
     assert t["b_set"] == [True, True]
     assert t["a_get"] == [True, True] and t["b_get_own"] == [True, True]
     assert t["a_reads_a"] == [True, True] and t["b_reads_b"] == [True, True] and t["a_differs_b"]

@@ -17,8 +17,18 @@ V033       := .venv-vllm033
 V033_STAMP := $(V033)/.installed-stamp
 WHEELS     := $(HOME)/.cache/kvstore/wheels
 V033_WHEEL := $(WHEELS)/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl
+# SGLang 0.5.23, for the HiCache backend's tests (tests/integration/test_sglang_hicache.py), in an
+# environment of its own: the sglang wheel (cached beside vLLM's) --no-deps, plus the torch it pins
+# (2.14.1) and torchvision 0.29.1: sglang's host memory pools import its model configs, which import
+# torchvision, and PyPI's torchvision needs a CUDA torch (.venv's CPU torch 2.13 cannot load it).
+# Both come from this machine's wheel folder when it has them.  Then only the pure-Python packages
+# its storage and host-pool modules import; a .pth appends .venv's site-packages for the rest.
+SGL        := .venv-sglang
+SGL_STAMP  := $(SGL)/.installed-stamp
+SGL_WHEEL  := $(WHEELS)/sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl
+SGL_DEPS   := torch==2.14.1 torchvision==0.29.1 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 gguf==0.19.0
 
-.PHONY: run test test-fast bench lint clean redis-server prometheus compose-images compose-test vllm033 docs proto
+.PHONY: run test test-fast bench lint clean redis-server prometheus compose-images compose-test vllm033 sglang docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +58,25 @@ $(V033_STAMP): $(V033_WHEEL) $(ENGINE)
 ## The vLLM 0.33.0 environment of the contract suite (.venv-vllm033).
 vllm033: $(V033_STAMP)
 
+$(SGL_WHEEL): | $(STAMP)
+	mkdir -p $(WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELS) 'sglang==0.5.23'
+	test -f $@
+
+$(SGL_STAMP): $(SGL_WHEEL) $(STAMP)
+	rm -rf $(SGL)
+	$(PY) -m venv $(SGL)
+	$(SGL)/bin/python -m pip install -q --no-compile $(SGL_DEPS)
+	$(SGL)/bin/python -m pip install -q --no-deps --no-compile $(SGL_WHEEL)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > "$$($(SGL)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-kvstore-venv.pth"
+	cd $(SGL) && ./bin/python -c 'import sglang, torch, sglang.srt.mem_cache.pool_host.mha; \
+	  assert sglang.__version__ == "0.5.23", sglang.__file__; print("sglang", sglang.__version__, "over torch", torch.__version__)'
+	touch $@
+
+## The SGLang 0.5.23 environment of the HiCache backend's tests (.venv-sglang).
+sglang: $(SGL_STAMP)
+
 ## A redis-server binary for the tests' fixtures (they start their own on free ports).
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -73,7 +102,7 @@ run: $(ENGINE) redis-server
 	$(PY) -m harness.main
 
 ## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
-test: $(ENGINE) $(V033_STAMP) redis-server prometheus lint compose-images
+test: $(ENGINE) $(V033_STAMP) $(SGL_STAMP) redis-server prometheus lint compose-images
 	$(PY) -m pytest -q --durations=15
 
 ## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,
@@ -106,7 +135,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(V033) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(V033) $(SGL) .pytest_cache build *.egg-info
 	find docker/wheels -type f ! -name .gitignore -delete
 
 ## Regenerate the reference pages under docs/reference from the typed configs and the metric collectors

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP_DIRS = {".git", ".venv", ".venv-vllm033", "venv", "node_modules", "__pycache__", ".pytest_cache", ".mypy_cache",
-             "build", "dist", ".eggs"}
+SKIP_DIRS = {".git", ".venv", ".venv-vllm033", ".venv-sglang", "venv", "node_modules", "__pycache__", ".pytest_cache",
+             ".mypy_cache", "build", "dist", ".eggs"}
 SUFFIXES = {".py", ".pyi", ".proto", ".sh", ".md", ".toml", ".yml", ".yaml", ".cfg", ".ini", ".txt"}
 NAMES = {"Dockerfile", "Makefile", ".dockerignore"}
 

@@ -10,7 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_host_tier import FakeClock, P, chain, make_obj, present, put, tier
+from test_host_tier import CHAIN, FakeClock, P, make_obj, present, put, tier
 
 from kvstore.config import RetentionPolicy, StoreConfig
 from kvstore.errors import ConfigError
@@ -29,12 +29,12 @@ def _reuse(t, clock, key) -> None:
 def test_a_scan_of_objects_used_once_flushes_reused_ones_only_under_lru(policy):
     clock = FakeClock()
     t = tier(4, clock=clock, retention=policy)
-    a, b = chain(2, seed=31)
+    a, b = CHAIN.keys(2, seed=31)
     put(t, a)
     put(t, b)
     _reuse(t, clock, a)
     _reuse(t, clock, b)
-    scan = chain(6, seed=32)  # one-shot objects, each newer than a's and b's last use
+    scan = CHAIN.keys(6, seed=32)  # one-shot objects, each newer than a's and b's last use
     for k in scan:
         clock.now += 1
         put(t, k)
@@ -48,11 +48,11 @@ def test_a_scan_of_objects_used_once_flushes_reused_ones_only_under_lru(policy):
 def test_parents_outlive_their_children(policy):
     clock = FakeClock()
     t = tier(4, clock=clock, retention=policy)
-    k0, k1, k2 = chain(3, seed=33)
+    k0, k1, k2 = CHAIN.keys(3, seed=33)
     put(t, k0)
     put(t, k1, parent=k0)
     put(t, k2, parent=k1)
-    x, y, z = chain(3, seed=34)
+    x, y, z = CHAIN.keys(3, seed=34)
     put(t, x)
     put(t, y)                          # k2 goes: k0 and k1 are older, but have a child
     assert present(t, [k0, k1, k2]) == [True, True, False]
@@ -64,7 +64,7 @@ def test_parents_outlive_their_children(policy):
 def test_a_leased_acquired_or_pinned_object_is_never_evicted(policy):
     clock = FakeClock()
     t = tier(4, clock=clock, retention=policy)
-    a, b, c, d = chain(4, seed=35)
+    a, b, c, d = CHAIN.keys(4, seed=35)
     for k in (a, b, c, d):
         put(t, k)                      # a, b, c first in either policy's order
     lease = t.lease(a, ttl=60)
@@ -72,7 +72,7 @@ def test_a_leased_acquired_or_pinned_object_is_never_evicted(policy):
     assert lease is not None and view is not None
     assert t.pin(c) is not None
     clock.now += 10
-    more = chain(6, seed=36)
+    more = CHAIN.keys(6, seed=36)
     assert put(t, more[0]) is not None  # only d may go
     assert put(t, more[1]) is not None  # then the newcomer
     assert present(t, [a, b, c, d]) == [True, True, True, False]
@@ -92,12 +92,12 @@ def test_reused_objects_no_longer_used_age_out_only_under_adaptive(policy):
     returns that used-once objects are worth room, and lets a stale reused one go."""
     clock = FakeClock()
     t = tier(4, clock=clock, retention=policy)
-    a, b = chain(2, seed=37)
+    a, b = CHAIN.keys(2, seed=37)
     put(t, a)
     put(t, b)
     _reuse(t, clock, a)
     _reuse(t, clock, b)                 # a, b: reused, and never used again below
-    x1, x2, x3 = chain(3, seed=38)
+    x1, x2, x3 = CHAIN.keys(3, seed=38)
     for k in (x1, x2, x3, x1, x2):      # x1, then x2, evicted as used once, come back
         clock.now += 1
         put(t, k)

@@ -5,26 +5,20 @@ It owns the store core (``kvstore.store.TieredStore``, opened by ``connector.low
 pool in shared memory, then SSD, the store process, Redis.  Workers only copy bytes into and
 out of the slots chosen here (``connector.plan``).
 
-Loads.  A request's prompt is hashed into chunk keys (namespace: the model identity plus
-``cache_salt`` and LoRA); the contiguous hit is looked up across tiers and the cost model
-picks how much of it to load.  Chunks in a lower tier are first *prefetched* into
-host slots on the I/O thread while ``get_num_new_matched_tokens`` answers "ask me later"
-(the engine parks the request and runs others).  Only bytes already verified in host
-memory are ever promised to the engine, so a slow, failing or dead tier costs a miss,
-never a failed request.  Promised chunks are pinned (a reference) until the worker reports
-the copy finished.
+Loads.  A prompt is hashed into chunk keys (namespace: the model identity plus ``cache_salt``
+and LoRA); the contiguous hit is looked up across tiers and the cost model picks how much to
+load.  Chunks in a lower tier are first *prefetched* into host slots on the I/O thread while
+``get_num_new_matched_tokens`` answers "ask me later".  Only bytes already verified in host
+memory are promised to the engine, so a slow, failing or dead tier costs a miss, never a
+failed request; promised chunks stay pinned until the worker reports the copy finished.  Hits
+are block-exact: a *tail* object (another prompt's last, partial chunk's whole blocks, under
+its own key) extends a hit block by block past the last full chunk.
 
-Hits are block-exact: after the last full chunk hit, a *tail* object (the whole blocks of
-another prompt's last, partial chunk, under its own key) extends the hit block by block,
-so an exact repeat hits every whole block but the one holding its last token.
-
-Waits are bounded in time, never in engine steps: a lookup that meets a save in flight of
-its next chunk waits at most what recomputing the rest would cost; a request waits for its
-prefetch at most four times its predicted time (never more than half of recomputing), then
-takes the part already in host memory (the prefetch goes on and is measured).  Only one
-lookup per step blocks (briefly) on a prefetch, so many requests sharing one load wait for
-it once.  Saves: planned by ``connector.saves``, followed to their reports (and flushed at
-exit) by ``connector.savejobs``.
+Waits are bounded in time, never in engine steps: a lookup meeting a save in flight of its
+next chunk waits at most what recomputing the rest would cost; a request waits for its
+prefetch at most four times its predicted time (at most half of recomputing), then takes the
+part already in host memory.  One lookup per step blocks (briefly) on a prefetch.  Saves:
+``connector.saves`` plans them, ``connector.savejobs`` follows them to their reports.
 """
 from __future__ import annotations
 
@@ -401,7 +395,6 @@ class SchedulerHalf:
         self._closed = True
         self.io.run(self.store.aclose())
         self.io.close()
-
 
 
 __all__ = ["NAMESPACE_CACHE", "RequestView", "SchedulerHalf", "StepInput"]

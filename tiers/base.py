@@ -204,6 +204,59 @@ class TierBase:
         await self.aclose()
 
 
+class MemoryTierBase(TierBase):
+    """A tier whose operations never block (host memory): the async ``Tier`` protocol is a
+    thin wrapper over its ``*_sync`` methods (large copies belong on a copy thread)."""
+
+    def lookup_sync(self, keys: Sequence[ObjectKey]) -> int:
+        raise NotImplementedError
+
+    def size_of_sync(self, key: ObjectKey) -> int | None:
+        raise NotImplementedError
+
+    def sizes_sync(self, keys: Sequence[bytes]) -> list[int | None]:
+        raise NotImplementedError
+
+    def read_into_sync(self, key: ObjectKey, buf: memoryview) -> int | None:
+        raise NotImplementedError
+
+    def put_start_sync(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
+        raise NotImplementedError
+
+    def put_write_sync(self, handle: PutHandle, offset: int, data: memoryview) -> None:
+        raise NotImplementedError
+
+    def put_commit_sync(self, handle: PutHandle, ok: bool = True) -> bool:
+        raise NotImplementedError
+
+    def delete_sync(self, key: ObjectKey, reason: Removal = Removal.DELETED) -> bool:
+        raise NotImplementedError
+
+    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
+        return self.lookup_sync(keys)
+
+    async def size_of(self, key: ObjectKey) -> int | None:
+        return self.size_of_sync(key)
+
+    async def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
+        return self.sizes_sync(keys)
+
+    async def read_into(self, key: ObjectKey, buf: memoryview) -> int | None:
+        return self.read_into_sync(key, buf)
+
+    async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
+        return self.put_start_sync(key, size, parent)
+
+    async def put_write(self, handle: PutHandle, offset: int, data: memoryview) -> None:
+        self.put_write_sync(handle, offset, data)
+
+    async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
+        return self.put_commit_sync(handle, ok)
+
+    async def delete(self, key: ObjectKey, reason: Removal = Removal.DELETED) -> bool:
+        return self.delete_sync(key, reason)
+
+
 async def put_bytes(tier: Tier, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
     """Two-phase put of a complete object held in ``obj``, through any tier."""
     if await tier.contains(key):

@@ -41,7 +41,7 @@ from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError, TierU
 from kvstore.keys import ObjectKey
 from kvstore.lifecycle import Clock, Lease, LeaseTable
 from tiers.allocator import SlotAllocator
-from tiers.base import PutHandle, Removal, TierBase, TierStats
+from tiers.base import MemoryTierBase, PutHandle, Removal, TierStats
 from tiers.host_pool import HostPool, make_pools
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
@@ -54,7 +54,7 @@ EvictCallback = Callable[[ObjectKey, memoryview], None]
 PoolOf = Callable[[bytes], "str | None"]
 
 
-class HostTier(SlotOps, TierBase):
+class HostTier(SlotOps, MemoryTierBase):
     """Host DRAM tier over one buffer; see the module docstring for the contract."""
 
     def __init__(self, capacity_bytes: int, *, alignment: int = 4096, pin: bool | None = None,
@@ -346,32 +346,6 @@ class HostTier(SlotOps, TierBase):
         if self._alloc is None:
             raise RuntimeError(f"host tier {self.name!r} has several pools: no single allocator")
         return self._alloc
-
-    # --- async Tier protocol: thin wrappers (large copies belong on a copy thread) ---------
-
-    async def lookup(self, keys: Sequence[ObjectKey]) -> int:
-        return self.lookup_sync(keys)
-
-    async def size_of(self, key: ObjectKey) -> int | None:
-        return self.size_of_sync(key)
-
-    async def sizes(self, keys: Sequence[bytes]) -> list[int | None]:
-        return self.sizes_sync(keys)
-
-    async def read_into(self, key: ObjectKey, buf: memoryview) -> int | None:
-        return self.read_into_sync(key, buf)
-
-    async def put_start(self, key: ObjectKey, size: int, parent: ObjectKey | None = None) -> PutHandle | None:
-        return self.put_start_sync(key, size, parent)
-
-    async def put_write(self, handle: PutHandle, offset: int, data: memoryview) -> None:
-        self.put_write_sync(handle, offset, data)
-
-    async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
-        return self.put_commit_sync(handle, ok)
-
-    async def delete(self, key: ObjectKey, reason: Removal = Removal.DELETED) -> bool:
-        return self.delete_sync(key, reason)
 
     def close(self) -> None:
         """Refuse new puts.  A private buffer stays readable until the tier is dropped.  A

@@ -29,11 +29,11 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, TypeVarTuple, cast
+from typing import Any, cast
 
 from kvstore import codec
 from kvstore.errors import CapacityError, ConfigError, ObjectFormatError, TierError, TierUnavailableError
@@ -47,6 +47,7 @@ from tiers.ssd_files import (
     clear_temp,
     drop_page_cache,
     fsync_dir,
+    in_thread,
     object_path,
     own_directory,
     parent_key,
@@ -113,9 +114,8 @@ class SSDTier(TierBase):
 
     def _remove_published(self, key: ObjectKey, ino: int) -> None:
         """Unlink ``key``'s file if it still is inode ``ino`` (not a newer put's file)."""
-        path = self.path_of(key)
         with self._names, suppress(FileNotFoundError):
-            if os.stat(path).st_ino == ino:
+            if os.stat(path := self.path_of(key)).st_ino == ino:
                 unlink_quiet(path)
 
     # --- start-up scan ------------------------------------------------------------------
@@ -179,7 +179,7 @@ class SSDTier(TierBase):
             return None
         outcome = None
         try:
-            outcome = await _in_thread(self._read_checked, key, view[: entry.size])
+            outcome = await in_thread(self._read_checked, key, view[: entry.size])
         except OSError as err:
             raise TierError(f"reading {self.path_of(key)} failed: {err}") from err
         finally:
@@ -232,7 +232,7 @@ class SSDTier(TierBase):
         if victims is None:
             return None
         try:
-            await _in_thread(self._open_temp, state, victims)
+            await in_thread(self._open_temp, state, victims)
         except BaseException as err:
             _discard(state)
             self._finish_put(handle)
@@ -265,12 +265,12 @@ class SSDTier(TierBase):
         if offset < 0 or offset + len(view) > handle.size:
             raise ConfigError(f"write [{offset}, {offset + len(view)}) outside a {handle.size}-byte object")
         if state.error is None:
-            await _in_thread(_write, state, view, offset, self._fsync)
+            await in_thread(_write, state, view, offset, self._fsync)
 
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
         state = self._live_put(handle, claim=True)
         try:
-            await _in_thread(self._settle, handle, state, ok)
+            await in_thread(self._settle, handle, state, ok)
         finally:
             self._finish_put(handle)
         return state.entry is not None
@@ -356,7 +356,7 @@ class SSDTier(TierBase):
             if entry is not None:
                 self._removed(key, Removal.DELETED)
         if entry is not None:
-            await _in_thread(self._remove_published, key, entry.ino)
+            await in_thread(self._remove_published, key, entry.ino)
         return entry is not None
 
     def keys(self) -> list[ObjectKey]:
@@ -374,28 +374,11 @@ class SSDTier(TierBase):
             pending = list(self._puts.values())
             self._puts.clear()
         for state in pending:
-            await _in_thread(_discard, state)
+            await in_thread(_discard, state)
         os.close(self._lock_fd)
 
 
 # --- helpers ---------------------------------------------------------------------------
-
-_T = TypeVar("_T")
-_Args = TypeVarTuple("_Args")
-
-
-async def _in_thread(fn: Callable[[*_Args], _T], *args: *_Args) -> _T:
-    """Run blocking I/O in a worker thread.  If the caller is cancelled, wait for the thread
-    to finish before re-raising: it may still be touching the caller's buffer or our files."""
-    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.wait([task])
-        if not task.cancelled():
-            task.exception()  # mark retrieved: the caller sees the cancellation
-        raise
-
 
 def _write(state: _PutState, view: memoryview, offset: int, flush_early: bool) -> None:
     """``pwrite_all`` in a worker thread.  An error (e.g. ENOSPC) is remembered in the state

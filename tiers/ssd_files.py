@@ -12,13 +12,15 @@ the start-up scan walks entries without following links (``scan_objects``).
 """
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum
 from pathlib import Path
+from typing import TypeVar, TypeVarTuple
 
 import xxhash
 
@@ -233,6 +235,23 @@ def check_written(fd: int, handle: PutHandle) -> tuple[codec.ObjectHeader, int]:
         raise CorruptHeaderError(
             f"put of {handle.size} bytes wrote {st.st_size}, header says {header.total_len}")
     return header, st.st_ino
+
+
+_T = TypeVar("_T")
+_Args = TypeVarTuple("_Args")
+
+
+async def in_thread(fn: Callable[[*_Args], _T], *args: *_Args) -> _T:
+    """Run blocking I/O in a worker thread.  If the caller is cancelled, wait for the thread
+    to finish before re-raising: it may still be touching the caller's buffer or our files."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        if not task.cancelled():
+            task.exception()  # mark retrieved: the caller sees the cancellation
+        raise
 
 
 def unlink_quiet(path: str | os.PathLike) -> bool:

@@ -13,8 +13,7 @@ this module never sees protobufs or tokens.
   before copying it down (clients can write their pool).
 * Quotas (``kvstore.server.tenants``): leases held per tenant here, reservations in
   ``PutPath``, streams and connections at the edges.
-* The core does lookups (a failing tier is a miss), promotion, deletes and the write-down;
-  ``ServerObserver`` (``kvstore.server.metrics``) counts what it reports.
+* The core does lookups (a failing tier is a miss), promotion, deletes and the write-down.
 * ``lease`` finds an object (promoting it from a lower tier into the host pool: read,
   verified by that tier, straight into a reserved slot) and grants a lease that also *pins*
   the slot (a host buffer reference, ``HostTier.pin``): until the lease is released or
@@ -24,12 +23,12 @@ this module never sees protobufs or tokens.
   copy in time needs no answer from us (see the proto).  ``LeaseBook`` binds each lease to
   its tenant and its pinned key; ``release_leases`` (one call may carry many ids) drops the
   pins and re-checks validity for clients that ask.
-* ``acquire``/``release`` hold a buffer reference (not a lease) for a stream; ``tickets``
-  are the data channel's single-use tickets (``kvstore.server.tickets``).
-* A reaper task aborts expired reservations, forgets expired leases (dropping their pins)
-  and expired data tickets, so memory comes back even when no client asks.
-* ``aclose`` (graceful shutdown): abort uncommitted puts, finish promotions and
-  write-throughs, release leases and their pins, close the tiers (the shm file is unlinked).
+* ``acquire``/``release``: a buffer reference (not a lease) for a stream; ``tickets``: the
+  data channel's single-use tickets (``kvstore.server.tickets``).
+* A reaper task aborts expired reservations, forgets expired leases (and their pins) and
+  data tickets, so memory comes back even when no client asks.
+* ``aclose``: abort uncommitted puts, finish promotions and write-throughs, release leases
+  and pins, close the tiers (the shm file is unlinked).
 * ``events`` (``--kv-events``): the tiers' residency and the clients' descriptions as KV
   events per tenant (``kvstore.store.kvevents``; published by ``kvstore.server.kvpublish``);
   the host pool is ``CPU`` (ownership ``kvstore``), SSD and Redis ``STORAGE``.

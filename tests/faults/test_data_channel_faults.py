@@ -1,5 +1,5 @@
 """The store's raw TCP data channel under bad input and broken connections, against a real
-``kvstore serve`` (raw sockets from ``tests.data_kit``): forged, expired, reused and other
+``kvstore serve`` (raw sockets from ``tests.kits.data_channel``): forged, expired, reused and other
 tenants' tickets open nothing; refused requests are answered and the connection goes on;
 garbage and oversized puts end the connection; a connection cut mid-get or mid-put gives the
 object reference or the reservation back on the server, and never stores half an object;
@@ -21,8 +21,8 @@ from kvstore.client.tier import RemoteTier
 from kvstore.errors import TierUnavailableError
 from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import data as wire
-from tests.data_kit import RawData, ticket_of
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, random_key, wait_until
+from tests.kits.data_channel import RawData, ticket_of
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, random_key, wait_until
 from tiers.base import PutResult
 
 Code = grpc.StatusCode

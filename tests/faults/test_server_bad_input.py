@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.localtoken import local_token
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED, NOT_FOUND = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND

@@ -26,7 +26,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, chain_keys, key_fields, random_key, rpc_code, wait_until
+from tests.kits.store_calls import (
+    KiB,
+    MiB,
+    Objects,
+    StoreClient,
+    chain_keys,
+    key_fields,
+    random_key,
+    rpc_code,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 # A client that stops reading after one frame: without BDP probing the HTTP/2 window stays
@@ -192,7 +202,7 @@ CHILD = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
 from kvstore._proto import kvstore_pb2 as pb
-from tests.store_helpers import StoreClient
+from tests.kits.store_calls import StoreClient
 c = StoreClient(sys.argv[2])
 ids = []
 for line in sys.argv[3:]:

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from connector.device import CudaDevice  # noqa: E402
-from tests import worker_stories as stories  # noqa: E402
+from tests.kits import worker_stories as stories  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -24,7 +24,7 @@ from kvstore.cli import keys as keys_cli
 from kvstore.keys import Namespace
 from kvstore.store.tiered import TieredStore
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import MiB, Objects, StoreClient, random_key, wait_until
+from tests.kits.store_calls import MiB, Objects, StoreClient, random_key, wait_until
 from tiers.base import PutResult, put_bytes
 
 SIZE = 256 * 1024
@@ -172,7 +172,7 @@ def test_a_tenants_object_moved_under_another_tenants_key_is_refused_by_the_stor
     """The store verifies with the keys of the tenant the key belongs to: tenant a's sealed
     object, rekeyed (valid checksum) and planted as tenant b's file, is refused for b."""
     from kvstore.keys import ObjectKey
-    from tests.store_helpers import write_tokens
+    from tests.kits.store_calls import write_tokens
     from tiers.ssd_files import object_path
 
     keys = tmp_path / "keys.json"

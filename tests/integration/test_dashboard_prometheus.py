@@ -23,9 +23,9 @@ from prometheus_client import REGISTRY, start_http_server
 
 from kvstore.testing.redis_proc import free_port
 from kvstore.testing.serve_proc import StoreProcess
-from tests.halves import Engine, finish, prompt, run_request
 from tests.kits.chain import keys_of, make_object, namespace
-from tests.store_helpers import StoreClient
+from tests.kits.halves import Engine, finish, prompt, run_request
+from tests.kits.store_calls import StoreClient
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvstore.json"
 # Panels whose metrics this traffic moves: each must return at least one series.

@@ -16,8 +16,8 @@ from kvstore import codec
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 from kvstore.testing.serve_proc import StoreProcess
-from tests.data_kit import RawData
 from tests.kits.chain import Chain, namespace
+from tests.kits.data_channel import RawData
 from tiers.base import PutResult
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -34,7 +34,7 @@ from kvstore.cli import keys as keys_cli
 from kvstore.keys import ObjectKey
 from kvstore.store.tiered import TieredStore
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import MiB, StoreClient, random_key, wait_until
+from tests.kits.store_calls import MiB, StoreClient, random_key, wait_until
 from tiers.base import PutResult
 from tiers.ssd_files import object_path
 

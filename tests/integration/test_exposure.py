@@ -34,9 +34,9 @@ from kvstore.client.store_client import StoreClient as AsyncClient
 from kvstore.errors import ConfigError
 from kvstore.localtoken import default_token_path, ensure_token
 from kvstore.testing.serve_proc import ROOT, StoreProcess
-from tests.hostile_kit import keys
+from tests.kits.hostile import keys
 from tests.kits.second_uid import NOBODY, json_as
-from tests.store_helpers import KiB, Objects, StoreClient
+from tests.kits.store_calls import KiB, Objects, StoreClient
 
 TENANT_A_UID = 61001
 

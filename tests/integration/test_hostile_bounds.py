@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from kvstore._proto import kvstore_pb2 as pb
-from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import QUOTAS, admin_counters, keys, open_now, quiet, refused, start_store
 from tests.kits.attacks import Silent, Trickle, describe
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, rpc_code, wait_until
+from tests.kits.data_channel import RawData, ticket_of
+from tests.kits.hostile import QUOTAS, admin_counters, keys, open_now, quiet, refused, start_store
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, rpc_code, wait_until
 
 Code = grpc.StatusCode
 MAX_RPCS = 16
@@ -181,7 +181,7 @@ def test_strangers_holding_data_connections_take_no_slot_of_a(store):
 
 GATE_ATTACKER = r"""
 import json, socket, sys, time
-from tests.hostile_kit import open_now
+from tests.kits.hostile import open_now
 path, n = sys.argv[1], int(sys.argv[2])
 socks = []
 for _ in range(n):

@@ -15,10 +15,10 @@ import pytest
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import ObjectKey
 from kvstore.wire import shm as shmwire
-from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import admin_counters, admin_doc, fd_links, get_request, keys, quiet, start_store
+from tests.kits.data_channel import RawData, ticket_of
+from tests.kits.hostile import admin_counters, admin_doc, fd_links, get_request, keys, quiet, start_store
 from tests.kits.second_uid import run_as
-from tests.store_helpers import MiB, Objects, StoreClient, rpc_code, wait_until
+from tests.kits.store_calls import MiB, Objects, StoreClient, rpc_code, wait_until
 
 Code = grpc.StatusCode
 

@@ -14,10 +14,10 @@ import pytest
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import data as wire
-from tests.data_kit import RawData, ticket_of
-from tests.hostile_kit import admin_counters, get_request, keys, quiet, refused, start_store
 from tests.kits.attacks import StalledPut
-from tests.store_helpers import MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
+from tests.kits.data_channel import RawData, ticket_of
+from tests.kits.hostile import admin_counters, get_request, keys, quiet, refused, start_store
+from tests.kits.store_calls import MiB, Objects, StoreClient, key_fields, rpc_code, wait_until
 
 Code = grpc.StatusCode
 SLOW_READER = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 0)]

@@ -28,8 +28,8 @@ from kvstore.testing.serve_proc import StoreProcess
 from kvstore.wire import kv as kvwire
 from kvstore.wire.kv import Description
 from tests.kits.chain import Chain, namespace, sealed
-from tests.store_helpers import write_tokens
-from tests.trace_kit import check_nesting, track_names
+from tests.kits.store_calls import write_tokens
+from tests.kits.trace_stages import check_nesting, track_names
 from tiers.base import put_bytes
 
 SIZE = 240 * 1024  # four per tenant pool of 1 MiB

@@ -36,7 +36,7 @@ from harness import kit, tinymodel
 from harness.main import connector_config, tier_split_ok
 from kvstore import trace
 from kvstore.wire import kv as kvwire
-from tests.trace_kit import LOAD_STAGES, check_nesting, ticket_stages
+from tests.kits.trace_stages import LOAD_STAGES, check_nesting, ticket_stages
 
 pytestmark = pytest.mark.engine
 

@@ -23,7 +23,7 @@ import redis
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.cli.redis_acl import acl_commands
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, random_key, wait_until, write_tokens
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, random_key, wait_until, write_tokens
 
 TOKENS = [{"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
           {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]}]

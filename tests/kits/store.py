@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import write_tokens
+from tests.kits.store_calls import write_tokens
 
 
 class StoreFactory:

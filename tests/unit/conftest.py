@@ -8,7 +8,7 @@ import pytest
 
 from connector.device import FaultyDevice, HostDevice
 from connector.emulated_cuda import EmulatedCudaDevice
-from tests.halves import prompt
+from tests.kits.halves import prompt
 
 
 @pytest.fixture(params=["host", "emulated-cuda"])

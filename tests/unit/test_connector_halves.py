@@ -22,7 +22,7 @@ import torch
 from connector.config import ConnectorConfig
 from connector.scheduler import RequestView
 from kvstore import codec
-from tests.halves import VLLM_CPU, Engine, fill, finish, prompt, run_request
+from tests.kits.halves import VLLM_CPU, Engine, fill, finish, prompt, run_request
 
 LAYERS, BLOCKS, HEADS, BS, D = (VLLM_CPU.layers, VLLM_CPU.blocks, VLLM_CPU.heads, VLLM_CPU.block_size,
                                 VLLM_CPU.head_dim)

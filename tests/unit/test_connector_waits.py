@@ -1,5 +1,5 @@
 """Bounded waits and shared saves in the scheduler half, driven in vLLM's hook order
-(``tests.halves``: a real scheduler and worker, a shared host pool, an SSD directory).
+(``tests.kits.halves``: a real scheduler and worker, a shared host pool, an SSD directory).
 
 * A lookup that meets a save in flight of its next chunk waits for it, bounded by the
   predicted recompute time, not by a number of engine steps.
@@ -21,7 +21,7 @@ from connector import prefetch
 from connector.scheduler import RequestView
 from kvstore.policy import Rate
 from kvstore.store.tiered import TieredStore
-from tests.halves import Engine, fill, prompt, run_request
+from tests.kits.halves import Engine, fill, prompt, run_request
 
 
 def compute_without_report(e: Engine, req_id: str, tokens, blocks) -> None:

@@ -1,5 +1,5 @@
 """The engine's lifecycle, driven through a real connector pair in vLLM's recorded hook order
-(``tests/halves.py``: a real host pool, SSD directory and worker, no vLLM engine).
+(``tests/kits/halves.py``: a real host pool, SSD directory and worker, no vLLM engine).
 
 * Resets (``reset_cache``): nothing stored before is loaded again into this engine, from any
   tier; lower tiers keep it for engines on the old weights; requests running across a reset
@@ -29,7 +29,7 @@ from connector.kvcache_events import ConnectorEvents, RemovedEvent
 from connector.plan import ChunkCopy, LoadJob, SaveJob
 from connector.scheduler import RequestView, StepInput
 from connector.vllm import KVStorePromMetrics, hit_source
-from tests.halves import Engine, fill, finish, prompt
+from tests.kits.halves import Engine, fill, finish, prompt
 
 BS = 128
 V1 = {"kvstore": {"weights_version": "step-1"}}

@@ -15,7 +15,7 @@ import torch
 
 from connector.scheduler import RequestView
 from connector.transfer import PagedKV
-from tests.halves import Engine, fill, prompt
+from tests.kits.halves import Engine, fill, prompt
 
 NULL = 0
 

@@ -4,7 +4,7 @@ import pytest
 
 from kvstore.errors import LeaseError
 from kvstore.server.leases import ExpiredPutError, LeaseBook, PutTable
-from tests.server_kit import keys
+from tests.kits.server_core import keys
 from tiers.base import PutHandle
 
 A, B, C = keys(3)

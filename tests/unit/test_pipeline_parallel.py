@@ -21,7 +21,7 @@ from connector.scheduler import RequestView, SchedulerHalf
 from connector.transfer import PagedKV, Shard
 from connector.worker import WorkerHalf
 from kvstore.errors import ConfigError
-from tests.halves import KVShape, prompt
+from tests.kits.halves import KVShape, prompt
 from tests.unit.test_tensor_parallel import BLOCKS, TOKENS, TPEngine, one_failing_worker_fails_the_load
 
 SHAPE = KVShape("vllm-cpu", layers=4, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False,

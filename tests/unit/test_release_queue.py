@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.client.leases import LeaseWindow, ReleaseQueue
 from kvstore.errors import TierUnavailableError
-from tests.server_kit import LEASE_TTL, FakeClock, gauges, keys, make_store, put, scoped
+from tests.kits.server_core import LEASE_TTL, FakeClock, gauges, keys, make_store, put, scoped
 from tiers.base import PutResult
 
 DELAY = 0.02

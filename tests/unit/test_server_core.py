@@ -12,7 +12,7 @@ import pytest
 from kvstore.errors import LeaseError
 from kvstore.server.auth import Permission, Principal
 from kvstore.server.scoping import Scoper
-from tests.server_kit import LEASE_TTL, SLOT, FakeClock, gauges, keys, make_store, put, put_lower, scoped, sealed
+from tests.kits.server_core import LEASE_TTL, SLOT, FakeClock, gauges, keys, make_store, put, put_lower, scoped, sealed
 from tiers.base import PutResult
 from tiers.ssd import SSDTier
 

@@ -12,7 +12,7 @@ import pytest
 from kvstore.config import WritePolicy
 from kvstore.errors import CapacityError, ConfigError, LeaseError, ObjectFormatError
 from kvstore.server.leases import ExpiredPutError
-from tests.server_kit import PUT_TTL, SLOT, FakeClock, gauges, keys, make_store, put, scoped, sealed
+from tests.kits.server_core import PUT_TTL, SLOT, FakeClock, gauges, keys, make_store, put, scoped, sealed
 from tiers.base import PutResult
 from tiers.ssd import SSDTier
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from connector.scheduler import RequestView
-from tests.halves import Engine, fill, prompt, run_request
+from tests.kits.halves import Engine, fill, prompt, run_request
 
 
 def saved(e: Engine, req_id: str, tokens, blocks) -> None:

@@ -21,7 +21,7 @@ from connector.device import HostDevice, make_device
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV, Shard
 from connector.worker import WorkerHalf
-from tests.halves import KVShape, prompt
+from tests.kits.halves import KVShape, prompt
 
 SHAPE = KVShape("vllm-cpu", layers=2, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False,
                 dtype=torch.float32)

@@ -1,5 +1,5 @@
 """The stage trace (``trace_path``) and each request's provenance, from the connector's two
-halves driven in vLLM's hook order (``tests.halves``, no engine): request a misses and is
+halves driven in vLLM's hook order (``tests.kits.halves``, no engine): request a misses and is
 saved; request b loads its two chunks from host memory; after a restart (a new connector
 pair on the same SSD directory) request c loads them from SSD through a prefetch.
 
@@ -15,8 +15,8 @@ import pytest
 from connector.device import HostDevice
 from connector.emulated_cuda import EmulatedCudaDevice
 from kvstore import trace
-from tests.halves import Engine, finish, prompt, run_request
-from tests.trace_kit import LOAD_STAGES, check_nesting, ticket_stages, track_names
+from tests.kits.halves import Engine, finish, prompt, run_request
+from tests.kits.trace_stages import LOAD_STAGES, check_nesting, ticket_stages, track_names
 
 
 @pytest.mark.parametrize("device", [HostDevice, EmulatedCudaDevice])

@@ -1,10 +1,10 @@
 """``WorkerHalf`` end to end under CUDA's stream semantics on the CPU (``emulated-cuda``),
-on a flash-attention HND paged KV: the stories of ``tests/worker_stories.py``, which
+on a flash-attention HND paged KV: the stories of ``tests/kits/worker_stories.py``, which
 tests/gpu/test_worker_cuda.py runs on a real GPU."""
 from __future__ import annotations
 
 from connector.emulated_cuda import EmulatedCudaDevice
-from tests import worker_stories as stories
+from tests.kits import worker_stories as stories
 
 
 def make(fail=None):

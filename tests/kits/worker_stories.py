@@ -14,7 +14,7 @@ import torch
 
 from connector.scheduler import RequestView
 from kvstore import codec
-from tests.halves import FLASH_HND, Engine, prompt, run_request
+from tests.kits.halves import FLASH_HND, Engine, prompt, run_request
 
 SHAPE = FLASH_HND
 CHUNK_TOKENS = 64                        # 4 blocks of 16 per chunk object

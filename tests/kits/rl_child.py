@@ -1,5 +1,5 @@
 """One engine of a reinforcement-learning loop, as a trainer drives a rollout engine:
-``python -m tests.rl_child SPEC OUT``.  A real vLLM ``LLM`` (single process, vLLM's own
+``python -m tests.kits.rl_child SPEC OUT``.  A real vLLM ``LLM`` (single process, vLLM's own
 prefix caching on) with the kvstore connector runs the spec's actions in order and writes
 what each gave:
 

@@ -2,9 +2,9 @@
 tenant ``a`` (two writers and a reader), a hostile tenant ``b`` (writer and reader, small
 quotas) and an ``ops`` admin, short TTLs and tight stream deadlines so attacks end fast.
 
-Everything goes through real processes and sockets: ``tests.store_helpers.StoreClient``
+Everything goes through real processes and sockets: ``tests.kits.store_calls.StoreClient``
 (plain gRPC stubs; shared memory through a real session with the server's gate) and
-``tests.data_kit.RawData`` (raw data-channel sockets).
+``tests.kits.data_channel.RawData`` (raw data-channel sockets).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import yaml
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
 from kvstore.testing.serve_proc import StoreProcess
-from tests.store_helpers import MiB, StoreClient
+from tests.kits.store_calls import MiB, StoreClient
 
 TOKENS = [
     {"token": "tok-a", "tenant": "a", "permissions": ["read", "write", "shm"]},

@@ -1,7 +1,7 @@
 """A raw data-channel client for tests: plain blocking sockets speaking ``kvstore.wire.data``
 to a real ``kvstore serve``, so a test can send exactly the bytes it wants (forged tickets,
 half objects, garbage) and read exactly what comes back.  Tickets come from ``OpenData``
-through ``tests.store_helpers.StoreClient`` (plain gRPC stubs)."""
+through ``tests.kits.store_calls.StoreClient`` (plain gRPC stubs)."""
 from __future__ import annotations
 
 import socket
@@ -10,7 +10,7 @@ import ssl
 from kvstore.keys import ObjectKey
 from kvstore.localtoken import local_token
 from kvstore.wire import data as wire
-from tests.store_helpers import StoreClient
+from tests.kits.store_calls import StoreClient
 
 
 def ticket_of(client: StoreClient) -> tuple[bytes, int]:

@@ -34,8 +34,8 @@ from kvstore.errors import ObjectFormatError
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
 from kvstore.wire import data as wire
 from kvstore.wire import shm as shmwire
-from tests.data_kit import RawData, ticket_of
-from tests.store_helpers import MiB, StoreClient, key_fields, rpc_code
+from tests.kits.data_channel import RawData, ticket_of
+from tests.kits.store_calls import MiB, StoreClient, key_fields, rpc_code
 
 GOOD_OBJECTS, GOOD_SIZE = 6, 1 * MiB
 RECONNECT_S = 2.0   # a good client connects anew this often (it meets the connection attacks)

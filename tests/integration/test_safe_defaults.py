@@ -182,8 +182,10 @@ def test_kvstore_tokens_writes_private_digests_that_a_real_store_accepts(tmp_pat
     tenant's token file is private, a rerun keeps the tokens (a restart must not lock clients
     out) unless ``--force``, a bad spec is refused with a clear message, and a real store
     started on the file authenticates each tenant's token with its permissions."""
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvstore", "tokens", "--dir", str(tmp_path / "t"), *a],  # noqa: E731
-                                    capture_output=True, text=True, cwd=ROOT, timeout=60)
+    def run(*a: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "kvstore", "tokens", "--dir", str(tmp_path / "t"), *a]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
+
     made = run("--tenant", "engine=read,write,shm", "--tenant", "ops=read,admin")
     assert made.returncode == 0, made.stderr
     table, engine, ops = tmp_path / "t" / "tokens.yaml", tmp_path / "t" / "engine.token", tmp_path / "t" / "ops.token"

@@ -126,12 +126,13 @@ bench: $(STAMP) redis-server
 	$(PY) -m kvstore bench store
 
 ## Byte-compiles everything, checks the import contracts in pyproject.toml (layers, no cycles,
-## kvstore and tiers never import connector, the connector's halves apart), then ruff's lint
-## and mypy over kvstore, tiers and connector (both configured in pyproject.toml).
+## kvstore and tiers never import connector, the connector's halves apart), then ruff's lint and
+## format check, and mypy over kvstore, tiers, connector and adapters (all in pyproject.toml).
 lint: $(STAMP)
 	$(PY) -m compileall -q kvstore tiers connector adapters harness tests scripts
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check kvstore tiers connector adapters harness tests scripts
+	$(VENV)/bin/ruff format --check kvstore tiers connector adapters harness tests scripts
 	$(VENV)/bin/mypy
 
 clean:

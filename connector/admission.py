@@ -2,6 +2,7 @@
 ``kv_transfer_params`` (``connector.epoch``) are read here, a refusal is counted, logged once
 and told in the request's output, and each (cache_salt, LoRA) scope's namespace under the
 weights in memory now is kept (least recently used dropped first).  Scheduler side; no I/O."""
+
 from __future__ import annotations
 
 import logging
@@ -14,13 +15,13 @@ from kvstore.keys import Identity, Namespace
 
 log = logging.getLogger("kvstore.connector")
 NAMESPACE_CACHE = 4096  # (cache_salt, LoRA) namespaces kept, least recently used dropped first:
-                        # a salt per user must not grow the scheduler without bound
+# a salt per user must not grow the scheduler without bound
 
 
 class Admission:
     def __init__(self, identity: Identity, counters: SchedulerCounters) -> None:
         self.identity, self.counters = identity, counters
-        self.epoch = WeightsEpoch()    # which weights the namespaces name (resets, declared versions)
+        self.epoch = WeightsEpoch()  # which weights the namespaces name (resets, declared versions)
         self.namespaces: OrderedDict[tuple[str, str, str], Namespace] = OrderedDict()  # LRU, NAMESPACE_CACHE
         self._refused: OrderedDict[str, str] = OrderedDict()  # req id -> why the connector refused it
         self._warned: set[str] = set()  # refusal and unknown-key warnings already logged once
@@ -33,8 +34,9 @@ class Admission:
         if ns is not None:
             self.namespaces.move_to_end(key)
             return ns
-        ns = self.namespaces[key] = Identity(**{**identity_fields(self.identity), "scope": salt, "adapter": lora,
-                                                "weights_version": self.epoch.current}).namespace()
+        ns = self.namespaces[key] = Identity(
+            **{**identity_fields(self.identity), "scope": salt, "adapter": lora, "weights_version": self.epoch.current}
+        ).namespace()
         if len(self.namespaces) > NAMESPACE_CACHE:
             self.namespaces.popitem(last=False)
         return ns
@@ -56,18 +58,26 @@ class Admission:
             return False
         if params.unknown:
             self.counters.unknown_params(params.unknown)
-            self._warn_once(f"unknown:{params.unknown}", "kv_transfer_params.%s: unknown keys %s ignored (known: "
-                            "weights_version); counted in kvstore_params_unknown_keys", PARAMS_KEY,
-                            list(params.unknown))
+            self._warn_once(
+                f"unknown:{params.unknown}",
+                "kv_transfer_params.%s: unknown keys %s ignored (known: "
+                "weights_version); counted in kvstore_params_unknown_keys",
+                PARAMS_KEY,
+                list(params.unknown),
+            )
         before = self.epoch.label
         if not self.epoch.admit(params.weights_version):
-            self._refuse(view.req_id, "weights_version_mismatch",
-                         f"this engine's weights are version {self.epoch.label!r} since its last reset; the request "
-                         f"declares {params.weights_version!r}: served without the connector")
+            self._refuse(
+                view.req_id,
+                "weights_version_mismatch",
+                f"this engine's weights are version {self.epoch.label!r} since its last reset; the request "
+                f"declares {params.weights_version!r}: served without the connector",
+            )
             return False
         if self.epoch.label != before:
-            log.info("KVStoreConnector: the weights in memory are version %r (%s)", self.epoch.label,
-                     self.epoch.current)
+            log.info(
+                "KVStoreConnector: the weights in memory are version %r (%s)", self.epoch.label, self.epoch.current
+            )
         return True
 
     def _refuse(self, req_id: str, reason: str, message: str) -> None:

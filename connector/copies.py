@@ -10,6 +10,7 @@ Two completion styles, and callers must handle both:
 A callback that raises is logged and counted on its event (``callback_error``, ``ok`` is
 then False); it never kills the thread that observed the completion.
 """
+
 from __future__ import annotations
 
 import logging

@@ -6,6 +6,7 @@ item counts as done (which may be after ``run(item)`` returned: a test double ca
 completion back); ``wait_idle`` waits until every begun item has finished, and ``close``
 stops the thread once they have (``check_open`` then refuses new work).
 """
+
 from __future__ import annotations
 
 import queue

@@ -1,6 +1,7 @@
 """The scheduler half's counting: one call updates both the ``HitStats`` record (the stats
 file, vLLM's connector stats, the request log) and the Prometheus counters, under one lock
 (the I/O thread counts bytes and failures too).  No decisions are made here."""
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,9 @@ class SchedulerCounters:
         self._not_cached: OrderedDict[str, None] = OrderedDict()  # requests counted in stats.not_cached
         self._interval_base: dict[str, int] = {}  # counters at the last interval()
 
-    def decided(self, st: ReqState, n: int, outcome: str, decision: Decision, chunk_size: int,
-                host: str, generated: int) -> dict[str, object]:
+    def decided(
+        self, st: ReqState, n: int, outcome: str, decision: Decision, chunk_size: int, host: str, generated: int
+    ) -> dict[str, object]:
         """A request's lookup, counted once with its decision's ``outcome``; returns its stats
         entry (``connector.requests.count_request``)."""
         with self.lock:
@@ -75,8 +77,12 @@ class SchedulerCounters:
             self.stats.add("not_cached", reason)
         self.prom["not_cached"].labels(reason).inc()
         if first:
-            log.warning("KVStoreConnector: %s requests are not cached (request %s): they are recomputed, "
-                        "never loaded or saved; counted in kvstore_requests_not_cached", reason, req_id)
+            log.warning(
+                "KVStoreConnector: %s requests are not cached (request %s): they are recomputed, "
+                "never loaded or saved; counted in kvstore_requests_not_cached",
+                reason,
+                req_id,
+            )
 
     def reported(self, committed: int, failures: dict[str, int], stages: list[tuple[str, float]]) -> None:
         """A worker report's counts: saves committed so far, failures, lifecycle stage times."""

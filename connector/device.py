@@ -25,6 +25,7 @@ copy may still touch is never released early.  A callback that raises is logged 
 counted on its event (``callback_error``, ``ok`` is then False); it never kills the thread
 that observed the completion.
 """
+
 from __future__ import annotations
 
 import threading
@@ -83,8 +84,7 @@ class FaultyDevice(HostDevice):
 
     name = "faulty"
 
-    def __init__(self, delay: float = 0.0, fail: Callable[[int], bool] | None = None,
-                 reorder: bool = False) -> None:
+    def __init__(self, delay: float = 0.0, fail: Callable[[int], bool] | None = None, reorder: bool = False) -> None:
         self.delay, self.fail, self.reorder = delay, fail, reorder
         self._count = 0
         self._held: tuple[CopyEvent, BaseException | None] | None = None

@@ -25,6 +25,7 @@ what CUDA does for inputs the compute stream has finished writing.  The deferred
 under the grad and inference modes of their ``submit`` (a CUDA kernel is dispatched at
 submit time, under the caller's modes; vLLM's forward runs in ``torch.inference_mode``).
 """
+
 from __future__ import annotations
 
 import threading
@@ -94,8 +95,8 @@ class EmulatedCudaDevice:
 
     def __init__(self, delay: float = 0.002, fail: Callable[[int], bool] | None = None) -> None:
         self.delay, self.fail = delay, fail
-        self.failures = 0          # jobs whose copies failed on the stream (injected)
-        self.deferred_writes = 0   # tensor writes that ran on the stream
+        self.failures = 0  # jobs whose copies failed on the stream (injected)
+        self.deferred_writes = 0  # tensor writes that ran on the stream
         self._count = 0
         self._lock = threading.Lock()  # guards _events
         self._events: list[EmulatedCudaEvent] = []  # submitted, not yet observed

@@ -35,6 +35,7 @@ it are ignored with a counted warning; a malformed value refuses the connector f
 request (served by recompute, counted, the error returned in its ``kv_transfer_params``),
 never a crash.
 """
+
 from __future__ import annotations
 
 import re
@@ -46,7 +47,7 @@ PARAMS_KEY = "kvstore"
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+/@-]{0,127}$")
 PARAMS_SCHEMA: dict[str, str] = {
     "weights_version": "the version of the weights the engine runs, as whoever pushed them named it: "
-                       "1-128 characters of [A-Za-z0-9._:+/@-], starting with a letter or digit",
+    "1-128 characters of [A-Za-z0-9._:+/@-], starting with a letter or digit",
 }
 
 
@@ -76,8 +77,10 @@ def parse_params(raw: Any) -> TransferParams:
         raise ParamsError(f"kv_transfer_params.{PARAMS_KEY} must be an object, got {type(ours).__name__}")
     version = ours.get("weights_version")
     if version is not None and (not isinstance(version, str) or not VERSION_RE.fullmatch(version)):
-        raise ParamsError(f"kv_transfer_params.{PARAMS_KEY}.weights_version: {PARAMS_SCHEMA['weights_version']}; "
-                          f"got {str(version)[:40]!r}")
+        raise ParamsError(
+            f"kv_transfer_params.{PARAMS_KEY}.weights_version: {PARAMS_SCHEMA['weights_version']}; "
+            f"got {str(version)[:40]!r}"
+        )
     unknown = tuple(sorted(str(k) for k in ours if k not in PARAMS_SCHEMA))
     return TransferParams(version, unknown)
 
@@ -87,7 +90,7 @@ class WeightsEpoch:
     by declarations (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.origin = "files"          # "files" until the first reset, then "memory"
+        self.origin = "files"  # "files" until the first reset, then "memory"
         self.label: str | None = None  # the declared version, None until one is declared
         self.resets = 0
         self._nonce = ""

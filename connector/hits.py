@@ -8,6 +8,7 @@ that place that the store holds extends the hit, so a repeat hits every whole bl
 one holding its last token, and a prompt that extends an earlier one (the next turn of a
 chat) hits through the earlier one's tail.  Tail keys cost one batched presence query.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -30,8 +31,7 @@ def state_key(key: ObjectKey) -> ObjectKey:
 
 
 class HitFinder:
-    def __init__(self, store: TieredStore, io: IOLoop, shape: ChunkShape,
-                 object_size: Callable[[int], int]) -> None:
+    def __init__(self, store: TieredStore, io: IOLoop, shape: ChunkShape, object_size: Callable[[int], int]) -> None:
         self.store, self.io = store, io
         self.chunk_size, self.block_size = shape.chunk_size, shape.block_size
         self.pages_per_chunk = shape.pages
@@ -48,13 +48,23 @@ class HitFinder:
             seq = st.view.prompt if tokens is None else tokens
             c, bs = self.chunk_size, self.block_size
             most = min(self.pages_per_chunk - 1, (len(seq) - index * c) // bs)
-            part = np.asarray(seq[index * c:index * c + most * bs], dtype=np.int64)
+            part = np.asarray(seq[index * c : index * c + most * bs], dtype=np.int64)
             parent = self.parent_hash(st, index)
             start = index * c
-            keys = [object_keys(st.namespace, chunk_hashes(
-                        st.namespace, part[:k * bs], c, include_partial=True, parent=parent,
-                        extra_keys=[st.view.extras(start, start + k * bs)]))[0]
-                    for k in range(most, 0, -1)]
+            keys = [
+                object_keys(
+                    st.namespace,
+                    chunk_hashes(
+                        st.namespace,
+                        part[: k * bs],
+                        c,
+                        include_partial=True,
+                        parent=parent,
+                        extra_keys=[st.view.extras(start, start + k * bs)],
+                    ),
+                )[0]
+                for k in range(most, 0, -1)
+            ]
             if cached:
                 st.tails[index] = keys
         return keys
@@ -67,9 +77,10 @@ class HitFinder:
         if chunks <= have:
             return
         c = self.chunk_size
-        part = np.asarray(tokens[have * c:chunks * c], dtype=np.int64)
-        hashes = chunk_hashes(st.namespace, part, c, parent=self.parent_hash(st, have),
-                              extra_keys=st.view.chunk_extras(have, chunks, c))
+        part = np.asarray(tokens[have * c : chunks * c], dtype=np.int64)
+        hashes = chunk_hashes(
+            st.namespace, part, c, parent=self.parent_hash(st, have), extra_keys=st.view.chunk_extras(have, chunks, c)
+        )
         st.hashes = [*st.hashes, *hashes]
         st.keys = [*st.keys, *object_keys(st.namespace, hashes)]
 
@@ -81,8 +92,10 @@ class HitFinder:
         """The contiguous hit: full chunks, then the longest tail found after them."""
         found = self.io.run(self.store.lookup(st.keys, sized=False))
         c = self.chunk_size
-        pieces = [Piece(key, i * c, (i + 1) * c, self.chunk_bytes, tier)
-                  for i, (key, tier) in enumerate(zip(st.keys, found.tiers))]
+        pieces = [
+            Piece(key, i * c, (i + 1) * c, self.chunk_bytes, tier)
+            for i, (key, tier) in enumerate(zip(st.keys, found.tiers))
+        ]
         tail = self._find_tail(st, found.hits)
         if tail is not None:
             pieces.append(tail)
@@ -96,7 +109,7 @@ class HitFinder:
         if self.pages_per_chunk == 1 or usable < 1:
             return None
         keys = self.tail_keys(st, index)
-        keys = keys[max(0, len(keys) - usable):]  # at most `usable` blocks
+        keys = keys[max(0, len(keys) - usable) :]  # at most `usable` blocks
         present = self.io.run(self.store.present(keys))
         for key, there in zip(keys, present):
             if there:
@@ -138,8 +151,7 @@ class HitFinder:
             found = self.io.run(self.store.lookup([key], sized=False))
             if not found.hits:
                 continue
-            cut = [p if p.end <= t else Piece(p.key, p.start, t, p.nbytes, p.tier)
-                   for p in pieces if p.start < t]
+            cut = [p if p.end <= t else Piece(p.key, p.start, t, p.nbytes, p.tier) for p in pieces if p.start < t]
             st.origin.setdefault(key, found.tiers[0])
             return [*cut, Piece(key, t, t, state_bytes, found.tiers[0], state=True)]
         return []
@@ -151,5 +163,5 @@ class HitFinder:
         if end % c or end >= len(st.view.prompt):
             return []
         index = end // c
-        nxt = st.keys[index:index + 1]
+        nxt = st.keys[index : index + 1]
         return nxt + (self.tail_keys(st, index) if self.pages_per_chunk > 1 else [])

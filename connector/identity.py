@@ -19,6 +19,7 @@ A model whose weights cannot be read here (a hub id absent from every HF cache, 
 streamed from object storage) and that no revision pins gets a namespace of its own
 process: it can never serve or be served another engine's KV.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,22 +56,36 @@ def engine_identity(vllm_config, kv_cache_config) -> tuple[Identity, int]:
     ranks = tp_ranks(vllm_config, spec)
     heads = spec.num_kv_heads * ranks
     layout = f"{device}:bs{spec.block_size}:h{heads}x{spec.head_size}:{vllm_config.cache_config.cache_dtype}"
-    revision, weights = weights_identity(str(mc.model), getattr(mc, "revision", None),
-                                         str(getattr(mc, "model_weights", "") or ""),
-                                         getattr(vllm_config.load_config, "download_dir", None))
+    revision, weights = weights_identity(
+        str(mc.model),
+        getattr(mc, "revision", None),
+        str(getattr(mc, "model_weights", "") or ""),
+        getattr(vllm_config.load_config, "download_dir", None),
+    )
     settings = engine_settings(vllm_config, kv_cache_config)
     layers = sum(len(g.layer_names) for g in attn)  # recurrent layers: in their snapshots (engine_config)
     # the scheduler sees stage 0's layers only
     if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
         layers = mc.get_total_num_hidden_layers()
     identity = Identity(
-        model=str(mc.model), revision=revision, kv_dtype=str(spec.dtype).removeprefix("torch."),
-        layout_id=layout, num_layers=layers, num_kv_heads=heads,
-        head_dim=spec.head_size, weights=weights, engine_config=settings_digest(settings),
+        model=str(mc.model),
+        revision=revision,
+        kv_dtype=str(spec.dtype).removeprefix("torch."),
+        layout_id=layout,
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=spec.head_size,
+        weights=weights,
+        engine_config=settings_digest(settings),
     )
-    log.info("engine identity: model=%s revision=%s weights=%s engine_config=%s namespace=%s",
-             identity.model, identity.revision or "-", identity.weights, identity.engine_config,
-             identity.namespace().hex())
+    log.info(
+        "engine identity: model=%s revision=%s weights=%s engine_config=%s namespace=%s",
+        identity.model,
+        identity.revision or "-",
+        identity.weights,
+        identity.engine_config,
+        identity.namespace().hex(),
+    )
     return identity, spec.page_size_bytes * ranks
 
 
@@ -120,8 +135,10 @@ def state_channel_axis() -> int:
 
 # ---- weights and revision ------------------------------------------------------------------
 
-def weights_identity(model: str, revision: str | None = None, model_weights: str = "",
-                     download_dir: str | None = None) -> tuple[str, str]:
+
+def weights_identity(
+    model: str, revision: str | None = None, model_weights: str = "", download_dir: str | None = None
+) -> tuple[str, str]:
     """``(revision, weights digest)`` of the model an engine loads (``model_config.model``,
     ``.revision``, ``.model_weights`` and ``load_config.download_dir``)."""
     given = revision or ""
@@ -143,16 +160,19 @@ def _unpinned(revision: str, why: str) -> str:
     if revision:
         log.warning("engine identity: %s; trusting revision %r without a digest", why, revision)
         return "unverified"
-    log.warning("engine identity: %s and no revision is given: this engine's KV is shared "
-                "with no other process", why)
+    log.warning("engine identity: %s and no revision is given: this engine's KV is shared with no other process", why)
     return f"unpinned-{uuid.uuid4().hex}"
 
 
 def snapshot_commit(path: Path) -> str | None:
     """The commit of an HF cache snapshot directory (``…/models--org--name/snapshots/<commit>``)."""
     parts = Path(os.path.abspath(path)).parts
-    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--") \
-            and _COMMIT.fullmatch(parts[-1]):
+    if (
+        len(parts) >= 3
+        and parts[-2] == "snapshots"
+        and parts[-3].startswith("models--")
+        and _COMMIT.fullmatch(parts[-1])
+    ):
         return parts[-1]
     return None
 
@@ -162,9 +182,12 @@ def hub_cache_dirs(download_dir: str | None = None) -> list[Path]:
     ``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``$XDG_CACHE_HOME/huggingface/hub``, ``~/.cache/…``."""
     env = os.environ
     xdg = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    dirs = [download_dir, env.get("HF_HUB_CACHE"),
-            os.path.join(env["HF_HOME"], "hub") if env.get("HF_HOME") else None,
-            os.path.join(xdg, "huggingface", "hub")]
+    dirs = [
+        download_dir,
+        env.get("HF_HUB_CACHE"),
+        os.path.join(env["HF_HOME"], "hub") if env.get("HF_HOME") else None,
+        os.path.join(xdg, "huggingface", "hub"),
+    ]
     return [Path(d) for d in dict.fromkeys(dirs) if d]
 
 
@@ -193,6 +216,7 @@ def _read_ref(path: Path) -> str | None:
 
 # ---- engine settings -----------------------------------------------------------------------
 
+
 def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
     """Every engine setting that changes KV bytes, as plain JSON values (the
     table of docs/connector.md#engine-identity).  Absent attributes are ``None``: recorded, not dropped."""
@@ -220,9 +244,15 @@ def engine_settings(vllm_config, kv_cache_config) -> dict[str, object]:
         "kv_cache_layout": getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None),
         "kv_cache_spec": _canonical_spec(spec, tp_ranks(vllm_config, spec)),
         # hybrid models: every KV cache group's spec and layers (the object holds them all)
-        "kv_cache_groups": [{"layers": list(g.layer_names),
-                             "spec": _canonical_spec(g.kv_cache_spec, tp_ranks(vllm_config, g.kv_cache_spec))}
-                            for g in groups] if len(groups) > 1 else None,
+        "kv_cache_groups": [
+            {
+                "layers": list(g.layer_names),
+                "spec": _canonical_spec(g.kv_cache_spec, tp_ranks(vllm_config, g.kv_cache_spec)),
+            }
+            for g in groups
+        ]
+        if len(groups) > 1
+        else None,
         "hf_overrides": getattr(mc, "hf_overrides", None),
         "hf_config": hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else hf,
         "model_impl": getattr(mc, "model_impl", None),

@@ -4,6 +4,7 @@ The engine calls the connector synchronously; the tiers are async.  ``run`` bloc
 caller until a coroutine finishes (with a timeout); ``spawn`` starts one and returns a
 ``concurrent.futures.Future`` the scheduler polls, so slow reads (SSD) never block a step.
 """
+
 from __future__ import annotations
 
 import asyncio

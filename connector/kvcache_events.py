@@ -39,6 +39,7 @@ with both mixes the two, so a positional-only decoder reads ours and fails on vL
 vLLM's prefix caching publishes none.  ``lookahead_token_ids`` (vLLM 0.33's, for hashes that
 take tokens beyond their block) is never set on ours: a chunk hash covers its own tokens only.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -78,8 +79,10 @@ class ClearedArray(ClearedEvent, tag="AllBlocksCleared", array_like=True):  # ty
     """``ClearedEvent`` as a positional array."""
 
 
-_CLASSES = {EventLayout.MAP: (StoredEvent, RemovedEvent, ClearedEvent),
-            EventLayout.ARRAY: (StoredArray, RemovedArray, ClearedArray)}
+_CLASSES = {
+    EventLayout.MAP: (StoredEvent, RemovedEvent, ClearedEvent),
+    EventLayout.ARRAY: (StoredArray, RemovedArray, ClearedArray),
+}
 
 
 class KVStoreKVEvents(KVConnectorKVEvents):
@@ -128,8 +131,14 @@ class ConnectorEvents:
     """The scheduler half's event source: describes objects, follows the tiers (when vLLM
     publishes), converts to vLLM's structs."""
 
-    def __init__(self, store: TieredStore, chunk_size: int, block_size: int, publish: bool,
-                 encoding: EventLayout = EventLayout.MAP) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        chunk_size: int,
+        block_size: int,
+        publish: bool,
+        encoding: EventLayout = EventLayout.MAP,
+    ) -> None:
         self.chunk_size, self.block_size = chunk_size, block_size
         self.classes = _CLASSES[encoding]
         self.epoch = new_epoch()
@@ -176,13 +185,29 @@ class ConnectorEvents:
             if e.tokens is None:
                 raise ValueError(f"KV event of {e.block_hash!r}: a stored block without its tokens")
             tokens = e.tokens.tolist()
-            return stored(block_hashes=[e.block_hash], parent_block_hash=e.parent_hash, token_ids=tokens,
-                               block_size=len(tokens), lora_id=None, medium=m.medium, lora_name=e.lora,
-                               group_idx=e.group_idx, locality=m.locality, ownership=m.ownership,
-                               epoch=self.epoch)
+            return stored(
+                block_hashes=[e.block_hash],
+                parent_block_hash=e.parent_hash,
+                token_ids=tokens,
+                block_size=len(tokens),
+                lora_id=None,
+                medium=m.medium,
+                lora_name=e.lora,
+                group_idx=e.group_idx,
+                locality=m.locality,
+                ownership=m.ownership,
+                epoch=self.epoch,
+            )
         if e.kind is Kind.REMOVED:
-            return removed(block_hashes=[e.block_hash], medium=m.medium, group_idx=e.group_idx,
-                                locality=m.locality, ownership=m.ownership, reason=e.reason, epoch=self.epoch)
+            return removed(
+                block_hashes=[e.block_hash],
+                medium=m.medium,
+                group_idx=e.group_idx,
+                locality=m.locality,
+                ownership=m.ownership,
+                reason=e.reason,
+                epoch=self.epoch,
+            )
         return cleared(epoch=self.epoch)
 
 
@@ -199,8 +224,7 @@ def kv_events_of(vllm_config, cfg, block_size: int) -> Callable[[TieredStore], C
     publish = publishes(vllm_config)
     if not publish and not cfg.store_target:
         return None
-    return lambda store: ConnectorEvents(store, cfg.chunk_size, block_size, publish,
-                                           cfg.kv_events_encoding)
+    return lambda store: ConnectorEvents(store, cfg.chunk_size, block_size, publish, cfg.kv_events_encoding)
 
 
 __all__ = ["ConnectorEvents", "KVStoreKVEvents", "kv_events_of", "media", "publishes"]

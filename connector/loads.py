@@ -3,6 +3,7 @@
 lookup is counted once with its decision, and after the engine allocates blocks the load job
 copying pinned slots into them is queued for the next step plan.  Pins are released when
 the workers report the job (``reported``), or as soon as the promise is dropped."""
+
 from __future__ import annotations
 
 import logging
@@ -24,9 +25,16 @@ log = logging.getLogger("kvstore.connector")
 
 
 class LoadPlanner:
-    def __init__(self, host: HostPool, shape: ChunkShape, state_groups: list[int],
-                 saves: SavePlanner, counters: SchedulerCounters, observe: RequestObserver,
-                 job_id: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        host: HostPool,
+        shape: ChunkShape,
+        state_groups: list[int],
+        saves: SavePlanner,
+        counters: SchedulerCounters,
+        observe: RequestObserver,
+        job_id: Callable[[], int],
+    ) -> None:
         """``state_groups``: recurrent hybrids' state groups (a hit ends on a state snapshot);
         ``job_id``: the next job id (shared with the save jobs)."""
         self.host, self.shape, self.state_groups = host, shape, state_groups
@@ -71,8 +79,17 @@ class LoadPlanner:
             return
         st.counted = True
         usable = self.shape.whole_blocks(min(st.pins_end_found, len(st.view.prompt) - 1)) if decision.hit else 0
-        outcome = ("miss" if not decision.hit else "engine" if usable <= num_computed
-                   else "recompute" if n <= 0 else "load" if st.window[1] >= usable else "partial")
+        outcome = (
+            "miss"
+            if not decision.hit
+            else "engine"
+            if usable <= num_computed
+            else "recompute"
+            if n <= 0
+            else "load"
+            if st.window[1] >= usable
+            else "partial"
+        )
         decision = st.first_decision or decision  # its tiers and predictions: the ones decided on
         st.decision = {**decision.as_dict(), "outcome": outcome}
         generated = self._generated_hit(st) if n > 0 else 0
@@ -87,7 +104,7 @@ class LoadPlanner:
         total = 0
         for key, piece in st.pins.items():
             try:
-                generated = codec.decode_header(_pool_buffer(self.host)[st.slots[key]:]).generated
+                generated = codec.decode_header(_pool_buffer(self.host)[st.slots[key] :]).generated
             except ObjectFormatError:
                 continue
             total += max(0, min(end, piece.end) - max(start, piece.end - generated))
@@ -115,15 +132,24 @@ class LoadPlanner:
             if p.state:  # into each state group's block at the boundary
                 at = p.end // bs - 1
                 groups = [[g[at]] if i in self.state_groups else [] for i, g in enumerate(st.groups)]
-                out.append(ChunkCopy(st.slots[key], bytes(key), [], pages=1, group_ids=groups, state=True,
-                                     boundary=p.end))
+                out.append(
+                    ChunkCopy(st.slots[key], bytes(key), [], pages=1, group_ids=groups, state=True, boundary=p.end)
+                )
                 continue
             lo, hi = max(start, p.start), min(end, p.end)
             if lo >= hi:
                 continue
-            groups = [g[lo // bs:(hi + bs - 1) // bs] for g in self.saves.kv_groups(st)]
-            out.append(ChunkCopy(st.slots[key], bytes(key), groups[0], (lo - p.start) // bs,
-                                 pages=(p.end - p.start) // bs, group_ids=groups if len(groups) > 1 else []))
+            groups = [g[lo // bs : (hi + bs - 1) // bs] for g in self.saves.kv_groups(st)]
+            out.append(
+                ChunkCopy(
+                    st.slots[key],
+                    bytes(key),
+                    groups[0],
+                    (lo - p.start) // bs,
+                    pages=(p.end - p.start) // bs,
+                    group_ids=groups if len(groups) > 1 else [],
+                )
+            )
         return out
 
     def running_state_blocks(self, job: LoadJob, n: int, st: ReqState | None) -> None:

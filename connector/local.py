@@ -8,6 +8,7 @@ once, and the usual commit at exit (``connector.saves.SavePlanner.adopt``) takes
 the multi-process mode no worker half is local: the engine core runs one more step, which
 carries them.  Weak references only: registering never keeps a worker alive.
 """
+
 from __future__ import annotations
 
 import threading

@@ -23,6 +23,7 @@ file) and every object read from those tiers must verify, else it is a counted m
 With ``encrypt_at_rest`` the objects written to those tiers are also encrypted
 (docs/integrity.md).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -65,10 +66,23 @@ class ConnectorObserver(StoreObserver):
 
 def tier_specs(cfg: ConnectorConfig) -> list[tuple[str, dict[str, object]]]:
     """The registry specs of the connector's tiers, host pool first."""
-    store = [(f"kvstore://{cfg.store_target}", {
-        "token": cfg.bearer_token(), "tls_ca": cfg.store_tls_ca, "tls_cert": cfg.store_tls_cert,
-        "tls_key": cfg.store_tls_key, "transport": cfg.store_transport, "lease_ttl_s": cfg.lease_ttl})] \
-        if cfg.store_target else []
+    store = (
+        [
+            (
+                f"kvstore://{cfg.store_target}",
+                {
+                    "token": cfg.bearer_token(),
+                    "tls_ca": cfg.store_tls_ca,
+                    "tls_cert": cfg.store_tls_cert,
+                    "tls_key": cfg.store_tls_key,
+                    "transport": cfg.store_transport,
+                    "lease_ttl_s": cfg.lease_ttl,
+                },
+            )
+        ]
+        if cfg.store_target
+        else []
+    )
     return registry.tier_specs(cfg, host={"shared": True, "pin": False}, lower=[*store, (cfg.redis_url, {})])
 
 
@@ -82,12 +96,18 @@ def lower_tier_specs(cfg: ConnectorConfig) -> list[tuple[str, dict[str, object]]
     return lower
 
 
-async def open_store(cfg: ConnectorConfig, on_bytes: Callable[[str, str, int], None],
-                     on_fail: Callable[[str, str], None]) -> TieredStore:
+async def open_store(
+    cfg: ConnectorConfig, on_bytes: Callable[[str, str, int], None], on_fail: Callable[[str, str], None]
+) -> TieredStore:
     """The connector's store (on the I/O loop: the write-down binds to it)."""
-    return await TieredStore.open(tier_specs(cfg), cfg.write_policy, required=cfg.lower_tiers_required,
-                                  on_left_out=lambda kind, _err: on_fail(kind, "open"),
-                                  observer=ConnectorObserver(on_bytes, on_fail), keys=keys_of(cfg))
+    return await TieredStore.open(
+        tier_specs(cfg),
+        cfg.write_policy,
+        required=cfg.lower_tiers_required,
+        on_left_out=lambda kind, _err: on_fail(kind, "open"),
+        observer=ConnectorObserver(on_bytes, on_fail),
+        keys=keys_of(cfg),
+    )
 
 
 def keys_of(cfg: ConnectorConfig):

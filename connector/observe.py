@@ -28,6 +28,7 @@ Tracks of the trace:
 * ``copy stream rank <r>``: every copy job the worker ran, in order (the load's verify
   and per-layer scatters, the saves' gathers).
 """
+
 from __future__ import annotations
 
 import time
@@ -47,15 +48,14 @@ PERF_TO_MONO = time.monotonic() - time.perf_counter()  # ReqState keeps perf_cou
 class RequestObserver:
     """Stage timings of each request's load, into its stats entry and the trace."""
 
-    def __init__(self, stats: HitStats, stats_lock, trace_path: Path | None = None,
-                 host: str = "host") -> None:
+    def __init__(self, stats: HitStats, stats_lock, trace_path: Path | None = None, host: str = "host") -> None:
         self.stats, self._stats_lock, self.host = stats, stats_lock, host
         self.tracer = Tracer(trace_path, "kvstore connector (scheduler)") if trace_path else None
-        self._found: dict[str, float] = {}                 # req -> its first lookup
+        self._found: dict[str, float] = {}  # req -> its first lookup
         self._decided: dict[str, tuple[float, dict]] = {}  # req -> (decision time, stats entry)
-        self._loads: dict[int, str] = {}                   # load job -> req
+        self._loads: dict[int, str] = {}  # load job -> req
         self._saves: dict[int, tuple[str, float, list[bytes]]] = {}  # save job -> (req, planned, keys)
-        self._saving: dict[bytes, str] = {}                # key being written down -> req
+        self._saving: dict[bytes, str] = {}  # key being written down -> req
 
     # --- hooks of connector.scheduler ---------------------------------------------------
 
@@ -131,8 +131,7 @@ class RequestObserver:
         chunks = entry.get("chunks", []) if entry is not None else []
         ends = [t[-1][1] for t in times]
         if decided is not None:
-            self.tracer.span(self._track(req), f"load job {job}", decided, max(ends),
-                             {"chunks": len(times)})
+            self.tracer.span(self._track(req), f"load job {job}", decided, max(ends), {"chunks": len(times)})
         for i, moments in enumerate(times):
             tid = self._track(req, f"chunk {i}")
             where = chunks[i]["tier"] if i < len(chunks) else "?"
@@ -142,20 +141,27 @@ class RequestObserver:
                 self.tracer.span(tid, state.lower(), t0, t1)
 
     @staticmethod
-    def _moments(history: list[tuple[str, float]], found: float | None,
-                 decided: float | None) -> list[tuple[str, float]]:
+    def _moments(
+        history: list[tuple[str, float]], found: float | None, decided: float | None
+    ) -> list[tuple[str, float]]:
         """The worker's ticket history with the scheduler's own first two moments: when the
         object was looked up, and when its slot was pinned (the worker's ticket is created
         READABLE: the pin was taken before the plan)."""
         moments = list(history)
-        if found is not None and decided is not None and len(moments) >= 2 \
-                and moments[0][0] == "LOOKED_UP" and moments[1][0] == "READABLE":
+        if (
+            found is not None
+            and decided is not None
+            and len(moments) >= 2
+            and moments[0][0] == "LOOKED_UP"
+            and moments[1][0] == "READABLE"
+        ):
             moments[0] = ("LOOKED_UP", min(found, decided))
             moments[1] = ("READABLE", min(decided, moments[1][1]))
         return moments
 
-    def _save_done(self, job: int, req: str, planned: float, keys: list[bytes], issued: float,
-                   done: list[float], committed: float) -> None:
+    def _save_done(
+        self, job: int, req: str, planned: float, keys: list[bytes], issued: float, done: list[float], committed: float
+    ) -> None:
         snapshot = max(done) if done else issued
         self.stats.observe_stage("gather_issued", max(0.0, snapshot - issued))
         for key in keys:

@@ -6,6 +6,7 @@ inside ``kv_connector_worker_meta``).  The scheduler owns every decision (which 
 key, which blocks); the worker only moves bytes between the shared host pool and the
 engine's blocks, by job id, and reports the outcome.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,15 +37,15 @@ class ChunkCopy:
     key: bytes
     block_ids: list[int]
     page_offset: int = 0  # loads: the first page of the object that block_ids[0] receives
-    parent: bytes = b""   # saves: the parent chunk hash written into the header
-    pages: int = 0        # pages per layer of the object; 0: the plan's pages_per_chunk
-    generated: int = 0    # saves: how many of its tokens the engine generated (into the header)
+    parent: bytes = b""  # saves: the parent chunk hash written into the header
+    pages: int = 0  # pages per layer of the object; 0: the plan's pages_per_chunk
+    generated: int = 0  # saves: how many of its tokens the engine generated (into the header)
     group_ids: list[list[int]] = field(default_factory=list)  # hybrid models: the blocks per KV
-                                                               # cache group (block_ids is group 0's)
-    state: bool = False   # a recurrent-state snapshot: one page per state layer, from the block
-                          # ``group_ids[g][0]`` of each state group g (empty for the others), or
-                          # into every block listed there (the boundary's, then the step's running one)
-    boundary: int = 0     # state loads: the token the snapshot stands at
+    # cache group (block_ids is group 0's)
+    state: bool = False  # a recurrent-state snapshot: one page per state layer, from the block
+    # ``group_ids[g][0]`` of each state group g (empty for the others), or
+    # into every block listed there (the boundary's, then the step's running one)
+    boundary: int = 0  # state loads: the token the snapshot stands at
 
     def groups(self) -> list[list[int]]:
         """The block ids of each KV cache group (one group: ``block_ids``).  ``NULL_BLOCK``
@@ -60,8 +61,14 @@ class LoadJob:
 
     @property
     def block_ids(self) -> list[int]:
-        return [b for c in self.chunks if not c.state
-                for g in c.groups() for b in g if not (c.group_ids and b == NULL_BLOCK)]
+        return [
+            b
+            for c in self.chunks
+            if not c.state
+            for g in c.groups()
+            for b in g
+            if not (c.group_ids and b == NULL_BLOCK)
+        ]
 
 
 @dataclass(slots=True)
@@ -103,7 +110,7 @@ class WorkerReport:
     load_reports: dict[int, int] = field(default_factory=dict)  # job -> workers that reported it
     save_reports: dict[int, int] = field(default_factory=dict)  # job -> workers that reported it
     layout: tuple[str, str] | None = None  # (dtype, layout id) of the canonical page
-    state_layout: str | None = None        # layout id of the canonical state page (recurrent hybrids)
+    state_layout: str | None = None  # layout id of the canonical state page (recurrent hybrids)
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     bytes_saved: int = 0
@@ -137,7 +144,7 @@ class WorkerReport:
             self.failures[reason] = self.failures.get(reason, 0) + n
         self.damaged += [k for k in other.damaged if k not in self.damaged]
         self.stages += other.stages
-        self.timings.update(other.timings)      # one rank's timestamps stand for the job
+        self.timings.update(other.timings)  # one rank's timestamps stand for the job
         self.save_times.update(other.save_times)
         self.copies += other.copies
         return self

@@ -21,6 +21,7 @@ ever promised to the engine.
 * **Probes.**  A tier the cost model has not measured for a while is re-measured by one
   background read (``probe``) that no request waits for.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,32 +39,38 @@ from kvstore.store.tiered import TieredStore
 
 log = logging.getLogger("kvstore.connector")
 PREFETCH_POLL_S = 0.005  # how long the first lookup of a busy step may block on a running prefetch
-IDLE_POLL_S = 0.05       # ... of a step after one that computed nothing (the engine only waits)
-PREFETCH_WINDOW = 4      # promotions of one prefetch in flight at once
-PREFETCH_SPREAD = 4      # a prefetch may take this many times its predicted time ...
+IDLE_POLL_S = 0.05  # ... of a step after one that computed nothing (the engine only waits)
+PREFETCH_WINDOW = 4  # promotions of one prefetch in flight at once
+PREFETCH_SPREAD = 4  # a prefetch may take this many times its predicted time ...
 PREFETCH_SLACK_S = 0.05  # ... or this much more, whichever is longer (but see ``start``)
 
 
 class Prefetcher:
-    def __init__(self, store: TieredStore, io: IOLoop, cost: CostModel,
-                 on_bytes: Callable[[str, str, int], None], on_fail: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        io: IOLoop,
+        cost: CostModel,
+        on_bytes: Callable[[str, str, int], None],
+        on_fail: Callable[[str, str], None],
+    ) -> None:
         self.store, self.io, self.cost = store, io, cost
         self.host_name = store.host.name
         self._bytes, self._fail = on_bytes, on_fail
         self._prom = prometheus()
-        self._polled_step = -1                # the step in which a lookup last blocked
+        self._polled_step = -1  # the step in which a lookup last blocked
         self._probes: set[ObjectKey] = set()  # keys being read to re-measure a tier (I/O thread removes)
 
     def start(self, st: ReqState, lower: list[Piece], decision: Decision) -> None:
         """Promote ``lower`` (the chosen pieces not in host memory) for request ``st``."""
         predicted = sum(self.cost.load_seconds(p.tier, p.nbytes) for p in lower)
         now = time.perf_counter()
-        st.prefetch_deadline = now + min(decision.recompute_s / 2,
-                                         max(PREFETCH_SPREAD * predicted, predicted + PREFETCH_SLACK_S))
+        st.prefetch_deadline = now + min(
+            decision.recompute_s / 2, max(PREFETCH_SPREAD * predicted, predicted + PREFETCH_SLACK_S)
+        )
         st.prefetch_plan = (lower[0].tier, lower[0].nbytes, now)
         st.prefetch_done = [0]
-        st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower],
-                                              st.prefetch_done))
+        st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower], st.prefetch_done))
 
     def settled(self, st: ReqState, step: int, idle: bool = False) -> bool:
         """Whether request ``st`` may go on: its prefetch ended, or ran past its deadline.
@@ -118,6 +125,7 @@ class Prefetcher:
         def probed(_f: concurrent.futures.Future[int]) -> None:
             self._probes.discard(key)
             self.cost.probe_done(tier)
+
         fut.add_done_callback(probed)
 
     async def _run(self, keys: list[ObjectKey], sizes: list[int], progress: list[int] | None = None) -> int:

@@ -4,6 +4,7 @@ request's lookup is counted (once per request, hits by the tier they were first 
 
 Scheduler side only; no I/O.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -42,8 +43,11 @@ class RequestView:
         content, or the uuid the client gave it) and where it begins relative to ``start``.
         An image's placeholder tokens are one id repeated, the same for every image: without
         this, two images with the same text would share keys.  None: nothing (text only)."""
-        out = [f"mm:{ident}:{offset - start}" for offset, length, ident in self.mm
-               if offset < end and offset + length > start]
+        out = [
+            f"mm:{ident}:{offset - start}"
+            for offset, length, ident in self.mm
+            if offset < end and offset + length > start
+        ]
         return out or None
 
     def chunk_extras(self, first: int, last: int, chunk: int) -> list[list[str] | None] | None:
@@ -58,7 +62,7 @@ Blocks = list[int] | list[list[int]]  # one group's block ids, or each KV cache 
 
 @dataclass(slots=True)
 class StepInput:
-    new: list[tuple[str, Blocks, int]] = field(default_factory=list)              # id, blocks, computed
+    new: list[tuple[str, Blocks, int]] = field(default_factory=list)  # id, blocks, computed
     # id, new blocks, computed, resumed
     cached: list[tuple[str, Blocks | None, int, bool]] = field(default_factory=list)
     scheduled: dict[str, int] = field(default_factory=dict)
@@ -87,32 +91,33 @@ class ReqState:
     hashes: list[ChunkHash]
     namespace: Namespace
     groups: list[list[int]] = field(default_factory=list)  # block ids per KV cache group
-    saved_upto: int = 0                      # chunks already saved or skipped
-    save_stopped: bool = False               # a reservation found no room: later saves would be orphans
-    tail_done: bool = False                  # the prompt's tail object was saved or skipped
-    final_tail: int = 0                      # tokens covered by the tail saved at the request's end
+    saved_upto: int = 0  # chunks already saved or skipped
+    save_stopped: bool = False  # a reservation found no room: later saves would be orphans
+    tail_done: bool = False  # the prompt's tail object was saved or skipped
+    final_tail: int = 0  # tokens covered by the tail saved at the request's end
     pins: dict[ObjectKey, Piece] = field(default_factory=dict)  # pinned (promised) pieces, in order
-    slots: dict[ObjectKey, int] = field(default_factory=dict)   # pinned key -> slot offset
-    window: tuple[int, int] = (0, 0)         # token range promised to the engine
+    slots: dict[ObjectKey, int] = field(default_factory=dict)  # pinned key -> slot offset
+    window: tuple[int, int] = (0, 0)  # token range promised to the engine
     prefetch: concurrent.futures.Future[int] | None = None  # while lower tier -> host runs
-    prefetch_deadline: float = 0.0           # perf_counter past which the request stops waiting for it
+    prefetch_deadline: float = 0.0  # perf_counter past which the request stops waiting for it
     prefetch_plan: tuple[str, int, float] = ("", 0, 0.0)  # tier, first piece's bytes, start
     prefetch_done: list[int] = field(default_factory=lambda: [0])  # bytes promoted so far (I/O thread)
     fetched: bool = False
     counted: bool = False
-    save_wait_until: float | None = None     # perf_counter deadline of a wait for a save in flight
+    save_wait_until: float | None = None  # perf_counter deadline of a wait for a save in flight
     origin: dict[ObjectKey, str] = field(default_factory=dict)  # where each hit was first found
     tails: dict[int, list[ObjectKey]] = field(default_factory=dict)  # chunk index -> tail keys, longest first
     had_saves: bool = False
-    decision: dict | None = None             # the load-or-recompute decision counted
-    first_decision: Decision | None = None   # the decision of the first lookup
-    pins_end_found: int = 0                  # where the hit found by the counted lookup ended
+    decision: dict | None = None  # the load-or-recompute decision counted
+    first_decision: Decision | None = None  # the decision of the first lookup
+    pins_end_found: int = 0  # where the hit found by the counted lookup ended
     by_tier: dict[str, int] = field(default_factory=dict)  # hit tokens counted, by the tier found in
-    epoch: int = 0                           # the engine's resets when these keys were made
+    epoch: int = 0  # the engine's resets when these keys were made
 
 
-def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str,
-                  generated: int = 0) -> dict[str, object]:
+def count_request(
+    st: ReqState, n: int, s: HitStats, p: dict, c: int, default_tier: str, generated: int = 0
+) -> dict[str, object]:
     """Count a request's lookup: ``n`` tokens promised (``st.window``) from the pinned pieces,
     each hit under the tier it was first found in (``default_tier`` if unknown).  Chunks hit
     count the full chunks among them; a tail counts in tokens only.  ``generated``: how many
@@ -138,8 +143,9 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
             lo, hi = max(start, piece.start), min(end, piece.end)
             by_tier[tier] = by_tier.get(tier, 0) + max(0, hi - lo)
             if hi > lo:
-                provenance.append({"start": lo, "end": hi, "tier": tier,
-                                   "hash": f"{wire_hash(piece.key.chunk_hash):016x}"})
+                provenance.append(
+                    {"start": lo, "end": hi, "tier": tier, "hash": f"{wire_hash(piece.key.chunk_hash):016x}"}
+                )
         chunks = sum(1 for piece in st.pins.values() if piece.end - piece.start == c)
         for tier, tokens in by_tier.items():
             s.add("tokens_hit_by_tier", tier, tokens)
@@ -149,8 +155,9 @@ def count_request(st: ReqState, n: int, s: HitStats, p: dict, c: int, default_ti
         s.tokens_hit_generated += generated
         p["hit_tokens_generated"].inc(generated)
     st.by_tier = by_tier
-    return s.log_request(len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision,
-                         st.view.req_id, generated, provenance)
+    return s.log_request(
+        len(st.view.prompt), max(n, 0), by_tier, bool(st.view.salt), st.decision, st.view.req_id, generated, provenance
+    )
 
 
 def identity_fields(identity: Identity) -> dict[str, Any]:
@@ -158,8 +165,17 @@ def identity_fields(identity: Identity) -> dict[str, Any]:
     return {f: getattr(identity, f) for f in identity.__dataclass_fields__}
 
 
-__all__ = ["Piece", "ReqState", "RequestView", "StepClock", "StepInput", "count_request", "hit_sources",
-           "identity_fields", "track_blocks"]
+__all__ = [
+    "Piece",
+    "ReqState",
+    "RequestView",
+    "StepClock",
+    "StepInput",
+    "count_request",
+    "hit_sources",
+    "identity_fields",
+    "track_blocks",
+]
 
 
 def track_blocks(reqs: dict[str, ReqState], step: StepInput) -> dict[str, int]:

@@ -12,6 +12,7 @@ were planned keeps its blocks (``delay_free``) until every gather reported.  Fin
 (planned at ``request_finished``) wait here for the next step plan; a reset cancels them and
 the workers are told the blocks may go (``released``), as they are for a finished request
 whose gathers all reported (``undelayed``).  Scheduler side; no I/O."""
+
 from __future__ import annotations
 
 from connector.plan import SaveJob
@@ -21,10 +22,10 @@ from connector.saves import SavePlanner
 class SaveJobs:
     def __init__(self) -> None:
         self.final: list[SaveJob] = []  # planned at request_finished, sent with the next step
-        self.released: list[str] = []   # requests whose final saves a reset cancelled (next plan)
+        self.released: list[str] = []  # requests whose final saves a reset cancelled (next plan)
         self.undelayed: list[str] = []  # finished requests whose gathers all reported (next plan)
         self._unreported: dict[str, set[int]] = {}  # req id -> its save jobs the workers have not reported
-        self._owner: dict[int, str] = {}            # save job -> req id, while unreported
+        self._owner: dict[int, str] = {}  # save job -> req id, while unreported
 
     def sent(self, job: SaveJob) -> SaveJob:
         """A save job sent to the workers: its request's blocks are needed until they report it."""

@@ -24,6 +24,7 @@ gathers into the reserved slots and reports back (``connector.plan``).
   after its gather completed) is committed and goes to the write-down.  A save whose slot
   does not verify by the deadline keeps its reservation: its copy may still be writing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -82,14 +83,20 @@ def _generated(start: int, end: int, prompt: int) -> int:
 
 
 class SavePlanner:
-    def __init__(self, store: TieredStore, io: IOLoop, shape: ChunkShape,
-                 object_size: Callable[[int], int], keys: HitFinder,
-                 fail: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        io: IOLoop,
+        shape: ChunkShape,
+        object_size: Callable[[int], int],
+        keys: HitFinder,
+        fail: Callable[[str, str], None],
+    ) -> None:
         self.store, self.host, self.io = store, store.host, io
         self.chunk_size, self.block_size = shape.chunk_size, shape.block_size
         self.pages_per_chunk = shape.pages
         self.object_size = object_size  # pages per layer -> object bytes
-        self.keys = keys                # the request's chunk and tail keys
+        self.keys = keys  # the request's chunk and tail keys
         self._fail = fail
         self.jobs: dict[int, list[_Pending]] = {}
         # Under tensor parallelism the workers each write a part of an object and the
@@ -114,7 +121,7 @@ class SavePlanner:
         for w, there in zip(wanted, present):
             if not there and not self._held(st, w):
                 self._fail("host", "save:window")  # a sliding layer already let go of its blocks
-                st.save_stopped = w.end == 0      # later chunks would be orphans
+                st.save_stopped = w.end == 0  # later chunks would be orphans
                 break
             if not there and w.key not in self.in_flight:
                 handle = self._reserve(w.key, self.object_size(w.pages), w.parent)
@@ -123,11 +130,22 @@ class SavePlanner:
                         st.save_stopped = True
                         break
                 else:
-                    groups = [g[w.index * self.pages_per_chunk:][:w.pages] for g in self.kv_groups(st)]
-                    handles.append(_Pending(handle, w.key, ChunkCopy(
-                        handle.offset, bytes(w.key), groups[0],
-                        parent=bytes(st.hashes[w.index - 1]) if w.index else b"", pages=w.pages,
-                        generated=w.generated, group_ids=groups if len(groups) > 1 else [])))
+                    groups = [g[w.index * self.pages_per_chunk :][: w.pages] for g in self.kv_groups(st)]
+                    handles.append(
+                        _Pending(
+                            handle,
+                            w.key,
+                            ChunkCopy(
+                                handle.offset,
+                                bytes(w.key),
+                                groups[0],
+                                parent=bytes(st.hashes[w.index - 1]) if w.index else b"",
+                                pages=w.pages,
+                                generated=w.generated,
+                                group_ids=groups if len(groups) > 1 else [],
+                            ),
+                        )
+                    )
             w.done(st)
         return self._job(st, job_id, handles, self.chunk_size)
 
@@ -140,8 +158,9 @@ class SavePlanner:
         st.had_saves = True
         return SaveJob(job_id, st.view.req_id, [p.chunk for p in handles], chunk_tokens)
 
-    def plan_states(self, st: ReqState, entries: list[tuple[int, int, int]], state_groups: list[int],
-                    nbytes: int, job_id: int) -> SaveJob | None:
+    def plan_states(
+        self, st: ReqState, entries: list[tuple[int, int, int]], state_groups: list[int], nbytes: int, job_id: int
+    ) -> SaveJob | None:
         """Recurrent hybrids: the state snapshots vLLM hands off this step (``entries``:
         (group, block, boundary), its "align" mode's exact blocks).  Each boundary where every
         state group handed a block, inside the prompt where an object of ours ends, is saved as
@@ -164,8 +183,21 @@ class SavePlanner:
             if handle is None:
                 continue
             groups = [[blocks[i]] if i in blocks else [] for i in range(max(len(st.groups), max(blocks) + 1))]
-            handles.append(_Pending(handle, key, ChunkCopy(handle.offset, bytes(key), [], parent=bytes(base.chunk_hash),
-                                                           pages=1, group_ids=groups, state=True)))
+            handles.append(
+                _Pending(
+                    handle,
+                    key,
+                    ChunkCopy(
+                        handle.offset,
+                        bytes(key),
+                        [],
+                        parent=bytes(base.chunk_hash),
+                        pages=1,
+                        group_ids=groups,
+                        state=True,
+                    ),
+                )
+            )
         return self._job(st, job_id, handles, self.block_size)
 
     def _wanted(self, st: ReqState, done: int, final: bool) -> list[_Wanted]:
@@ -176,13 +208,14 @@ class SavePlanner:
         c, ppc = self.chunk_size, self.pages_per_chunk
         prompt = len(st.view.prompt)
         self.keys.extend_keys(st, done // c)
-        out = [_Wanted(i, st.keys[i], st.keys[i - 1] if i else None, ppc, _generated(i * c, (i + 1) * c, prompt))
-               for i in range(st.saved_upto, min(done // c, len(st.keys)))]
+        out = [
+            _Wanted(i, st.keys[i], st.keys[i - 1] if i else None, ppc, _generated(i * c, (i + 1) * c, prompt))
+            for i in range(st.saved_upto, min(done // c, len(st.keys)))
+        ]
         if done >= prompt and not st.tail_done:  # the prompt's tail: a repeat of it hits here
             out += self._tail(st, prompt, prompt, prompt_tail=True)
         if final and done > st.final_tail:
-            out += [w for w in self._tail(st, done, prompt, prompt_tail=False)
-                    if w.key not in {x.key for x in out}]
+            out += [w for w in self._tail(st, done, prompt, prompt_tail=False) if w.key not in {x.key for x in out}]
         return out
 
     def _tail(self, st: ReqState, end: int, prompt: int, prompt_tail: bool) -> list[_Wanted]:
@@ -196,16 +229,28 @@ class SavePlanner:
         if len(keys) < pages:
             return []
         start = index * c
-        return [_Wanted(index, keys[len(keys) - pages], st.keys[index - 1] if index else None, pages,
-                        _generated(start, start + pages * bs, prompt), prompt_tail, start + pages * bs)]
+        return [
+            _Wanted(
+                index,
+                keys[len(keys) - pages],
+                st.keys[index - 1] if index else None,
+                pages,
+                _generated(start, start + pages * bs, prompt),
+                prompt_tail,
+                start + pages * bs,
+            )
+        ]
 
     def _held(self, st: ReqState, w: _Wanted) -> bool:
         """Whether the engine still holds every block of the object in every KV cache group
         (a sliding-window group frees blocks that left its window, as a decode goes on)."""
         start = w.index * self.pages_per_chunk
         holes = len(st.groups) > 1  # only hybrid models' groups have null blocks
-        return all(len(g) >= start + w.pages and not (holes and NULL_BLOCK in g[start:start + w.pages])
-                   for i, g in enumerate(st.groups) if i not in self.state_groups)
+        return all(
+            len(g) >= start + w.pages and not (holes and NULL_BLOCK in g[start : start + w.pages])
+            for i, g in enumerate(st.groups)
+            if i not in self.state_groups
+        )
 
     def kv_groups(self, st: ReqState) -> list[list[int]]:
         """The request's blocks per KV cache group, a recurrent group's left empty: its blocks
@@ -265,7 +310,7 @@ class SavePlanner:
     def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
         if ok:
             try:
-                self.store.seal(key, _buffer(handle)[:handle.size])  # the MAC, before anyone sees it
+                self.store.seal(key, _buffer(handle)[: handle.size])  # the MAC, before anyone sees it
             except ObjectFormatError:
                 ok = False
         if not self.host.put_commit_sync(handle, ok):
@@ -296,8 +341,9 @@ class SavePlanner:
                 break
             time.sleep(0.005)
         if self.jobs:
-            log.warning("kvstore: %d saves still unsealed at shutdown are left out",
-                        sum(len(h) for h in self.jobs.values()))
+            log.warning(
+                "kvstore: %d saves still unsealed at shutdown are left out", sum(len(h) for h in self.jobs.values())
+            )
         return adopted
 
 

@@ -16,6 +16,7 @@ rank reads and writes its head range in it (a strided view: still no allocation)
 engines of any TP size share the same bytes.  MLA's latent KV is the same on every rank: it
 is written by rank 0 alone and read by every rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,13 @@ from connector.plan import NULL_BLOCK, as_groups
 from kvstore import codec
 from kvstore.errors import ConfigError
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                torch.uint8: "uint8", torch.int8: "uint8"}  # int8: recurrent state as opaque bytes
+_DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.uint8: "uint8",
+    torch.int8: "uint8",
+}  # int8: recurrent state as opaque bytes
 for _name, _label in (("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2")):
     if hasattr(torch, _name):
         _DTYPE_NAMES[getattr(torch, _name)] = _label
@@ -57,8 +63,9 @@ class PageLayout:
         return text if len(text) <= 32 else "h:" + hashlib.sha256(text.encode()).hexdigest()[:30]
 
     def geometry(self, pages_per_chunk: int, chunk_tokens: int) -> codec.ObjectGeometry:
-        return codec.ObjectGeometry(self.num_layers, pages_per_chunk, self.page_bytes,
-                                    dtype_name(self.dtype), self.layout_id, chunk_tokens)
+        return codec.ObjectGeometry(
+            self.num_layers, pages_per_chunk, self.page_bytes, dtype_name(self.dtype), self.layout_id, chunk_tokens
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -120,8 +127,9 @@ class Shard:
         return (self.ranks == 1 or self.axis is None) and not self.layers
 
     @classmethod
-    def of(cls, page_shape: Sequence[int], local_heads: int | None, rank: int, ranks: int,
-           block_size: int | None = None) -> Shard:
+    def of(
+        cls, page_shape: Sequence[int], local_heads: int | None, rank: int, ranks: int, block_size: int | None = None
+    ) -> Shard:
         """The shard of a worker whose pages have ``local_heads`` heads (None: replicated)."""
         if ranks == 1:
             return cls()
@@ -131,8 +139,10 @@ class Shard:
         if len(axes) > 1 and block_size is not None:
             axes = [i for i in axes if page_shape[i] != block_size] or axes
         if len(axes) != 1:
-            raise ConfigError(f"cannot tell the KV-head axis of page {tuple(page_shape)} "
-                              f"({local_heads} heads per rank): tensor parallelism is refused")
+            raise ConfigError(
+                f"cannot tell the KV-head axis of page {tuple(page_shape)} "
+                f"({local_heads} heads per rank): tensor parallelism is refused"
+            )
         return cls(axes[0], rank, ranks)
 
 
@@ -140,9 +150,14 @@ class PagedKV:
     """The per-layer KV tensors of one worker, as ``[blocks, *page]`` views; ``layout`` is
     the canonical (topology-free) page, ``local`` this worker's part of it."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str] | None = None,
-                 num_blocks: int | None = None, shard: Shard = Shard(),
-                 layer_groups: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_names: Sequence[str] | None = None,
+        num_blocks: int | None = None,
+        shard: Shard = Shard(),
+        layer_groups: Sequence[int] | None = None,
+    ) -> None:
         """``layer_groups[i]``: the KV cache group of layer i (hybrid models: each group has
         its own block table); default one group."""
         names = list(layer_names) if layer_names else list(kv_caches)
@@ -165,8 +180,10 @@ class PagedKV:
             canonical[shard.axis] *= shard.ranks
         total = shard.layers or len(names)
         if shard.first_layer < 0 or shard.first_layer + len(names) > total:
-            raise ConfigError(f"a stage holding layers {shard.first_layer}..{shard.first_layer + len(names) - 1} "
-                              f"of a {total}-layer model")
+            raise ConfigError(
+                f"a stage holding layers {shard.first_layer}..{shard.first_layer + len(names) - 1} "
+                f"of a {total}-layer model"
+            )
         self.first_layer = shard.first_layer  # this worker's layer i is the object's first_layer + i
         self.layout = PageLayout(total, tuple(canonical), first.dtype, dim, first.device.type)
         self.num_blocks = self.pages[0].shape[0]
@@ -188,7 +205,7 @@ class PagedKV:
         layout = self.layout
         n = layout.num_layers * pages * layout.page_bytes
         start = slot + codec.HEADER_SIZE
-        raw = pool[start:start + n]
+        raw = pool[start : start + n]
         return raw.view(layout.dtype).view(layout.num_layers, pages, *layout.page_shape)
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -217,10 +234,9 @@ class PagedKV:
                 torch.index_select(pages, 0, idx[self.layer_groups[layer]], out=dst)
             else:  # a strided part of each page: copy runs of blocks, no temporary
                 for start, first, count in _runs(block_ids):
-                    dst[start:start + count].copy_(pages[first:first + count])
+                    dst[start : start + count].copy_(pages[first : first + count])
 
-    def scatter_layer(self, layer: int, groups: Sequence[Sequence[int]] | Sequence[int],
-                      payload: torch.Tensor) -> None:
+    def scatter_layer(self, layer: int, groups: Sequence[Sequence[int]] | Sequence[int], payload: torch.Tensor) -> None:
         """Copy ``payload[layer, :n]`` into the pages of the layer's blocks, skipping the
         blocks the engine does not hold (hybrid models: ``NULL_BLOCK``, outside a sliding
         window; one group never has null blocks).
@@ -234,4 +250,4 @@ class PagedKV:
         pages, src = self.pages[layer], self._part(payload[self.first_layer + layer])
         for start, first, count in _runs(block_ids, holes):
             if not (holes and first == NULL_BLOCK):
-                pages[first:first + count].copy_(src[start:start + count], non_blocking=True)
+                pages[first : first + count].copy_(src[start : start + count], non_blocking=True)

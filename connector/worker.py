@@ -22,6 +22,7 @@ event in ``finish_loads``, and checks each layer's event for errors, not only th
 A completion callback that raises (a lifecycle error, a failed seal) fails its chunk and is
 counted; it never kills the thread that observed it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,16 +47,17 @@ log = logging.getLogger("kvstore.connector")
 
 
 class WorkerHalf:
-    def __init__(self, device: Device, verify_loads: bool = True, load_timeout_s: float = 30.0,
-                 tracing: bool = False) -> None:
+    def __init__(
+        self, device: Device, verify_loads: bool = True, load_timeout_s: float = 30.0, tracing: bool = False
+    ) -> None:
         """``tracing``: time each copy job for the trace (``WorkerReport.copies``)."""
         self.mapped = Mapped()  # the KV tensors registered, the host pool's mapping
         self.ledger = Ledger(self.mapped, tracing)  # the report and the interval counters, under its lock
         self.loads = LoadCopier(device, self.mapped, self.ledger, verify_loads, load_timeout_s)
         self._plan: StepPlan | None = None
-        self._saving: dict[str, int] = {}         # req id -> gathers in flight
-        self._had_saves: set[str] = set()         # req ids that ever had a save job
-        self._finished: set[str] = set()          # finished req ids awaiting their gathers
+        self._saving: dict[str, int] = {}  # req id -> gathers in flight
+        self._had_saves: set[str] = set()  # req ids that ever had a save job
+        self._finished: set[str] = set()  # finished req ids awaiting their gathers
         self._lock = self.ledger.lock  # also guards _saving, _save_oks, _save_left, _save_issued, _had_saves, _finished
         self._save_oks: dict[int, list[bool]] = {}
         self._save_left: dict[int, int] = {}
@@ -142,15 +144,19 @@ class WorkerHalf:
 
     def bind(self, plan: StepPlan) -> None:
         if self.mapped.kv is not None and plan.page_bytes != self.mapped.kv.layout.page_bytes:
-            raise ConfigError(f"scheduler plans {plan.page_bytes}-byte pages, this worker's KV pages "
-                              f"are {self.mapped.kv.layout.page_bytes} bytes ({self.mapped.kv.layout})")
+            raise ConfigError(
+                f"scheduler plans {plan.page_bytes}-byte pages, this worker's KV pages "
+                f"are {self.mapped.kv.layout.page_bytes} bytes ({self.mapped.kv.layout})"
+            )
         if self.mapped.states is not None and plan.state_page_bytes != self.mapped.states.layout.page_bytes:
-            raise ConfigError(f"scheduler plans {plan.state_page_bytes}-byte state pages, this worker's "
-                              f"are {self.mapped.states.layout.page_bytes} bytes ({self.mapped.states.layout})")
+            raise ConfigError(
+                f"scheduler plans {plan.state_page_bytes}-byte state pages, this worker's "
+                f"are {self.mapped.states.layout.page_bytes} bytes ({self.mapped.states.layout})"
+            )
         self._plan = plan
         if plan.released or plan.undelayed:
             with self._lock:
-                self._had_saves.update(plan.released)    # final saves a reset cancelled: blocks may go
+                self._had_saves.update(plan.released)  # final saves a reset cancelled: blocks may go
                 self._had_saves.difference_update(plan.undelayed)  # vLLM freed these already
                 self._finished.difference_update(plan.undelayed)
                 for r in plan.undelayed:
@@ -228,7 +234,7 @@ class WorkerHalf:
 
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
-        view = self.mapped.pool_buffer()[chunk.slot:chunk.slot + codec.object_size(geometry)]
+        view = self.mapped.pool_buffer()[chunk.slot : chunk.slot + codec.object_size(geometry)]
         codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent, chunk.generated)
 
     def _writes_whole(self, chunk: ChunkCopy) -> bool:
@@ -257,8 +263,11 @@ class WorkerHalf:
             self._saving[job.req_id] -= 1
             chunk = job.chunks[i]
             kv = self.mapped.paged(chunk.state)
-            nbytes = (kv.local.page_bytes * kv.local.num_layers * max(len(chunk.block_ids), chunk.state)
-                      if kv.shard.writes else 0)
+            nbytes = (
+                kv.local.page_bytes * kv.local.num_layers * max(len(chunk.block_ids), chunk.state)
+                if kv.shard.writes
+                else 0
+            )
             self.ledger.interval["saves"] += 1
             self.ledger.interval["save_failures"] += not ok
             if ok:

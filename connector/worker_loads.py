@@ -1,5 +1,6 @@
 """The worker half's loads: copy pinned host-pool slots into the engine's KV blocks, by the
 ``LoadJob``s of the step plan, verifying each object first.  See ``connector.worker``."""
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,9 @@ class _Load:
 
 
 class LoadCopier:
-    def __init__(self, device: Device, mapped: Mapped, ledger: Ledger, verify_loads: bool = True,
-                 load_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, device: Device, mapped: Mapped, ledger: Ledger, verify_loads: bool = True, load_timeout_s: float = 30.0
+    ) -> None:
         self.device, self.mapped, self.ledger = device, mapped, ledger
         self.verify_loads = verify_loads
         self.load_timeout_s = load_timeout_s
@@ -57,8 +59,9 @@ class LoadCopier:
 
     def refuse(self, jobs: list[LoadJob]) -> None:
         """Loads not copied (the KV tensors are put away): their blocks are recomputed."""
-        self.errors.update(b for job in jobs for c in job.chunks if not c.state for g in c.groups() for b in g
-                           if b != NULL_BLOCK)
+        self.errors.update(
+            b for job in jobs for c in job.chunks if not c.state for g in c.groups() for b in g if b != NULL_BLOCK
+        )
 
     def _issue(self, job: LoadJob, pages_per_chunk: int) -> _Load:
         tickets = [load_ticket(f"{job.req_id}#{i}") for i in range(len(job.chunks))]
@@ -66,12 +69,14 @@ class LoadCopier:
         for t in tickets:
             t.advance(LoadState.READABLE)  # the scheduler pinned the slot before planning
             t.begin_copy()
-        load.verify = self.device.submit(self.ledger.timed(f"load {job.job_id} verify",
-                                                     lambda: self._verify(load, pages_per_chunk)))
+        load.verify = self.device.submit(
+            self.ledger.timed(f"load {job.job_id} verify", lambda: self._verify(load, pages_per_chunk))
+        )
 
         def verified(ev: CopyEvent) -> None:
             if ev.error:
                 load.fail(0, f"verify: {ev.error}")
+
         load.verify.on_complete(verified)
         self._load_states(load)
         for layer in range(self.mapped.paged().local.num_layers):  # this worker's layers (a PP stage's)
@@ -93,7 +98,7 @@ class LoadCopier:
                 states = self.mapped.paged(state=True)
                 payload = states.payload_view(self.mapped.pool_t, chunk.slot, 1)
                 for j in range(max(map(len, chunk.groups()))):  # the same page into each block
-                    groups = [g[j:j + 1] for g in chunk.groups()]
+                    groups = [g[j : j + 1] for g in chunk.groups()]
                     for layer in range(states.local.num_layers):
                         states.scatter_layer(layer, groups, payload)
             except (ObjectFormatError, ConfigError, RuntimeError) as err:
@@ -117,7 +122,7 @@ class LoadCopier:
             load.tickets[i].advance(LoadState.IN_BUFFER)
 
     def _check_object(self, chunk: ChunkCopy, pages: int) -> None:
-        view = self.mapped.pool_buffer()[chunk.slot:]
+        view = self.mapped.pool_buffer()[chunk.slot :]
         key = ObjectKey.from_bytes(chunk.key)
         if self.verify_loads:
             header = codec.verify(view, expected_key=key)
@@ -127,9 +132,11 @@ class LoadCopier:
                 raise codec.KeyMismatchError(f"slot holds {header.key!r}, expected {key!r}")
         g = header.geometry
         layout = self.mapped.paged(state=chunk.state and self.mapped.states is not None).layout
-        if (g.num_layers, g.page_bytes) != (layout.num_layers, layout.page_bytes) \
-                or g.pages_per_layer != (chunk.pages or pages) \
-                or g.pages_per_layer < chunk.page_offset + len(chunk.block_ids):
+        if (
+            (g.num_layers, g.page_bytes) != (layout.num_layers, layout.page_bytes)
+            or g.pages_per_layer != (chunk.pages or pages)
+            or g.pages_per_layer < chunk.page_offset + len(chunk.block_ids)
+        ):
             raise codec.CorruptHeaderError(f"object geometry {g} does not fit this engine's KV layout")
 
     def _scatter(self, load: _Load, layer: int, pages: int) -> None:
@@ -140,7 +147,7 @@ class LoadCopier:
                 continue
             kv = self.mapped.paged()
             payload = kv.payload_view(self.mapped.pool_t, chunk.slot, chunk.pages or pages)
-            kv.scatter_layer(layer, chunk.groups(), payload[:, chunk.page_offset:])
+            kv.scatter_layer(layer, chunk.groups(), payload[:, chunk.page_offset :])
 
     def _guarded_on_device(self, load: _Load, event: CopyEvent) -> None:
         try:
@@ -196,10 +203,14 @@ class LoadCopier:
             for chunk in load.job.chunks[failed_from:]:
                 if chunk.state:  # its KV blocks fail with it: vLLM recomputes from the first
                     continue
-                self.errors.update(b for g in chunk.groups() for b in g
-                                         if not (chunk.group_ids and b == NULL_BLOCK))
-            log.warning("kvstore: load %s of %s failed from chunk %d: %s", load.job.job_id,
-                        load.job.req_id, failed_from, load.tickets[failed_from].error)
+                self.errors.update(b for g in chunk.groups() for b in g if not (chunk.group_ids and b == NULL_BLOCK))
+            log.warning(
+                "kvstore: load %s of %s failed from chunk %d: %s",
+                load.job.job_id,
+                load.job.req_id,
+                failed_from,
+                load.tickets[failed_from].error,
+            )
         for t in load.tickets:
             if t.state is LoadState.ON_DEVICE:
                 t.advance(LoadState.CONSUMABLE)

@@ -5,6 +5,7 @@ and its mapping of the shared host pool; loads and saves read them when they run
 ``Ledger``: the ``WorkerReport`` being filled for the scheduler and the counters for vLLM's
 connector-stats log, under one lock (completion callbacks run on whichever thread observed
 a copy's event)."""
+
 from __future__ import annotations
 
 import threading
@@ -42,8 +43,19 @@ class Mapped:
 
 
 def zero_interval() -> dict[str, int]:
-    return dict.fromkeys(("loads", "load_failures", "bytes_loaded", "saves", "save_failures", "bytes_saved",
-                          "sleep_drained", "cancelled_asleep"), 0)
+    return dict.fromkeys(
+        (
+            "loads",
+            "load_failures",
+            "bytes_loaded",
+            "saves",
+            "save_failures",
+            "bytes_saved",
+            "sleep_drained",
+            "cancelled_asleep",
+        ),
+        0,
+    )
 
 
 class Ledger:
@@ -68,6 +80,7 @@ class Ledger:
                 t1 = time.monotonic()
                 with self.lock:
                     self.report.copies.append((f"rank {self.mapped.paged().shard.rank}: {what}", t0, t1))
+
         return timed
 
     def count(self, reason: str) -> None:

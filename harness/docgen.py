@@ -10,6 +10,7 @@ the pages ``connector``, ``store`` and ``metrics`` of ``docs/reference/`` (the p
 them is kept); ``--check`` only compares and exits 1 naming each stale file.
 ``tests/unit/test_reference_docs.py`` runs the same comparison.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,9 @@ def connector_table() -> list[str]:
 
 
 def store_table() -> list[str]:
-    return settings_rows(ServerConfig, [("flag", lambda k: f"`{flag_name(k)}`"),
-                                        ("environment", lambda k: f"`{ENV_PREFIX}{k.upper()}`")])
+    return settings_rows(
+        ServerConfig, [("flag", lambda k: f"`{flag_name(k)}`"), ("environment", lambda k: f"`{ENV_PREFIX}{k.upper()}`")]
+    )
 
 
 def exposed_name(name: str, kind: str) -> str:
@@ -106,8 +108,10 @@ def metric_rows(entries: Iterable[tuple[str, str, tuple[str, ...], str]]) -> lis
 
 def connector_metrics() -> list[tuple[str, str, tuple[str, ...], str]]:
     """The connector's process-wide collectors (``kvstore.metrics.prometheus``)."""
-    return [(c._name, c._type, tuple(c._labelnames), c._documentation)  # noqa: SLF001 - prometheus_client's
-            for c in prometheus().values()]
+    return [
+        (c._name, c._type, tuple(c._labelnames), c._documentation)  # noqa: SLF001 - prometheus_client's
+        for c in prometheus().values()
+    ]
 
 
 def store_metrics() -> list[tuple[str, str, tuple[str, ...], str]]:
@@ -123,8 +127,12 @@ def store_metrics() -> list[tuple[str, str, tuple[str, ...], str]]:
 
 
 def metrics_table() -> list[str]:
-    return (["### The connector (engine side)", ""] + metric_rows(connector_metrics())
-            + ["", "### The store process (`kvstore serve`, its `/metrics`)", ""] + metric_rows(store_metrics()))
+    return (
+        ["### The connector (engine side)", ""]
+        + metric_rows(connector_metrics())
+        + ["", "### The store process (`kvstore serve`, its `/metrics`)", ""]
+        + metric_rows(store_metrics())
+    )
 
 
 TABLES = {"connector": connector_table, "store": store_table, "metrics": metrics_table}  # docs/reference/<name>

@@ -20,6 +20,7 @@ engine's per-tier hit tokens sum exactly to its hit tokens.  ``--trace`` writes 
 connector engine's stage trace; ``--kv-events ENDPOINT`` has them publish KV events
 through vLLM's own publisher.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,7 @@ from harness import kit, tinymodel
 from kvstore.config import redact_url
 from kvstore.layout import format_bytes
 
-CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm",
-             "kv_role": "kv_both"}
+CONNECTOR = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm", "kv_role": "kv_both"}
 
 
 LOWER = ("ssd", "remote", "redis")
@@ -71,16 +71,22 @@ def format_hits(result: kit.EngineResult, reference: kit.EngineResult, stats: di
         base = ref[r.label].ttft_s
         ratios.append(r.ttft_s / base)
         tiers = "+".join(f"{t} {n}" for t, n in sorted(entry["tiers"].items()))
-        lines.append(f"    {r.label:<14} hit {entry['hit_tokens']:>5}/{r.prompt_len:<5} ({tiers}): "
-                     f"TTFT {r.ttft_s * 1e3:7.1f} ms vs {base * 1e3:7.1f} ms without  = {ratios[-1]:.2f}x")
+        lines.append(
+            f"    {r.label:<14} hit {entry['hit_tokens']:>5}/{r.prompt_len:<5} ({tiers}): "
+            f"TTFT {r.ttft_s * 1e3:7.1f} ms vs {base * 1e3:7.1f} ms without  = {ratios[-1]:.2f}x"
+        )
     if ratios:
-        lines.insert(0, f"  hits beside the same request without the connector (median ratio "
-                        f"{kit.percentile(ratios, 50):.2f}x; below 1 is faster):")
+        lines.insert(
+            0,
+            f"  hits beside the same request without the connector (median ratio "
+            f"{kit.percentile(ratios, 50):.2f}x; below 1 is faster):",
+        )
     return lines
 
 
-def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Comparison,
-                  reference: kit.EngineResult | None = None) -> str:
+def format_engine(
+    name: str, result: kit.EngineResult, stats: dict, cmp: kit.Comparison, reference: kit.EngineResult | None = None
+) -> str:
     hits = hit_labels(result, stats)
     ttft = kit.summarize(result.requests, hits)
     ms = lambda v: "   -  " if v is None else f"{v * 1e3:6.1f}"  # noqa: E731
@@ -93,15 +99,17 @@ def format_engine(name: str, result: kit.EngineResult, stats: dict, cmp: kit.Com
         lines.append(f"  {rate}")
     lines += format_provenance(stats)
     if stats.get("decisions"):
-        lines.append("  load-or-recompute decisions: "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(stats["decisions"].items())))
+        lines.append(
+            "  load-or-recompute decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(stats["decisions"].items()))
+        )
     moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(stats["bytes_by_tier"].items()))
     lines.append(f"  bytes moved: {moved or 'none'}")
     if stats["failures"]:
         lines.append(f"  failures: {stats['failures']}")
     verdict = "MATCH" if cmp else "MISMATCH: " + "; ".join(cmp.mismatches[:5])
-    lines.append(f"  outputs vs recompute: {verdict} (max logprob diff {cmp.max_logprob_diff:.2e}, "
-                 f"tolerance {cmp.tolerance:g})")
+    lines.append(
+        f"  outputs vs recompute: {verdict} (max logprob diff {cmp.max_logprob_diff:.2e}, tolerance {cmp.tolerance:g})"
+    )
     return "\n".join(lines)
 
 
@@ -109,8 +117,10 @@ def with_barrier(workload: kit.Workload, label: str) -> kit.Workload:
     """The workload with a barrier named ``label`` before the request of that label."""
     if label not in {r.label for r in workload.requests}:
         raise SystemExit(f"harness.main: --pause-before {label}: no such request")
-    return dataclasses.replace(workload, requests=tuple(
-        dataclasses.replace(r, barrier=label) if r.label == label else r for r in workload.requests))
+    return dataclasses.replace(
+        workload,
+        requests=tuple(dataclasses.replace(r, barrier=label) if r.label == label else r for r in workload.requests),
+    )
 
 
 STAGES = ("looked_up", "readable", "in_buffer", "on_device", "consumable", "gather_issued")
@@ -119,7 +129,8 @@ STAGES = ("looked_up", "readable", "in_buffer", "on_device", "consumable", "gath
 def tier_split_ok(stats: dict) -> bool:
     """Per-tier hit tokens sum exactly to the hit tokens, in total and for every request."""
     return sum(stats["tokens_hit_by_tier"].values()) == stats["tokens_hit"] and all(
-        sum(e["tiers"].values()) == e["hit_tokens"] for e in stats["recent"])
+        sum(e["tiers"].values()) == e["hit_tokens"] for e in stats["recent"]
+    )
 
 
 def format_provenance(stats: dict) -> list[str]:
@@ -139,33 +150,66 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-run-"))
     model = tinymodel.build_named(Path(args.model_dir or work / f"model-{args.geometry}"), args.geometry)
     workload = kit.Workload.standard(vocab=tinymodel.GEOMETRIES[args.geometry].vocab)
-    print(f"model {args.geometry} at {model}; {len(workload.requests)} requests; work dir {work}; "
-          f"copy device {args.device or 'auto'}", flush=True)
+    print(
+        f"model {args.geometry} at {model}; {len(workload.requests)} requests; work dir {work}; "
+        f"copy device {args.device or 'auto'}",
+        flush=True,
+    )
     reference = kit.run_engine(model, None, workload, timeout_s=args.timeout)
-    print(f"reference (no connector): TTFT p50 "
-          f"{kit.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms", flush=True)
+    print(
+        f"reference (no connector): TTFT p50 "
+        f"{kit.percentiles([r.ttft_s for r in reference.requests]).p50 * 1e3:.1f} ms",
+        flush=True,
+    )
     ssd = None if args.no_ssd else work / "ssd"
-    extra = {k: v for k, v in (("store_target", args.store_target), ("store_token", args.store_token),
-                               ("store_token_file", args.store_token_file), ("store_tls_ca", args.store_tls_ca),
-                               ("redis_url", args.redis_url), ("device", args.device)) if v}
+    extra = {
+        k: v
+        for k, v in (
+            ("store_target", args.store_target),
+            ("store_token", args.store_token),
+            ("store_token_file", args.store_token_file),
+            ("store_tls_ca", args.store_tls_ca),
+            ("redis_url", args.redis_url),
+            ("device", args.device),
+        )
+        if v
+    }
     engine_args = {}
     if args.kv_events:
-        engine_args["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                           "endpoint": args.kv_events, "topic": args.kv_events_topic}
-    tiers = ", ".join([*(["SSD directory"] if ssd else []),
-                       *(f"{k}={redact_url(v)}" for k, v in extra.items()
-                         if k not in ("store_token", "store_token_file", "store_tls_ca", "device"))])
+        engine_args["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": args.kv_events,
+            "topic": args.kv_events_topic,
+        }
+    tiers = ", ".join(
+        [
+            *(["SSD directory"] if ssd else []),
+            *(
+                f"{k}={redact_url(v)}"
+                for k, v in extra.items()
+                if k not in ("store_token", "store_token_file", "store_tls_ca", "device")
+            ),
+        ]
+    )
     if not tiers:
         raise SystemExit("harness.main: --no-ssd needs --store-target or --redis-url (no lower tier left)")
     ok = True
-    for i, name in ((1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
-                    (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)")):
+    for i, name in (
+        (1, "engine 1: cold store (saves; repeated prefixes hit host DRAM)"),
+        (2, f"engine 2: new process, same lower tiers ({tiers}; cold host pool)"),
+    ):
         stats_path = work / f"stats-{i}.json"
         paused = with_barrier(workload, args.pause_before) if i == 2 and args.pause_before else workload
         traced = {"trace_path": str(work / f"trace-{i}.json")} if args.trace else {}
-        result = kit.run_engine(model, connector_config(ssd, stats_path, **extra, **traced), paused,
-                                timeout_s=args.timeout, engine_args=engine_args,
-                                barriers=args.barrier_dir and Path(args.barrier_dir))
+        result = kit.run_engine(
+            model,
+            connector_config(ssd, stats_path, **extra, **traced),
+            paused,
+            timeout_s=args.timeout,
+            engine_args=engine_args,
+            barriers=args.barrier_dir and Path(args.barrier_dir),
+        )
         stats = json.loads(stats_path.read_text())
         cmp = kit.compare_outputs(reference, result)
         print(format_engine(name, result, stats, cmp, reference), flush=True)
@@ -182,27 +226,48 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.main", description=__doc__.splitlines()[0])
-    p.add_argument("--geometry", default="tiny-f32", choices=sorted(tinymodel.GEOMETRIES),
-                   help="model shape; float32 tiny-f32 (default) makes the output check sharp")
+    p.add_argument(
+        "--geometry",
+        default="tiny-f32",
+        choices=sorted(tinymodel.GEOMETRIES),
+        help="model shape; float32 tiny-f32 (default) makes the output check sharp",
+    )
     p.add_argument("--workdir", help="keep models, SSD files and stats here (default: a temp dir)")
     p.add_argument("--model-dir", help="where the generated model lives (reused when present)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
     p.add_argument("--store-target", help="HOST:PORT of a `kvstore serve` store process for both engines")
-    p.add_argument("--store-token", help="bearer token for the store process (visible to other users "
-                   "in the process list: prefer --store-token-file or KVSTORE_STORE_TOKEN)")
+    p.add_argument(
+        "--store-token",
+        help="bearer token for the store process (visible to other users "
+        "in the process list: prefer --store-token-file or KVSTORE_STORE_TOKEN)",
+    )
     p.add_argument("--store-token-file", help="a file whose first line is the store process's bearer token")
     p.add_argument("--store-tls-ca", help="CA certificate (PEM) of a store process that serves TLS")
     p.add_argument("--redis-url", help="a Redis tier for both engines (redis://, rediss://, redis+cluster://)")
     p.add_argument("--no-ssd", action="store_true", help="no SSD directory: engine 2 hits only the shared tiers")
-    p.add_argument("--trace", action="store_true", help="write each connector engine's stage trace "
-                   "(trace-1.json, trace-2.json in the work dir: Chrome trace-event JSON, Perfetto opens it)")
-    p.add_argument("--kv-events", metavar="ENDPOINT", help="the connector engines publish KV events through vLLM "
-                   "(--kv-events-config) on this ZMQ endpoint, e.g. tcp://*:5557")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="write each connector engine's stage trace "
+        "(trace-1.json, trace-2.json in the work dir: Chrome trace-event JSON, Perfetto opens it)",
+    )
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="the connector engines publish KV events through vLLM "
+        "(--kv-events-config) on this ZMQ endpoint, e.g. tcp://*:5557",
+    )
     p.add_argument("--kv-events-topic", default="", help="topic of those events")
-    p.add_argument("--device", help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "
-                                    "(CUDA's stream semantics on the CPU: copies land later, nothing calls back)")
-    p.add_argument("--pause-before", metavar="LABEL", help="engine 2 waits before this request until "
-                   "the barrier opens (a test kills the store there)")
+    p.add_argument(
+        "--device",
+        help="the connector's copy device: auto (default), host, cuda, or emulated-cuda "
+        "(CUDA's stream semantics on the CPU: copies land later, nothing calls back)",
+    )
+    p.add_argument(
+        "--pause-before",
+        metavar="LABEL",
+        help="engine 2 waits before this request until the barrier opens (a test kills the store there)",
+    )
     p.add_argument("--barrier-dir", help="where engine 2 says LABEL.ready and waits for LABEL.go")
     args = p.parse_args(argv)
     if bool(args.pause_before) != bool(args.barrier_dir):

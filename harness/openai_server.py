@@ -21,6 +21,7 @@ start together and records when each was in flight; ``stream`` posts one streame
 ``metric`` reads a counter from
 /metrics; ``stats`` reads the connector's stats JSON.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -81,8 +82,16 @@ def parse_completion(body: dict, sent: float, received: float) -> Completion:
     lp = choice["logprobs"]
     tops = tuple({_token_id(t): float(v) for t, v in top.items()} for top in lp["top_logprobs"])
     details = (body.get("usage") or {}).get("prompt_tokens_details") or {}
-    return Completion(tuple(choice["token_ids"]), tuple(float(x) for x in lp["token_logprobs"]), tops,
-                      body["usage"]["prompt_tokens"], details.get("cached_tokens"), sent, received, body)
+    return Completion(
+        tuple(choice["token_ids"]),
+        tuple(float(x) for x in lp["token_logprobs"]),
+        tops,
+        body["usage"]["prompt_tokens"],
+        details.get("cached_tokens"),
+        sent,
+        received,
+        body,
+    )
 
 
 class _Streamed:
@@ -108,20 +117,30 @@ class _Streamed:
                 self.first = time.monotonic()
             self.token_ids += ids
             self.logprobs += [float(x) for x in lp.get("token_logprobs") or ()]
-            self.tops += [{_token_id(t): float(v) for t, v in (top or {}).items()}
-                          for top in lp.get("top_logprobs") or ()]
+            self.tops += [
+                {_token_id(t): float(v) for t, v in (top or {}).items()} for top in lp.get("top_logprobs") or ()
+            ]
 
     def completion(self, sent: float, received: float) -> Completion:
         details = self.usage.get("prompt_tokens_details") or {}
-        return Completion(tuple(self.token_ids), tuple(self.logprobs), tuple(self.tops),
-                          int(self.usage.get("prompt_tokens", 0)), details.get("cached_tokens"), sent, received,
-                          {"chunks": len(self.chunks), "usage": self.usage}, self.first)
+        return Completion(
+            tuple(self.token_ids),
+            tuple(self.logprobs),
+            tuple(self.tops),
+            int(self.usage.get("prompt_tokens", 0)),
+            details.get("cached_tokens"),
+            sent,
+            received,
+            {"chunks": len(self.chunks), "usage": self.usage},
+            self.first,
+        )
 
 
 def max_in_flight(completions: Iterable[Completion]) -> int:
     """The most requests that were in flight at one moment (from their send/answer times)."""
-    edges = sorted([(c.sent, 1) for c in completions] + [(c.received, -1) for c in completions],
-                   key=lambda e: (e[0], e[1]))
+    edges = sorted(
+        [(c.sent, 1) for c in completions] + [(c.received, -1) for c in completions], key=lambda e: (e[0], e[1])
+    )
     most = now = 0
     for _, step in edges:
         now += step
@@ -161,9 +180,20 @@ class OpenAIServer:
     ``args``: more command-line flags.  ``env``: more environment variables.
     """
 
-    def __init__(self, model: Path, workdir: Path, *, name: str = "server", connector: dict | None = None,
-                 ssd_dir: Path | None = None, prefix_caching: bool = True, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, kv_cache_gib: int = 1, startup_timeout_s: float = 900) -> None:
+    def __init__(
+        self,
+        model: Path,
+        workdir: Path,
+        *,
+        name: str = "server",
+        connector: dict | None = None,
+        ssd_dir: Path | None = None,
+        prefix_caching: bool = True,
+        args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        kv_cache_gib: int = 1,
+        startup_timeout_s: float = 900,
+    ) -> None:
         self.model, self.workdir, self.name = Path(model), Path(workdir), name
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.connector = connector
@@ -204,11 +234,28 @@ class OpenAIServer:
         return self.log_path.read_bytes()[-chars:].decode(errors="replace")
 
     def command(self, port: int) -> list[str]:
-        cmd = [sys.executable, "-m", MODULE, "--model", str(self.model), "--served-model-name", self.model_name,
-               "--host", HOST, "--port", str(port), "--dtype", checkpoint_dtype(self.model), "--seed", "0",
-               # The tiny models have no tokenizer: prompts and outputs are token ids.
-               "--skip-tokenizer-init", "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
-               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        cmd = [
+            sys.executable,
+            "-m",
+            MODULE,
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            self.model_name,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--dtype",
+            checkpoint_dtype(self.model),
+            "--seed",
+            "0",
+            # The tiny models have no tokenizer: prompts and outputs are token ids.
+            "--skip-tokenizer-init",
+            "--return-tokens-as-token-ids",
+            "--enable-prompt-tokens-details",
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+        ]
         if os.environ.get(EAGER_ENV) == "1":  # the test suite skips torch.compile (tests/conftest.py)
             cmd.append("--enforce-eager")
         if self.connector is not None:
@@ -242,8 +289,14 @@ class OpenAIServer:
             if self.ssd_dir is not None:
                 self.ssd_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "wb") as log:
-                self._proc = subprocess.Popen(self.command(self.port), env=self.environment(), cwd=PROJECT_ROOT,
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                self._proc = subprocess.Popen(
+                    self.command(self.port),
+                    env=self.environment(),
+                    cwd=PROJECT_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             with _RUNNING_LOCK:
                 _RUNNING.add(self)
             try:
@@ -260,8 +313,10 @@ class OpenAIServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise ServerError(f"{self.name} exited with {self._proc.returncode} while starting; "
-                                  f"log {self.log_path}:\n{self.log_tail()}")
+                raise ServerError(
+                    f"{self.name} exited with {self._proc.returncode} while starting; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -269,8 +324,9 @@ class OpenAIServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)  # poll interval, not a stand-in for readiness
-        raise ServerError(f"{self.name} not healthy after {self.startup_timeout_s:g} s; "
-                          f"log {self.log_path}:\n{self.log_tail()}")
+        raise ServerError(
+            f"{self.name} not healthy after {self.startup_timeout_s:g} s; log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def stop(self, grace_s: float = 60) -> int | None:
         """SIGTERM to the server (a graceful engine shutdown: the connector writes down what
@@ -322,24 +378,42 @@ class OpenAIServer:
     def complete(self, prompt: Sequence[int], *, max_tokens: int = 8, logprobs: int = 3, **params) -> Completion:
         """One greedy /v1/completions request for a token-id prompt (``ignore_eos``: always
         ``max_tokens`` tokens), with the chosen and top logprobs and the output token ids."""
-        body = {"model": self.model_name, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
-                "logprobs": logprobs, "ignore_eos": True, "return_token_ids": True, **params}
+        body = {
+            "model": self.model_name,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": logprobs,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **params,
+        }
         sent = time.monotonic()
         answer = json.loads(self.request("/v1/completions", body))
         return parse_completion(answer, sent, time.monotonic())
 
-    def stream(self, prompt: Sequence[int], *, max_tokens: int = 8, logprobs: int | None = 1,
-               timeout_s: float = 600, **params) -> Completion:
+    def stream(
+        self, prompt: Sequence[int], *, max_tokens: int = 8, logprobs: int | None = 1, timeout_s: float = 600, **params
+    ) -> Completion:
         """One greedy streamed /v1/completions request (``stream: true``, read as server-sent
         events): the output token ids and chosen-token logprobs gathered over the chunks, the
         usage of the last chunk, and when the first token came (``Completion.ttft_s``)."""
-        body = {"model": self.model_name, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True,
-                "stream_options": {"include_usage": True}, **params}
+        body = {
+            "model": self.model_name,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **params,
+        }
         if logprobs is not None:
             body["logprobs"] = logprobs
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         acc = _Streamed()
         sent = time.monotonic()
         try:
@@ -371,7 +445,7 @@ class OpenAIServer:
         (``metric("vllm:prompt_tokens_cached_by_source_total", source="device")``)."""
         total, found = 0.0, False
         for line in self.metrics_text().splitlines():
-            if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
                 continue
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[1])

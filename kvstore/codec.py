@@ -24,6 +24,7 @@ specific ``ObjectFormatError`` subclass, which the caller turns into a counted m
 lz4 exists for tiers where a sampled ratio pays (``sample_ratio``); it allocates, so it is
 off by default (bf16 KV compresses to ~1.00, see docs/limits.md#compression).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,7 +113,7 @@ class ObjectHeader:
     stored_len: int
     checksum: bytes
     generated: int = 0  # how many of its tokens an engine generated (the rest were prompt)
-    key_id: int = 0     # the MAC's key id (``kvstore.integrity``); 0: not sealed
+    key_id: int = 0  # the MAC's key id (``kvstore.integrity``); 0: not sealed
     mac: bytes = bytes(16)
     encrypted: bool = False  # the stored payload is AES-GCM ciphertext, tag and nonce
 
@@ -151,19 +152,33 @@ def pack_header(header: ObjectHeader) -> bytes:
     g, key = header.geometry, header.key
     tag = key.tag.encode()
     fields = _FIELDS.pack(
-        MAGIC, VERSION, HEADER_SIZE, header.codec.value, _DTYPES.index(g.dtype),
+        MAGIC,
+        VERSION,
+        HEADER_SIZE,
+        header.codec.value,
+        _DTYPES.index(g.dtype),
         FLAG_ENCRYPTED if header.encrypted else 0,
-        g.num_layers, g.pages_per_layer, g.page_bytes, g.num_tokens,
-        header.raw_len, header.stored_len, header.checksum,
-        g.layout_id.encode().ljust(32, b"\0"), bytes(key.namespace), bytes(key.chunk_hash),
-        len(tag), tag.ljust(32, b"\0"), bytes(header.parent),
+        g.num_layers,
+        g.pages_per_layer,
+        g.page_bytes,
+        g.num_tokens,
+        header.raw_len,
+        header.stored_len,
+        header.checksum,
+        g.layout_id.encode().ljust(32, b"\0"),
+        bytes(key.namespace),
+        bytes(key.chunk_hash),
+        len(tag),
+        tag.ljust(32, b"\0"),
+        bytes(header.parent),
     )
     body = (fields + _EXTRA.pack(header.generated) + _SEAL.pack(header.key_id, header.mac)).ljust(_CHECK_AT, b"\0")
     return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def encode_into(buf, key: ObjectKey, geometry: ObjectGeometry, payload=None,
-                parent: ChunkHash = ROOT, generated: int = 0) -> ObjectHeader:
+def encode_into(
+    buf, key: ObjectKey, geometry: ObjectGeometry, payload=None, parent: ChunkHash = ROOT, generated: int = 0
+) -> ObjectHeader:
     """Seal an uncompressed object in ``buf``.
 
     With ``payload`` it is copied in first; without, the caller already wrote the payload
@@ -196,13 +211,31 @@ def decode_header(buf) -> ObjectHeader:
         raise CorruptHeaderError("bad magic: not a kvstore object")
     if _CHECK.unpack_from(head, _CHECK_AT)[0] != xxhash.xxh3_64_intdigest(head[:_CHECK_AT]):
         raise CorruptHeaderError("header checksum mismatch")
-    (_, version, hsize, codec, dtype, flags, layers, pages, page_bytes, tokens, raw_len,
-     stored_len, digest, layout, ns, chash, tag_len, tag, parent) = _FIELDS.unpack_from(head)
+    (
+        _,
+        version,
+        hsize,
+        codec,
+        dtype,
+        flags,
+        layers,
+        pages,
+        page_bytes,
+        tokens,
+        raw_len,
+        stored_len,
+        digest,
+        layout,
+        ns,
+        chash,
+        tag_len,
+        tag,
+        parent,
+    ) = _FIELDS.unpack_from(head)
     if version != VERSION or hsize != HEADER_SIZE:
         raise CorruptHeaderError(f"unsupported object version {version} / header size {hsize}")
     try:
-        geometry = ObjectGeometry(layers, pages, page_bytes, _DTYPES[dtype],
-                                  layout.rstrip(b"\0").decode(), tokens)
+        geometry = ObjectGeometry(layers, pages, page_bytes, _DTYPES[dtype], layout.rstrip(b"\0").decode(), tokens)
         key = ObjectKey.from_bytes(ns + chash + tag[:tag_len])
         codec_e = Codec(codec)
     except (ConfigError, IndexError, ValueError, UnicodeDecodeError) as err:
@@ -216,8 +249,19 @@ def decode_header(buf) -> ObjectHeader:
     if generated > max(tokens, 0):
         raise CorruptHeaderError(f"header says {generated} generated tokens of {tokens}")
     key_id, mac = _SEAL.unpack_from(head, _SEAL_AT)
-    return ObjectHeader(key, ChunkHash(parent), geometry, codec_e, raw_len, stored_len, digest, generated,
-                        key_id, mac, bool(flags & FLAG_ENCRYPTED))
+    return ObjectHeader(
+        key,
+        ChunkHash(parent),
+        geometry,
+        codec_e,
+        raw_len,
+        stored_len,
+        digest,
+        generated,
+        key_id,
+        mac,
+        bool(flags & FLAG_ENCRYPTED),
+    )
 
 
 def verify(buf, expected_key: ObjectKey | None = None, length: int | None = None) -> ObjectHeader:
@@ -236,6 +280,7 @@ def verify(buf, expected_key: ObjectKey | None = None, length: int | None = None
 
 
 # --- lz4: a cold-path codec for tiers where it pays -------------------------------------
+
 
 def compress(obj) -> bytes:
     """An LZ4 copy of an uncompressed, verified object (allocates: not for hot paths)."""
@@ -276,9 +321,20 @@ def sample_ratio(payload, sample_bytes: int = 1 << 20) -> float:
 
 
 __all__ = [
-    "HEADER_SIZE", "Codec", "ObjectGeometry", "ObjectHeader", "object_size", "encode_into",
-    "decode_header", "verify", "payload_view", "layer_view", "compress", "decompress_into",
-    "sample_ratio", "DIGEST_SIZE",
+    "HEADER_SIZE",
+    "Codec",
+    "ObjectGeometry",
+    "ObjectHeader",
+    "object_size",
+    "encode_into",
+    "decode_header",
+    "verify",
+    "payload_view",
+    "layer_view",
+    "compress",
+    "decompress_into",
+    "sample_ratio",
+    "DIGEST_SIZE",
 ]
 
 
@@ -311,8 +367,9 @@ def mac_input(buf, key_id: int) -> tuple[bytes, memoryview]:
     if len(view) < header.total_len:
         raise CorruptHeaderError(f"object truncated: {len(view)} of {header.total_len} bytes")
     head = bytes(view[:_SEAL_AT])
-    fields = b"".join((_MAC_DOMAIN, head[:8], head[9:40], head[64:_NS_AT], head[_NS_END:],
-                       key_id.to_bytes(2, "little")))
+    fields = b"".join(
+        (_MAC_DOMAIN, head[:8], head[9:40], head[64:_NS_AT], head[_NS_END:], key_id.to_bytes(2, "little"))
+    )
     return fields, view[HEADER_SIZE : header.total_len]
 
 
@@ -330,7 +387,7 @@ def aead_fields(buf) -> bytes:
     stored length and checksums (they differ between the plaintext and encrypted forms);
     so the codec, key id and MAC are bound too.  Same bytes for both forms of one object."""
     head = bytes(memoryview(buf).cast("B")[:HEADER_SIZE])
-    return b"".join((_AEAD_DOMAIN, head[:10], head[12:40], head[64:_NS_AT], head[_NS_END:_SEAL_AT + _SEAL.size]))
+    return b"".join((_AEAD_DOMAIN, head[:10], head[12:40], head[64:_NS_AT], head[_NS_END : _SEAL_AT + _SEAL.size]))
 
 
 def with_payload(header: ObjectHeader, encrypted: bool, stored_len: int, digest: bytes) -> bytes:

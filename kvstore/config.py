@@ -23,6 +23,7 @@ Field sets: ``TierSettings`` (host pool, SSD tier, write policy: every store, de
 once for the embedded store's ``StoreConfig``, the connector and the store process) and
 ``LeaseSettings`` (``lease_ttl``: the store process and the connector, its client).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,9 +43,22 @@ import yaml
 from kvstore.errors import ConfigError
 
 T = TypeVar("T")
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 SIZE, SECONDS = "size", "seconds"  # markers of the Annotated field types below
@@ -54,6 +68,7 @@ MAX_SECONDS = 1e7  # TTLs and timeouts beyond ~4 months are mistakes (and overfl
 
 
 # --- converting one value ----------------------------------------------------------------------
+
 
 def parse_size(value: object, what: str = "size") -> int:
     """Bytes from an int or a string such as ``512MiB``, ``8GiB``, ``1.5GB`` or ``4096``."""
@@ -126,8 +141,14 @@ def _enum(tp: type[Enum], value: object, where: str) -> Enum:
 
 
 _CONVERTERS: dict[object, Callable[[object, str], object]] = {
-    SIZE: parse_size, SECONDS: lambda v, w: _number(v, w, "a number of seconds"),
-    int: _integer, float: _number, bool: parse_bool, str: _string, Path: _path}
+    SIZE: parse_size,
+    SECONDS: lambda v, w: _number(v, w, "a number of seconds"),
+    int: _integer,
+    float: _number,
+    bool: parse_bool,
+    str: _string,
+    Path: _path,
+}
 
 
 def convert(tp: object, value: object, where: str) -> object:
@@ -164,6 +185,7 @@ def setting(default: object, doc: str) -> Any:
 
 # --- sources, merged by precedence --------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Source:
     """One layer of raw settings: values by field name, and how errors name each key."""
@@ -172,8 +194,9 @@ class Source:
     label: Callable[[str], str]
 
 
-def given(cls: type, values: Mapping[str, object] | None, where: str,
-          label: Callable[[str], str] | None = None) -> Source:
+def given(
+    cls: type, values: Mapping[str, object] | None, where: str, label: Callable[[str], str] | None = None
+) -> Source:
     """A mapping of settings (extra config, flags, a file's contents): ``-`` in a key reads as
     ``_``; an unknown key raises ``ConfigError`` naming ``where`` and the known keys."""
     names = field_types(cls)
@@ -187,8 +210,10 @@ def given(cls: type, values: Mapping[str, object] | None, where: str,
         if name not in names:
             unknown.append(repr(str(key)))
     if unknown:
-        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                          f"known: {', '.join(sorted(names))}")
+        raise ConfigError(
+            f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(names))}"
+        )
     return Source(out, label or (lambda key: f"{where}: {key}"))
 
 
@@ -233,6 +258,7 @@ def load(cls: type[T], *sources: Source) -> T:
 
 # --- secrets ------------------------------------------------------------------------------------
 
+
 def read_token_file(path: str | os.PathLike) -> str:
     """The bearer token in ``path``: its first line, stripped; ``ConfigError`` (naming the
     file, never its content) when it is unreadable or empty."""
@@ -244,8 +270,9 @@ def read_token_file(path: str | os.PathLike) -> str:
     if not token:
         raise ConfigError(f"token file {path} is empty")
     if os.stat(path).st_mode & 0o077:
-        logging.getLogger("kvstore").warning("token file %s can be read by other users (mode %o): make it 0600",
-                                             path, os.stat(path).st_mode & 0o777)
+        logging.getLogger("kvstore").warning(
+            "token file %s can be read by other users (mode %o): make it 0600", path, os.stat(path).st_mode & 0o777
+        )
     return token
 
 
@@ -262,21 +289,22 @@ def redact_url(url: str) -> str:
 
 # --- the shared field sets ----------------------------------------------------------------------
 
+
 class WritePolicy(Enum):
     """How objects published in host DRAM reach the lower tiers (one vocabulary for the
     embedded store, the store process and the connector)."""
 
     WRITE_THROUGH = "write_through"  # each committed object is copied to every lower tier
-    WRITE_BACK = "write_back"        # kept in host DRAM (never evicted unwritten), written later
-    HOST_ONLY = "host_only"          # lower tiers are read (and promoted from), never written
+    WRITE_BACK = "write_back"  # kept in host DRAM (never evicted unwritten), written later
+    HOST_ONLY = "host_only"  # lower tiers are read (and promoted from), never written
 
 
 class RetentionPolicy(Enum):
     """Which objects the host DRAM pool evicts first when a put needs room (``tiers.retention``)."""
 
-    REUSE = "reuse"        # objects used once before reused ones, least recently used first in each
+    REUSE = "reuse"  # objects used once before reused ones, least recently used first in each
     ADAPTIVE = "adaptive"  # the same two classes, each's share adapted to its evicted keys' returns (ARC)
-    LRU = "lru"            # least recently used first
+    LRU = "lru"  # least recently used first
 
 
 def check_seconds(name: str, value: float) -> None:
@@ -299,17 +327,25 @@ class TierSettings:
     host_capacity: Size = setting(1 << 30, "size of the host DRAM pool, in bytes or a string such as `512MiB`")
     ssd_dir: Path | None = setting(None, "directory of the SSD tier (none: no SSD tier)")
     ssd_capacity: Size = setting(16 << 30, "size limit of the SSD tier")
-    write_policy: WritePolicy = setting(WritePolicy.WRITE_THROUGH, (
-        "how objects in host DRAM reach the lower tiers: `write_through` (each as it is committed), "
-        "`write_back` (kept in host DRAM, unwritten ones never evicted; the oldest go down once they "
-        "exceed half the pool, and all at shutdown; not in the store process) or `host_only` "
-        "(lower tiers are only read)"))
-    host_retention: RetentionPolicy = setting(RetentionPolicy.REUSE, (
-        "which objects the host DRAM pool evicts first when a put needs room (chain tails always before their "
-        "parents; leased, read or written objects never): `reuse` (objects used once before reused ones, least "
-        "recently used first in each), `adaptive` (the same two classes, the share of each adapted online to "
-        "how often the keys it evicted come back, as in ARC) or `lru` (least recently used first); "
-        "see docs/bench-trace.md"))
+    write_policy: WritePolicy = setting(
+        WritePolicy.WRITE_THROUGH,
+        (
+            "how objects in host DRAM reach the lower tiers: `write_through` (each as it is committed), "
+            "`write_back` (kept in host DRAM, unwritten ones never evicted; the oldest go down once they "
+            "exceed half the pool, and all at shutdown; not in the store process) or `host_only` "
+            "(lower tiers are only read)"
+        ),
+    )
+    host_retention: RetentionPolicy = setting(
+        RetentionPolicy.REUSE,
+        (
+            "which objects the host DRAM pool evicts first when a put needs room (chain tails always before their "
+            "parents; leased, read or written objects never): `reuse` (objects used once before reused ones, least "
+            "recently used first in each), `adaptive` (the same two classes, the share of each adapted online to "
+            "how often the keys it evicted come back, as in ARC) or `lru` (least recently used first); "
+            "see docs/bench-trace.md"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -325,9 +361,12 @@ class LeaseSettings:
     with a slotted ``TierSettings`` subclass; the subclass's dataclass adds the slot."""
 
     __slots__ = ()
-    lease_ttl: Seconds = setting(30.0, "seconds a lease pins an object read from the store process (the "
-                                       "store's grant when a client asks for none; what the connector asks for, "
-                                       "capped at the store's `max_lease_ttl`)")
+    lease_ttl: Seconds = setting(
+        30.0,
+        "seconds a lease pins an object read from the store process (the "
+        "store's grant when a client asks for none; what the connector asks for, "
+        "capped at the store's `max_lease_ttl`)",
+    )
 
     def __post_init__(self) -> None:
         check_seconds("lease_ttl", self.lease_ttl)

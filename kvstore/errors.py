@@ -20,6 +20,7 @@ Layers (docs/architecture.md#errors):
     ``UnauthenticatedError``   a store call carries no token or an unknown one
     ``PermissionDeniedError``  the caller's token lacks the permission a call needs
 """
+
 from __future__ import annotations
 
 

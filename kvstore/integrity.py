@@ -32,6 +32,7 @@ key that made it, both in the header (``kvstore.codec``).  See docs/integrity.md
   key id the tenant does not hold, raises ``ForgedObjectError``.  A decrypted object needs no
   MAC check: the tag already proved the tenant's key made it, header and MAC included.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -91,8 +92,9 @@ class Keyring:
                 raise ConfigError(f"key id {kid}: ids are 1-65535 and keys {KEY_SIZE} bytes")
 
     def __repr__(self) -> str:  # never the keys
-        return (f"Keyring(tenant={self.tenant!r}, ids={sorted(self.keys)}, current={self.current}, "
-                f"encrypt={self.encrypt})")
+        return (
+            f"Keyring(tenant={self.tenant!r}, ids={sorted(self.keys)}, current={self.current}, encrypt={self.encrypt})"
+        )
 
     def encrypting(self, on: bool) -> Keyring:
         """The same keys, with encryption at rest ``on`` or off."""
@@ -135,8 +137,7 @@ class Deployment:
 class KeySource:
     """What a keys file gave: a deployment (any tenant's keys) or one tenant's keys."""
 
-    def __init__(self, deployment: Deployment | None = None, tenant: Keyring | None = None,
-                 origin: str = "") -> None:
+    def __init__(self, deployment: Deployment | None = None, tenant: Keyring | None = None, origin: str = "") -> None:
         self.deployment, self.tenant, self.origin = deployment, tenant, origin
         self._rings: dict[str, Keyring] = {}
 
@@ -144,8 +145,7 @@ class KeySource:
         """``tenant``'s keys (a tenant key file: its own tenant only, which ``None`` names)."""
         if self.tenant is not None:
             if tenant is not None and tenant != self.tenant.tenant:
-                raise ConfigError(f"{self.origin}: holds the keys of tenant {self.tenant.tenant!r}, "
-                                  f"not {tenant!r}")
+                raise ConfigError(f"{self.origin}: holds the keys of tenant {self.tenant.tenant!r}, not {tenant!r}")
             return self.tenant
         assert self.deployment is not None
         tenant = DEFAULT_TENANT if tenant is None else tenant
@@ -156,6 +156,7 @@ class KeySource:
 
 
 # --- files ----------------------------------------------------------------------------------
+
 
 def default_keys_path() -> Path:
     """``$KVSTORE_STATE_DIR/keys.json``, else ``$XDG_STATE_HOME/kvstore/keys.json``, else
@@ -188,11 +189,18 @@ def _parse(text: str, origin: str) -> KeySource:
 
 def dump(source: Deployment | Keyring) -> str:
     if isinstance(source, Deployment):
-        doc = {"format": DEPLOYMENT_FORMAT, "current": source.current,
-               "keys": {str(k): v.hex() for k, v in sorted(source.secrets.items())}}
+        doc = {
+            "format": DEPLOYMENT_FORMAT,
+            "current": source.current,
+            "keys": {str(k): v.hex() for k, v in sorted(source.secrets.items())},
+        }
     else:
-        doc = {"format": TENANT_FORMAT, "tenant": source.tenant, "current": source.current,
-               "keys": {str(k): v.hex() for k, v in sorted(source.keys.items())}}
+        doc = {
+            "format": TENANT_FORMAT,
+            "tenant": source.tenant,
+            "current": source.current,
+            "keys": {str(k): v.hex() for k, v in sorted(source.keys.items())},
+        }
     return json.dumps(doc, indent=1) + "\n"
 
 
@@ -234,8 +242,7 @@ def load_keys(path: Path | str | None = None, env: Mapping[str, str] | None = No
     if path:
         return read_file(Path(path))
     if env.get(ENV_KEYS):
-        log.warning("kvstore: MAC keys taken from the %s environment variable; a 0600 keys file "
-                    "leaks less", ENV_KEYS)
+        log.warning("kvstore: MAC keys taken from the %s environment variable; a 0600 keys file leaks less", ENV_KEYS)
         return _parse(env[ENV_KEYS], ENV_KEYS)
     default = default_keys_path()
     if not default.exists():
@@ -245,12 +252,15 @@ def load_keys(path: Path | str | None = None, env: Mapping[str, str] | None = No
         except FileExistsError:
             pass  # another process made it first: read theirs
         except OSError as err:
-            raise ConfigError(f"cannot create the default keys file {default} ({err.strerror}); "
-                              f"give one with keys_file / --keys-file or set KVSTORE_STATE_DIR") from None
+            raise ConfigError(
+                f"cannot create the default keys file {default} ({err.strerror}); "
+                f"give one with keys_file / --keys-file or set KVSTORE_STATE_DIR"
+            ) from None
     return read_file(default)
 
 
 # --- sealing ----------------------------------------------------------------------------------
+
 
 def seal(buf, ring: Keyring) -> None:
     """Write ``ring``'s current key id and the MAC into the header of the whole,
@@ -271,6 +281,7 @@ def check(buf, ring: Keyring) -> int:
 
 
 # --- encryption at rest ----------------------------------------------------------------------
+
 
 def encrypt(obj, ring: Keyring, out: bytearray | None = None) -> memoryview:
     """The encrypted copy of the sealed object in ``obj`` (any codec: compress first), under
@@ -313,8 +324,9 @@ def decrypt_in_place(buf, ring: Keyring) -> codec.ObjectHeader:
     if len(view) < header.total_len:
         raise ForgedObjectError(f"encrypted object {header.key!r} truncated")
     tail = bytes(view[at + n : header.total_len])
-    dec = Cipher(algorithms.AES(ring.cipher_key(header.key_id)),
-                 modes.GCM(tail[codec.AEAD_TAG:], tail[: codec.AEAD_TAG])).decryptor()
+    dec = Cipher(
+        algorithms.AES(ring.cipher_key(header.key_id)), modes.GCM(tail[codec.AEAD_TAG :], tail[: codec.AEAD_TAG])
+    ).decryptor()
     dec.authenticate_additional_data(codec.aead_fields(view))
     dec.update_into(view[at : at + n], view[at : at + n])
     try:
@@ -325,7 +337,22 @@ def decrypt_in_place(buf, ring: Keyring) -> codec.ObjectHeader:
     return codec.decode_header(view)
 
 
-__all__ = ["DEFAULT_TENANT", "Deployment", "ForgedObjectError", "KeySource", "Keyring", "MAC_SIZE",
-           "check", "decrypt_in_place", "default_keys_path", "derive", "encrypt", "dump", "load_keys",
-           "new_deployment", "read_file",
-           "seal", "write_private"]
+__all__ = [
+    "DEFAULT_TENANT",
+    "Deployment",
+    "ForgedObjectError",
+    "KeySource",
+    "Keyring",
+    "MAC_SIZE",
+    "check",
+    "decrypt_in_place",
+    "default_keys_path",
+    "derive",
+    "encrypt",
+    "dump",
+    "load_keys",
+    "new_deployment",
+    "read_file",
+    "seal",
+    "write_private",
+]

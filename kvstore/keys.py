@@ -17,6 +17,7 @@ Used on every side (scheduler, worker, server).  The contract (docs/architecture
 ``ChunkHash``, ``Namespace`` and ``ObjectKey`` are ``bytes`` subclasses: typed, immutable,
 hashable, and as small as possible, because the host index keeps one key per object.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -269,10 +270,10 @@ class ObjectKey(bytes):
 
     def printable(self) -> str:
         """``<namespace hex>.<chunk hash hex>.<tag>``: safe as a file name and a Redis key."""
-        return f"{self[:DIGEST_SIZE].hex()}.{self[DIGEST_SIZE:2 * DIGEST_SIZE].hex()}.{self.tag}"
+        return f"{self[:DIGEST_SIZE].hex()}.{self[DIGEST_SIZE : 2 * DIGEST_SIZE].hex()}.{self.tag}"
 
     def __repr__(self) -> str:
-        return f"ObjectKey({self[:4].hex()}….{self[DIGEST_SIZE:DIGEST_SIZE + 6].hex()}….{self.tag})"
+        return f"ObjectKey({self[:4].hex()}….{self[DIGEST_SIZE : DIGEST_SIZE + 6].hex()}….{self.tag})"
 
     __str__ = __repr__
 

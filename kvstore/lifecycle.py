@@ -13,6 +13,7 @@ Two different protections, never confused:
   * a buffer reference count (held by the tier, see ``tiers/host.py``) or an in-flight copy
     counted on the ticket protects *memory*.  A lease expiring never frees memory.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -29,12 +30,12 @@ Clock = Callable[[], float]
 
 
 class LoadState(Enum):
-    LOOKED_UP = "looked_up"      # an index said the object exists in a tier
-    READABLE = "readable"        # a lease on it is held
-    IN_BUFFER = "in_buffer"      # bytes are in our staging buffer, checksum verified
-    ON_DEVICE = "on_device"      # the copy into device memory completed (event)
-    CONSUMABLE = "consumable"    # pages scattered into engine blocks; compute may read them
-    RELEASED = "released"        # staging buffer and lease returned
+    LOOKED_UP = "looked_up"  # an index said the object exists in a tier
+    READABLE = "readable"  # a lease on it is held
+    IN_BUFFER = "in_buffer"  # bytes are in our staging buffer, checksum verified
+    ON_DEVICE = "on_device"  # the copy into device memory completed (event)
+    CONSUMABLE = "consumable"  # pages scattered into engine blocks; compute may read them
+    RELEASED = "released"  # staging buffer and lease returned
     FAILED = "failed"
     CANCELLED = "cancelled"
 
@@ -42,8 +43,8 @@ class LoadState(Enum):
 class SaveState(Enum):
     GATHER_ISSUED = "gather_issued"  # device→host copy submitted
     SNAPSHOT_DONE = "snapshot_done"  # its event completed: engine may free/reuse the blocks
-    STORED = "stored"                # complete in a tier, visible to lookups
-    PERSISTED = "persisted"          # also written to a lower, durable tier
+    STORED = "stored"  # complete in a tier, visible to lookups
+    PERSISTED = "persisted"  # also written to a lower, durable tier
     RELEASED = "released"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -88,8 +89,13 @@ class Ticket:
 
     _ids = itertools.count(1)
 
-    def __init__(self, initial: Enum, label: str = "", clock: Clock = time.monotonic,
-                 on_release: Callable[[Ticket], None] | None = None) -> None:
+    def __init__(
+        self,
+        initial: Enum,
+        label: str = "",
+        clock: Clock = time.monotonic,
+        on_release: Callable[[Ticket], None] | None = None,
+    ) -> None:
         self.id = next(Ticket._ids)
         self.label = label
         self._clock = clock

@@ -17,6 +17,7 @@ in a file only its user can read, at ``default_token_path()``:
 Another uid cannot read the file, so its calls carry no token the store knows and are
 refused.  Nothing here logs or raises the token itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,7 +71,7 @@ def ensure_token(path: Path | None = None) -> str:
             finally:
                 os.close(fd)
             try:
-                os.link(tmp, path)          # fails if another server made it meanwhile: use theirs
+                os.link(tmp, path)  # fails if another server made it meanwhile: use theirs
             except FileExistsError:
                 pass
             finally:

@@ -4,6 +4,7 @@
 names its denominator.  ``prometheus()`` returns process-wide counters (created once, so
 two connector instances in one process share them instead of colliding).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,13 +48,26 @@ class HitStats:
     def __post_init__(self) -> None:
         self._stage_samples: dict[str, deque[float]] = {}
 
-    def log_request(self, prompt_tokens: int, hit_tokens: int, tiers: dict[str, int], salted: bool,
-                    decision: dict | None = None, req_id: str | None = None, generated: int = 0,
-                    chunks: list[dict] | None = None) -> dict[str, object]:
+    def log_request(
+        self,
+        prompt_tokens: int,
+        hit_tokens: int,
+        tiers: dict[str, int],
+        salted: bool,
+        decision: dict | None = None,
+        req_id: str | None = None,
+        generated: int = 0,
+        chunks: list[dict] | None = None,
+    ) -> dict[str, object]:
         """Append one request's entry (``chunks``: where each hit object came from) and
         return it: its load's stage times are added once the worker reports them."""
-        entry: dict[str, object] = {"prompt_tokens": prompt_tokens, "hit_tokens": hit_tokens, "tiers": tiers,
-                                    "salted": salted, "generated_hit_tokens": generated}
+        entry: dict[str, object] = {
+            "prompt_tokens": prompt_tokens,
+            "hit_tokens": hit_tokens,
+            "tiers": tiers,
+            "salted": salted,
+            "generated_hit_tokens": generated,
+        }
         if req_id is not None:
             entry["req_id"] = req_id
         if decision is not None:
@@ -61,7 +75,7 @@ class HitStats:
         if chunks is not None:
             entry["chunks"] = chunks
         self.recent.append(entry)
-        del self.recent[:-self.RECENT_MAX]
+        del self.recent[: -self.RECENT_MAX]
         return entry
 
     def observe_stage(self, stage: str, seconds: float) -> None:
@@ -78,8 +92,17 @@ class HitStats:
         d = getattr(self, table)
         d[key] = d.get(key, 0) + n
 
-    COUNTERS = ("requests", "requests_hit", "tokens_looked_up", "tokens_hit", "tokens_hit_generated",
-                "chunks_looked_up", "chunks_hit", "prefetches", "saves_committed")
+    COUNTERS = (
+        "requests",
+        "requests_hit",
+        "tokens_looked_up",
+        "tokens_hit",
+        "tokens_hit_generated",
+        "chunks_looked_up",
+        "chunks_hit",
+        "prefetches",
+        "saves_committed",
+    )
     TABLES = ("tokens_hit_by_tier", "bytes_by_tier", "failures", "not_cached", "decisions", "resets")
 
     def flat_counters(self) -> dict[str, int]:
@@ -92,12 +115,14 @@ class HitStats:
     def rates(self) -> dict[str, str]:
         def r(a: int, b: int, what: str) -> str:
             return f"{a}/{b} {what} ({100.0 * a / b:.1f}%)" if b else f"0/0 {what}"
+
         return {
             "token_hit_rate": r(self.tokens_hit, self.tokens_looked_up, "hit tokens / looked-up prompt tokens"),
             "chunk_hit_rate": r(self.chunks_hit, self.chunks_looked_up, "hit chunks / looked-up full chunks"),
             "request_hit_rate": r(self.requests_hit, self.requests, "requests with a hit / requests"),
-            "generated_hit_share": r(self.tokens_hit_generated, self.tokens_hit,
-                                     "hit tokens that were generated / hit tokens"),
+            "generated_hit_share": r(
+                self.tokens_hit_generated, self.tokens_hit, "hit tokens that were generated / hit tokens"
+            ),
         }
 
     def to_json(self) -> dict[str, object]:
@@ -130,36 +155,46 @@ def prometheus() -> dict[str, Any]:
                 request_hits=Counter("kvstore_request_hits", "Requests with at least one loaded chunk"),
                 chunks=Counter("kvstore_looked_up_chunks", "Full chunks looked up"),
                 chunk_hits=Counter("kvstore_chunk_hits", "Chunks loaded"),
-                hit_tokens_generated=Counter("kvstore_hit_tokens_generated",
-                                             "Hit tokens that an engine had generated (earlier answers)"),
+                hit_tokens_generated=Counter(
+                    "kvstore_hit_tokens_generated", "Hit tokens that an engine had generated (earlier answers)"
+                ),
                 bytes=Counter("kvstore_bytes", "Bytes moved", ["tier", "direction"]),
                 failures=Counter("kvstore_failures", "Failures by tier and reason", ["tier", "reason"]),
-                not_cached=Counter("kvstore_requests_not_cached", "Requests the connector neither looks "
-                                   "up nor saves, by reason (no_prompt_tokens: an embeddings prompt; "
-                                   "multimodal_unhashed: an item without an identifier)",
-                                   ["reason"]),
+                not_cached=Counter(
+                    "kvstore_requests_not_cached",
+                    "Requests the connector neither looks "
+                    "up nor saves, by reason (no_prompt_tokens: an embeddings prompt; "
+                    "multimodal_unhashed: an item without an identifier)",
+                    ["reason"],
+                ),
                 stage=Histogram("kvstore_stage_seconds", "Time to reach each lifecycle stage", ["stage"]),
-                decisions=Counter("kvstore_load_decisions", "Load-or-recompute decisions per request "
-                                  "(miss, load, partial, recompute)", ["outcome"]),
-                decision_seconds=Counter("kvstore_decision_seconds", "Predicted seconds of the decided "
-                                         "hits, to load (chosen prefix) and to recompute (whole hit)",
-                                         ["kind"]),
-                resets=Counter("kvstore_cache_resets", "Connector cache resets (reset_cache: weights may "
-                               "have changed in memory)"),
+                decisions=Counter(
+                    "kvstore_load_decisions",
+                    "Load-or-recompute decisions per request (miss, load, partial, recompute)",
+                    ["outcome"],
+                ),
+                decision_seconds=Counter(
+                    "kvstore_decision_seconds",
+                    "Predicted seconds of the decided hits, to load (chosen prefix) and to recompute (whole hit)",
+                    ["kind"],
+                ),
+                resets=Counter(
+                    "kvstore_cache_resets", "Connector cache resets (reset_cache: weights may have changed in memory)"
+                ),
                 reset_seconds=Counter("kvstore_cache_reset_seconds", "Seconds spent in connector cache resets"),
-                params_unknown=Counter("kvstore_params_unknown_keys", "Requests whose kv_transfer_params.kvstore "
-                                       "held keys this version does not know (ignored)"),
+                params_unknown=Counter(
+                    "kvstore_params_unknown_keys",
+                    "Requests whose kv_transfer_params.kvstore held keys this version does not know (ignored)",
+                ),
                 probes=Counter("kvstore_tier_probes", "Background reads that re-measure a stale tier", ["tier"]),
-                waits=Counter("kvstore_lookup_waits", "Lookups that waited, and how they ended",
-                              ["on", "outcome"]),
-                breaker_open=Gauge("kvstore_breaker_open", "Circuit breakers open now, per network tier",
-                                   ["tier"]),
+                waits=Counter("kvstore_lookup_waits", "Lookups that waited, and how they ended", ["on", "outcome"]),
+                breaker_open=Gauge("kvstore_breaker_open", "Circuit breakers open now, per network tier", ["tier"]),
                 tier_objects=Gauge("kvstore_tier_objects", "Objects held, per tier", ["tier"]),
                 tier_bytes_used=Gauge("kvstore_tier_bytes_used", "Bytes held, per tier", ["tier"]),
-                tier_capacity=Gauge("kvstore_tier_capacity_bytes", "Capacity, per tier (0: unbounded "
-                                    "or unknown)", ["tier"]),
-                tier_evictions=Gauge("kvstore_tier_evictions", "Objects evicted since start, per tier",
-                                     ["tier"]),
+                tier_capacity=Gauge(
+                    "kvstore_tier_capacity_bytes", "Capacity, per tier (0: unbounded or unknown)", ["tier"]
+                ),
+                tier_evictions=Gauge("kvstore_tier_evictions", "Objects evicted since start, per tier", ["tier"]),
             )
         return _PROM
 
@@ -167,8 +202,12 @@ def prometheus() -> dict[str, Any]:
 def set_tier_gauges(prom: dict[str, Any], tiers: dict[str, dict[str, Any]]) -> None:
     """The per-tier gauges from each tier's ``TierStats.as_dict()``."""
     for name, t in tiers.items():
-        for gauge, key in (("tier_objects", "objects"), ("tier_bytes_used", "bytes_used"),
-                           ("tier_capacity", "capacity_bytes"), ("tier_evictions", "evictions"),
-                           ("breaker_open", "breaker_open")):
+        for gauge, key in (
+            ("tier_objects", "objects"),
+            ("tier_bytes_used", "bytes_used"),
+            ("tier_capacity", "capacity_bytes"),
+            ("tier_evictions", "evictions"),
+            ("breaker_open", "breaker_open"),
+        ):
             if key in t:
                 prom[gauge].labels(name).set(float(t[key]))

@@ -26,6 +26,7 @@ time (a slow one must not pile more reads on a congested link), and a reading ta
 a long silence replaces the estimate instead of being averaged into it.  Every ``Decision`` carries its inputs for
 the stats and metrics.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,11 +78,11 @@ class Span:
 class Decision:
     """How many spans of a hit to load, and why (inputs included, for stats and metrics)."""
 
-    load: int                 # spans to load (a prefix of the hit)
-    hit: int                  # spans found
-    load_s: float             # predicted time to load the chosen prefix
-    recompute_s: float        # predicted time to recompute the chosen prefix
-    hit_recompute_s: float    # predicted time to recompute the whole hit
+    load: int  # spans to load (a prefix of the hit)
+    hit: int  # spans found
+    load_s: float  # predicted time to load the chosen prefix
+    recompute_s: float  # predicted time to recompute the chosen prefix
+    hit_recompute_s: float  # predicted time to recompute the whole hit
     probe: str | None = None  # a stale tier to re-measure in the background
     tiers: tuple[str, ...] = ()
 
@@ -94,10 +95,16 @@ class Decision:
         return "load" if self.load == self.hit else "partial"
 
     def as_dict(self) -> dict[str, object]:
-        return {"outcome": self.outcome, "load": self.load, "hit": self.hit,
-                "load_ms": round(self.load_s * 1e3, 3), "recompute_ms": round(self.recompute_s * 1e3, 3),
-                "hit_recompute_ms": round(self.hit_recompute_s * 1e3, 3), "probe": self.probe,
-                "tiers": list(self.tiers)}
+        return {
+            "outcome": self.outcome,
+            "load": self.load,
+            "hit": self.hit,
+            "load_ms": round(self.load_s * 1e3, 3),
+            "recompute_ms": round(self.recompute_s * 1e3, 3),
+            "hit_recompute_ms": round(self.hit_recompute_s * 1e3, 3),
+            "probe": self.probe,
+            "tiers": list(self.tiers),
+        }
 
 
 class PrefillFit:
@@ -111,12 +118,13 @@ class PrefillFit:
     Steps of other shapes (decodes, remainders after a hit) identify the overhead.
     ``forget`` discounts old steps."""
 
-    def __init__(self, tokens_per_s: float, slope_weight: float = 0.02, overhead_weight: float = 50.0,
-                 forget: float = 0.9) -> None:
+    def __init__(
+        self, tokens_per_s: float, slope_weight: float = 0.02, overhead_weight: float = 50.0, forget: float = 0.9
+    ) -> None:
         self.forget = forget
         self._prior = np.array([0.0, 1.0 / tokens_per_s, 0.0])
         scale = np.array([1.0, 2048.0, 2048.0])  # typical feature sizes: the ridge is per unit
-        self._ridge = np.diag(np.array([overhead_weight, slope_weight, slope_weight]) * scale ** 2)
+        self._ridge = np.diag(np.array([overhead_weight, slope_weight, slope_weight]) * scale**2)
         self._xx = np.zeros((3, 3))
         self._xy = np.zeros(3)
         self.coef = self._prior.copy()
@@ -132,7 +140,7 @@ class PrefillFit:
         rhs = self._xy + self._ridge @ self._prior
         coef = np.linalg.solve(lhs, rhs)
         coef[1] = max(coef[1], 1e-9)  # a token never costs nothing
-        coef[2] = max(coef[2], 0.0)   # nor less for being deeper
+        coef[2] = max(coef[2], 0.0)  # nor less for being deeper
         self.coef = coef
         self.observations += 1
 
@@ -161,8 +169,8 @@ class CostModel:
     latency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_LATENCY))
     _fit: PrefillFit = field(init=False)
     _measured: dict[str, float] = field(default_factory=dict)  # tier -> when last measured
-    _probed: dict[str, float] = field(default_factory=dict)    # tier -> when last probed
-    _probing: set[str] = field(default_factory=set)            # tiers with a probe in flight
+    _probed: dict[str, float] = field(default_factory=dict)  # tier -> when last probed
+    _probing: set[str] = field(default_factory=set)  # tiers with a probe in flight
     _lock: threading.Lock = field(default_factory=threading.Lock)  # guards the rates, the fit, _measured, _probed
 
     def __post_init__(self) -> None:
@@ -220,8 +228,7 @@ class CostModel:
             if total > best:
                 best_k, best, chosen = i + 1, total, (load_s, rec_s)
         probe = self._probe(spans, best_k, host)
-        return Decision(best_k, len(spans), chosen[0], chosen[1], rec_s, probe,
-                        tuple(s.tier for s in spans))
+        return Decision(best_k, len(spans), chosen[0], chosen[1], rec_s, probe, tuple(s.tier for s in spans))
 
     def _probe(self, spans: Sequence[Span], k: int, host: str) -> str | None:
         """A tier of the spans not loaded that has not been measured for a while."""
@@ -245,8 +252,12 @@ class CostModel:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             a, b, c = (float(v) for v in (self._fit.coef[1], self._fit.coef[2], self._fit.coef[0]))
-            d = {"prefill_tokens_per_s": 1.0 / a, "seconds_per_token": a,
-                 "seconds_per_token_per_1k_depth": b, "step_overhead_s": c,
-                 "prefill_steps_observed": self._fit.observations}
+            d = {
+                "prefill_tokens_per_s": 1.0 / a,
+                "seconds_per_token": a,
+                "seconds_per_token_per_1k_depth": b,
+                "step_overhead_s": c,
+                "prefill_steps_observed": self._fit.observations,
+            }
             d.update({f"bandwidth_{k}": v.value for k, v in self.bandwidth.items()})
         return d

@@ -21,6 +21,7 @@ a time, ``WRITE_SLICE`` events between yielding the GIL, and the rest at ``flush
 so no caller waits for JSON or the disk (and a flush holds the GIL for well under a
 millisecond at a time).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-FLUSH_EVERY = 8192   # events buffered before the writer thread takes them
-WRITE_SLICE = 64     # events the writer encodes between giving the GIL away
+FLUSH_EVERY = 8192  # events buffered before the writer thread takes them
+WRITE_SLICE = 64  # events the writer encodes between giving the GIL away
 
 
 class Tracer:
@@ -68,8 +69,9 @@ class Tracer:
         self._add(("M", tid, "thread_sort_index", {"sort_index": tid if order is None else order}))
         return tid
 
-    def span(self, tid: int, name: str, start: float, end: float, args: dict | None = None,
-             cat: str = "kvstore") -> None:
+    def span(
+        self, tid: int, name: str, start: float, end: float, args: dict | None = None, cat: str = "kvstore"
+    ) -> None:
         """A span of track ``tid`` from ``start`` to ``end`` (``time.monotonic()`` seconds)."""
         self._add(("X", tid, name, args, cat, start, end))
 
@@ -114,8 +116,12 @@ class Tracer:
                 batch[0][1].set()
                 continue
             for i in range(0, len(batch), WRITE_SLICE):
-                self._file.write("".join(json.dumps(self._event(e), separators=(",", ":"), default=str) + ",\n"
-                                         for e in batch[i:i + WRITE_SLICE]))
+                self._file.write(
+                    "".join(
+                        json.dumps(self._event(e), separators=(",", ":"), default=str) + ",\n"
+                        for e in batch[i : i + WRITE_SLICE]
+                    )
+                )
                 time.sleep(0)  # let the engine's threads have the GIL: they never wait for this one long
             self._file.flush()
         self._file.write("{}]\n")
@@ -146,7 +152,7 @@ class Lanes:
     def __init__(self, tracer: Tracer, name: str, order: int | None = None) -> None:
         self.tracer, self.name, self.order = tracer, name, order
         self._lock = threading.Lock()  # guards _ends
-        self._ends: list[float] = []   # per lane: when its last span ended
+        self._ends: list[float] = []  # per lane: when its last span ended
 
     def span(self, name: str, start: float, end: float, args: dict | None = None) -> None:
         with self._lock:

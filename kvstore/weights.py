@@ -22,6 +22,7 @@ hashed keeps its stamps, so a digest is recorded only when the file was last cha
 least ``RACY_WINDOW_NS`` before hashing began.  The sidecar is written atomically (temp
 file, then rename); a missing, corrupt or unreadable sidecar only means a rehash.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -41,10 +42,9 @@ import xxhash
 
 log = logging.getLogger("kvstore.connector")
 
-INCLUDED = ("*.json", "*.py", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf",
-            "*.model", "*.tiktoken", "*.txt")
+INCLUDED = ("*.json", "*.py", "*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.model", "*.tiktoken", "*.txt")
 DIGEST_FORMAT = "kvstore/weights/xxh3-128/piece64MiB/v1"
-PIECE_BYTES = 64 << 20        # part of DIGEST_FORMAT: changing it changes every digest
+PIECE_BYTES = 64 << 20  # part of DIGEST_FORMAT: changing it changes every digest
 RACY_WINDOW_NS = 1_000_000_000
 CACHE_ENV = "KVSTORE_IDENTITY_CACHE"
 
@@ -101,8 +101,9 @@ def default_threads() -> int:
     return max(2, min(8, os.cpu_count() or 1))
 
 
-def digest_dir(root: Path | str, *, threads: int | None = None, cache_dir: Path | None = None,
-               racy_window_ns: int = RACY_WINDOW_NS) -> str:
+def digest_dir(
+    root: Path | str, *, threads: int | None = None, cache_dir: Path | None = None, racy_window_ns: int = RACY_WINDOW_NS
+) -> str:
     """Hex digest (32 characters) over the names, sizes and contents of ``model_files(root)``."""
     root = Path(root)
     files = model_files(root)
@@ -123,8 +124,9 @@ def digest_dir(root: Path | str, *, threads: int | None = None, cache_dir: Path 
     return top.hexdigest()[:32]
 
 
-def _trusted(keys: dict[str, FileKey], digests: dict[str, str], hashed: list[Path],
-             changed_before_ns: int) -> dict[FileKey, str]:
+def _trusted(
+    keys: dict[str, FileKey], digests: dict[str, str], hashed: list[Path], changed_before_ns: int
+) -> dict[FileKey, str]:
     """Entries safe to record: unchanged while hashed, and last changed before the window."""
     out = {keys[n]: d for n, d in digests.items()}
     for path in hashed:
@@ -160,8 +162,7 @@ def _hash_piece(path: Path, offset: int, length: int) -> bytes:
     (SIGBUS); the size is checked once more after mapping to narrow that window."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        m = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                      prot=mmap.PROT_READ, offset=offset)
+        m = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ, offset=offset)
         if os.fstat(fd).st_size < offset + length:
             m.close()
             raise OSError(f"{path} shrank while it was hashed")
@@ -177,6 +178,7 @@ def _hash_piece(path: Path, offset: int, length: int) -> bytes:
 
 
 # ---- the sidecar ---------------------------------------------------------------------------
+
 
 def cache_root() -> Path:
     """``$KVSTORE_IDENTITY_CACHE``, else ``$XDG_CACHE_HOME/kvstore/identity``, else
@@ -206,8 +208,11 @@ def _load(path: Path) -> dict[FileKey, str]:
 
 
 def _save(path: Path, root: Path, entries: dict[FileKey, str]) -> None:
-    doc = {"format": DIGEST_FORMAT, "dir": os.path.realpath(root),
-           "files": [{"key": list(astuple(k)), "digest": d} for k, d in entries.items()]}
+    doc = {
+        "format": DIGEST_FORMAT,
+        "dir": os.path.realpath(root),
+        "files": [{"key": list(astuple(k)), "digest": d} for k, d in entries.items()],
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

@@ -1,4 +1,5 @@
 """Fixtures shared by every test package."""
+
 from __future__ import annotations
 
 import atexit
@@ -55,7 +56,7 @@ def tiny2_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_f32_model(tmp_path_factory) -> Path:
-    """"tiny" in float32 (a sharp hit-vs-recompute oracle), built once per session."""
+    """ "tiny" in float32 (a sharp hit-vs-recompute oracle), built once per session."""
     return tinymodel.build_named(tmp_path_factory.mktemp("models") / "tiny-f32", "tiny-f32")
 
 
@@ -97,8 +98,9 @@ def openai_servers(request, tmp_path, tiny_f32_model):
 
 @pytest.fixture(scope="session")
 def _reference_server_session(tmp_path_factory, tiny_f32_model):
-    server = OpenAIServer(tiny_f32_model, tmp_path_factory.mktemp("openai-reference"), name="reference",
-                          prefix_caching=False)
+    server = OpenAIServer(
+        tiny_f32_model, tmp_path_factory.mktemp("openai-reference"), name="reference", prefix_caching=False
+    )
     try:
         yield server.start()
     finally:

@@ -11,6 +11,7 @@ runs.  Not thread-safe: its owner locks around it.
   allocated once: no per-slot Python objects, which keeps the host index small
   (``size_of(offset)``) and makes double frees detectable.
 """
+
 from __future__ import annotations
 
 from array import array

@@ -23,6 +23,7 @@ Contract (docs/architecture.md#tiers):
   come from any thread, with the tier's own lock held: a listener must be quick, must not
   block and must never call back into the tier.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ class Removal(Enum):
     EXPIRED = "expired"  # its TTL ran out (Redis ``ttl_s``)
     CORRUPT = "corrupt"  # it failed verification and was deleted
     DELETED = "deleted"  # someone deleted it
-    RESET = "reset"      # its engine reset its cache (weights may have changed in memory)
+    RESET = "reset"  # its engine reset its cache (weights may have changed in memory)
 
 
 @runtime_checkable
@@ -75,10 +76,10 @@ def listen(tier: Tier, listener: Residency) -> None:
 
 
 class PutResult(Enum):
-    STORED = "stored"    # newly published
-    EXISTS = "exists"    # already present (content addressing makes this a success)
+    STORED = "stored"  # newly published
+    EXISTS = "exists"  # already present (content addressing makes this a success)
     NO_ROOM = "no_room"  # nothing could be evicted to make room right now
-    FAILED = "failed"    # the write failed; nothing was published
+    FAILED = "failed"  # the write failed; nothing was published
 
 
 @dataclass(slots=True)
@@ -91,7 +92,7 @@ class PutHandle:
     parent: ObjectKey | None = None
     buffer: memoryview | None = None
     token: object = None  # tier-private state (slot offset, temp file, ...)
-    offset: int = -1      # where ``buffer`` starts in the tier's pool, when it has one
+    offset: int = -1  # where ``buffer`` starts in the tier's pool, when it has one
 
 
 @dataclass(slots=True)

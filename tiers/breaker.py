@@ -14,6 +14,7 @@ loop; ``stats()`` may be read from any thread.  At most one probe loop runs at a
 breaker opened outside a running loop starts its probe at the first ``allow()`` inside one;
 after ``aclose()`` no probe starts again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,18 +29,24 @@ log = logging.getLogger("kvstore.breaker")
 
 @dataclass(slots=True)
 class BreakerStats:
-    opened: int = 0          # CLOSED -> OPEN transitions
-    closed: int = 0          # OPEN -> CLOSED transitions (backend came back)
-    rejected: int = 0        # calls answered without touching the backend
-    probes: int = 0          # background probes attempted
-    failures: int = 0        # transport failures recorded
+    opened: int = 0  # CLOSED -> OPEN transitions
+    closed: int = 0  # OPEN -> CLOSED transitions (backend came back)
+    rejected: int = 0  # calls answered without touching the backend
+    probes: int = 0  # background probes attempted
+    failures: int = 0  # transport failures recorded
 
 
 class CircuitBreaker:
     """``allow()`` before a call; ``failure(err)`` / ``success()`` after it."""
 
-    def __init__(self, name: str, probe: Callable[[], Awaitable[object]], *,
-                 retry_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        probe: Callable[[], Awaitable[object]],
+        *,
+        retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if retry_s <= 0:
             raise ValueError(f"retry_s must be positive, got {retry_s}")
         self.name = name
@@ -80,8 +87,7 @@ class CircuitBreaker:
             return
         self._open_since = self._clock()
         self.counters.opened += 1
-        log.warning("kvstore: %s is unavailable (%s); answering misses until it is back",
-                    self.name, self._last_error)
+        log.warning("kvstore: %s is unavailable (%s); answering misses until it is back", self.name, self._last_error)
         self._start_probe()
 
     def _start_probe(self) -> None:
@@ -123,6 +129,11 @@ class CircuitBreaker:
 
     def stats(self) -> dict[str, float]:
         c = self.counters
-        return {"breaker_open": float(self.is_open), "breaker_opened": c.opened,
-                "breaker_closed": c.closed, "breaker_rejected": c.rejected,
-                "breaker_probes": c.probes, "breaker_failures": c.failures}
+        return {
+            "breaker_open": float(self.is_open),
+            "breaker_opened": c.opened,
+            "breaker_closed": c.closed,
+            "breaker_rejected": c.rejected,
+            "breaker_probes": c.probes,
+            "breaker_failures": c.failures,
+        }

@@ -4,6 +4,7 @@ reused ones, ``tiers.host_slots``).
 
 Pure and tiny on purpose: each tier decides what is protected (referenced, leased, being
 read) and what "has a child present" means, and passes only its unprotected objects."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -16,6 +16,7 @@ its own pool.  The memory, by ``Backing``:
 freeing every object it may evict would leave a hole it fits in, so a put that cannot fit
 evicts nothing.  Bookkeeping only: ``HostTier`` guards every pool with its lock.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -34,17 +35,24 @@ if TYPE_CHECKING:
 
 
 class Backing(Enum):
-    PRIVATE = "private"   # this process's memory
-    NAMED = "named"       # a /dev/shm file, mapped by name
-    MEMFD = "memfd"       # an anonymous memfd, handed out as a descriptor
+    PRIVATE = "private"  # this process's memory
+    NAMED = "named"  # a /dev/shm file, mapped by name
+    MEMFD = "memfd"  # an anonymous memfd, handed out as a descriptor
 
 
 class HostPool:
     """One buffer carved into slots (see the module docstring)."""
 
-    def __init__(self, name: str, capacity: int, alignment: int, backing: Backing,
-                 pin: bool | None, reuse_window: float = 1.0,
-                 retention: RetentionPolicy = RetentionPolicy.REUSE) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        alignment: int,
+        backing: Backing,
+        pin: bool | None,
+        reuse_window: float = 1.0,
+        retention: RetentionPolicy = RetentionPolicy.REUSE,
+    ) -> None:
         self.name = name
         self.alloc = SlotAllocator(capacity, alignment)
         self.shm: SharedPoolView | None = None
@@ -75,8 +83,13 @@ class HostPool:
         return self.shm if isinstance(self.shm, MemfdPool) else None
 
     def stats(self) -> dict[str, int]:
-        return {"objects": len(self.retention), "bytes_used": self.alloc.used_bytes,
-                "capacity_bytes": self.alloc.capacity, "evictions": self.evictions, "pending": self.pending}
+        return {
+            "objects": len(self.retention),
+            "bytes_used": self.alloc.used_bytes,
+            "capacity_bytes": self.alloc.capacity,
+            "evictions": self.evictions,
+            "pending": self.pending,
+        }
 
     def forget(self, key: ObjectKey, *, evicted: bool) -> None:
         """``key`` left the pool (evicted, or deleted when not ``evicted``)."""
@@ -105,9 +118,16 @@ class HostPool:
             shm.close()
 
 
-def make_pools(capacity: int, alignment: int, pin: bool | None, shared: bool, pools: Mapping[str, int] | None,
-               pool_of: object, reuse_window: float,
-               retention: RetentionPolicy = RetentionPolicy.REUSE) -> dict[str, HostPool]:
+def make_pools(
+    capacity: int,
+    alignment: int,
+    pin: bool | None,
+    shared: bool,
+    pools: Mapping[str, int] | None,
+    pool_of: object,
+    reuse_window: float,
+    retention: RetentionPolicy = RetentionPolicy.REUSE,
+) -> dict[str, HostPool]:
     """A host tier's pools: one (``""``, in /dev/shm when ``shared``) without ``pools``, else
     one memfd per name, their sizes summing to at most ``capacity`` (``pool_of`` required)."""
     if pools is None:
@@ -120,8 +140,9 @@ def make_pools(capacity: int, alignment: int, pin: bool | None, shared: bool, po
     made: dict[str, HostPool] = {}
     try:
         for pool, size in pools.items():
-            made[pool] = HostPool(pool, size, alignment, Backing.MEMFD, pin=False, reuse_window=reuse_window,
-                                  retention=retention)
+            made[pool] = HostPool(
+                pool, size, alignment, Backing.MEMFD, pin=False, reuse_window=reuse_window, retention=retention
+            )
     except BaseException:
         for made_pool in made.values():
             made_pool.release()

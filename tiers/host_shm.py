@@ -31,6 +31,7 @@ slots by offset.  Bookkeeping stays with the owner; this module only maps memory
 * **Pinning** (``cudaHostRegister``) is per process, and makes that process create a CUDA
   context: pin where the GPU copies run (the worker), not in a CPU-only scheduler.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "kvstore-pool-"
-F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)   # Linux >= 5.1
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)  # Linux >= 5.1
 log = logging.getLogger("tiers.host")
 
 
@@ -138,8 +139,7 @@ def create_memfd(size: int, name: str) -> MemfdPool:
     except BaseException as err:
         os.close(fd)
         if isinstance(err, OSError):
-            raise ConfigError(f"cannot allocate {size} bytes for memfd pool {name!r}: "
-                              f"{err.strerror or err}") from err
+            raise ConfigError(f"cannot allocate {size} bytes for memfd pool {name!r}: {err.strerror or err}") from err
         raise
     assert pool.array is not None  # a fresh mapping is open
     pool.array.fill(0)  # fault every page in now (and fail here, not later, when memory is short)
@@ -155,8 +155,9 @@ def map_fd(fd: int, size: int, writable: bool) -> SharedPoolView:
             raise ConfigError(f"shared pool descriptor holds {actual} bytes, expected {size}")
         return SharedPoolView(f"fd:{fd}", fd, size, pin=False, writable=writable)
     except OSError as err:
-        raise ConfigError(f"cannot map the shared pool ({'read-write' if writable else 'read-only'}): "
-                          f"{err.strerror or err}") from err
+        raise ConfigError(
+            f"cannot map the shared pool ({'read-write' if writable else 'read-only'}): {err.strerror or err}"
+        ) from err
 
 
 def create_shared(size: int, *, pin: bool | None = None) -> SharedPoolView:
@@ -175,8 +176,7 @@ def create_shared(size: int, *, pin: bool | None = None) -> SharedPoolView:
     except BaseException as err:
         _release_file(path, fd)
         if isinstance(err, OSError):
-            raise ConfigError(f"cannot allocate {size} bytes for shared pool {path}: "
-                              f"{err.strerror or err}") from err
+            raise ConfigError(f"cannot allocate {size} bytes for shared pool {path}: {err.strerror or err}") from err
         raise
     assert pool.array is not None  # a fresh mapping is open
     pool.array.fill(0)  # fault every page in now
@@ -213,9 +213,10 @@ def remove_stale_pools() -> list[str]:
 
 # --- helpers --------------------------------------------------------------------------
 
+
 def _owner_pid(name: str) -> int | None:
     """The pid in ``kvstore-pool-<pid>-<hex>``; None for a name we did not make."""
-    pid, sep, _ = name[len(_PREFIX):].partition("-")
+    pid, sep, _ = name[len(_PREFIX) :].partition("-")
     return int(pid) if sep and pid.isascii() and pid.isdigit() else None
 
 
@@ -285,5 +286,14 @@ def _unpin(array: np.ndarray) -> None:
     torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
 
 
-__all__ = ["F_SEAL_FUTURE_WRITE", "MemfdPool", "SHM_DIR", "SharedPoolView", "attach_shared", "create_memfd",
-           "create_shared", "map_fd", "remove_stale_pools"]
+__all__ = [
+    "F_SEAL_FUTURE_WRITE",
+    "MemfdPool",
+    "SHM_DIR",
+    "SharedPoolView",
+    "attach_shared",
+    "create_memfd",
+    "create_shared",
+    "map_fd",
+    "remove_stale_pools",
+]

@@ -14,6 +14,7 @@ use.  Incomplete objects are never evicted.
 It plans first: a put evicts only when freeing everything it may evict would leave a hole
 it fits in, so a put that cannot fit (NO_ROOM) evicts nothing.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 
 class SlotState(Enum):
     PENDING = "pending"  # reserved and being written: invisible, never evicted
-    LIVE = "live"        # complete and in the index
-    DOOMED = "doomed"    # deleted while referenced: invisible, freed at the last release
+    LIVE = "live"  # complete and in the index
+    DOOMED = "doomed"  # deleted while referenced: invisible, freed at the last release
     FREED = "freed"
 
 
@@ -52,12 +53,12 @@ class Entry:
     """One slot.  Its requested size lives in the allocator (keeps this object small)."""
 
     offset: int
-    pool: HostPool                    # the pool the slot is carved from
+    pool: HostPool  # the pool the slot is carved from
     state: SlotState = SlotState.PENDING
     refs: int = 0
-    children: int = 0                 # LIVE objects naming this one as parent
-    parent: Entry | None = None      # the parent's entry when it was LIVE at our commit
-    used: float = 0.0                 # when last used (the pool's shared stamp: no float each)
+    children: int = 0  # LIVE objects naming this one as parent
+    parent: Entry | None = None  # the parent's entry when it was LIVE at our commit
+    used: float = 0.0  # when last used (the pool's shared stamp: no float each)
 
 
 def transition(entry: Entry, dst: SlotState) -> None:
@@ -141,8 +142,9 @@ class SlotOps:
             return None
         # The plan: when the first victim's slot alone holds the put, no survey is needed.
         need, size_of = pool.alloc.aligned(size), pool.alloc.size_of
-        if pool.alloc.aligned(size_of(self._index[first].offset)) < need and \
-                not pool.fits_after_evicting(size, (e.offset for _, e in self._evictable(pool))):
+        if pool.alloc.aligned(size_of(self._index[first].offset)) < need and not pool.fits_after_evicting(
+            size, (e.offset for _, e in self._evictable(pool))
+        ):
             return None
         while (offset := pool.alloc.alloc(size)) is None:
             victim = pick_victim((key, bool(entry.children)) for key, entry in self._evictable(pool))

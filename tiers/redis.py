@@ -34,6 +34,7 @@ connections for breaker probes), so the pool never runs dry.  Transfers run as t
 in an ``asyncio.TaskGroup``: a cancelled ``read_into`` or ``put_write`` waits for them, so no
 task touches the caller's buffer after it returns or raises.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,9 +68,9 @@ from tiers.redis_put import RedisPuts
 
 class _Fetch(Enum):
     OK = "ok"
-    LOST = "lost"          # a part is gone: the object is dead, clean it up
-    CORRUPT = "corrupt"    # a part has the wrong length or the object fails verification
-    FAILED = "failed"      # no answer or an error reply: a miss, the object may be fine
+    LOST = "lost"  # a part is gone: the object is dead, clean it up
+    CORRUPT = "corrupt"  # a part has the wrong length or the object fails verification
+    FAILED = "failed"  # no answer or an error reply: a miss, the object may be fine
 
 
 class RedisTier(RedisPuts, RedisBudget, RedisNodes, TierBase):
@@ -109,8 +110,13 @@ class RedisTier(RedisPuts, RedisBudget, RedisNodes, TierBase):
         """Counters; ``extra``: lost, round_trips and the breakers' counters summed over
         servers (``breaker_open`` = how many are open now), and the bulk reader's ``bulk_*``."""
         bulk = self._bulk.stats()
-        extra: dict[str, float] = {"lost": self._lost, **self.breaker_stats(), **bulk, **self._budget_counts,
-                                   "round_trips": self._round_trips + bulk["bulk_round_trips"]}
+        extra: dict[str, float] = {
+            "lost": self._lost,
+            **self.breaker_stats(),
+            **bulk,
+            **self._budget_counts,
+            "round_trips": self._round_trips + bulk["bulk_round_trips"],
+        }
         return dataclasses.replace(self._stats, extra=extra)
 
     # --- lookups --------------------------------------------------------------------------
@@ -226,8 +232,9 @@ class RedisTier(RedisPuts, RedisBudget, RedisNodes, TierBase):
         if len(view) < manifest.size:
             raise ConfigError(f"buffer of {len(view)} bytes cannot hold {key!r} ({manifest.size} bytes)")
 
-    async def _settle(self, key: ObjectKey, view: memoryview, raw: bytes, manifest: Manifest,
-                      outcome: _Fetch) -> int | None:
+    async def _settle(
+        self, key: ObjectKey, view: memoryview, raw: bytes, manifest: Manifest, outcome: _Fetch
+    ) -> int | None:
         """The object's size once verified; else count the miss and clean up a dead object."""
         if outcome is _Fetch.OK:
             try:

@@ -34,6 +34,7 @@ repairs both: manifests missing from the index are adopted (reserved, evicting a
 and entries without a manifest older than ``orphan_ttl_s`` (after which a put's data has
 expired by itself) are released.
 """
+
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
@@ -115,8 +116,7 @@ class RedisBudget:
         def _allow(self, node: str) -> bool: ...
         async def _call(self, node: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any: ...
         async def _manifest(self, key: ObjectKey) -> tuple[bytes, Manifest] | None: ...
-        async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None,
-                        release: bool = True) -> None: ...
+        async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None, release: bool = True) -> None: ...
         async def sizes(self, keys: Sequence[ObjectKey]) -> list[int | None]: ...
         def _removed(self, key: ObjectKey, reason: Removal) -> None: ...
 
@@ -137,15 +137,18 @@ class RedisBudget:
         k = self._bkeys()
         charge = size + MANIFEST_SIZE
         try:
-            reply = await self._script(RESERVE, [k["idx"], k["held"], k["used"], k["clock"]],
-                                       self.cfg.budget_bytes, key.printable(), charge)
+            reply = await self._script(
+                RESERVE, [k["idx"], k["held"], k["used"], k["clock"]], self.cfg.budget_bytes, key.printable(), charge
+            )
         except (Down, rx.RedisError):
             return None
         if reply[0] == -1:
             self._budget_counts["budget_refused"] += 1
-            raise CapacityError(f"object of {size} bytes (+{MANIFEST_SIZE} manifest) exceeds budget_bytes "
-                                f"{self.cfg.budget_bytes} of key prefix {self.cfg.key_prefix!r} on "
-                                f"{self.cfg.redacted_url}; nothing was evicted")
+            raise CapacityError(
+                f"object of {size} bytes (+{MANIFEST_SIZE} manifest) exceeds budget_bytes "
+                f"{self.cfg.budget_bytes} of key prefix {self.cfg.key_prefix!r} on "
+                f"{self.cfg.redacted_url}; nothing was evicted"
+            )
         await self._evict([v.decode() if isinstance(v, bytes) else str(v) for v in reply[1:]])
         return reply[0] == 0
 
@@ -164,8 +167,14 @@ class RedisBudget:
         """Give ``key``'s reservation back (when made before ``older_than_s``, if given)."""
         k = self._bkeys()
         with suppress(Down, rx.RedisError):
-            return bool(await self._script(RELEASE, [k["idx"], k["held"], k["used"]], key.printable(),
-                                           "" if older_than_s is None else older_than_s))
+            return bool(
+                await self._script(
+                    RELEASE,
+                    [k["idx"], k["held"], k["used"]],
+                    key.printable(),
+                    "" if older_than_s is None else older_than_s,
+                )
+            )
         return False
 
     async def _touch(self, key: ObjectKey) -> None:
@@ -192,7 +201,7 @@ class RedisBudget:
         adopted = released = 0
         mprefix = f"{self.cfg.key_prefix}m:"  # tiers.redis_manifest.manifest_key
         async for name in self._client.scan_iter(match=mprefix + "*", count=1000):
-            member = name.decode()[len(mprefix):]
+            member = name.decode()[len(mprefix) :]
             if member in counted:
                 continue
             raw = await self._client.get(name)

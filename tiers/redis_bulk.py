@@ -28,6 +28,7 @@ scratch or a private sink) and aborts the connection, so no byte lands in ``view
 ``read_into`` returns or raises and no connection is reused mid-reply.  An idle connection the
 server closed meanwhile is retried once on a fresh one (as redis-py does).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,7 @@ class BulkReader:
         self._busy: set[BulkConnection] = set()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
-        self.counters = dict.fromkeys(("reads", "parts", "bytes", "fallbacks", "connects",
-                                       "dropped", "round_trips"), 0)
+        self.counters = dict.fromkeys(("reads", "parts", "bytes", "fallbacks", "connects", "dropped", "round_trips"), 0)
 
     def stats(self) -> dict[str, float]:
         """``bulk_*`` counters: objects whose parts all arrived, their parts and bytes, fallbacks
@@ -75,8 +75,9 @@ class BulkReader:
         self._idle.clear()
         self._busy.clear()
 
-    async def read_into(self, nodes: Sequence[str], keys: Sequence[str], manifest: Manifest,
-                    view: memoryview) -> Outcome:
+    async def read_into(
+        self, nodes: Sequence[str], keys: Sequence[str], manifest: Manifest, view: memoryview
+    ) -> Outcome:
         """Read part ``i`` (``keys[i]`` on server ``nodes[i]``) into ``view`` at its offset."""
         groups: dict[str, list[Request]] = defaultdict(list)
         for i, (node, key) in enumerate(zip(nodes, keys)):
@@ -188,8 +189,12 @@ class BulkReader:
         try:
             async with asyncio.timeout(cfg.connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: BulkConnection(loop, cfg.op_timeout_s), host, port, ssl=tls,
-                    server_hostname=host if tls else None)
+                    lambda: BulkConnection(loop, cfg.op_timeout_s),
+                    host,
+                    port,
+                    ssl=tls,
+                    server_hostname=host if tls else None,
+                )
                 self.counters["connects"] += 1
                 hello = self._hello()
                 if hello and await conn.run(hello, 0) is not Outcome.OK:

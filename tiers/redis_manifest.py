@@ -31,6 +31,7 @@ object never removes a newer write of the same key.  ``pieces`` cuts a write at 
 into per-part pieces; ``covered`` says whether a put's parts are complete.  Pure functions,
 no I/O.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,7 +47,7 @@ from kvstore.keys import ObjectKey
 
 MAGIC = b"KVRM"
 VERSION = 1
-INLINE = 1            # flag: the object is the value of inline_key, not parts
+INLINE = 1  # flag: the object is the value of inline_key, not parts
 _BODY = struct.Struct("<4sHHQII8s")
 _CHECK = struct.Struct("<Q")
 MANIFEST_SIZE = _BODY.size + _CHECK.size
@@ -152,5 +153,18 @@ def data_keys(prefix: str, key: ObjectKey, manifest: Manifest) -> list[str]:
     return [inline_key(prefix, key)] if manifest.inline else part_keys(prefix, key, manifest)
 
 
-__all__ = ["Manifest", "unpack", "parse", "pieces", "covered", "manifest_key", "part_keys", "inline_key",
-           "data_keys", "INLINE", "MANIFEST_SIZE", "NONCE_SIZE", "DELETE_IF_SAME"]
+__all__ = [
+    "Manifest",
+    "unpack",
+    "parse",
+    "pieces",
+    "covered",
+    "manifest_key",
+    "part_keys",
+    "inline_key",
+    "data_keys",
+    "INLINE",
+    "MANIFEST_SIZE",
+    "NONCE_SIZE",
+    "DELETE_IF_SAME",
+]

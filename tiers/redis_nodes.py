@@ -7,6 +7,7 @@ was sent to and raises ``Down``; an error *reply* raises as redis-py raises it. 
 out through a semaphore of ``pool_size`` (the pools hold two spare connections for breaker
 probes), so the pool never runs dry.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +23,19 @@ from kvstore.errors import TierUnavailableError
 from tiers.breaker import CircuitBreaker
 from tiers.redis_config import TRANSPORT_ERRORS, RedisConfig
 
-CLUSTER = "cluster"         # the breaker for "no node known" in cluster mode
-DOWN = object()             # a reply that never came: the node is down or its breaker open
-NO_BREAKER = {k: 0.0 for k in ("breaker_open", "breaker_opened", "breaker_closed", "breaker_rejected",
-                                "breaker_probes", "breaker_failures")}
+CLUSTER = "cluster"  # the breaker for "no node known" in cluster mode
+DOWN = object()  # a reply that never came: the node is down or its breaker open
+NO_BREAKER = {
+    k: 0.0
+    for k in (
+        "breaker_open",
+        "breaker_opened",
+        "breaker_closed",
+        "breaker_rejected",
+        "breaker_probes",
+        "breaker_failures",
+    )
+}
 
 
 class Down(Exception):

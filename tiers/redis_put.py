@@ -22,6 +22,7 @@ write is only ever published under the manifest that names it, written LAST.
   A put that met an existing manifest with an inline value of its own keeps that value
   (with the final TTL) when the manifest is inline, as it may be what that manifest serves.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,11 +50,11 @@ class _Put:
 
     manifest: Manifest
     keys: list[str]
-    filled: list[int]                # bytes written into each part
-    failed: str = ""                 # why this put can no longer be published
+    filled: list[int]  # bytes written into each part
+    failed: str = ""  # why this put can no longer be published
     staged: bytearray | None = None  # an inline object written in pieces, until complete
-    own: bool = False                # the inline value in Redis is this put's (SET NX won)
-    reserved: bool = False           # this put made the key's budget reservation (tiers.redis_budget)
+    own: bool = False  # the inline value in Redis is this put's (SET NX won)
+    reserved: bool = False  # this put made the key's budget reservation (tiers.redis_budget)
 
 
 class RedisPuts:
@@ -75,8 +76,7 @@ class RedisPuts:
         async def _call(self, node: str, fn: Callable[..., Awaitable[Any]], *args: Any, **kw: Any) -> Any: ...
         def _pipeline(self) -> Any: ...
         async def _per_node(self, keys: Sequence[str], command: str, *args: Any) -> list[Any]: ...
-        async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None,
-                        release: bool = True) -> None: ...
+        async def _drop(self, key: ObjectKey, raw: bytes, manifest: Manifest | None, release: bool = True) -> None: ...
         async def _reserve(self, key: ObjectKey, size: int) -> bool | None: ...
         async def _release(self, key: ObjectKey, older_than_s: int | None = None) -> bool: ...
         def _stored(self, key: ObjectKey) -> None: ...
@@ -85,8 +85,10 @@ class RedisPuts:
         if size < codec.HEADER_SIZE:
             raise ConfigError(f"object size {size} is smaller than the {codec.HEADER_SIZE}-byte header")
         if size > self.cfg.max_object_bytes:
-            raise CapacityError(f"object of {size} bytes exceeds max_object_bytes "
-                                f"{self.cfg.max_object_bytes} of the redis tier {self.cfg.redacted_url}")
+            raise CapacityError(
+                f"object of {size} bytes exceeds max_object_bytes "
+                f"{self.cfg.max_object_bytes} of the redis tier {self.cfg.redacted_url}"
+            )
         if not self._allow(self._node(manifest_key(self.cfg.key_prefix, key))):
             self._stats.put_failures += 1
             return None
@@ -98,8 +100,7 @@ class RedisPuts:
                 return None
             reserved = made
         manifest = Manifest(size, self.cfg.part_size, os.urandom(NONCE_SIZE), inline=size <= self.cfg.part_size)
-        state = _Put(manifest, data_keys(self.cfg.key_prefix, key, manifest), [0] * manifest.count,
-                     reserved=reserved)
+        state = _Put(manifest, data_keys(self.cfg.key_prefix, key, manifest), [0] * manifest.count, reserved=reserved)
         self._puts[id(state)] = state
         return PutHandle(key, size, parent, None, state)
 
@@ -161,7 +162,7 @@ class RedisPuts:
         else:
             if state.staged is None:
                 state.staged = bytearray(size)
-            state.staged[offset:offset + len(view)] = view
+            state.staged[offset : offset + len(view)] = view
             state.filled[0] += len(view)
             if state.filled[0] < size:
                 return

@@ -20,6 +20,7 @@ scratch or the sink), fails the run in flight and aborts the transport, so no by
 a caller's buffer after that and a connection is never reused mid-reply.  A run that
 receives no byte for ``op_timeout_s`` closes its connection with ``TimeoutError``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,12 +28,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from enum import Enum
 
-_SCRATCH = 64 << 10   # per connection: reply headers, CRLFs, error lines and small replies
-_SMALL = 16 << 10     # payloads up to this size travel through scratch, several per read
-_TAIL = 4 << 10       # a large payload's last bytes come through scratch with CRLF + next header
+_SCRATCH = 64 << 10  # per connection: reply headers, CRLFs, error lines and small replies
+_SMALL = 16 << 10  # payloads up to this size travel through scratch, several per read
+_TAIL = 4 << 10  # a large payload's last bytes come through scratch with CRLF + next header
 _SINK = memoryview(bytearray(256 << 10))  # drained bytes land here; never read back
-_LINE_SLACK = 64      # room beyond the expected header while an unexpected line is read
-
+_LINE_SLACK = 64  # room beyond the expected header while an unexpected line is read
 
 
 class Slot:
@@ -100,21 +100,21 @@ class BulkConnection(asyncio.BufferedProtocol):
         self._loop, self._timeout = loop, op_timeout_s
         self._raw = bytearray(_SCRATCH)
         self._scratch = memoryview(self._raw)
-        self._start = self._end = 0    # unparsed bytes: _raw[_start:_end]
-        self._sent: deque[memoryview | Slot | None] = deque()   # requests whose header is due
+        self._start = self._end = 0  # unparsed bytes: _raw[_start:_end]
+        self._sent: deque[memoryview | Slot | None] = deque()  # requests whose header is due
         self._unsent: deque[Request] = deque()
-        self._dest: memoryview | None = None   # the payload being received; None: drained
-        self._need = 0                 # payload bytes still due for the current reply
-        self._crlf = 0                 # CRLF bytes still due after the current payload
-        self._direct = False           # the last buffer handed out was not scratch
-        self._left = 0                 # replies of this run not yet complete
-        self._owed = 0                 # GETs to send once the bytes at hand are parsed
+        self._dest: memoryview | None = None  # the payload being received; None: drained
+        self._need = 0  # payload bytes still due for the current reply
+        self._crlf = 0  # CRLF bytes still due after the current payload
+        self._direct = False  # the last buffer handed out was not scratch
+        self._left = 0  # replies of this run not yet complete
+        self._owed = 0  # GETs to send once the bytes at hand are parsed
         self._fut: asyncio.Future[Outcome] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._active = 0.0             # loop time of the last byte received
+        self._active = 0.0  # loop time of the last byte received
         self.transport: asyncio.Transport | None = None
         self.closed = self.reused = False
-        self.received = 0              # bytes received during the current run
+        self.received = 0  # bytes received during the current run
         self.outcome, self.detail = Outcome.OK, ""
 
     # --- asyncio protocol ------------------------------------------------------------------
@@ -130,15 +130,15 @@ class BulkConnection(asyncio.BufferedProtocol):
             self._direct = True
             if self._dest is None:
                 return _SINK[: min(self._need, len(_SINK))]
-            return self._dest[len(self._dest) - self._need:]
+            return self._dest[len(self._dest) - self._need :]
         self._direct = False
         if self._start:
             n = self._end - self._start
-            self._raw[:n] = self._raw[self._start:self._end]
+            self._raw[:n] = self._raw[self._start : self._end]
             self._start, self._end = 0, n
         want = self._want()
         stop = min(len(self._raw), want if want > self._end else self._end + _LINE_SLACK)
-        return self._scratch[self._end:stop]
+        return self._scratch[self._end : stop]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._fut is None or self._fut.done():  # no read in flight: these bytes are not ours
@@ -166,12 +166,12 @@ class BulkConnection(asyncio.BufferedProtocol):
         due = self._need + self._crlf
         for dest in self._sent:
             if dest is None:
-                due += 5                               # +OK\r\n
+                due += 5  # +OK\r\n
                 continue
-            if isinstance(dest, Slot):                 # its length is unknown: stop at its header
+            if isinstance(dest, Slot):  # its length is unknown: stop at its header
                 due += len(str(len(dest.buf))) + 3
                 break
-            due += len(str(len(dest))) + 3             # $<n>\r\n
+            due += len(str(len(dest))) + 3  # $<n>\r\n
             if len(dest) > _SMALL or due >= len(self._raw):
                 break
             due += len(dest) + 2
@@ -184,7 +184,7 @@ class BulkConnection(asyncio.BufferedProtocol):
                 k = min(self._need, self._end - self._start)
                 if self._dest is not None:
                     at = len(self._dest) - self._need
-                    self._dest[at:at + k] = self._scratch[self._start:self._start + k]
+                    self._dest[at : at + k] = self._scratch[self._start : self._start + k]
                 self._start += k
                 self._need -= k
                 if self._need == 0:
@@ -202,7 +202,7 @@ class BulkConnection(asyncio.BufferedProtocol):
                     if self._start == 0 and self._end == len(raw):
                         raise ProtocolError(f"a reply line longer than {len(raw)} bytes")
                     return
-                line = bytes(raw[self._start:eol])
+                line = bytes(raw[self._start : eol])
                 self._start = eol + 2
                 self._header(line)
         self._start = self._end = 0
@@ -309,5 +309,4 @@ def worst(outcomes: Iterable[Outcome]) -> Outcome:
     return min(outcomes, key=_RANK.__getitem__)
 
 
-__all__ = ["BulkConnection", "ConnectionClosed", "Outcome", "ProtocolError", "Request", "Slot", "command",
-           "worst"]
+__all__ = ["BulkConnection", "ConnectionClosed", "Outcome", "ProtocolError", "Request", "Slot", "command", "worst"]

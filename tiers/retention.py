@@ -25,6 +25,7 @@ Policies (``kvstore.config.RetentionPolicy``: the host tier's ``retention`` opti
 * ``LRU``: least recently used first, nothing else (the baseline the others are measured
   against, ``kvstore bench trace``).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -106,8 +107,8 @@ class ReuseRetention(Retention[Entry]):
 
     def __init__(self, reuse_window: float) -> None:
         super().__init__(reuse_window)
-        self.objects = {}                             # used once (stored, not used since)
-        self.reused: dict[ObjectKey, Entry] = {}      # read, leased or saved again since stored
+        self.objects = {}  # used once (stored, not used since)
+        self.reused: dict[ObjectKey, Entry] = {}  # read, leased or saved again since stored
         # Keys evicted, as their hash (at most twice as many as the pool holds, oldest
         # dropped first): one stored again is a reuse.  A hash collision only misplaces an
         # object in the order.
@@ -219,5 +220,12 @@ def make_retention(policy: RetentionPolicy, reuse_window: float) -> Retention[An
     return Retention(reuse_window)
 
 
-__all__ = ["AdaptiveRetention", "Retention", "RetentionPolicy", "ReuseRetention", "Slot", "make_retention",
-           "parse_policy"]
+__all__ = [
+    "AdaptiveRetention",
+    "Retention",
+    "RetentionPolicy",
+    "ReuseRetention",
+    "Slot",
+    "make_retention",
+    "parse_policy",
+]

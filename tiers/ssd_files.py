@@ -10,6 +10,7 @@ here follows a symlink: a symlink where the tier expects its own directory or fi
 removed (the link, never its target) with a warning, files are opened ``O_NOFOLLOW``, and
 the start-up scan walks entries without following links (``scan_objects``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,12 +78,17 @@ def _check_root(path: Path) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"SSD tier directory {path} is not a directory (a symlink or a file is refused)")
     if st.st_uid != os.geteuid():
-        raise ConfigError(f"SSD tier directory {path} belongs to uid {st.st_uid}, not to this process's uid "
-                          f"{os.geteuid()}: its owner could replace the objects in it; give the store a "
-                          "directory of its own (mode 0700)")
+        raise ConfigError(
+            f"SSD tier directory {path} belongs to uid {st.st_uid}, not to this process's uid "
+            f"{os.geteuid()}: its owner could replace the objects in it; give the store a "
+            "directory of its own (mode 0700)"
+        )
     if stat.S_IMODE(st.st_mode) & 0o077:
-        log.warning("ssd: %s had mode %o: other users could read or replace its objects; it is now 0700",
-                    path, stat.S_IMODE(st.st_mode))
+        log.warning(
+            "ssd: %s had mode %o: other users could read or replace its objects; it is now 0700",
+            path,
+            stat.S_IMODE(st.st_mode),
+        )
         os.chmod(path, 0o700)
 
 
@@ -232,8 +238,7 @@ def check_written(fd: int, handle: PutHandle) -> tuple[codec.ObjectHeader, int]:
         raise KeyMismatchError(f"object holds {header.key!r}, put names {handle.key!r}")
     st = os.fstat(fd)
     if header.total_len != handle.size or st.st_size != handle.size:
-        raise CorruptHeaderError(
-            f"put of {handle.size} bytes wrote {st.st_size}, header says {header.total_len}")
+        raise CorruptHeaderError(f"put of {handle.size} bytes wrote {st.st_size}, header says {header.total_len}")
     return header, st.st_ino
 
 

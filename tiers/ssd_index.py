@@ -17,6 +17,7 @@ evictable bytes are counters and the victims are searched among the partition's 
 objects (plus orphans).  Another tenant's many small objects never lengthen a put (they
 did: every reservation summed and scanned every object, on the event loop).
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
@@ -49,22 +50,25 @@ class Entry:
 class Index:
     """What exists, in LRU order, with child counts, readers and reservations."""
 
-    def __init__(self, capacity: int, partition: Partition | None = None,
-                 quotas: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self, capacity: int, partition: Partition | None = None, quotas: Mapping[str, int] | None = None
+    ) -> None:
         self.capacity = capacity
         self.partition = partition
         self.quotas = dict(quotas or {})
         if (partition is None) != (quotas is None) or sum(self.quotas.values()) > capacity:
-            raise ConfigError(f"SSD partitions need a partition function and quotas summing to at most "
-                              f"the capacity ({sum(self.quotas.values())} > {capacity}?)")
+            raise ConfigError(
+                f"SSD partitions need a partition function and quotas summing to at most "
+                f"the capacity ({sum(self.quotas.values())} > {capacity}?)"
+            )
         self.entries: OrderedDict[ObjectKey, Entry] = OrderedDict()  # LRU first
         self.lru: dict[str | None, OrderedDict[ObjectKey, Entry]] = {}  # per partition, LRU first
         self.children: Counter[ObjectKey] = Counter()  # present children per parent key
-        self.readers: Counter[ObjectKey] = Counter()   # reads in flight per key
+        self.readers: Counter[ObjectKey] = Counter()  # reads in flight per key
         self.reading_by: Counter[str | None] = Counter()  # bytes of objects being read, per partition
         self.used = 0
         self.reserved = 0
-        self.used_by: Counter[str | None] = Counter()       # bytes per partition
+        self.used_by: Counter[str | None] = Counter()  # bytes per partition
         self.reserved_by: Counter[str | None] = Counter()
         self.objects_by: Counter[str | None] = Counter()
 
@@ -167,8 +171,11 @@ class Index:
         return victims
 
     def partition_stats(self, part: str) -> dict[str, int]:
-        return {"objects": self.objects_by[part], "bytes_used": self.used_by[part],
-                "capacity_bytes": self.quotas.get(part, 0)}
+        return {
+            "objects": self.objects_by[part],
+            "bytes_used": self.used_by[part],
+            "capacity_bytes": self.quotas.get(part, 0),
+        }
 
     # --- internals ----------------------------------------------------------------------
 

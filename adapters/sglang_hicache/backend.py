@@ -23,6 +23,7 @@ the extra config, docs/sglang-hicache.md) as ``KVStoreHiCache(storage_config, kw
   SGLang recomputes; bad input (an unknown pool, indices that do not cover the keys) raises
   ``ValueError`` naming it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,14 +56,28 @@ from tiers.base import PutResult
 log = logging.getLogger("kvstore.sglang_hicache")
 TIMEOUT_S = 120.0  # one batch call (SGLang batches at most 128 pages)
 KV = str(PoolName.KV)
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-           torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+_DTYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
 
 
 def _shard(cfg: HiCacheStorageConfig) -> Shard:
-    return Shard(tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
-                 attn_cp_rank=cfg.attn_cp_rank, attn_cp_size=cfg.attn_cp_size, dcp_rank=cfg.dcp_rank,
-                 dcp_size=cfg.dcp_size, logical_page_size=cfg.logical_page_size, is_mla=cfg.is_mla_model)
+    return Shard(
+        tp_rank=cfg.tp_rank,
+        tp_size=cfg.tp_size,
+        pp_rank=cfg.pp_rank,
+        pp_size=cfg.pp_size,
+        attn_cp_rank=cfg.attn_cp_rank,
+        attn_cp_size=cfg.attn_cp_size,
+        dcp_rank=cfg.dcp_rank,
+        dcp_size=cfg.dcp_size,
+        logical_page_size=cfg.logical_page_size,
+        is_mla=cfg.is_mla_model,
+    )
 
 
 def _flat_bytes(page: torch.Tensor) -> torch.Tensor:
@@ -73,21 +88,26 @@ def _flat_bytes(page: torch.Tensor) -> torch.Tensor:
 def pool_format(pool: Any) -> dict[str, object]:
     """What changes the bytes of a host pool's pages (the tag's digest, ``names``)."""
     page = pool.get_dummy_flat_data_page()
-    return {"class": type(pool).__name__, "layout": getattr(pool, "layout", None), "dtype": str(page.dtype),
-            "page_size": getattr(pool, "page_size", None), "page_bytes": page.numel() * page.element_size(),
-            "format": getattr(pool, "storage_format_tag", None)}
+    return {
+        "class": type(pool).__name__,
+        "layout": getattr(pool, "layout", None),
+        "dtype": str(page.dtype),
+        "page_size": getattr(pool, "page_size", None),
+        "page_bytes": page.numel() * page.element_size(),
+        "format": getattr(pool, "storage_format_tag", None),
+    }
 
 
 class KVStoreHiCache(HiCacheStorage):
     """SGLang's L3 over kvstore (see the module docstring)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.settings: HiCacheSettings = parse_settings(storage_config.extra_config, env)
         model = self.settings.model or storage_config.model_name or ""
         if not model:
-            raise ConfigError(f"{WHERE}: SGLang gave no model name; set `model` so pages of different models "
-                              "never mix")
+            raise ConfigError(f"{WHERE}: SGLang gave no model name; set `model` so pages of different models never mix")
         self.storage_config = storage_config
         self.namespaces = backend_namespaces(model, self.settings.scope, _shard(storage_config))
         self.registered_pools: dict[str, Any] = {}
@@ -95,15 +115,22 @@ class KVStoreHiCache(HiCacheStorage):
         self._io = IOLoop("kvstore-hicache")
         cfg = self.settings.tiers
         try:
-            self.store: TieredStore = self._io.run(TieredStore.open(
-                tier_specs(cfg), cfg.write_policy, required=cfg.lower_tiers_required, keys=keys_of(cfg)))
+            self.store: TieredStore = self._io.run(
+                TieredStore.open(
+                    tier_specs(cfg), cfg.write_policy, required=cfg.lower_tiers_required, keys=keys_of(cfg)
+                )
+            )
         except BaseException:
             self._io.close()
             raise
         self._closed = False
         call_before_exit(self.close)
-        log.info("kvstore HiCache backend: model %s, scope %r, tiers %s", model, self.settings.scope,
-                 [t.name for t in self.store.tiers])
+        log.info(
+            "kvstore HiCache backend: model %s, scope %r, tiers %s",
+            model,
+            self.settings.scope,
+            [t.name for t in self.store.tiers],
+        )
 
     # --- pools ---------------------------------------------------------------------------------
 
@@ -122,8 +149,10 @@ class KVStoreHiCache(HiCacheStorage):
         try:
             return self.registered_pools[name]
         except KeyError:
-            raise ValueError(f"HiCache pool {name!r} was never registered with the kvstore backend "
-                             f"(registered: {sorted(self.registered_pools)})") from None
+            raise ValueError(
+                f"HiCache pool {name!r} was never registered with the kvstore backend "
+                f"(registered: {sorted(self.registered_pools)})"
+            ) from None
 
     def _keys(self, pool: str, keys: Sequence[str]) -> list[ObjectKey]:
         """Object keys of ``pool``'s pages; a pool never registered (direct v1 calls with
@@ -163,8 +192,14 @@ class KVStoreHiCache(HiCacheStorage):
         target.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
         return True
 
-    def _put_pages(self, pool: str, keys: Sequence[str], pages: Sequence[torch.Tensor],
-                   extra_info: HiCacheStorageExtraInfo | None, tokens: int) -> list[bool]:
+    def _put_pages(
+        self,
+        pool: str,
+        keys: Sequence[str],
+        pages: Sequence[torch.Tensor],
+        extra_info: HiCacheStorageExtraInfo | None,
+        tokens: int,
+    ) -> list[bool]:
         if len(keys) != len(pages):
             raise ValueError(f"HiCache set: {len(keys)} keys but {len(pages)} pages")
         if not keys:
@@ -173,8 +208,12 @@ class KVStoreHiCache(HiCacheStorage):
         prefix = extra_info.prefix_keys if extra_info is not None else None
 
         async def go() -> list[bool]:
-            return list(await asyncio.gather(*(self._put(k, p, page, tokens) for k, p, page
-                                               in zip(okeys, parents(okeys, prefix), pages))))
+            return list(
+                await asyncio.gather(
+                    *(self._put(k, p, page, tokens) for k, p, page in zip(okeys, parents(okeys, prefix), pages))
+                )
+            )
+
         return self._run(go())
 
     def _get_pages(self, pool: str, keys: Sequence[str], targets: Sequence[torch.Tensor]) -> list[bool]:
@@ -186,6 +225,7 @@ class KVStoreHiCache(HiCacheStorage):
 
         async def go() -> list[bool]:
             return list(await asyncio.gather(*(self._get(k, t) for k, t in zip(okeys, targets))))
+
         return self._run(go())
 
     def _page_size(self, pool: str) -> int:
@@ -196,8 +236,9 @@ class KVStoreHiCache(HiCacheStorage):
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         """Each page read into its target tensor (SGLang's ``get_dummy_flat_data_page``; a
         new one of the KV host pool where none is given), or None where the store has none."""
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
@@ -210,8 +251,9 @@ class KVStoreHiCache(HiCacheStorage):
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
         if values is None:
             raise ValueError("HiCache batch_set: no values (the kvstore backend stores the pages it is given)")
         pool = self.registered_pools.get(KV)
@@ -227,23 +269,33 @@ class KVStoreHiCache(HiCacheStorage):
         okeys = self._keys(KV, keys)
         return self._run(self.store.lookup(okeys, sized=False)).hits
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         return self._io_pool(KV, keys, host_indices, extra_info, read=True)
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
         return self._io_pool(KV, keys, host_indices, extra_info, read=False)
 
-    def _io_pool(self, name: str, keys: Sequence[str], host_indices: torch.Tensor | None,
-                 extra_info: HiCacheStorageExtraInfo | None, read: bool) -> list[bool]:
+    def _io_pool(
+        self,
+        name: str,
+        keys: Sequence[str],
+        host_indices: torch.Tensor | None,
+        extra_info: HiCacheStorageExtraInfo | None,
+        read: bool,
+    ) -> list[bool]:
         """Pages between the store and host pool ``name`` at ``host_indices`` (page i at
         ``host_indices[i * page_size]``)."""
         pool, size = self._pool(name), self._page_size(name)
         count = host_indices.numel() if host_indices is not None else 0
         if host_indices is None or count != len(keys) * size:
-            raise ValueError(f"HiCache pool {name!r}: {len(keys)} pages of {size} tokens need "
-                             f"{len(keys) * size} host indices, got {count}")
+            raise ValueError(
+                f"HiCache pool {name!r}: {len(keys)} pages of {size} tokens need "
+                f"{len(keys) * size} host indices, got {count}"
+            )
         starts = [int(host_indices[i * size]) for i in range(len(keys))]
         if not read:
             return self._put_pages(name, keys, [pool.get_data_page(s, flat=True) for s in starts], extra_info, size)
@@ -256,26 +308,38 @@ class KVStoreHiCache(HiCacheStorage):
 
     # --- v2, per pool ------------------------------------------------------------------------------
 
-    def batch_get_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {str(t.name): self._io_pool(str(t.name), t.keys or [], t.host_indices, extra_info, read=True)
-                for t in transfers}
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {
+            str(t.name): self._io_pool(str(t.name), t.keys or [], t.host_indices, extra_info, read=True)
+            for t in transfers
+        }
 
-    def batch_set_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        return {str(t.name): self._io_pool(str(t.name), t.keys or [], t.host_indices, extra_info, read=False)
-                for t in transfers}
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return {
+            str(t.name): self._io_pool(str(t.name), t.keys or [], t.host_indices, extra_info, read=False)
+            for t in transfers
+        }
 
-    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
-                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
         """The usable prefix of ``keys``: the KV pages present from the first, cut by each
         extra pool's hit policy (``all_pages``: each of those pages also in that pool;
         ``trailing_pages``: the last ``len(transfer.keys)`` pages before the cut in that pool),
         with every prefix length all pools can restore."""
         for t in pool_transfers or []:
             if t.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
-                raise ValueError(f"HiCache pool {str(t.name)!r}: hit policy {t.hit_policy.value!r} is not "
-                                 "supported by the kvstore backend (all_pages, trailing_pages)")
+                raise ValueError(
+                    f"HiCache pool {str(t.name)!r}: hit policy {t.hit_policy.value!r} is not "
+                    "supported by the kvstore backend (all_pages, trailing_pages)"
+                )
         kv_pages = self.batch_exists(keys, extra_info)
         hits: dict[str, int] = {KV: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
@@ -300,7 +364,7 @@ class KVStoreHiCache(HiCacheStorage):
             first_missing = present.index(False) if False in present else n
             return set(range(1, first_missing + 1))
         trailing = max(1, len(transfer.keys or []))
-        return {p for p in range(1, n + 1) if all(present[max(0, p - trailing):p])}
+        return {p for p in range(1, n + 1) if all(present[max(0, p - trailing) : p])}
 
     # --- the rest -----------------------------------------------------------------------------------
 

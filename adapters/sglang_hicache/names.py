@@ -14,6 +14,7 @@
   dtype, page size and bytes), so a page written by a pool of another layout misses instead
   of loading wrong bytes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,7 +47,7 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class Namespaces:
-    rank: Namespace    # this TP rank's own pages
+    rank: Namespace  # this TP rank's own pages
     shared: Namespace  # pages every TP rank holds alike (MLA KV); == rank for other models
 
     def of_pool(self, pool: str) -> Namespace:
@@ -55,14 +56,30 @@ class Namespaces:
 
 def backend_namespaces(model: str, scope: str, shard: Shard) -> Namespaces:
     """The namespaces of one backend (see the module docstring)."""
-    extra = json.dumps({"attn_cp": [shard.attn_cp_rank, shard.attn_cp_size],
-                        "dcp": [shard.dcp_rank, shard.dcp_size, shard.logical_page_size]}, sort_keys=True)
+    extra = json.dumps(
+        {
+            "attn_cp": [shard.attn_cp_rank, shard.attn_cp_size],
+            "dcp": [shard.dcp_rank, shard.dcp_size, shard.logical_page_size],
+        },
+        sort_keys=True,
+    )
 
     def ns(tp_rank: int, tp_size: int) -> Namespace:
-        return Identity(model=model, revision="", kv_dtype="sglang-page", layout_id="sglang-hicache",
-                        num_layers=1, num_kv_heads=1, head_dim=1, tp_rank=tp_rank, tp_size=tp_size,
-                        pp_rank=shard.pp_rank, pp_size=shard.pp_size, scope=scope,
-                        engine_config=hashlib.sha256(extra.encode()).hexdigest()).namespace()
+        return Identity(
+            model=model,
+            revision="",
+            kv_dtype="sglang-page",
+            layout_id="sglang-hicache",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=shard.pp_rank,
+            pp_size=shard.pp_size,
+            scope=scope,
+            engine_config=hashlib.sha256(extra.encode()).hexdigest(),
+        ).namespace()
 
     rank = ns(shard.tp_rank, shard.tp_size)
     return Namespaces(rank, ns(0, 1) if shard.is_mla else rank)
@@ -95,5 +112,13 @@ def parents(keys: list[ObjectKey], prefix_keys: list[str] | None) -> list[ChunkH
     return [first, *(ChunkHash(k[32:64]) for k in keys[:-1])]
 
 
-__all__ = ["RANK_SHARDED_POOLS", "Namespaces", "Shard", "backend_namespaces", "format_tag", "object_keys",
-           "page_hash", "parents"]
+__all__ = [
+    "RANK_SHARDED_POOLS",
+    "Namespaces",
+    "Shard",
+    "backend_namespaces",
+    "format_tag",
+    "object_keys",
+    "page_hash",
+    "parents",
+]

@@ -14,6 +14,7 @@ config is one JSON object for SGLang and for us:
   (``chunk_size``, ``device``...) mean nothing here and are refused by name, as is a config
   without a tier below host memory (SGLang's host pool already is one).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -23,14 +24,40 @@ from connector.config import ConnectorConfig
 from kvstore.config import from_env, given, load
 from kvstore.errors import ConfigError
 
-SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size",
-                         "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                         "hicache_storage_pass_prefix_keys"})
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
 OWN_KEYS = frozenset({"scope", "model"})
-TIER_KEYS = frozenset({
-    "host_capacity", "ssd_dir", "ssd_capacity", "write_policy", "lease_ttl", "redis_url", "store_target",
-    "store_token", "store_token_file", "store_tls_ca", "store_tls_cert", "store_tls_key", "store_transport",
-    "keys_file", "encrypt_at_rest", "lower_tiers_required"})
+TIER_KEYS = frozenset(
+    {
+        "host_capacity",
+        "ssd_dir",
+        "ssd_capacity",
+        "write_policy",
+        "lease_ttl",
+        "redis_url",
+        "store_target",
+        "store_token",
+        "store_token_file",
+        "store_tls_ca",
+        "store_tls_cert",
+        "store_tls_key",
+        "store_transport",
+        "keys_file",
+        "encrypt_at_rest",
+        "lower_tiers_required",
+    }
+)
 WHERE = "hicache_storage_backend_extra_config"
 
 
@@ -51,22 +78,29 @@ def parse_settings(extra: Mapping[str, object] | None, env: Mapping[str, str] | 
     known = {f.name for f in fields(ConnectorConfig)}
     engine_only = sorted(k for k in extra if k.replace("-", "_") in known - TIER_KEYS)
     if engine_only:
-        raise ConfigError(f"{WHERE}: {', '.join(map(repr, engine_only))} configure the vLLM connector's engine "
-                          f"side, not the HiCache backend; its keys: {', '.join(sorted(TIER_KEYS | OWN_KEYS))}")
+        raise ConfigError(
+            f"{WHERE}: {', '.join(map(repr, engine_only))} configure the vLLM connector's engine "
+            f"side, not the HiCache backend; its keys: {', '.join(sorted(TIER_KEYS | OWN_KEYS))}"
+        )
     unknown = sorted(k for k in extra if k.replace("-", "_") not in known | OWN_KEYS | SGLANG_KEYS)
     if unknown:
-        raise ConfigError(f"{WHERE}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                          f"the kvstore backend's keys: {', '.join(sorted(TIER_KEYS | OWN_KEYS))}")
+        raise ConfigError(
+            f"{WHERE}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the kvstore backend's keys: {', '.join(sorted(TIER_KEYS | OWN_KEYS))}"
+        )
     own = {k: extra.pop(k) for k in list(extra) if k in OWN_KEYS}
     for key, value in own.items():
         if not isinstance(value, str):
             raise ConfigError(f"{WHERE}: {key} must be a string, got {value!r}")
     tier_values = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
-    tiers = load(ConnectorConfig, given(ConnectorConfig, tier_values, WHERE),
-                 from_env(ConnectorConfig, env, "KVSTORE_"))
+    tiers = load(
+        ConnectorConfig, given(ConnectorConfig, tier_values, WHERE), from_env(ConnectorConfig, env, "KVSTORE_")
+    )
     if not tiers.has_lower_tiers:
-        raise ConfigError(f"{WHERE}: the kvstore HiCache backend needs a tier below host memory "
-                          "(ssd_dir, store_target or redis_url); SGLang's host pool already is one")
+        raise ConfigError(
+            f"{WHERE}: the kvstore HiCache backend needs a tier below host memory "
+            "(ssd_dir, store_target or redis_url); SGLang's host pool already is one"
+        )
     return HiCacheSettings(tiers, str(own.get("scope", "")), str(own.get("model", "")))
 
 

@@ -2,6 +2,7 @@
 ``TieringOffloadingSpec``): ``KVStoreSecondaryTier`` runs in vLLM's scheduler process, under
 vLLM's CPU primary tier (docs/vllm-tier.md).
 """
+
 from adapters.vllm_tier.manager import KVStoreSecondaryTier
 
 __all__ = ["KVStoreSecondaryTier"]

@@ -17,6 +17,7 @@ per block and chunk, blocks per chunk, tokens per block and hash, layer names pe
 parallel sizes, layout), plus ``scope``.  Two managers of the same model and geometry share
 objects; different models never do.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,10 +39,24 @@ _REFUSED = {
     "device": "vLLM's own workers copy between GPU and the CPU primary tier",
 }
 # The connector's keys for its lower tiers: the tier's vocabulary.
-LOWER_KEYS = frozenset({
-    "ssd_dir", "ssd_capacity", "store_target", "store_token", "store_token_file", "store_tls_ca",
-    "store_tls_cert", "store_tls_key", "store_transport", "lease_ttl", "redis_url", "keys_file",
-    "encrypt_at_rest", "lower_tiers_required"})
+LOWER_KEYS = frozenset(
+    {
+        "ssd_dir",
+        "ssd_capacity",
+        "store_target",
+        "store_token",
+        "store_token_file",
+        "store_tls_ca",
+        "store_tls_cert",
+        "store_tls_key",
+        "store_transport",
+        "lease_ttl",
+        "redis_url",
+        "keys_file",
+        "encrypt_at_rest",
+        "lower_tiers_required",
+    }
+)
 _OWN = ("scope", "locality")
 _DOMAIN = b"kvstore/vllm-tier/v1\x00"
 LAYOUT_ID = "vllm-offload"
@@ -65,15 +80,16 @@ def parse_params(params: Mapping[str, Any], env: Mapping[str, str] | None = None
         if name in _REFUSED:
             raise ConfigError(f"secondary_tiers: {name} is not a parameter of the kvstore tier: {_REFUSED[name]}")
         if name in connector_keys and name not in LOWER_KEYS:
-            raise ConfigError(f"secondary_tiers: {name} is a setting of the kvstore connector, not of its vLLM "
-                              f"tier (whose parameters are the lower tiers' keys: {', '.join(sorted(LOWER_KEYS))})")
+            raise ConfigError(
+                f"secondary_tiers: {name} is a setting of the kvstore connector, not of its vLLM "
+                f"tier (whose parameters are the lower tiers' keys: {', '.join(sorted(LOWER_KEYS))})"
+            )
     scope = params.get("scope", "")
     if not isinstance(scope, str):
         raise ConfigError(f"secondary_tiers: scope must be a string, got {scope!r}")
     store = ConnectorConfig.from_extra_config({k: v for k, v in params.items() if k not in _OWN}, env)
     if not store.has_lower_tiers:
-        raise ConfigError("secondary_tiers: the kvstore tier needs at least one of ssd_dir, store_target "
-                          "or redis_url")
+        raise ConfigError("secondary_tiers: the kvstore tier needs at least one of ssd_dir, store_target or redis_url")
     locality = params.get("locality")
     if locality not in (None, "LOCAL", "REMOTE"):
         raise ConfigError(f"secondary_tiers: locality must be LOCAL or REMOTE, got {locality!r}")
@@ -85,11 +101,14 @@ def geometry_of(config: Any, block_bytes: int) -> dict[str, object]:
     tier's row size), as plain JSON values."""
     par = config.parallel
     return {
-        "block_bytes": block_bytes, "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
-        "blocks_per_chunk": config.cache.blocks_per_chunk, "tokens_per_hash": config.cache.tokens_per_hash,
+        "block_bytes": block_bytes,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "tokens_per_hash": config.cache.tokens_per_hash,
         "groups": [[g.group_id, g.tokens_per_block, list(g.layer_names)] for g in config.groups],
         "parallel": [par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size],
-        "replicated_layout": bool(config.replicated_layout), "canonical_layout": bool(config.canonical_layout),
+        "replicated_layout": bool(config.replicated_layout),
+        "canonical_layout": bool(config.canonical_layout),
         "kv_cache_layout": config.kv_cache_layout,
     }
 
@@ -100,10 +119,19 @@ def namespace_of(config: Any, block_bytes: int, scope: str) -> Namespace:
     geometry = geometry_of(config, block_bytes)
     layers = sum(len(g.layer_names) for g in config.groups)
     identity = Identity(
-        model=config.model.name, revision=revision, kv_dtype=config.model.dtype or "auto", layout_id=LAYOUT_ID,
-        num_layers=max(layers, 1), num_kv_heads=1, head_dim=1, tp_size=max(config.parallel.tp_size, 1),
-        pp_size=max(config.parallel.pp_size, 1), scope=scope, weights=weights,
-        engine_config=hashlib.sha256(json.dumps(geometry, sort_keys=True).encode()).hexdigest()[:32])
+        model=config.model.name,
+        revision=revision,
+        kv_dtype=config.model.dtype or "auto",
+        layout_id=LAYOUT_ID,
+        num_layers=max(layers, 1),
+        num_kv_heads=1,
+        head_dim=1,
+        tp_size=max(config.parallel.tp_size, 1),
+        pp_size=max(config.parallel.pp_size, 1),
+        scope=scope,
+        weights=weights,
+        engine_config=hashlib.sha256(json.dumps(geometry, sort_keys=True).encode()).hexdigest()[:32],
+    )
     return identity.namespace()
 
 

@@ -17,6 +17,7 @@ Every method returns at once: lookups, stores and loads run on the store's own e
 * Keys: vLLM's offload key (block hash and KV group) becomes an object key in the namespace
   of the model, its geometry and ``scope`` (``adapters.vllm_tier.config``).
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -42,8 +43,14 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
-    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, **params: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **params: Any,
+    ) -> None:
         parsed = parse_params(params)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(parsed.locality) if parsed.locality else None
@@ -61,7 +68,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
     def _row(self, chunk_id: int) -> memoryview:
         size = self.block_size_bytes
-        return self._rows[int(chunk_id) * size:(int(chunk_id) + 1) * size]
+        return self._rows[int(chunk_id) * size : (int(chunk_id) + 1) * size]
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -100,8 +107,14 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         except Exception:  # noqa: BLE001 - a job that raised failed; vLLM is told so
             self.store.counters["store:failed"] += 1
             ok = False
-        self._finished.append(JobResult(job.job_id, ok, transfer_time=time.monotonic() - t0,
-                                        transfer_bytes=len(job.keys) * self.block_size_bytes))
+        self._finished.append(
+            JobResult(
+                job.job_id,
+                ok,
+                transfer_time=time.monotonic() - t0,
+                transfer_bytes=len(job.keys) * self.block_size_bytes,
+            )
+        )
 
     async def _load(self, job: TransferJob) -> None:
         t0, loaded = time.monotonic(), []
@@ -112,9 +125,15 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         except Exception:  # noqa: BLE001 - what loaded before the failure still counts
             self.store.counters["load:failed"] += 1
         whole = len(loaded) == len(job.keys)
-        self._finished.append(JobResult(job.job_id, whole, successful_keys=None if whole else loaded,
-                                        transfer_time=time.monotonic() - t0,
-                                        transfer_bytes=len(loaded) * self.block_size_bytes))
+        self._finished.append(
+            JobResult(
+                job.job_id,
+                whole,
+                successful_keys=None if whole else loaded,
+                transfer_time=time.monotonic() - t0,
+                transfer_bytes=len(loaded) * self.block_size_bytes,
+            )
+        )
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done = []
@@ -139,8 +158,9 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         """Forget answers nobody asked for again within ``STALE_STEPS`` steps (a request
         aborted after a RETRY), so a later lookup asks the tiers afresh."""
         self._step += 1
-        stale = [key for key, (future, step) in self._lookups.items()
-                 if future.done() and self._step - step > STALE_STEPS]
+        stale = [
+            key for key, (future, step) in self._lookups.items() if future.done() and self._step - step > STALE_STEPS
+        ]
         for key in stale:
             del self._lookups[key]
 

@@ -14,6 +14,7 @@ verified, decrypted and authenticated (``kvstore.store.promote.reveal``) before 
 reaches vLLM's primary tier.  A forged object is a miss and is removed; a failing tier is a
 counted miss (``counters``), never an exception into vLLM.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +50,14 @@ class LowerStore:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-vllm-tier", daemon=True)
         self._thread.start()
         try:
-            self.tiers: list[Tier] = self.call(open_tiers(
-                lower_tier_specs(cfg), required=cfg.lower_tiers_required,
-                on_left_out=lambda kind, _err: self.counters.update([f"{kind}:open"])), OPEN_TIMEOUT_S)
+            self.tiers: list[Tier] = self.call(
+                open_tiers(
+                    lower_tier_specs(cfg),
+                    required=cfg.lower_tiers_required,
+                    on_left_out=lambda kind, _err: self.counters.update([f"{kind}:open"]),
+                ),
+                OPEN_TIMEOUT_S,
+            )
         except BaseException:
             self._stop()
             raise

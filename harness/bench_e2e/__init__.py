@@ -39,6 +39,7 @@ setups and the workload are in ``setups``, one pass over them in ``passes``, the
 correctness oracle in ``oracle``, the LMCache peer in ``lmcache_peer``, the rows and
 summaries in ``report``.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,9 +64,12 @@ def run(args) -> int:
     model_dir = Path(args.model_dir or Path.home() / ".cache/kvstore/models" / args.geometry)
     model = tinymodel.build_named(model_dir.expanduser(), args.geometry)
     wl = build_workload(args.prompts, args.prompt_len, args.shorts, geo.vocab)
-    print(f"kvstore bench e2e: model {args.geometry} at {model}; {args.prompts} prompts of "
-          f"{args.prompt_len} tokens sent twice, {min(args.shorts, args.prompts)} short; "
-          f"{args.repeats} pass(es)", flush=True)
+    print(
+        f"kvstore bench e2e: model {args.geometry} at {model}; {args.prompts} prompts of "
+        f"{args.prompt_len} tokens sent twice, {min(args.shorts, args.prompts)} short; "
+        f"{args.repeats} pass(es)",
+        flush=True,
+    )
     passes, summaries, extra_rows, extra = [], [], [], {}
     scenarios = _scenarios(args.scenarios)
     dtype = geo.dtype
@@ -73,8 +77,9 @@ def run(args) -> int:
         twin = F32_TWIN.get(args.geometry, args.geometry)
         sgeo = tinymodel.GEOMETRIES[twin]
         smodel = tinymodel.build_named(model_dir.expanduser().parent / twin, twin)
-        print(f"scenarios {', '.join(sorted(scenarios - {'pairs'}))}: model {twin} ({sgeo.dtype}) at {smodel}",
-              flush=True)
+        print(
+            f"scenarios {', '.join(sorted(scenarios - {'pairs'}))}: model {twin} ({sgeo.dtype}) at {smodel}", flush=True
+        )
     runners = {"restart": restart_rows, "throttled": throttled_rows, "chat": chat_rows, "tp2": tp2_rows}
     for name, fn in runners.items():
         if name in scenarios:
@@ -92,23 +97,37 @@ def run(args) -> int:
             print(format_summary(key, d), flush=True)
     rows = build_rows(passes) + extra_rows
     elapsed = time.perf_counter() - t0
-    title = (f"kvstore bench e2e ({args.geometry}, {dtype}; TTFT p50 over {args.prompts} prompts x "
-             f"{args.repeats} pass(es); limits measured in this run; {elapsed:.0f} s)")
+    title = (
+        f"kvstore bench e2e ({args.geometry}, {dtype}; TTFT p50 over {args.prompts} prompts x "
+        f"{args.repeats} pass(es); limits measured in this run; {elapsed:.0f} s)"
+    )
     print_rows(title, rows)
     write_plot(args.plot, title, rows)
     if args.json:
-        doc = {"rows": [r.as_dict() for r in rows], "passes": summaries, "scenarios": extra,
-               "elapsed_s": elapsed, "dtype": dtype,
-               "workload": {"geometry": args.geometry, "prompts": args.prompts,
-                            "prompt_len": args.prompt_len, "shorts": args.shorts}}
+        doc = {
+            "rows": [r.as_dict() for r in rows],
+            "passes": summaries,
+            "scenarios": extra,
+            "elapsed_s": elapsed,
+            "dtype": dtype,
+            "workload": {
+                "geometry": args.geometry,
+                "prompts": args.prompts,
+                "prompt_len": args.prompt_len,
+                "shorts": args.shorts,
+            },
+        }
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0 if _ours_ok(summaries) and all(d["outputs_match"] for d in extra.values()) else 1
 
 
 def _ours_ok(summaries: list[dict]) -> bool:
     """The reference and both of our engines ran, and ours matched the reference."""
-    return all(s.get(k, {}).get("ran") and s[k].get("outputs_match", True)
-               for s in summaries for k in ("none", "ours-1", "ours-2"))
+    return all(
+        s.get(k, {}).get("ran") and s[k].get("outputs_match", True)
+        for s in summaries
+        for k in ("none", "ours-1", "ours-2")
+    )
 
 
 SCENARIOS = ("pairs", "restart", "throttled", "chat", "tp2")
@@ -156,12 +175,19 @@ def register(suites) -> None:
     p = suites.add_parser("e2e", help="TTFT on a real vLLM engine: ours, ExampleConnector, LMCache")
     p.add_argument("--json", help="write rows and per-setup results as JSON to this file")
     p.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
-    p.add_argument("--geometry", default=default_geometry(), choices=sorted(GEOMETRIES),
-                   help="model shape (default: bench-f32 on CPUs without AVX512-BF16, else bench)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma-separated: pairs (each prompt twice), restart (store, restart, repeat), "
-                        "throttled (a slow Redis link, then recovered), chat (turns through earlier "
-                        "answers), tp2 (tensor parallelism: TP=2 and TP=1 on the same objects)")
+    p.add_argument(
+        "--geometry",
+        default=default_geometry(),
+        choices=sorted(GEOMETRIES),
+        help="model shape (default: bench-f32 on CPUs without AVX512-BF16, else bench)",
+    )
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help="comma-separated: pairs (each prompt twice), restart (store, restart, repeat), "
+        "throttled (a slow Redis link, then recovered), chat (turns through earlier "
+        "answers), tp2 (tensor parallelism: TP=2 and TP=1 on the same objects)",
+    )
     p.add_argument("--chat-turns", type=positive, default=3, help="chat: turns")
     p.add_argument("--chat-first", type=positive, default=1000, help="chat: tokens of the first prompt")
     p.add_argument("--chat-message", type=positive, default=50, help="chat: tokens of each later message")
@@ -170,11 +196,19 @@ def register(suites) -> None:
     p.add_argument("--restart-prompts", type=positive, default=4, help="restart: prompts")
     p.add_argument("--restart-len", type=positive, default=2000, help="restart and throttled: tokens per prompt")
     p.add_argument("--restart-shared", type=int, default=1500, help="restart: tokens the prompts share")
-    p.add_argument("--throttle-prompts", type=positive, default=3,
-                   help="throttled: prompts while slow (three times as many after the lift)")
+    p.add_argument(
+        "--throttle-prompts",
+        type=positive,
+        default=3,
+        help="throttled: prompts while slow (three times as many after the lift)",
+    )
     p.add_argument("--throttle-rate", type=float, default=4e6, help="throttled: bytes/s from Redis while slow")
-    p.add_argument("--explore-after", type=float, default=1.0,
-                   help="throttled: our explore_after_s (how soon a tier not measured since is re-measured)")
+    p.add_argument(
+        "--explore-after",
+        type=float,
+        default=1.0,
+        help="throttled: our explore_after_s (how soon a tier not measured since is re-measured)",
+    )
     p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
     p.add_argument("--repeats", type=positive, default=1, help="whole comparisons; samples pooled")
     p.add_argument("--prompts", type=positive, default=8, help="distinct long prompts")
@@ -182,8 +216,9 @@ def register(suites) -> None:
     p.add_argument("--shorts", type=int, default=3, help="short unrelated prompts in between")
     p.add_argument("--max-tokens", type=positive, default=8, help="generated tokens per request")
     p.add_argument("--skip-lmcache", action="store_true", help="leave out the LMCache setup")
-    p.add_argument("--single-process", action="store_true",
-                     help="engines in single-process mode: faster start, no LMCache")
+    p.add_argument(
+        "--single-process", action="store_true", help="engines in single-process mode: faster start, no LMCache"
+    )
     p.add_argument("--workdir", help="keep SSD files, stats and logs here (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per engine run")
     p.set_defaults(func=run)

@@ -14,6 +14,7 @@ on the float32 twin of the bench's model (see ``scenarios``).
   then repeats them from the same objects.  Rows: the TP=2 hit TTFT beside the TP=2 miss
   TTFT, and the TP=1 hit on TP=2's objects beside the TP=1 miss.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,12 @@ from harness import main as job
 from harness.bench_e2e.passes import our_settings
 from kvstore.bench.common import Row
 
-TP2 = {"engine_args": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-       "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "reserve_cpu": False, "single_process": False}
+TP2 = {
+    "engine_args": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    "reserve_cpu": False,
+    "single_process": False,
+}
 
 
 def _p50_ms(values: list[float]) -> float | None:
@@ -41,13 +46,22 @@ def _entries(result: kit.EngineResult, stats_path: Path) -> tuple[dict[str, dict
 def chat_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple[list[Row], dict]:
     g = kit.TokenSource(47, vocab)
     turns = [kit.Request("turn-1", g.take(args.chat_first))]
-    turns += [kit.Request(f"turn-{i}", g.take(args.chat_message), extends=f"turn-{i - 1}")
-              for i in range(2, args.chat_turns + 1)]
+    turns += [
+        kit.Request(f"turn-{i}", g.take(args.chat_message), extends=f"turn-{i - 1}")
+        for i in range(2, args.chat_turns + 1)
+    ]
     wl = kit.Workload(tuple(turns))
 
     def run(name: str, conn: dict | None) -> kit.EngineResult:
-        return kit.run_engine(model, conn, wl, max_tokens=args.chat_answer, timeout_s=args.timeout,
-                              single_process=args.single_process, out_json=work / f"chat-{name}.json")
+        return kit.run_engine(
+            model,
+            conn,
+            wl,
+            max_tokens=args.chat_answer,
+            timeout_s=args.timeout,
+            single_process=args.single_process,
+            out_json=work / f"chat-{name}.json",
+        )
 
     print(f"  chat: {args.chat_turns} turns, {args.chat_answer}-token answers, without and with ours ...", flush=True)
     none = run("none", None)
@@ -62,17 +76,43 @@ def chat_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple[li
     generated = args.chat_answer * sum(range(1, args.chat_turns))
     cmp = kit.compare_outputs(none, ours)
     tag = f"chat ({dtype})"
-    rows = [Row(f"{tag}: later turns' TTFT", _p50_ms([mine[x].ttft_s for x in later]), "ms",
-                "same turns, no connector", _p50_ms([ref[x].ttft_s for x in later]), "lower"),
-            Row(f"{tag}: generated hit tokens", float(generated_hit), "tok", "hit tokens of later turns",
-                float(hit), "higher"),
-            Row(f"{tag}: answers reused", float(generated_hit), "tok", "earlier answers in later prompts",
-                float(generated), "higher")]
-    detail = {"hit_tokens": {x: entries[x]["hit_tokens"] for x in later},
-              "generated_hit_tokens": {x: entries[x]["generated_hit_tokens"] for x in later},
-              "outputs_match": bool(cmp), "max_logprob_diff": cmp.max_logprob_diff}
-    print(f"  chat: later turns hit {list(detail['hit_tokens'].values())}, of which generated "
-          f"{list(detail['generated_hit_tokens'].values())}; outputs {'MATCH' if cmp else 'MISMATCH'}", flush=True)
+    rows = [
+        Row(
+            f"{tag}: later turns' TTFT",
+            _p50_ms([mine[x].ttft_s for x in later]),
+            "ms",
+            "same turns, no connector",
+            _p50_ms([ref[x].ttft_s for x in later]),
+            "lower",
+        ),
+        Row(
+            f"{tag}: generated hit tokens",
+            float(generated_hit),
+            "tok",
+            "hit tokens of later turns",
+            float(hit),
+            "higher",
+        ),
+        Row(
+            f"{tag}: answers reused",
+            float(generated_hit),
+            "tok",
+            "earlier answers in later prompts",
+            float(generated),
+            "higher",
+        ),
+    ]
+    detail = {
+        "hit_tokens": {x: entries[x]["hit_tokens"] for x in later},
+        "generated_hit_tokens": {x: entries[x]["generated_hit_tokens"] for x in later},
+        "outputs_match": bool(cmp),
+        "max_logprob_diff": cmp.max_logprob_diff,
+    }
+    print(
+        f"  chat: later turns hit {list(detail['hit_tokens'].values())}, of which generated "
+        f"{list(detail['generated_hit_tokens'].values())}; outputs {'MATCH' if cmp else 'MISMATCH'}",
+        flush=True,
+    )
     return [r for r in rows if r.value is not None and r.limit_value], detail
 
 
@@ -81,8 +121,15 @@ def tp2_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple[lis
     wl = kit.Workload(tuple(kit.Request(f"tp-{i}", g.take(args.restart_len)) for i in range(args.restart_prompts)))
 
     def run(name: str, conn: dict | None, tp2: bool) -> kit.EngineResult:
-        return kit.run_engine(model, conn, wl, max_tokens=1, timeout_s=args.timeout,
-                              out_json=work / f"tp-{name}.json", **(TP2 if tp2 else {}))
+        return kit.run_engine(
+            model,
+            conn,
+            wl,
+            max_tokens=1,
+            timeout_s=args.timeout,
+            out_json=work / f"tp-{name}.json",
+            **(TP2 if tp2 else {}),
+        )
 
     ssd = work / "tp-ssd"
     print("  tp2: no connector at TP=2 and TP=1, then ours: TP=2 stores, TP=2 and TP=1 repeat ...", flush=True)
@@ -94,11 +141,18 @@ def tp2_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple[lis
     cmp2, cmp1 = kit.compare_outputs(miss2, hit2), kit.compare_outputs(miss1, hit1)
     ms = lambda r: _p50_ms([x.ttft_s for x in r.requests])  # noqa: E731
     tag = f"tp2 ({dtype})"
-    rows = [Row(f"{tag}: TP=2 hit TTFT", ms(hit2), "ms", "TP=2 miss TTFT p50", ms(miss2), "lower"),
-            Row(f"{tag}: TP=1 hit on TP=2's objects", ms(hit1), "ms", "TP=1 miss TTFT p50", ms(miss1), "lower")]
-    detail = {"tp1_hit_tokens": {x: e["hit_tokens"] for x, e in entries1.items()},
-              "outputs_match": bool(cmp2) and bool(cmp1),
-              "max_logprob_diff": max(cmp2.max_logprob_diff, cmp1.max_logprob_diff)}
-    print(f"  tp2: TP=1 hit tokens on TP=2's objects {list(detail['tp1_hit_tokens'].values())}; "
-          f"outputs {'MATCH' if detail['outputs_match'] else 'MISMATCH'}", flush=True)
+    rows = [
+        Row(f"{tag}: TP=2 hit TTFT", ms(hit2), "ms", "TP=2 miss TTFT p50", ms(miss2), "lower"),
+        Row(f"{tag}: TP=1 hit on TP=2's objects", ms(hit1), "ms", "TP=1 miss TTFT p50", ms(miss1), "lower"),
+    ]
+    detail = {
+        "tp1_hit_tokens": {x: e["hit_tokens"] for x, e in entries1.items()},
+        "outputs_match": bool(cmp2) and bool(cmp1),
+        "max_logprob_diff": max(cmp2.max_logprob_diff, cmp1.max_logprob_diff),
+    }
+    print(
+        f"  tp2: TP=1 hit tokens on TP=2's objects {list(detail['tp1_hit_tokens'].values())}; "
+        f"outputs {'MATCH' if detail['outputs_match'] else 'MISMATCH'}",
+        flush=True,
+    )
     return [r for r in rows if r.value is not None and r.limit_value], detail

@@ -7,6 +7,7 @@ group and yields the port.  Either raises ``PeerError`` with the error tail.
 ``connector_config(port)`` is the ``--kv-transfer-config`` that points an engine at that
 server (``LMCacheMPConnector``); the engine runs with ``QUIET`` in its environment.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,17 @@ from pathlib import Path
 LMCACHE_VERSION = "0.5.6"
 # The recipe in docs/engines.md#peers plus the two flags 0.5.6 needs here: a legacy L1 config must name an
 # eviction policy, and the metrics exporter needs a package the --no-deps install lacks.
-LMCACHE_ARGS = ("--chunk-size", "256", "--l1-size-gb", "2", "--supported-transfer-mode", "auto",
-                "--eviction-policy", "LRU", "--disable-metrics")
+LMCACHE_ARGS = (
+    "--chunk-size",
+    "256",
+    "--l1-size-gb",
+    "2",
+    "--supported-transfer-mode",
+    "auto",
+    "--eviction-policy",
+    "LRU",
+    "--disable-metrics",
+)
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
 
@@ -34,8 +44,11 @@ class PeerError(RuntimeError):
 
 def connector_config(port: int) -> dict:
     """vLLM's ``kv_transfer_config`` for LMCache's multiprocess connector, its server on ``port``."""
-    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port}}
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port": port},
+    }
 
 
 def ensure_lmcache() -> None:
@@ -45,7 +58,8 @@ def ensure_lmcache() -> None:
 
     try:
         if metadata.version("lmcache") == LMCACHE_VERSION and all(
-                importlib.util.find_spec(m) for m in ("sortedcontainers", "aiofile")):
+            importlib.util.find_spec(m) for m in ("sortedcontainers", "aiofile")
+        ):
             return
     except metadata.PackageNotFoundError:
         pass
@@ -61,8 +75,7 @@ def _pip(*args: str) -> None:
     except (OSError, subprocess.TimeoutExpired) as err:
         raise PeerError(f"{' '.join(cmd)}: {err}") from err
     if proc.returncode != 0:
-        raise PeerError(f"{' '.join(cmd)} exited with {proc.returncode}\n"
-                        f"{(proc.stdout + proc.stderr)[-3000:]}")
+        raise PeerError(f"{' '.join(cmd)} exited with {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 
 @contextmanager
@@ -70,11 +83,18 @@ def lmcache_server(log: Path, timeout_s: float = 120) -> Iterator[int]:
     """The LMCache MP server on a free localhost port, in its own process group; yields the
     port once it accepts connections and stops the group on exit."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost",
-           "--port", str(port), *LMCACHE_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcache.v1.multiprocess.server",
+        "--host",
+        "localhost",
+        "--port",
+        str(port),
+        *LMCACHE_ARGS,
+    ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True,
-                                env={**os.environ, **QUIET})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env={**os.environ, **QUIET})
     try:
         _wait_listening(proc, port, log, timeout_s)
         yield port

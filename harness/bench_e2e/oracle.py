@@ -4,6 +4,7 @@ Host side, no vLLM import.  ``references(outs)`` collects the reference outputs 
 ``check_outputs(result, refs)`` compares one setup's outputs with them and tells which were
 served from cached KV.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,13 +23,13 @@ def references(outs: dict[str, Outcome]) -> list[tuple[bool, kit.RequestResult]]
     refs = []
     for key in ("none", "none-pc"):
         if key in outs and outs[key].result is not None:
-            refs += [(key == "none-pc" and is_kind(r.label, REPEAT), r)
-                     for r in outs[key].result.requests]
+            refs += [(key == "none-pc" and is_kind(r.label, REPEAT), r) for r in outs[key].result.requests]
     return refs
 
 
-def check_outputs(out: kit.EngineResult, refs: list[tuple[bool, kit.RequestResult]]
-                  ) -> tuple[kit.Comparison, frozenset[str]]:
+def check_outputs(
+    out: kit.EngineResult, refs: list[tuple[bool, kit.RequestResult]]
+) -> tuple[kit.Comparison, frozenset[str]]:
     """Each request must match (`kit.compare_outputs`, the kit's tolerance) some reference
     run of its prompt: the recompute, or vLLM's own prefix-cache hit.
 
@@ -40,8 +41,11 @@ def check_outputs(out: kit.EngineResult, refs: list[tuple[bool, kit.RequestResul
     references agree)."""
     problems, worst, cached = [], 0.0, set()
     for r in out.requests:
-        cands = [(hit, _only(out, dataclasses.replace(c, label=r.label)))
-                 for hit, c in refs if _prompt(c.label) == _prompt(r.label)]
+        cands = [
+            (hit, _only(out, dataclasses.replace(c, label=r.label)))
+            for hit, c in refs
+            if _prompt(c.label) == _prompt(r.label)
+        ]
         mine = _only(out, r)
         cmps = [(hit, kit.compare_outputs(ref, mine)) for hit, ref in cands]
         good = [c for _, c in cmps if c]

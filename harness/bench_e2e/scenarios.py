@@ -24,6 +24,7 @@ greedy tokens, which would hide a real error in noise.
   throttle is lifted at a barrier: after a probe re-measures the link, hits come back (row:
   recovered TTFT beside no connector, and how many prompts loaded).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,12 +51,15 @@ def _p50_ms(values: list[float]) -> float | None:
 
 # --- restart, then repeat ----------------------------------------------------------------------
 
+
 def restart_workload(args, vocab: int) -> tuple[kit.Workload, kit.Workload]:
     """(the prompts, the prompts plus one-block floor prompts for the no-connector engine)."""
     g = kit.TokenSource(41, vocab)
     shared = g.take(args.restart_shared)
-    prompts = tuple(kit.Request(f"restart-{i}", shared + g.take(args.restart_len - args.restart_shared))
-                    for i in range(args.restart_prompts))
+    prompts = tuple(
+        kit.Request(f"restart-{i}", shared + g.take(args.restart_len - args.restart_shared))
+        for i in range(args.restart_prompts)
+    )
     floor = tuple(kit.Request(f"floor-{i}", g.take(kit.BLOCK_SIZE)) for i in range(FLOOR_PROMPTS))
     return kit.Workload(prompts), kit.Workload(prompts + floor)
 
@@ -64,13 +68,23 @@ def restart_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple
     prompts, with_floor = restart_workload(args, vocab)
 
     def run(name: str, conn: dict | None, wl: kit.Workload) -> kit.EngineResult:
-        return kit.run_engine(model, conn, wl, max_tokens=1, timeout_s=args.timeout,
-                              single_process=args.single_process, out_json=work / f"restart-{name}.json")
+        return kit.run_engine(
+            model,
+            conn,
+            wl,
+            max_tokens=1,
+            timeout_s=args.timeout,
+            single_process=args.single_process,
+            out_json=work / f"restart-{name}.json",
+        )
 
     print("  restart: no connector (full recompute and the one-block floor) ...", flush=True)
     none = run("none", None, with_floor)
-    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {"shared_storage_path": str(work / "restart-example")}}
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(work / "restart-example")},
+    }
     print("  restart: ExampleConnector, store then repeat ...", flush=True)
     run("example-1", example, prompts)
     _drop_page_cache(work / "restart-example", "*")  # both peers read cold files after the restart
@@ -94,23 +108,40 @@ def restart_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple
     whole = (args.restart_len - 1) // kit.BLOCK_SIZE * kit.BLOCK_SIZE
     cmp = kit.compare_outputs(_only(none, labels), ours_2)
     tag = f"restart ({dtype})"
-    rows = [Row(f"{tag}: ours hit TTFT", ours, "ms", "full recompute TTFT p50", recompute, "lower"),
-            Row(f"{tag}: example hit TTFT", ex, "ms", "full recompute TTFT p50", recompute, "lower"),
-            Row(f"{tag}: ours vs example hit", ours, "ms", "example hit TTFT p50", ex, "lower", 1.0),
-            Row(f"{tag}: ours hit vs floor", ours, "ms", "one-block prompt TTFT p50", floor, "lower", 1.3),
-            Row(f"{tag}: tokens hit (min)", float(min(hit.values())), "tok", "whole blocks but the last",
-                float(whole), "higher", 1.0)]
-    detail = {"tokens_hit_per_prompt": hit, "engine_1_tokens_hit_per_prompt": hit_1, "ssd_objects": objects,
-              "outputs_match": bool(cmp),
-              "max_logprob_diff": cmp.max_logprob_diff, "ttft_ms": {
-                  "recompute": recompute, "floor": floor, "example_hit": ex, "ours_hit": ours}}
-    print(f"  restart: tokens hit per prompt: engine 1 {list(hit_1.values())}, engine 2 {list(hit.values())} "
-          f"of {args.restart_len}; {objects} objects on SSD; "
-          f"outputs {'MATCH' if cmp else 'MISMATCH'} (max logprob diff {cmp.max_logprob_diff:.1e})", flush=True)
+    rows = [
+        Row(f"{tag}: ours hit TTFT", ours, "ms", "full recompute TTFT p50", recompute, "lower"),
+        Row(f"{tag}: example hit TTFT", ex, "ms", "full recompute TTFT p50", recompute, "lower"),
+        Row(f"{tag}: ours vs example hit", ours, "ms", "example hit TTFT p50", ex, "lower", 1.0),
+        Row(f"{tag}: ours hit vs floor", ours, "ms", "one-block prompt TTFT p50", floor, "lower", 1.3),
+        Row(
+            f"{tag}: tokens hit (min)",
+            float(min(hit.values())),
+            "tok",
+            "whole blocks but the last",
+            float(whole),
+            "higher",
+            1.0,
+        ),
+    ]
+    detail = {
+        "tokens_hit_per_prompt": hit,
+        "engine_1_tokens_hit_per_prompt": hit_1,
+        "ssd_objects": objects,
+        "outputs_match": bool(cmp),
+        "max_logprob_diff": cmp.max_logprob_diff,
+        "ttft_ms": {"recompute": recompute, "floor": floor, "example_hit": ex, "ours_hit": ours},
+    }
+    print(
+        f"  restart: tokens hit per prompt: engine 1 {list(hit_1.values())}, engine 2 {list(hit.values())} "
+        f"of {args.restart_len}; {objects} objects on SSD; "
+        f"outputs {'MATCH' if cmp else 'MISMATCH'} (max logprob diff {cmp.max_logprob_diff:.1e})",
+        flush=True,
+    )
     return [r for r in rows if r.value is not None and r.limit_value], detail
 
 
 # --- a throttled tier ------------------------------------------------------------------------------
+
 
 def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tuple[list[Row], dict]:
     from kvstore.testing.redis_proc import RedisServer
@@ -123,24 +154,39 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
     gated = kit.Workload(tuple(slow + [kit.Request(fast[0].label, fast[0].tokens, barrier="lifted")] + fast[1:]))
 
     def run(name: str, conn: dict | None, wl: kit.Workload, **kw) -> kit.EngineResult:
-        return kit.run_engine(model, conn, wl, max_tokens=1, timeout_s=args.timeout,
-                              single_process=args.single_process, out_json=work / f"throttled-{name}.json", **kw)
+        return kit.run_engine(
+            model,
+            conn,
+            wl,
+            max_tokens=1,
+            timeout_s=args.timeout,
+            single_process=args.single_process,
+            out_json=work / f"throttled-{name}.json",
+            **kw,
+        )
 
     server = RedisServer(work / "throttled-redis").start()
     try:
         print("  throttled: no connector ...", flush=True)
         none = run("none", None, plain)
         print("  throttled: engine 1 stores in Redis ...", flush=True)
-        run("ours-1", job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url,
-                                           **our_settings(args)), plain)
+        run(
+            "ours-1",
+            job.connector_config(None, work / "throttled-stats-1.json", redis_url=server.url, **our_settings(args)),
+            plain,
+        )
         print(f"  throttled: engine 2 through a {args.throttle_rate / 1e6:g} MB/s link, then lifted ...", flush=True)
         stats_2 = work / "throttled-stats-2.json"
         with ThrottledProxy((server.host, server.port), rate=args.throttle_rate) as proxy:
-            conn = job.connector_config(None, stats_2, redis_url=f"redis://{proxy.address}/0",
-                                        explore_after_s=args.explore_after, **our_settings(args))
+            conn = job.connector_config(
+                None,
+                stats_2,
+                redis_url=f"redis://{proxy.address}/0",
+                explore_after_s=args.explore_after,
+                **our_settings(args),
+            )
             box: dict = {}
-            t = threading.Thread(target=lambda: box.update(r=_guard(lambda: run("ours-2", conn, gated,
-                                                                                 barriers=work))))
+            t = threading.Thread(target=lambda: box.update(r=_guard(lambda: run("ours-2", conn, gated, barriers=work))))
             t.start()
             try:
                 kit.open_barrier(work, "lifted", then=lambda: setattr(proxy, "rate", None))
@@ -160,17 +206,36 @@ def throttled_rows(model: Path, vocab: int, work: Path, args, dtype: str) -> tup
     recovered_base = _p50_ms([ref[x].ttft_s for x in loaded])
     cmp = kit.compare_outputs(none, ours)
     tag = f"throttled ({dtype})"
-    rows = [Row(f"{tag}: TTFT while slow", throttled, "ms", "same prompts, no connector", baseline, "lower", 1.05),
-            Row(f"{tag}: first prompt (learns)", mine[slow[0].label].ttft_s * 1e3, "ms",
-                "same prompt, no connector", ref[slow[0].label].ttft_s * 1e3, "lower"),
-            Row(f"{tag}: TTFT recovered hits", recovered, "ms", "same prompts, no connector", recovered_base, "lower"),
-            Row(f"{tag}: prompts loaded, recovered", float(len(loaded)), "req", "prompts after the lift",
-                float(len(fast)), "higher")]
-    detail = {"decisions": {r.label: entries[r.label].get("decision") for r in slow + fast},
-              "outputs_match": bool(cmp), "max_logprob_diff": cmp.max_logprob_diff}
-    print(f"  throttled: while slow {[entries[r.label]['decision']['outcome'] for r in slow]}; after the lift "
-          f"{[entries[r.label]['decision']['outcome'] for r in fast]}; outputs {'MATCH' if cmp else 'MISMATCH'}",
-          flush=True)
+    rows = [
+        Row(f"{tag}: TTFT while slow", throttled, "ms", "same prompts, no connector", baseline, "lower", 1.05),
+        Row(
+            f"{tag}: first prompt (learns)",
+            mine[slow[0].label].ttft_s * 1e3,
+            "ms",
+            "same prompt, no connector",
+            ref[slow[0].label].ttft_s * 1e3,
+            "lower",
+        ),
+        Row(f"{tag}: TTFT recovered hits", recovered, "ms", "same prompts, no connector", recovered_base, "lower"),
+        Row(
+            f"{tag}: prompts loaded, recovered",
+            float(len(loaded)),
+            "req",
+            "prompts after the lift",
+            float(len(fast)),
+            "higher",
+        ),
+    ]
+    detail = {
+        "decisions": {r.label: entries[r.label].get("decision") for r in slow + fast},
+        "outputs_match": bool(cmp),
+        "max_logprob_diff": cmp.max_logprob_diff,
+    }
+    print(
+        f"  throttled: while slow {[entries[r.label]['decision']['outcome'] for r in slow]}; after the lift "
+        f"{[entries[r.label]['decision']['outcome'] for r in fast]}; outputs {'MATCH' if cmp else 'MISMATCH'}",
+        flush=True,
+    )
     return [r for r in rows if r.value is not None and r.limit_value], detail
 
 

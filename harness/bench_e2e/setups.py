@@ -4,6 +4,7 @@ Host side, no vLLM import.  Labels name each request's role: ``long-<i>-first`` 
 ``long-<i>-repeat`` (the same long prompt, sent twice in a row) and ``short-<i>`` (a short
 unrelated prompt in between); ``is_kind(label, kind)`` tells them apart.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

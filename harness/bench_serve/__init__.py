@@ -27,6 +27,7 @@ failure is printed with its error.
 Here: the command (``run``, ``main`` for a direct call, ``register`` for the ``kvstore.bench``
 entry point).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,9 +49,12 @@ PEERS = ("lmcache", "example")  # a peer that fails to run is reported, not our 
 WORKLOADS = ("chat", "agent", "rag", "restart")
 # Each workload's knobs: flag dest -> its spec field (flags left unset take the spec's default).
 SHARED = ("sessions", "turns", "system", "answer", "concurrency", "seed")
-KNOBS = {"chat": (*SHARED, "context", "message"), "restart": (*SHARED, "context", "message"),
-         "agent": (*SHARED, "context", "tool", "forks", "pause"),
-         "rag": (*SHARED, "documents", "document", "per_prompt", "message")}
+KNOBS = {
+    "chat": (*SHARED, "context", "message"),
+    "restart": (*SHARED, "context", "message"),
+    "agent": (*SHARED, "context", "tool", "forks", "pause"),
+    "rag": (*SHARED, "documents", "document", "per_prompt", "message"),
+}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,9 +65,12 @@ def run(args: argparse.Namespace) -> int:
     cap = Capacity.for_workloads(workloads, args.block_size, args.blocks, args.host_capacity, args.max_model_len)
     model_dir = Path(args.model_dir or Path.home() / ".cache/kvstore/models" / args.geometry).expanduser()
     model = tinymodel.build_named(model_dir, args.geometry)
-    print(f"kvstore bench serve: model {args.geometry} ({geo.dtype}); engine KV {cap.blocks} blocks of "
-          f"{cap.block_size} (limit: {cap.limit}), max model len {cap.max_model_len}; host budget "
-          f"{cap.host_capacity}", flush=True)
+    print(
+        f"kvstore bench serve: model {args.geometry} ({geo.dtype}); engine KV {cap.blocks} blocks of "
+        f"{cap.block_size} (limit: {cap.limit}), max model len {cap.max_model_len}; host budget "
+        f"{cap.host_capacity}",
+        flush=True,
+    )
     for w in workloads:
         print(f"  workload {w.name}: {w.describe()}", flush=True)
     tol = kit.LOGPROB_TOL.get(geo.dtype, kit.DEFAULT_LOGPROB_TOL)
@@ -79,14 +86,20 @@ def run(args: argparse.Namespace) -> int:
             print(format_summary(key, summaries[w.name][key], summaries[w.name], w.name), flush=True)
     rows: list[Row] = [row for w in workloads for row in build_rows(w.name, summaries[w.name])]
     elapsed = time.perf_counter() - t0
-    title = (f"kvstore bench serve {','.join(w.name for w in workloads)} ({args.geometry}; engine KV {cap.blocks} "
-             f"blocks, host {cap.host_capacity}; limits measured in this run; {elapsed:.0f} s)")
+    title = (
+        f"kvstore bench serve {','.join(w.name for w in workloads)} ({args.geometry}; engine KV {cap.blocks} "
+        f"blocks, host {cap.host_capacity}; limits measured in this run; {elapsed:.0f} s)"
+    )
     print_rows(title, rows)
     write_plot(args.plot, title, rows)
     if args.json:
-        doc = {"rows": [r.as_dict() for r in rows], "elapsed_s": elapsed, "workdir": str(work_root),
-               "capacity": {k: getattr(cap, k) for k in cap.__slots__},
-               "workloads": {w.name: {"settings": w.settings(), "setups": summaries[w.name]} for w in workloads}}
+        doc = {
+            "rows": [r.as_dict() for r in rows],
+            "elapsed_s": elapsed,
+            "workdir": str(work_root),
+            "capacity": {k: getattr(cap, k) for k in cap.__slots__},
+            "workloads": {w.name: {"settings": w.settings(), "setups": summaries[w.name]} for w in workloads},
+        }
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0 if all(_ok(s) for s in summaries.values()) else 1
 
@@ -152,10 +165,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--json", help="write rows and per-setup results as JSON to this file")
     p.add_argument("--plot", metavar="FILE.png", help="draw each row beside its same-run limit")
-    p.add_argument("--setups", default="none,ours,lmcache,example,limit",
-                   help=f"comma-separated, {REFERENCE} required: " + "; ".join(f"{k}: {v}" for k, v in SETUPS.items()))
-    p.add_argument("--workload", help=f"comma-separated, run in this order on each setup's server: any of "
-                   f"{', '.join(WORKLOADS)} (default chat; restart if --restart-after is given)")
+    p.add_argument(
+        "--setups",
+        default="none,ours,lmcache,example,limit",
+        help=f"comma-separated, {REFERENCE} required: " + "; ".join(f"{k}: {v}" for k, v in SETUPS.items()),
+    )
+    p.add_argument(
+        "--workload",
+        help=f"comma-separated, run in this order on each setup's server: any of "
+        f"{', '.join(WORKLOADS)} (default chat; restart if --restart-after is given)",
+    )
     p.add_argument("--geometry", default="tiny-f32", choices=sorted(GEOMETRIES), help="model shape")
     p.add_argument("--model-dir", help="where the model is built (default ~/.cache/kvstore/models/GEOMETRY)")
     g = p.add_argument_group("workload knobs (unset: each workload's default, docs/bench-serve.md)")

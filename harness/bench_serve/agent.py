@@ -15,6 +15,7 @@ pauses are the workload's, not serving time (``harness.bench_serve.workload.busy
 Prompts depend only on the session's own answers, which are greedy, so every setup is sent
 the same prompts whatever the threads' interleaving.
 """
+
 from __future__ import annotations
 
 import random
@@ -78,19 +79,22 @@ class Agent:
             self.fork_at[fork.id] = at
             self.seqs.append(fork)
 
-    def _sequence(self, sid: int, first: int, g: TokenSource, rng: random.Random,
-                  parent: int | None = None) -> Branch:
+    def _sequence(self, sid: int, first: int, g: TokenSource, rng: random.Random, parent: int | None = None) -> Branch:
         s = self.spec
-        messages = tuple(() if t == 1 else g.take(rng.randint(max(1, s.tool // 2), max(1, s.tool * 3 // 2)))
-                         for t in range(first, s.turns + 1))
+        messages = tuple(
+            () if t == 1 else g.take(rng.randint(max(1, s.tool // 2), max(1, s.tool * 3 // 2)))
+            for t in range(first, s.turns + 1)
+        )
         pauses = tuple(min(rng.expovariate(1 / s.pause), 4 * s.pause) if s.pause > 0 else 0.0 for _ in messages)
         return Branch(sid, first, messages, pauses, parent)
 
     def describe(self) -> str:
         s = self.spec
-        return (f"{s.sessions} sessions + {s.forks} forks, {s.turns} turns (system {s.system}, task {s.context}, "
-                f"tool outputs ~{s.tool}, answer {s.answer}, pauses ~{s.pause:g} s), {s.concurrency} in flight; "
-                f"longest {self.longest()} tokens")
+        return (
+            f"{s.sessions} sessions + {s.forks} forks, {s.turns} turns (system {s.system}, task {s.context}, "
+            f"tool outputs ~{s.tool}, answer {s.answer}, pauses ~{s.pause:g} s), {s.concurrency} in flight; "
+            f"longest {self.longest()} tokens"
+        )
 
     def _length(self, seq: Branch) -> int:
         own = sum(len(m) for m in seq.messages) + len(seq.messages) * self.spec.answer
@@ -98,8 +102,7 @@ class Agent:
             return len(self.openings[seq.id]) + own
         at = self.fork_at[seq.id]
         parent = self.seqs[seq.parent]
-        return len(self.openings[seq.parent]) + sum(len(m) for m in parent.messages[:at]) + \
-            at * self.spec.answer + own
+        return len(self.openings[seq.parent]) + sum(len(m) for m in parent.messages[:at]) + at * self.spec.answer + own
 
     def longest(self) -> int:
         return max(self._length(q) for q in self.seqs)
@@ -114,7 +117,8 @@ class Agent:
         """Every sequence in a thread of its own (``between`` is unused: no restarts here)."""
         slots, lock, run = threading.Semaphore(self.spec.concurrency), threading.Lock(), WorkloadRun()
         ready: dict[int, tuple[threading.Event, list[Tokens | None]]] = {
-            q.id: (threading.Event(), [None]) for q in self.seqs if q.parent is not None}
+            q.id: (threading.Event(), [None]) for q in self.seqs if q.parent is not None
+        }
 
         def start(seq: Branch) -> Tokens | None:
             if seq.parent is None:

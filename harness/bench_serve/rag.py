@@ -9,6 +9,7 @@ round t before any round t+1, ``concurrency`` requests in flight.  The same docu
 back in other orders and combinations, so only the prefix up to the first document that
 differs is a prefix hit; later turns are the rounds >= 2.
 """
+
 from __future__ import annotations
 
 import random
@@ -59,8 +60,10 @@ class Rag:
         self.system = g.take(spec.system)
         self.docs = [g.take(spec.document) for _ in range(spec.documents)]
         # choice[t][i]: user i's documents in round t+1, and its question
-        self.choice = [[(draw(rng, spec.documents, spec.per_prompt), g.take(spec.message))
-                        for _ in range(spec.sessions)] for _ in range(spec.turns)]
+        self.choice = [
+            [(draw(rng, spec.documents, spec.per_prompt), g.take(spec.message)) for _ in range(spec.sessions)]
+            for _ in range(spec.turns)
+        ]
 
     def prompt(self, t: int, i: int) -> Tokens:
         docs, question = self.choice[t - 1][i]
@@ -69,9 +72,11 @@ class Rag:
     def describe(self) -> str:
         s = self.spec
         lead = [c[0][0] for round_ in self.choice for c in round_]
-        return (f"{s.sessions} users x {s.turns} rounds, {s.per_prompt} of {s.documents} documents of "
-                f"{s.document} tokens per question (system {s.system}, question {s.message}, answer {s.answer}), "
-                f"{s.concurrency} in flight; {len(set(lead))} distinct leading documents over {len(lead)} questions")
+        return (
+            f"{s.sessions} users x {s.turns} rounds, {s.per_prompt} of {s.documents} documents of "
+            f"{s.document} tokens per question (system {s.system}, question {s.message}, answer {s.answer}), "
+            f"{s.concurrency} in flight; {len(set(lead))} distinct leading documents over {len(lead)} questions"
+        )
 
     def longest(self) -> int:
         s = self.spec
@@ -82,7 +87,8 @@ class Rag:
 
     def settings(self) -> dict:
         return {k: getattr(self.spec, k) for k in self.spec.__slots__} | {
-            "documents_per_question": [[list(c[0]) for c in round_] for round_ in self.choice]}
+            "documents_per_question": [[list(c[0]) for c in round_] for round_ in self.choice]
+        }
 
     def run(self, server: OpenAIServer, between: Between | None = None) -> WorkloadRun:
         s = self.spec

@@ -8,6 +8,7 @@ named ``WORKLOAD SETUP FIGURE``.  ``check`` compares each request's
 output token ids with the ``none`` setup's (equal greedy outputs mean equal prompts, turn
 after turn) and its chosen-token logprobs within ``harness.kit.LOGPROB_TOL`` of the dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from kvstore.bench.common import Row
 
 REFERENCE, LIMIT = "none", "limit"
 # (summary key, row name, unit, which way is better)
-FIGURES = (("ttft_p50_ms", "later-turn TTFT p50", "ms", "lower"),
-           ("ttft_p99_ms", "later-turn TTFT p99", "ms", "lower"),
-           ("output_tok_s", "output tokens/s", "tok/s", "higher"))
+FIGURES = (
+    ("ttft_p50_ms", "later-turn TTFT p50", "ms", "lower"),
+    ("ttft_p99_ms", "later-turn TTFT p99", "ms", "lower"),
+    ("output_tok_s", "output tokens/s", "tok/s", "higher"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +67,27 @@ def summary(run: SetupRun, reference: SetupRun | None, tolerance: float) -> dict
     turns = run.run.turns
     later = [t.completion.ttft_s * 1e3 for t in turns if t.turn >= 2 and t.completion.ttft_s is not None]
     out_tokens = sum(len(t.completion.token_ids) for t in turns)
-    d.update(requests=len(turns), later_requests=len(later), startup_s=round(run.startup_s, 2),
-             ttft_p50_ms=kit.percentile(later, 50), ttft_p99_ms=kit.percentile(later, 99),
-             output_tokens=out_tokens, serving_s=round(run.run.elapsed_s, 3),
-             output_tok_s=out_tokens / run.run.elapsed_s if run.run.elapsed_s > 0 else None,
-             cached_tokens_reported=sum(t.completion.cached_tokens or 0 for t in turns if t.turn >= 2),
-             restarts=run.restarts,
-             **{k: {n: int(v) for n, v in table.items() if v} for k, table in run.counters.items()})
+    d.update(
+        requests=len(turns),
+        later_requests=len(later),
+        startup_s=round(run.startup_s, 2),
+        ttft_p50_ms=kit.percentile(later, 50),
+        ttft_p99_ms=kit.percentile(later, 99),
+        output_tokens=out_tokens,
+        serving_s=round(run.run.elapsed_s, 3),
+        output_tok_s=out_tokens / run.run.elapsed_s if run.run.elapsed_s > 0 else None,
+        cached_tokens_reported=sum(t.completion.cached_tokens or 0 for t in turns if t.turn >= 2),
+        restarts=run.restarts,
+        **{k: {n: int(v) for n, v in table.items() if v} for k, table in run.counters.items()},
+    )
     if reference is not None and reference.run is not None:
         c = check(run, reference, tolerance)
-        d.update(outputs_match=c.ok, compared=c.compared, max_logprob_diff=c.max_logprob_diff,
-                 mismatches=list(c.mismatches[:5]))
+        d.update(
+            outputs_match=c.ok,
+            compared=c.compared,
+            max_logprob_diff=c.max_logprob_diff,
+            mismatches=list(c.mismatches[:5]),
+        )
     return d
 
 
@@ -89,8 +102,7 @@ def build_rows(workload: str, summaries: dict[str, dict]) -> list[Row]:
                 value = d.get(key)
                 if setup in (LIMIT, base) or value is None or limit is None:
                     continue
-                rows.append(Row(f"{workload} {setup} {name}", value, unit, f"{workload} {base} {name}", limit,
-                                better))
+                rows.append(Row(f"{workload} {setup} {name}", value, unit, f"{workload} {base} {name}", limit, better))
     return rows
 
 
@@ -101,15 +113,20 @@ def format_summary(key: str, d: dict, summaries: dict[str, dict], workload: str 
         return "\n".join(lines + [f"  did not run: {first[0] if first else '?'}"])
     parts = []
     for fig, name, unit, _ in FIGURES:
-        beside = [f"x{d[fig] / summaries[b][fig]:.2f} {b}" for b in (LIMIT, REFERENCE)
-                  if b != key and summaries.get(b, {}).get(fig) and d.get(fig) is not None]
+        beside = [
+            f"x{d[fig] / summaries[b][fig]:.2f} {b}"
+            for b in (LIMIT, REFERENCE)
+            if b != key and summaries.get(b, {}).get(fig) and d.get(fig) is not None
+        ]
         value = "-" if d.get(fig) is None else f"{d[fig]:.1f} {unit}"
         parts.append(f"{name} {value}" + (f" ({', '.join(beside)})" if beside else ""))
     lines.append(f"  {d['requests']} requests ({d['later_requests']} later-turn); " + "; ".join(parts))
     if "outputs_match" in d:
         verdict = "MATCH" if d["outputs_match"] else "MISMATCH: " + "; ".join(d["mismatches"])
-        lines.append(f"  outputs vs {REFERENCE}: {verdict} ({d['compared']} compared, "
-                     f"max logprob diff {d['max_logprob_diff']:.2e})")
+        lines.append(
+            f"  outputs vs {REFERENCE}: {verdict} ({d['compared']} compared, "
+            f"max logprob diff {d['max_logprob_diff']:.2e})"
+        )
     for table in ("vllm_cached_by_source", "hit_tokens_by_tier", "decisions"):
         if d.get(table):
             lines.append(f"  {table}: " + ", ".join(f"{k} {v}" for k, v in sorted(d[table].items())))

@@ -20,6 +20,7 @@ measured.  The hit counters come from the server's /metrics, read before and aft
 before each restart: vLLM's prompt tokens cached by source, our hit tokens by tier and load
 decisions, each workload's own share.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,11 @@ SETUPS = {
     "limit": "no connector, engine KV large enough for every session (the limit)",
 }
 # /metrics families summed per label: (key in the report, metric, label)
-COUNTERS = (("vllm_cached_by_source", "vllm:prompt_tokens_cached_by_source_total", "source"),
-            ("hit_tokens_by_tier", "vllm:kvstore_hit_tokens_by_tier_total", "tier"),
-            ("decisions", "vllm:kvstore_load_decisions_total", "outcome"))
+COUNTERS = (
+    ("vllm_cached_by_source", "vllm:prompt_tokens_cached_by_source_total", "source"),
+    ("hit_tokens_by_tier", "vllm:kvstore_hit_tokens_by_tier_total", "tier"),
+    ("decisions", "vllm:kvstore_load_decisions_total", "outcome"),
+)
 Counters = dict[str, dict[str, float]]
 
 
@@ -59,14 +62,16 @@ class Capacity:
     limit: int = 208  # ``limit``'s engine KV, in blocks: enough for the largest workload
 
     @staticmethod
-    def for_workloads(workloads: Sequence[Workload], block_size: int, blocks: int, host_capacity: str,
-                      max_model_len: int | None) -> Capacity:
+    def for_workloads(
+        workloads: Sequence[Workload], block_size: int, blocks: int, host_capacity: str, max_model_len: int | None
+    ) -> Capacity:
         """``max_model_len`` defaults to the longest sequence rounded up to whole blocks (vLLM
         refuses a max length the capped KV cannot hold)."""
         longest = max(w.longest() for w in workloads)
         limit = max([blocks] + [w.limit_blocks(block_size) for w in workloads])
-        return Capacity(block_size, blocks, host_capacity, max_model_len or -(-longest // block_size) * block_size,
-                        limit)
+        return Capacity(
+            block_size, blocks, host_capacity, max_model_len or -(-longest // block_size) * block_size, limit
+        )
 
 
 @dataclass(slots=True)
@@ -83,14 +88,27 @@ class SetupRun:
 
 def make_server(key: str, model: Path, work: Path, cap: Capacity, lmcache_port: int | None = None) -> OpenAIServer:
     blocks = cap.limit if key == "limit" else cap.blocks
-    args = ["--block-size", str(cap.block_size), "--num-gpu-blocks-override", str(blocks),
-            "--max-model-len", str(cap.max_model_len)]
+    args = [
+        "--block-size",
+        str(cap.block_size),
+        "--num-gpu-blocks-override",
+        str(blocks),
+        "--max-model-len",
+        str(cap.max_model_len),
+    ]
     connector = {"host_capacity": cap.host_capacity} if key == "ours" else None
     env = None
     if key == "example":
-        args += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")}})]
+        args += [
+            "--kv-transfer-config",
+            json.dumps(
+                {
+                    "kv_connector": "ExampleConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(work / "example-store")},
+                }
+            ),
+        ]
     if key == "lmcache":
         assert lmcache_port is not None, "the lmcache setup needs its server's port"
         args += ["--kv-transfer-config", json.dumps(lmcache_peer.connector_config(lmcache_port))]
@@ -140,8 +158,9 @@ def run_workload(key: str, server: OpenAIServer, workload: Workload, block_size:
     return out
 
 
-def run_setup(key: str, model: Path, work: Path, cap: Capacity, workloads: Sequence[Workload],
-              server: OpenAIServer | None = None) -> list[SetupRun]:
+def run_setup(
+    key: str, model: Path, work: Path, cap: Capacity, workloads: Sequence[Workload], server: OpenAIServer | None = None
+) -> list[SetupRun]:
     """Every workload in turn on one server of this setup (started and stopped here), or on
     ``server`` if given (left running): one ``SetupRun`` per workload.  A setup that fails to
     start has that error in each."""

@@ -13,6 +13,7 @@ requests in flight; turn t+1's prompt is turn t's prompt, its answer and the nex
 ``restart`` is ``chat`` with the server restarted after turn ``restart_after``.  ``agent``
 and ``rag`` live in ``harness.bench_serve.agent`` and ``harness.bench_serve.rag``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -88,9 +89,15 @@ def blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) + 1
 
 
-def run_rounds(server: OpenAIServer, rounds: int, prompts_of: Callable[[int], Sequence[tuple[int, Tokens]]],
-               answer: int, concurrency: int, between: Between | None = None,
-               after: Callable[[int, Tokens, Completion], None] | None = None) -> WorkloadRun:
+def run_rounds(
+    server: OpenAIServer,
+    rounds: int,
+    prompts_of: Callable[[int], Sequence[tuple[int, Tokens]]],
+    answer: int,
+    concurrency: int,
+    between: Between | None = None,
+    after: Callable[[int, Tokens, Completion], None] | None = None,
+) -> WorkloadRun:
     """Round t's (session, prompt) pairs, ``concurrency`` streamed requests in flight, all
     answered before round t+1's prompts are made; ``after`` sees each answer, ``between(t)``
     runs after every round but the last."""
@@ -135,8 +142,10 @@ class Session:
 def chat_sessions(spec: ChatSpec, vocab: int) -> list[Session]:
     g = TokenSource(spec.seed, vocab)
     system = g.take(spec.system)
-    return [Session(system + g.take(spec.context), tuple(g.take(spec.message) for _ in range(spec.turns)))
-            for _ in range(spec.sessions)]
+    return [
+        Session(system + g.take(spec.context), tuple(g.take(spec.message) for _ in range(spec.turns)))
+        for _ in range(spec.sessions)
+    ]
 
 
 class Chat:
@@ -149,8 +158,10 @@ class Chat:
 
     def describe(self) -> str:
         s = self.spec
-        text = (f"{s.sessions} sessions x {s.turns} turns (system {s.system}, context {s.context}, message "
-                f"{s.message}, answer {s.answer}), {s.concurrency} in flight")
+        text = (
+            f"{s.sessions} sessions x {s.turns} turns (system {s.system}, context {s.context}, message "
+            f"{s.message}, answer {s.answer}), {s.concurrency} in flight"
+        )
         return text if self.restart_after is None else text + f"; server restarted after turn {self.restart_after}"
 
     def longest(self) -> int:

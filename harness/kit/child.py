@@ -2,6 +2,7 @@
 starts the engine (vLLM's ``LLM``), runs the workload one request at a time (greedy, with
 logprobs) and writes the result JSON.  TTFT is vLLM's own per-request
 ``first_token_latency`` (we start the engine with ``disable_log_stats=False``)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ def _engine_main(spec_path: str, out_path: str) -> None:
     warm = _warmup(llm, spec) if spec["warmup"] else None
     results = _run_requests(llm, spec)
     dtype = str(llm.model_config.dtype).removeprefix("torch.")
-    out = {"requests": results, "startup_s": startup, "warmup_ttft_s": warm,
-           "ttft_method": TTFT_METHOD, "vllm_version": vllm.__version__, "dtype": dtype}
+    out = {
+        "requests": results,
+        "startup_s": startup,
+        "warmup_ttft_s": warm,
+        "ttft_method": TTFT_METHOD,
+        "vllm_version": vllm.__version__,
+        "dtype": dtype,
+    }
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(out))
     os.replace(tmp, out_path)
@@ -49,16 +56,23 @@ def _make_llm(spec: dict):
     images = any(d.get("image") is not None for d in spec["workload"])
     if images:  # the image processor needs the tokenizer; prompts stay token ids
         kw["limit_mm_per_prompt"] = {"image": 1}
-    return LLM(model=spec["model"], skip_tokenizer_init=not images, disable_log_stats=False,
-               enable_prefix_caching=spec["enable_prefix_caching"], seed=0,
-               dtype=spec.get("dtype", "auto"), **kw)
+    return LLM(
+        model=spec["model"],
+        skip_tokenizer_init=not images,
+        disable_log_stats=False,
+        enable_prefix_caching=spec["enable_prefix_caching"],
+        seed=0,
+        dtype=spec.get("dtype", "auto"),
+        **kw,
+    )
 
 
 def _sampling(spec: dict, max_tokens: int | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens or spec["max_tokens"], temperature=0.0,
-                          logprobs=spec["logprobs"], ignore_eos=True)
+    return SamplingParams(
+        max_tokens=max_tokens or spec["max_tokens"], temperature=0.0, logprobs=spec["logprobs"], ignore_eos=True
+    )
 
 
 def _warmup(llm, spec: dict) -> float:
@@ -86,8 +100,9 @@ def _run_requests(llm, spec: dict) -> list[dict]:
                 parent_prompt, parent_out = done[d["extends"]]
                 prompt = parent_prompt + parent_out + prompt
             prompts.append(prompt)
-        outs = _generate(llm, prompts, [d.get("cache_salt") for d in group], _sampling(spec),
-                         [d.get("image") for d in group])
+        outs = _generate(
+            llm, prompts, [d.get("cache_salt") for d in group], _sampling(spec), [d.get("image") for d in group]
+        )
         for d, prompt, r in zip(group, prompts, outs):
             done[d["label"]] = (prompt, r["token_ids"])
             results.append({"label": d["label"], "cache_salt": d.get("cache_salt"), **r})
@@ -105,8 +120,9 @@ def _wait_barrier(spec: dict, name: str) -> None:
         time.sleep(0.01)
 
 
-def _generate(llm, prompts: list[list[int]], salts: list[str | None], params,
-              images: list[int | None] | None = None) -> list[dict]:
+def _generate(
+    llm, prompts: list[list[int]], salts: list[str | None], params, images: list[int | None] | None = None
+) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
     from harness.tinymodel import image
@@ -130,11 +146,17 @@ def _result(out, prompt: list[int], e2e: float) -> dict:
     if m is None or not m.first_token_latency:
         raise RuntimeError("vLLM filled no request metrics; TTFT cannot be measured")
     toks = list(comp.token_ids)
-    tops = [{int(t): float(lp.logprob) for t, lp in comp.logprobs[i].items()}
-            for i in range(len(toks))]
-    return {"request_id": out.request_id, "prompt_len": len(out.prompt_token_ids or prompt), "token_ids": toks,
-            "top_logprobs": tops, "logprobs": [tops[i][t] for i, t in enumerate(toks)], "e2e_s": e2e,
-            "ttft_s": m.first_token_latency, "prefill_s": m.first_token_ts - m.scheduled_ts}
+    tops = [{int(t): float(lp.logprob) for t, lp in comp.logprobs[i].items()} for i in range(len(toks))]
+    return {
+        "request_id": out.request_id,
+        "prompt_len": len(out.prompt_token_ids or prompt),
+        "token_ids": toks,
+        "top_logprobs": tops,
+        "logprobs": [tops[i][t] for i, t in enumerate(toks)],
+        "e2e_s": e2e,
+        "ttft_s": m.first_token_latency,
+        "prefill_s": m.first_token_ts - m.scheduled_ts,
+    }
 
 
 if __name__ == "__main__":  # spawn-safe: the engine only starts from this guard

@@ -1,6 +1,7 @@
 """The correctness oracle and the TTFT summary of the engine kit: ``compare_outputs``
 (identical greedy tokens, chosen-token logprobs within a tolerance) and ``summarize``
 (TTFT percentiles of hits and misses)."""
+
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
@@ -30,8 +31,7 @@ class Comparison:
         return self.equal
 
 
-def compare_outputs(a: EngineResult, b: EngineResult,
-                    logprob_tol: float | None = None) -> Comparison:
+def compare_outputs(a: EngineResult, b: EngineResult, logprob_tol: float | None = None) -> Comparison:
     """Equal iff every request has the same prompt length, the same greedy tokens, and
     chosen-token logprobs within `logprob_tol` (compared up to the first token mismatch).
     The tolerance defaults to `LOGPROB_TOL` for the engine's dtype."""

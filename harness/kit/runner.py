@@ -2,6 +2,7 @@
 process (``python -m harness.kit.child``) and parses its ``EngineResult``.  The parent
 never imports vLLM, so every run starts cold and runs with and without a connector are
 comparable."""
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,18 @@ class RequestResult:
     @classmethod
     def from_json(cls, d: dict) -> RequestResult:
         tops = tuple({int(k): float(v) for k, v in t.items()} for t in d["top_logprobs"])
-        return cls(d["label"], d["prompt_len"], d.get("cache_salt"), tuple(d["token_ids"]),
-                   tuple(d["logprobs"]), tops, d["ttft_s"], d["e2e_s"], d["prefill_s"],
-                   d.get("request_id", ""))
+        return cls(
+            d["label"],
+            d["prompt_len"],
+            d.get("cache_salt"),
+            tuple(d["token_ids"]),
+            tuple(d["logprobs"]),
+            tops,
+            d["ttft_s"],
+            d["e2e_s"],
+            d["prefill_s"],
+            d.get("request_id", ""),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +70,14 @@ class EngineResult:
     @classmethod
     def from_json(cls, d: dict) -> EngineResult:
         reqs = tuple(RequestResult.from_json(r) for r in d["requests"])
-        return cls(reqs, d["startup_s"], d.get("warmup_ttft_s"), d["ttft_method"],
-                   d["vllm_version"], d.get("dtype", "bfloat16"))
+        return cls(
+            reqs,
+            d["startup_s"],
+            d.get("warmup_ttft_s"),
+            d["ttft_method"],
+            d["vllm_version"],
+            d.get("dtype", "bfloat16"),
+        )
 
 
 def run_engine(
@@ -100,9 +116,14 @@ def run_engine(
     """
     with tempfile.TemporaryDirectory(prefix="kvstore-e2e-") as tmp:
         spec = {
-            "model": str(model_dir), "connector": connector, "workload": workload.to_json(),
-            "max_tokens": max_tokens, "logprobs": logprobs, "single_process": single_process,
-            "enable_prefix_caching": enable_prefix_caching, "warmup": warmup,
+            "model": str(model_dir),
+            "connector": connector,
+            "workload": workload.to_json(),
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+            "single_process": single_process,
+            "enable_prefix_caching": enable_prefix_caching,
+            "warmup": warmup,
             "dtype": dtype or _checkpoint_dtype(Path(model_dir)),
             "barrier_dir": str(barriers or tmp),
             "eager": os.environ.get(EAGER_ENV) == "1" if eager is None else eager,
@@ -138,8 +159,9 @@ def _checkpoint_dtype(model_dir: Path) -> str:
     return config.get("dtype") or config.get("torch_dtype") or "auto"
 
 
-def _child_env(single_process: bool, kv_cache_gib: int, reserve_cpu: bool,
-               extra_env: dict[str, str] | None) -> dict[str, str]:
+def _child_env(
+    single_process: bool, kv_cache_gib: int, reserve_cpu: bool, extra_env: dict[str, str] | None
+) -> dict[str, str]:
     env = dict(os.environ)
     path = [str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(path)
@@ -163,8 +185,7 @@ def _run_child(spec: Path, out: Path, env: dict, log: Path, timeout_s: float) ->
     cmd = [sys.executable, "-m", "harness.kit.child", "engine", str(spec), str(out)]
     out.unlink(missing_ok=True)
     with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=err, stderr=err,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, stdout=err, stderr=err, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:

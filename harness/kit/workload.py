@@ -1,6 +1,7 @@
 """Workloads for the engine kit: seeded prompts with shared prefixes, chat turns that extend
 the previous prompt and its real output, a document asked about several times, and salted
 repeats that must stay misses."""
+
 from __future__ import annotations
 
 import random
@@ -44,8 +45,16 @@ class Workload:
         object.__setattr__(self, "expected_hits", frozenset(hits))
 
     @classmethod
-    def standard(cls, *, seed: int = 0, vocab: int = 1024, system_len: int = 384,
-                 doc_len: int = 2048, question_len: int = 48, turns: int = 3) -> Workload:
+    def standard(
+        cls,
+        *,
+        seed: int = 0,
+        vocab: int = 1024,
+        system_len: int = 384,
+        doc_len: int = 2048,
+        question_len: int = 48,
+        turns: int = 3,
+    ) -> Workload:
         """The full scenario: ~10k prompt tokens, one document of >= 2000 tokens."""
         g = TokenSource(seed, vocab)
         system, doc = g.take(system_len), g.take(doc_len)
@@ -57,8 +66,9 @@ class Workload:
         return cls(tuple(reqs))
 
     @classmethod
-    def small(cls, *, seed: int = 0, vocab: int = 1024, prefix_len: int = 2 * BLOCK_SIZE,
-              question_len: int = 16) -> Workload:
+    def small(
+        cls, *, seed: int = 0, vocab: int = 1024, prefix_len: int = 2 * BLOCK_SIZE, question_len: int = 16
+    ) -> Workload:
         """Four short requests for tests: a shared prefix, a repeat, a chat turn, a salt."""
         g = TokenSource(seed, vocab)
         prefix, q = g.take(prefix_len), g.take(question_len)
@@ -75,8 +85,18 @@ class Workload:
 
     @classmethod
     def from_json(cls, items: list[dict]) -> Workload:
-        reqs = [Request(d["label"], tuple(d["tokens"]), d.get("cache_salt"), d.get("extends"),
-                        d.get("together", False), d.get("barrier"), d.get("image")) for d in items]
+        reqs = [
+            Request(
+                d["label"],
+                tuple(d["tokens"]),
+                d.get("cache_salt"),
+                d.get("extends"),
+                d.get("together", False),
+                d.get("barrier"),
+                d.get("image"),
+            )
+            for d in items
+        ]
         return cls(tuple(reqs))
 
 
@@ -105,8 +125,7 @@ def _expected_hits(reqs: Sequence[Request]) -> frozenset[str]:
     hits, seen = set(), []
     for r in reqs:
         if r.extends is not None or any(
-            s.cache_salt == r.cache_salt and _common_prefix(s.tokens, r.tokens) >= BLOCK_SIZE
-            for s in seen
+            s.cache_salt == r.cache_salt and _common_prefix(s.tokens, r.tokens) >= BLOCK_SIZE for s in seen
         ):
             hits.add(r.label)
         seen.append(r)

@@ -1,4 +1,5 @@
 """Shared benchmark plumbing: rows, repeated timing, printing and JSON output."""
+
 from __future__ import annotations
 
 import json
@@ -56,13 +57,16 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def print_rows(title: str, rows: list[Row]) -> None:
     print(f"\n{title}")
-    print(f"{'benchmark':<34} {'value':>10} {'unit':<6} {'limit (same run)':<30} {'limit':>10} {'ratio':>7}"
-          f" {'target':>8}")
+    print(
+        f"{'benchmark':<34} {'value':>10} {'unit':<6} {'limit (same run)':<30} {'limit':>10} {'ratio':>7} {'target':>8}"
+    )
     for r in rows:
         tgt = "" if r.target is None else ("≥" if r.better == "higher" else "≤") + f"{r.target:g}"
         mark = {True: " ok", False: " MISS", None: ""}[r.meets_target]
-        print(f"{r.name:<34} {r.value:>10.3f} {r.unit:<6} {r.limit_name:<30} {r.limit_value:>10.3f} "
-              f"{r.ratio:>7.3f} {tgt:>8}{mark}")
+        print(
+            f"{r.name:<34} {r.value:>10.3f} {r.unit:<6} {r.limit_name:<30} {r.limit_value:>10.3f} "
+            f"{r.ratio:>7.3f} {tgt:>8}{mark}"
+        )
 
 
 def write_json(path: str | None, rows: list[Row]) -> None:

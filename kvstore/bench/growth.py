@@ -12,6 +12,7 @@ or p99 beside the same figure at the smallest size of the same run; the target i
 Objects are 1 KiB (a 256-byte header and a 768-byte payload) in 1 KiB host slots, so the
 host pool of a size is ``size`` KiB (1M objects: 977 MiB; the process peaked at 1.34 GiB).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,14 +51,14 @@ class Run:
     tier: str
     tenants: int
     size: int
-    objects: int = 0        # objects the tier held after the fill (or the start-up scan)
-    fill_s: float = 0.0     # seconds to fill (host) or to write the files (SSD)
-    scan_s: float = 0.0     # SSD start-up scan (tier construction), seconds
-    hits: int = 0           # lookups of present keys that hit
-    misses: int = 0         # lookups of absent keys that missed
-    stored: int = 0         # new puts stored
-    lookups: int = 0        # lookups of each kind
-    pool_bytes: int = 0     # host pool bytes (host runs)
+    objects: int = 0  # objects the tier held after the fill (or the start-up scan)
+    fill_s: float = 0.0  # seconds to fill (host) or to write the files (SSD)
+    scan_s: float = 0.0  # SSD start-up scan (tier construction), seconds
+    hits: int = 0  # lookups of present keys that hit
+    misses: int = 0  # lookups of absent keys that missed
+    stored: int = 0  # new puts stored
+    lookups: int = 0  # lookups of each kind
+    pool_bytes: int = 0  # host pool bytes (host runs)
     lat: dict[str, list[float]] = field(default_factory=dict, repr=False)  # op -> seconds
 
 
@@ -65,8 +66,9 @@ class Keys:
     """Object ``i``'s key: tenant ``i % tenants``'s namespace, a chunk hash derived from ``i``."""
 
     def __init__(self, tenants: int) -> None:
-        self.spaces = [Identity(f"tenant{j}", "r0", "bf16", "bench:growth", 32, 8, 128).namespace()
-                       for j in range(tenants)]
+        self.spaces = [
+            Identity(f"tenant{j}", "r0", "bf16", "bench:growth", 32, 8, 128).namespace() for j in range(tenants)
+        ]
         self.tenant_of = {bytes(ns): f"t{j}" for j, ns in enumerate(self.spaces)}
 
     def __call__(self, i: int) -> ObjectKey:
@@ -138,8 +140,7 @@ async def host_run(size: int, tenants: int, ops: int) -> Run:
     """Fill a host tier of exactly ``size`` slots through the store core, then measure."""
     keys, run = Keys(tenants), Run("host", tenants, size)
     quotas = keys.quotas(size)
-    host = HostTier(size * OBJ, alignment=OBJ, pin=False, pools=quotas,
-                    pool_of=keys.part if quotas else None)
+    host = HostTier(size * OBJ, alignment=OBJ, pin=False, pools=quotas, pool_of=keys.part if quotas else None)
     run.pool_bytes = host.stats().capacity_bytes
     async with TieredStore(host) as store:
         t0 = time.perf_counter()
@@ -190,11 +191,29 @@ def rows_of(runs: list[Run]) -> list[Row]:
         for op in ("put", "lookup hit", "lookup miss"):
             for q, target in ((0.5, None), (0.99, 2.0)):
                 name = f"{label} {op} p{round(q * 100)}"
-                rows.append(Row(name, pct(run.lat[op], q), "µs", f"same at {_count(base.size)}",
-                                pct(base.lat[op], q), "lower", target))
+                rows.append(
+                    Row(
+                        name,
+                        pct(run.lat[op], q),
+                        "µs",
+                        f"same at {_count(base.size)}",
+                        pct(base.lat[op], q),
+                        "lower",
+                        target,
+                    )
+                )
         if run.tier == "ssd":
-            rows.append(Row(f"{label} scan per object", run.scan_s / run.size * 1e6, "µs",
-                            f"same at {_count(base.size)}", base.scan_s / base.size * 1e6, "lower", 2.0))
+            rows.append(
+                Row(
+                    f"{label} scan per object",
+                    run.scan_s / run.size * 1e6,
+                    "µs",
+                    f"same at {_count(base.size)}",
+                    base.scan_s / base.size * 1e6,
+                    "lower",
+                    2.0,
+                )
+            )
     return rows
 
 
@@ -210,8 +229,9 @@ def run_dict(run: Run) -> dict[str, object]:
     return d
 
 
-async def run_all(host_sizes: list[int], ssd_sizes: list[int], tenants: list[int], ops: int,
-                  parent: str | None) -> list[Run]:
+async def run_all(
+    host_sizes: list[int], ssd_sizes: list[int], tenants: list[int], ops: int, parent: str | None
+) -> list[Run]:
     """Every host size, then every SSD size, for each tenant count; a line per run as it ends."""
     runs = []
     for t in tenants:
@@ -226,6 +246,9 @@ async def run_all(host_sizes: list[int], ssd_sizes: list[int], tenants: list[int
 
 def _progress(run: Run) -> None:
     extra = f", scan {run.scan_s:.2f} s" if run.tier == "ssd" else f", pool {run.pool_bytes / 2**20:.0f} MiB"
-    print(f"{run.tier} {run.size} objects, {run.tenants} tenant(s): held {run.objects}, filled in "
-          f"{run.fill_s:.1f} s{extra}; hits {run.hits}/{run.lookups}, misses {run.misses}/{run.lookups}, "
-          f"puts stored {run.stored}", flush=True)
+    print(
+        f"{run.tier} {run.size} objects, {run.tenants} tenant(s): held {run.objects}, filled in "
+        f"{run.fill_s:.1f} s{extra}; hits {run.hits}/{run.lookups}, misses {run.misses}/{run.lookups}, "
+        f"puts stored {run.stored}",
+        flush=True,
+    )

@@ -14,6 +14,7 @@ request and a one-byte answer on a fresh connection of the same kind.  Both are 
 Python socket path (docs/limits.md#loopback-tcp: ~2 GB/s at 32 MiB on this machine), the fair limit for a
 Python client.
 """
+
 from __future__ import annotations
 
 import socket
@@ -48,7 +49,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def _serve(listener: socket.socket, nbytes: int) -> None:
     """One connection: answer requests until the client says goodbye or goes away."""
     conn, _ = listener.accept()
-    payload = bytearray(b"\x5a" * nbytes)           # allocated and touched once
+    payload = bytearray(b"\x5a" * nbytes)  # allocated and touched once
     sink = memoryview(bytearray(b"\0" * nbytes))
     cmd = memoryview(bytearray(1))
     with conn:
@@ -76,8 +77,9 @@ class _Loopback:
     def __init__(self, nbytes: int) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(_TIMEOUT_S)
-        self._thread = threading.Thread(target=_serve, args=(self._listener, nbytes),
-                                        name="kvstore-loopback", daemon=True)
+        self._thread = threading.Thread(
+            target=_serve, args=(self._listener, nbytes), name="kvstore-loopback", daemon=True
+        )
         self._thread.start()
         self.sock = socket.create_connection(self._listener.getsockname()[:2], timeout=_TIMEOUT_S)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -105,13 +107,13 @@ def _check(nbytes: int, repeat: int) -> None:
 def measure_loopback(nbytes: int, repeat: int = 5) -> LoopbackResult:
     """Median get and put GB/s of ``nbytes`` over loopback TCP (see the module docstring)."""
     _check(nbytes, repeat)
-    buf = bytearray(b"\0" * nbytes)                  # the client's reused receive buffer
+    buf = bytearray(b"\0" * nbytes)  # the client's reused receive buffer
     view = memoryview(buf)
-    data = memoryview(bytearray(b"\xa5" * nbytes))   # the client's payload, sent as is
+    data = memoryview(bytearray(b"\xa5" * nbytes))  # the client's payload, sent as is
     ack = memoryview(bytearray(1))
     gets, puts = [], []
     with _Loopback(nbytes) as lb:
-        for _ in range(repeat + 1):                  # the first round warms both sides up
+        for _ in range(repeat + 1):  # the first round warms both sides up
             t0 = time.perf_counter()
             lb.sock.sendall(_GET)
             _recv_exact(lb.sock, view)
@@ -121,8 +123,9 @@ def measure_loopback(nbytes: int, repeat: int = 5) -> LoopbackResult:
             lb.sock.sendall(data)
             _recv_exact(lb.sock, ack)
             puts.append(time.perf_counter() - t0)
-    return LoopbackResult(nbytes, nbytes / statistics.median(gets[1:]) / 1e9,
-                          nbytes / statistics.median(puts[1:]) / 1e9)
+    return LoopbackResult(
+        nbytes, nbytes / statistics.median(gets[1:]) / 1e9, nbytes / statistics.median(puts[1:]) / 1e9
+    )
 
 
 def small_round_trip_us(repeat: int = 50) -> float:

@@ -7,6 +7,7 @@ value and the limit are written beside each bar in their own units.  Green: meet
 target; red: misses it; grey: no target.  matplotlib is imported only here (the ``test``
 extra installs it; ``pip install matplotlib`` otherwise).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,9 +39,13 @@ def plot_rows(path: str | Path, title: str, rows: Sequence) -> Path:
         for y, r, ratio in zip(ys, rows, ratios):
             if r.target is not None:
                 ax.plot([r.target, r.target], [y - 0.35, y + 0.35], color="black", linewidth=2)
-            ax.text(ratio + 0.02 * max(ratios + [1.0]), y,
-                    f"{r.value:.3g} {r.unit} vs {r.limit_name} {r.limit_value:.3g}  ({r.ratio:.2f}x)",
-                    va="center", fontsize=8)
+            ax.text(
+                ratio + 0.02 * max(ratios + [1.0]),
+                y,
+                f"{r.value:.3g} {r.unit} vs {r.limit_name} {r.limit_value:.3g}  ({r.ratio:.2f}x)",
+                va="center",
+                fontsize=8,
+            )
         ax.set_yticks(list(ys), [r.name for r in rows], fontsize=8)
         ax.set_xlim(0, max(ratios + [1.0]) * 1.9)
         ax.set_xlabel("value / limit measured in the same run (dashed: the limit; tick: the target)")

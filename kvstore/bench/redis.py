@@ -10,6 +10,7 @@ round trips (the tier's count and the server's ``total_commands_processed``) and
 redis-py ``GET`` round trip.  Without ``--redis`` a redis-server is started on a free port
 in a temporary directory (``kvstore.testing.redis_proc``) and stopped at the end.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,17 +111,36 @@ async def _size_rows(tier: RedisTier, plain: Any, size: int, repeat: int) -> lis
     put, get = gbps(size, t_put), gbps(size, t_get)
     get_target = 2.0 if big else 1.0 if small else None
     rows = [
-        Row(f"redis tier put {mb} MiB", put, "GB/s", "plain redis-py SET", gbps(size, p_set),
-            target=2.0 if big else None),
+        Row(
+            f"redis tier put {mb} MiB",
+            put,
+            "GB/s",
+            "plain redis-py SET",
+            gbps(size, p_set),
+            target=2.0 if big else None,
+        ),
         Row(f"redis tier get {mb} MiB", get, "GB/s", "plain redis-py GET", gbps(size, p_get), target=get_target),
-        Row(f"redis tier put {mb} MiB vs TCP", put, "GB/s", "loopback TCP put", tcp.put_gbps,
-            target=0.5 if big else None),
-        Row(f"redis tier get {mb} MiB vs TCP", get, "GB/s", "loopback TCP get", tcp.get_gbps,
-            target=0.5 if big else None),
+        Row(
+            f"redis tier put {mb} MiB vs TCP",
+            put,
+            "GB/s",
+            "loopback TCP put",
+            tcp.put_gbps,
+            target=0.5 if big else None,
+        ),
+        Row(
+            f"redis tier get {mb} MiB vs TCP",
+            get,
+            "GB/s",
+            "loopback TCP get",
+            tcp.get_gbps,
+            target=0.5 if big else None,
+        ),
     ]
     if small:  # an object of one part: manifest and bytes in one round trip
-        rows.append(Row(f"redis tier get {mb} MiB: round trips", trips, "count", "one round trip", 1.0, "lower",
-                        target=1.0))
+        rows.append(
+            Row(f"redis tier get {mb} MiB: round trips", trips, "count", "one round trip", 1.0, "lower", target=1.0)
+        )
     return rows
 
 
@@ -162,8 +182,14 @@ async def _lookup_rows(tier: RedisTier, plain: Any, repeat: int) -> list[Row]:
     return [
         Row(f"lookup {LOOKUP_KEYS} keys: round trips", max(trips), "count", "target", 2.0, "lower", target=1.0),
         Row(f"lookup {LOOKUP_KEYS} keys: server commands", max(cmds), "count", "target", 2.0, "lower", target=1.0),
-        Row(f"lookup {LOOKUP_KEYS} keys: latency", statistics.median(lat) * 1e6, "µs",
-            "plain redis-py GET round trip", statistics.median(rtt) * 1e6, "lower"),
+        Row(
+            f"lookup {LOOKUP_KEYS} keys: latency",
+            statistics.median(lat) * 1e6,
+            "µs",
+            "plain redis-py GET round trip",
+            statistics.median(rtt) * 1e6,
+            "lower",
+        ),
     ]
 
 

@@ -24,6 +24,7 @@ unless ``--target`` names one.  Rows, each a median of ``--repeat`` operations:
 Targets apply to 32 MiB objects (the issue's chunk size); other sizes get a limit and a
 ratio only.  Objects are sealed with random payloads; every get is verified by the client.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,8 +63,9 @@ def make_object(size: int, seed: int) -> tuple[ObjectKey, np.ndarray]:
     return key, buf
 
 
-async def _median_s(op: Callable[[], Awaitable[object]], repeat: int,
-                    between: Callable[[], Awaitable[object]] | None = None) -> float:
+async def _median_s(
+    op: Callable[[], Awaitable[object]], repeat: int, between: Callable[[], Awaitable[object]] | None = None
+) -> float:
     """Median seconds of ``op`` after one untimed warm-up (``between`` runs untimed
     before each call, e.g. deleting what the previous put stored)."""
     times = []
@@ -88,6 +90,7 @@ def _copy_limit_s(src: np.ndarray, dst: np.ndarray, repeat: int) -> float:
 
 # --- rows ---------------------------------------------------------------------------------
 
+
 async def lookup_rows(client: StoreClient, raw: RawGrpcPeer, repeat: int) -> list[Row]:
     ns = IDENT.namespace()
     tokens = np.random.default_rng(7).integers(0, 50000, LOOKUP_KEYS * 16)
@@ -106,8 +109,17 @@ async def lookup_rows(client: StoreClient, raw: RawGrpcPeer, repeat: int) -> lis
 
     n = max(20, 10 * repeat)
     ours, plain = await _median_s(lookup, n), await _median_s(raw.ping, n)
-    return [Row(f"lookup {LOOKUP_KEYS} keys (1 RPC)", ours * 1e3, "ms", "plain grpcio small unary",
-                plain * 1e3, "lower", target=2.0)]
+    return [
+        Row(
+            f"lookup {LOOKUP_KEYS} keys (1 RPC)",
+            ours * 1e3,
+            "ms",
+            "plain grpcio small unary",
+            plain * 1e3,
+            "lower",
+            target=2.0,
+        )
+    ]
 
 
 async def _get_put_s(client: StoreClient, key: ObjectKey, obj: np.ndarray, repeat: int) -> tuple[float, float]:
@@ -130,7 +142,7 @@ async def _get_put_s(client: StoreClient, key: ObjectKey, obj: np.ndarray, repea
             raise TierError(f"bench store: get of a {len(obj)}-byte object missed")
 
     get_s = await _median_s(get, repeat)
-    if not np.array_equal(dst[codec.HEADER_SIZE:], obj[codec.HEADER_SIZE:]):
+    if not np.array_equal(dst[codec.HEADER_SIZE :], obj[codec.HEADER_SIZE :]):
         raise TierError("bench store: the object read back differs from the one stored")
     await client.delete(key)
     return get_s, put_s
@@ -145,10 +157,11 @@ async def shm_rows(client: StoreClient, size: int, repeat: int) -> list[Row]:
     limit = gbps(size, _copy_limit_s(obj, dst, repeat))
     target = 0.6 if size == TARGET_SIZE else None
     mb = _mb(size)
-    return [Row(f"shm get {mb}", gbps(size, get_s), "GB/s", COPY, limit, target=target),
-            Row(f"shm get {mb} round trips", _read_path_rpcs(before, after), "RPCs", "one Get", 1.0,
-                "lower", target=1.0),
-            Row(f"shm put {mb}", gbps(size, put_s), "GB/s", COPY, limit)]
+    return [
+        Row(f"shm get {mb}", gbps(size, get_s), "GB/s", COPY, limit, target=target),
+        Row(f"shm get {mb} round trips", _read_path_rpcs(before, after), "RPCs", "one Get", 1.0, "lower", target=1.0),
+        Row(f"shm put {mb}", gbps(size, put_s), "GB/s", COPY, limit),
+    ]
 
 
 def _read_path_rpcs(before: dict[str, int], after: dict[str, int]) -> float:
@@ -158,8 +171,7 @@ def _read_path_rpcs(before: dict[str, int], after: dict[str, int]) -> float:
     return (d["gets"] + d["renewals"] + (d["gets"] - d["releases_deferred"])) / max(1, d["gets"])
 
 
-async def network_rows(clients: dict[str, StoreClient], raw: RawGrpcPeer, size: int,
-                       repeat: int) -> list[Row]:
+async def network_rows(clients: dict[str, StoreClient], raw: RawGrpcPeer, size: int, repeat: int) -> list[Row]:
     """Rows of each network path (``clients``: label -> client) beside the loopback TCP
     transfer and the plain grpcio unary call of the same size, all measured here.  Targets
     apply to the "tcp" path: ≥ 0.5 of TCP and ≥ 3× grpc at 32 MiB, ≥ 1× grpc for a 1 MiB get."""
@@ -175,11 +187,19 @@ async def network_rows(clients: dict[str, StoreClient], raw: RawGrpcPeer, size: 
         ours = label == "tcp"
         vs_tcp = 0.5 if ours and big else None
         vs_grpc_get = (3.0 if big else 1.0 if size == 1 * MiB else None) if ours else None
-        rows += [Row(f"{label} get {mb} vs TCP", g, "GB/s", "loopback TCP get", tcp.get_gbps, target=vs_tcp),
-                 Row(f"{label} get {mb} vs grpc", g, "GB/s", "plain grpcio unary get", raw_get, target=vs_grpc_get),
-                 Row(f"{label} put {mb} vs TCP", p, "GB/s", "loopback TCP put", tcp.put_gbps, target=vs_tcp),
-                 Row(f"{label} put {mb} vs grpc", p, "GB/s", "plain grpcio unary put", raw_put,
-                     target=3.0 if ours and big else None)]
+        rows += [
+            Row(f"{label} get {mb} vs TCP", g, "GB/s", "loopback TCP get", tcp.get_gbps, target=vs_tcp),
+            Row(f"{label} get {mb} vs grpc", g, "GB/s", "plain grpcio unary get", raw_get, target=vs_grpc_get),
+            Row(f"{label} put {mb} vs TCP", p, "GB/s", "loopback TCP put", tcp.put_gbps, target=vs_tcp),
+            Row(
+                f"{label} put {mb} vs grpc",
+                p,
+                "GB/s",
+                "plain grpcio unary put",
+                raw_put,
+                target=3.0 if ours and big else None,
+            ),
+        ]
     return rows
 
 
@@ -193,8 +213,9 @@ async def _store_client_objects(client: StoreClient, size: int, count: int) -> l
     return keys
 
 
-def clients_rows(target: str, token: str | None, keys: list[bytes], size: int, counts: list[int],
-                 gets: int, copy_gbps: float) -> list[Row]:
+def clients_rows(
+    target: str, token: str | None, keys: list[bytes], size: int, counts: list[int], gets: int, copy_gbps: float
+) -> list[Row]:
     """Aggregate GB/s and p50/p99 of each client count beside one client of this run."""
     results = {n: run_clients(n, target, token, keys, size, gets) for n in sorted(set(counts) | {1})}
     one = results[1]
@@ -203,14 +224,23 @@ def clients_rows(target: str, token: str | None, keys: list[bytes], size: int, c
     for n, r in results.items():
         if n == 1:
             continue
-        rows += [Row(f"{n} clients shm get {mb} aggregate", r.aggregate_gbps, "GB/s",
-                     "best single client (same run)", one.aggregate_gbps, target=0.8 if size == TARGET_SIZE else None),
-                 Row(f"{n} clients get p50", r.percentile_ms(50), "ms", "1 client p50", one.percentile_ms(50), "lower"),
-                 Row(f"{n} clients get p99", r.percentile_ms(99), "ms", "1 client p99", one.percentile_ms(99), "lower")]
+        rows += [
+            Row(
+                f"{n} clients shm get {mb} aggregate",
+                r.aggregate_gbps,
+                "GB/s",
+                "best single client (same run)",
+                one.aggregate_gbps,
+                target=0.8 if size == TARGET_SIZE else None,
+            ),
+            Row(f"{n} clients get p50", r.percentile_ms(50), "ms", "1 client p50", one.percentile_ms(50), "lower"),
+            Row(f"{n} clients get p99", r.percentile_ms(99), "ms", "1 client p99", one.percentile_ms(99), "lower"),
+        ]
     return rows
 
 
 # --- the run ------------------------------------------------------------------------------
+
 
 def _mb(size: int) -> str:
     return f"{size // MiB} MiB" if size % MiB == 0 else f"{size} B"

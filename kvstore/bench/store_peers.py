@@ -9,6 +9,7 @@ and the concurrent shared-memory clients.
   shared memory; they meet at a barrier, then each reads ``gets`` objects into its own
   reused buffer.  The answer: aggregate GB/s over the common window and latency samples.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,11 +23,15 @@ import numpy as np
 
 _SERVICE = "bench.Raw"
 _START_TIMEOUT_S = 120.0
-_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
-            ("grpc.enable_http_proxy", 0)]
+_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_http_proxy", 0),
+]
 
 
 # --- the plain grpcio peer ------------------------------------------------------------
+
 
 def _raw_main(port_q) -> None:
     asyncio.run(_raw_serve(port_q))
@@ -39,15 +44,17 @@ async def _raw_serve(port_q) -> None:
         n = int.from_bytes(request, "little")
         blob = blobs.get(n)
         if blob is None:
-            blob = blobs[n] = b"\x5a" * n   # allocated once per size, like a cached object
+            blob = blobs[n] = b"\x5a" * n  # allocated once per size, like a cached object
         return blob
 
     async def one_byte(request: bytes, context) -> bytes:
         return b"k"
 
-    handlers = {"Get": grpc.unary_unary_rpc_method_handler(get),
-                "Put": grpc.unary_unary_rpc_method_handler(one_byte),
-                "Ping": grpc.unary_unary_rpc_method_handler(one_byte)}
+    handlers = {
+        "Get": grpc.unary_unary_rpc_method_handler(get),
+        "Put": grpc.unary_unary_rpc_method_handler(one_byte),
+        "Ping": grpc.unary_unary_rpc_method_handler(one_byte),
+    }
     server = grpc.aio.server(options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -87,6 +94,7 @@ class RawGrpcPeer:
 
 # --- concurrent clients -----------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class ClientsResult:
     clients: int
@@ -97,8 +105,9 @@ class ClientsResult:
         return float(np.percentile(self.latencies_s, q)) * 1e3
 
 
-def _client_main(i: int, target: str, token: str | None, keys: list[bytes], size: int, gets: int,
-                 barrier, out_q) -> None:
+def _client_main(
+    i: int, target: str, token: str | None, keys: list[bytes], size: int, gets: int, barrier, out_q
+) -> None:
     try:
         out_q.put(asyncio.run(_client_run(i, target, token, keys, size, gets, barrier)))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
@@ -106,17 +115,18 @@ def _client_main(i: int, target: str, token: str | None, keys: list[bytes], size
         out_q.put(f"client {i}: {type(err).__name__}: {err}")
 
 
-async def _client_run(i: int, target: str, token: str | None, keys: list[bytes], size: int,
-                      gets: int, barrier) -> tuple[float, float, list[float]]:
+async def _client_run(
+    i: int, target: str, token: str | None, keys: list[bytes], size: int, gets: int, barrier
+) -> tuple[float, float, list[float]]:
     from kvstore.client.store_client import StoreClient
     from kvstore.keys import ObjectKey
 
     objs = [ObjectKey.from_bytes(k) for k in keys]
     buf = np.empty(size, np.uint8)
-    buf.fill(0)                             # prefaulted: reused for every get
+    buf.fill(0)  # prefaulted: reused for every get
     view = memoryview(buf)
     async with await StoreClient.connect(target, token=token, transport="shm", timeout_s=30) as client:
-        if await client.read_into(objs[i % len(objs)], view) != size:   # warm up
+        if await client.read_into(objs[i % len(objs)], view) != size:  # warm up
             raise RuntimeError("warm-up get missed")
         barrier.wait(timeout=_START_TIMEOUT_S)
         lats = []
@@ -134,8 +144,15 @@ def run_clients(n: int, target: str, token: str | None, keys: list[bytes], size:
     """``n`` client processes, each getting ``gets`` objects of ``size`` bytes over shm."""
     ctx = mp.get_context("spawn")
     barrier, out_q = ctx.Barrier(n + 1), ctx.Queue()
-    procs = [ctx.Process(target=_client_main, args=(i, target, token, keys, size, gets, barrier, out_q),
-                         name=f"kvstore-bench-client-{i}", daemon=True) for i in range(n)]
+    procs = [
+        ctx.Process(
+            target=_client_main,
+            args=(i, target, token, keys, size, gets, barrier, out_q),
+            name=f"kvstore-bench-client-{i}",
+            daemon=True,
+        )
+        for i in range(n)
+    ]
     for p in procs:
         p.start()
     try:

@@ -23,6 +23,7 @@ tokens:
   never-used-again first; a block of the current request may go at once.  Ties (two blocks
   next used by the same request) evict the one deeper in that request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,7 +55,7 @@ TARGETS = {0.02: 0.6, 0.05: 0.8, 0.1: 0.8}  # ours / MIN (issue 24)
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    timestamp: float      # ms
+    timestamp: float  # ms
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
@@ -82,9 +83,12 @@ def parse_line(line: str, where: str) -> Request:
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
         raise ConfigError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
-    return Request(float(ts), _int(obj["input_length"], "input_length", where),
-                   _int(obj["output_length"], "output_length", where),
-                   tuple(_int(h, "each hash id", where) for h in ids))
+    return Request(
+        float(ts),
+        _int(obj["input_length"], "input_length", where),
+        _int(obj["output_length"], "output_length", where),
+        tuple(_int(h, "each hash id", where) for h in ids),
+    )
 
 
 def read_trace(path: str | Path) -> list[Request]:
@@ -147,7 +151,7 @@ def min_ratio(requests: list[Request], capacity: int) -> float:
         for pos in range(len(ids) - 1, -1, -1):
             upcoming[ids[pos]] = (i, pos)
     cached: dict[int, tuple[int, int]] = {}  # id -> its (next request, position there)
-    heap: list[tuple[int, int, int]] = []    # (-next request, -position, id), lazily stale
+    heap: list[tuple[int, int, int]] = []  # (-next request, -position, id), lazily stale
     hit = 0
     for i, r in enumerate(requests):
         hit += _hit_tokens(r, _prefix(cached, r.hash_ids))
@@ -168,8 +172,9 @@ def block_hash(hash_id: int) -> ChunkHash:
     return ChunkHash((hash_id + 1).to_bytes(32, "big"))  # never ROOT (all zeros)
 
 
-async def ours_ratio(requests: list[Request], capacity: int,
-                     retention: RetentionPolicy = RetentionPolicy.REUSE) -> float:
+async def ours_ratio(
+    requests: list[Request], capacity: int, retention: RetentionPolicy = RetentionPolicy.REUSE
+) -> float:
     """The host tier's own policy through the store core (see the module docstring)."""
     now = [0.0]
     slot = -(-codec.object_size(GEOMETRY) // ALIGNMENT) * ALIGNMENT
@@ -210,17 +215,26 @@ class Result:
     min: float
 
 
-def measure(requests: list[Request], capacities: list[tuple[float, int]],
-            retention: RetentionPolicy = RetentionPolicy.REUSE) -> list[Result]:
+def measure(
+    requests: list[Request], capacities: list[tuple[float, int]], retention: RetentionPolicy = RetentionPolicy.REUSE
+) -> list[Result]:
     out = []
     for fraction, blocks in capacities:
-        out.append(Result(fraction, blocks, asyncio.run(ours_ratio(requests, blocks, retention)),
-                          lru_ratio(requests, blocks), min_ratio(requests, blocks)))
+        out.append(
+            Result(
+                fraction,
+                blocks,
+                asyncio.run(ours_ratio(requests, blocks, retention)),
+                lru_ratio(requests, blocks),
+                min_ratio(requests, blocks),
+            )
+        )
     return out
 
 
-def capacities_of(requests: list[Request], fractions: list[float] | None,
-                  blocks: int | None) -> list[tuple[float, int]]:
+def capacities_of(
+    requests: list[Request], fractions: list[float] | None, blocks: int | None
+) -> list[tuple[float, int]]:
     distinct = distinct_blocks(requests)
     if blocks is not None:
         return [(blocks / distinct, blocks)]
@@ -242,12 +256,27 @@ def run(args) -> int:
     fractions = args.fractions
     retention = RetentionPolicy(getattr(args, "retention", "reuse"))
     results = measure(requests, capacities_of(requests, fractions, args.capacity_blocks), retention)
-    print(f"trace {args.file}: {len(requests)} requests, {distinct_blocks(requests)} distinct blocks, "
-          f"{sum(r.input_length for r in requests)} input tokens; ours: host retention {retention.value}")
-    print_rows("token hit ratio, beside Belady's offline MIN of the same run (ratio = ours/MIN)",
-               rows_of(results))
+    print(
+        f"trace {args.file}: {len(requests)} requests, {distinct_blocks(requests)} distinct blocks, "
+        f"{sum(r.input_length for r in requests)} input tokens; ours: host retention {retention.value}"
+    )
+    print_rows("token hit ratio, beside Belady's offline MIN of the same run (ratio = ours/MIN)", rows_of(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [
-            {"capacity_fraction": r.capacity_fraction, "capacity_blocks": r.capacity_blocks,
-             "ours": r.ours, "lru": r.lru, "min": r.min} for r in results]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "rows": [
+                        {
+                            "capacity_fraction": r.capacity_fraction,
+                            "capacity_blocks": r.capacity_blocks,
+                            "ours": r.ours,
+                            "lru": r.lru,
+                            "min": r.min,
+                        }
+                        for r in results
+                    ]
+                },
+                indent=2,
+            )
+        )
     return 0

@@ -7,6 +7,7 @@ at 4 a second (exponential gaps).  Deterministic for a seed.  Runs anywhere (no 
 
     python -m kvstore.bench.trace_gen OUT.jsonl [--seed 7] [--requests 4000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,14 @@ def chat_and_scans(requests: int = 4000, seed: int = 7) -> list[dict[str, object
             session.left -= 1
             if session.left <= 0:
                 active.remove(session)
-        out.append({"timestamp": int(t * 1000), "input_length": len(blocks) * 512 - rng.randint(0, 511),
-                    "output_length": 10, "hash_ids": blocks})
+        out.append(
+            {
+                "timestamp": int(t * 1000),
+                "input_length": len(blocks) * 512 - rng.randint(0, 511),
+                "output_length": 10,
+                "hash_ids": blocks,
+            }
+        )
     return out
 
 

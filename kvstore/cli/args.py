@@ -1,4 +1,5 @@
 """Argument types shared by the sub-commands."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,12 @@ def size_arg(flag: str):
 
 def add_token_args(parser: argparse.ArgumentParser) -> None:
     """``--token-file`` (preferred), ``--token``, and ``$KVSTORE_TOKEN`` (see ``token_of``)."""
-    parser.add_argument("--token-file", help=f"a file whose first line is the bearer token "
-                                             f"(or set ${TOKEN_ENV})")
-    parser.add_argument("--token", help="the bearer token itself (other users see it in the process "
-                                        "list: prefer --token-file or $" + TOKEN_ENV + ")")
+    parser.add_argument("--token-file", help=f"a file whose first line is the bearer token (or set ${TOKEN_ENV})")
+    parser.add_argument(
+        "--token",
+        help="the bearer token itself (other users see it in the process "
+        "list: prefer --token-file or $" + TOKEN_ENV + ")",
+    )
 
 
 def token_of(args: argparse.Namespace) -> str | None:
@@ -42,7 +45,6 @@ def token_of(args: argparse.Namespace) -> str | None:
     if getattr(args, "token_file", None):
         return read_token_file(args.token_file)
     if getattr(args, "token", None):
-        print(f"warning: --token puts the token in the process list; use --token-file or ${TOKEN_ENV}",
-              file=sys.stderr)
+        print(f"warning: --token puts the token in the process list; use --token-file or ${TOKEN_ENV}", file=sys.stderr)
         return args.token
     return os.environ.get(TOKEN_ENV) or local_token()

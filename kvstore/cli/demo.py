@@ -1,4 +1,5 @@
 """``kvstore demo``: the store-level main job (see ``kvstore.cli.demo_run``)."""
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ contiguous hit, loads the hit chunks into one reused buffer and checks every byt
 same workload on the same SSD directory: its host tier starts empty, so hits come from SSD.
 The report gives hits with their denominators, bytes and throughput per tier.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,12 +31,24 @@ from kvstore.store.tiered import TieredStore
 
 CHUNK = 256
 BLOCK = 16
-IDENTITY = Identity(model="demo-llama-8l", revision="synthetic", kv_dtype="bf16",
-                    layout_id="demo:LBHNC:bs16", num_layers=8, num_kv_heads=8, head_dim=128)
+IDENTITY = Identity(
+    model="demo-llama-8l",
+    revision="synthetic",
+    kv_dtype="bf16",
+    layout_id="demo:LBHNC:bs16",
+    num_layers=8,
+    num_kv_heads=8,
+    head_dim=128,
+)
 # One page = one block of one layer: 16 tokens × 8 heads × (K+V) 128 dims × 2 bytes.
-GEOMETRY = codec.ObjectGeometry(num_layers=8, pages_per_layer=CHUNK // BLOCK,
-                                page_bytes=BLOCK * 8 * 2 * 128 * 2, dtype="bf16",
-                                layout_id="demo:LBHNC:bs16", num_tokens=CHUNK)
+GEOMETRY = codec.ObjectGeometry(
+    num_layers=8,
+    pages_per_layer=CHUNK // BLOCK,
+    page_bytes=BLOCK * 8 * 2 * 128 * 2,
+    dtype="bf16",
+    layout_id="demo:LBHNC:bs16",
+    num_tokens=CHUNK,
+)
 
 
 def workload(seed: int = 7) -> list[tuple[str, np.ndarray]]:
@@ -81,7 +94,7 @@ async def play(cfg: StoreConfig, name: str) -> PhaseReport:
     report = PhaseReport(name)
     ns = IDENTITY.namespace()
     size = codec.object_size(GEOMETRY)
-    buf = np.empty(size, dtype=np.uint8)           # one reused load buffer
+    buf = np.empty(size, dtype=np.uint8)  # one reused load buffer
     expect = np.empty(GEOMETRY.payload_bytes, np.uint8)
     t0 = time.perf_counter()
     async with await TieredStore.from_config(cfg) as store:
@@ -110,7 +123,7 @@ async def _load(store, keys, hits, buf, expect, report) -> None:
         report.chunks_hit[got.tier] = report.chunks_hit.get(got.tier, 0) + 1
         report.bytes_read[got.tier] = report.bytes_read.get(got.tier, 0) + got.length
         report.read_seconds[got.tier] = report.read_seconds.get(got.tier, 0.0) + got.seconds
-        body = buf[codec.HEADER_SIZE:got.length]
+        body = buf[codec.HEADER_SIZE : got.length]
         ok = np.array_equal(body, synth_payload(key.chunk_hash, expect))
         report.verified_chunks += ok
         report.mismatched_chunks += not ok
@@ -139,12 +152,16 @@ def format_report(r: PhaseReport) -> str:
     for tier in sorted(set(r.bytes_read) | set(r.bytes_written)):
         nread, secs = r.bytes_read.get(tier, 0), r.read_seconds.get(tier, 0.0)
         rate = f"{nread / secs / 1e9:6.2f} GB/s" if secs else "     -    "
-        lines.append(f"  tier {tier:<5} hits {r.chunks_hit.get(tier, 0):>4} chunks  read {format_size(nread):>11}"
-                     f" at {rate}"
-                     f"  written {format_size(r.bytes_written.get(tier, 0)):>11}")
+        lines.append(
+            f"  tier {tier:<5} hits {r.chunks_hit.get(tier, 0):>4} chunks  read {format_size(nread):>11}"
+            f" at {rate}"
+            f"  written {format_size(r.bytes_written.get(tier, 0)):>11}"
+        )
     verdict = "OK" if r.mismatched_chunks == 0 else "MISMATCH"
-    lines.append(f"  loaded chunks byte-identical to what was stored: {r.verified_chunks} verified, "
-                 f"{r.mismatched_chunks} failed -> {verdict}")
+    lines.append(
+        f"  loaded chunks byte-identical to what was stored: {r.verified_chunks} verified, "
+        f"{r.mismatched_chunks} failed -> {verdict}"
+    )
     return "\n".join(lines)
 
 
@@ -166,8 +183,10 @@ def run(args) -> int:
         print(format_report(second))
     bad = first.mismatched_chunks + second.mismatched_chunks
     ssd_hits = second.chunks_hit.get("ssd", 0)
-    print(f"\nresult: {'PASS' if bad == 0 and ssd_hits > 0 else 'FAIL'} "
-          f"({ssd_hits} chunks served from SSD after restart, {bad} bad loads)")
+    print(
+        f"\nresult: {'PASS' if bad == 0 and ssd_hits > 0 else 'FAIL'} "
+        f"({ssd_hits} chunks served from SSD after restart, {bad} bad loads)"
+    )
     return 0 if bad == 0 and ssd_hits > 0 else 1
 
 
@@ -179,8 +198,21 @@ def _drop_cache(ssd_dir: Path) -> None:
 
 
 def _replay_in_new_process(args, ssd_dir: Path, out: Path) -> PhaseReport:
-    cmd = [sys.executable, "-m", "kvstore", "demo", "--phase", "replay", "--dir", str(ssd_dir),
-           "--report-json", str(out), "--host-capacity", str(args.host_capacity),
-           "--ssd-capacity", str(args.ssd_capacity)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore",
+        "demo",
+        "--phase",
+        "replay",
+        "--dir",
+        str(ssd_dir),
+        "--report-json",
+        str(out),
+        "--host-capacity",
+        str(args.host_capacity),
+        "--ssd-capacity",
+        str(args.ssd_capacity),
+    ]
     subprocess.run(cmd, check=True)
     return PhaseReport(**json.loads(out.read_text()))

@@ -12,6 +12,7 @@ tenant holds no other tenant's key and never the secret).  A rotation or retirem
 a running store or engine at its next start.  Secrets are never printed; see
 docs/integrity.md.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -25,11 +26,13 @@ from kvstore.errors import ConfigError
 def register(sub) -> None:
     p = sub.add_parser("keys", help="make, rotate and retire the deployment secret of the objects' MACs")
     actions = p.add_subparsers(dest="action", required=True)
-    for name, text in (("create", "write a new deployment secret (key id 1)"),
-                       ("rotate", "add a new key id and make it current (old ids stay readable)"),
-                       ("retire", "remove a key id (objects sealed with it are refused)"),
-                       ("export", "write one tenant's derived keys for its engines"),
-                       ("show", "print the key ids and the current one")):
+    for name, text in (
+        ("create", "write a new deployment secret (key id 1)"),
+        ("rotate", "add a new key id and make it current (old ids stay readable)"),
+        ("retire", "remove a key id (objects sealed with it are refused)"),
+        ("export", "write one tenant's derived keys for its engines"),
+        ("show", "print the key ids and the current one"),
+    ):
         a = actions.add_parser(name, help=text)
         a.add_argument("--file", required=True, help="the deployment secret file")
         if name == "create":

@@ -1,4 +1,5 @@
 """The ``kvstore`` command line: one sub-command per module that registers itself."""
+
 from __future__ import annotations
 
 import argparse

@@ -15,6 +15,7 @@ tier lies under its ``key_prefix``), with only the commands the tier sends.  Run
 with ``maxmemory-policy noeviction``: its own eviction cannot be partitioned by tenant (the
 tier warns at connect when the policy evicts).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,11 +30,52 @@ _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # What the Redis tier sends (tiers/redis*.py): reads, pipelined writes, TTLs, the delete-if-same
 # script, the budget's scripts and sweep (tiers.redis_budget: a counter, a hash and a sorted set),
 # the connection handshake, INFO (its eviction policy), and a cluster's slot map.
-COMMANDS = ("get", "set", "mget", "setrange", "getrange", "strlen", "exists", "pexpire", "persist", "unlink",
-            "del", "eval", "evalsha", "incr", "incrby", "time", "hget", "hset", "hdel", "hexists", "hgetall",
-            "zadd", "zrange", "zrem", "zscore", "zcard", "scan", "ping", "echo", "info", "hello", "auth", "select",
-            "readonly", "multi", "exec", "discard", "client|setname", "cluster|slots", "cluster|shards",
-            "cluster|nodes", "cluster|info", "command|docs", "command|info")
+COMMANDS = (
+    "get",
+    "set",
+    "mget",
+    "setrange",
+    "getrange",
+    "strlen",
+    "exists",
+    "pexpire",
+    "persist",
+    "unlink",
+    "del",
+    "eval",
+    "evalsha",
+    "incr",
+    "incrby",
+    "time",
+    "hget",
+    "hset",
+    "hdel",
+    "hexists",
+    "hgetall",
+    "zadd",
+    "zrange",
+    "zrem",
+    "zscore",
+    "zcard",
+    "scan",
+    "ping",
+    "echo",
+    "info",
+    "hello",
+    "auth",
+    "select",
+    "readonly",
+    "multi",
+    "exec",
+    "discard",
+    "client|setname",
+    "cluster|slots",
+    "cluster|shards",
+    "cluster|nodes",
+    "cluster|info",
+    "command|docs",
+    "command|info",
+)
 
 
 def acl_commands(tenant: str, prefix: str = "kvstore:", password: str | None = None) -> tuple[list[list[str]], str]:
@@ -44,8 +86,18 @@ def acl_commands(tenant: str, prefix: str = "kvstore:", password: str | None = N
         raise ConfigError(f"--prefix {prefix!r}: no spaces, glob characters or hash tags")
     password = password or secrets.token_hex(32)
     digest = hashlib.sha256(password.encode()).hexdigest()
-    command = ["ACL", "SETUSER", f"kvstore-{tenant}", "reset", "on", f"#{digest}", f"~{prefix}{tenant}:*",
-               "resetchannels", "-@all", *(f"+{c}" for c in COMMANDS)]
+    command = [
+        "ACL",
+        "SETUSER",
+        f"kvstore-{tenant}",
+        "reset",
+        "on",
+        f"#{digest}",
+        f"~{prefix}{tenant}:*",
+        "resetchannels",
+        "-@all",
+        *(f"+{c}" for c in COMMANDS),
+    ]
     return [command], password
 
 
@@ -70,8 +122,10 @@ def _run(args) -> int:
         _write_private(path, password + "\n")
         for command in commands:
             print(" ".join(command))
-        print(f"# redis://kvstore-{tenant}@{args.redis}/0?key_prefix={args.prefix}{tenant}:"
-              f"&password_file={path.resolve()}")
+        print(
+            f"# redis://kvstore-{tenant}@{args.redis}/0?key_prefix={args.prefix}{tenant}:"
+            f"&password_file={path.resolve()}"
+        )
     return 0
 
 

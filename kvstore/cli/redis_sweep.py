@@ -2,6 +2,7 @@
 crashed (``tiers.redis_budget``: manifests nobody counted are adopted, stale reservations
 released).  Runs on any host that reaches the Redis, as the prefix's own user; prints one
 JSON line: what it repaired and the prefix's usage after."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +11,10 @@ import json
 
 def register(sub) -> None:
     p = sub.add_parser("redis-sweep", help="repair a Redis key prefix's budget index after a crashed writer")
-    p.add_argument("url", help="the tier's URL with key_prefix, budget_bytes and credentials "
-                               "(password_file=...), as its writers use it")
+    p.add_argument(
+        "url",
+        help="the tier's URL with key_prefix, budget_bytes and credentials (password_file=...), as its writers use it",
+    )
     p.set_defaults(func=_run)
 
 

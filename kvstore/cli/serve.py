@@ -7,6 +7,7 @@ out falls through to ``KVSTORE_SERVE_*`` environment variables, then the ``--con
 file, then the defaults of ``ServerConfig``.  Nothing heavy is imported at parse time, so
 ``kvstore serve`` starts in well under a second (no torch, no vLLM).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,9 @@ def register(sub) -> None:
     types = field_types(ServerConfig)
     for f in fields(ServerConfig):  # one flag per setting, its help from the setting's doc
         if types[f.name] is bool:  # --insecure alone means true; --data-channel false too
-            serve.add_argument(flag_name(f.name), metavar="BOOL", nargs="?", const="true",
-                               help=_help(f, types[f.name]))
+            serve.add_argument(flag_name(f.name), metavar="BOOL", nargs="?", const="true", help=_help(f, types[f.name]))
             continue
-        serve.add_argument(flag_name(f.name), metavar=_metavar(f.name, types[f.name]),
-                           help=_help(f, types[f.name]))
+        serve.add_argument(flag_name(f.name), metavar=_metavar(f.name, types[f.name]), help=_help(f, types[f.name]))
     serve.add_argument("--config", help="YAML file of settings (flags and KVSTORE_SERVE_* win)")
     serve.set_defaults(func=_serve)
 
@@ -45,8 +44,9 @@ def register(sub) -> None:
     stats.set_defaults(func=_stats)
 
     health = sub.add_parser("health", help="exit 0 when a store process answers SERVING (grpc.health.v1)")
-    health.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the store process "
-                        "(default 127.0.0.1:50051)")
+    health.add_argument(
+        "--target", default="127.0.0.1:50051", help="HOST:PORT of the store process (default 127.0.0.1:50051)"
+    )
     health.add_argument("--tls-ca", help="CA certificate (PEM) to reach a TLS store")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     health.set_defaults(func=_health, tls_cert=None, tls_key=None)
@@ -73,8 +73,7 @@ def _help(f: Field, tp: object) -> str:
 
 
 def _exact_size(n: int) -> str:
-    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n % s == 0),
-                       ("", 1))
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n % s == 0), ("", 1))
     return f"{n // scale}{unit}"
 
 
@@ -119,7 +118,8 @@ def _health(args) -> int:
     channel = _channel(args)
     try:
         reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=SERVICE), timeout=args.timeout)
+            health_pb2.HealthCheckRequest(service=SERVICE), timeout=args.timeout
+        )
     except grpc.RpcError as err:
         print(f"{args.target}: {err.code().name}: {err.details()}")
         return 1
@@ -167,8 +167,9 @@ def format_tenant(doc: dict, target: str) -> str:
     """The readable summary of one tenant's ``Stats`` (a token without ``admin``)."""
     lines = [f"kvstore store at {target}: tenant {doc['tenant']} (its own counters only)"]
     for name, t in doc["tiers"].items():
-        lines.append(f"  {name:<12} {int(t['objects'])} objects, {_size(t['bytes_used'])} of "
-                     f"{_size(t['capacity_bytes'])}")
+        lines.append(
+            f"  {name:<12} {int(t['objects'])} objects, {_size(t['bytes_used'])} of {_size(t['capacity_bytes'])}"
+        )
     quota, held = doc["quota"], doc["held"]
     lines.append("  held / quota " + ", ".join(f"{k} {held[k]}/{quota[k]}" for k in held))
     lines.append(f"  puts in flight {doc['puts_in_flight']}; refused: {_counts(doc['refused'])}")
@@ -181,8 +182,9 @@ def format_stats(doc: dict, target: str) -> str:
         return format_tenant(doc, target)
     s, tiers = doc["store"], doc["tiers"]
     hits = sum(s["lookup_hits"].values())
-    by_tier = ", ".join(f"{t} {int(n)} ({100.0 * n / hits:.0f}%)" for t, n in sorted(s["lookup_hits"].items())) \
-        or "none"
+    by_tier = (
+        ", ".join(f"{t} {int(n)} ({100.0 * n / hits:.0f}%)" for t, n in sorted(s["lookup_hits"].items())) or "none"
+    )
     lines = [
         f"kvstore store at {target} (pid {doc['server']['pid']}, up {doc['server']['uptime_s']:.0f} s)",
         f"  hit rate     {_rate(hits, s['lookup_keys'], 'hit keys / looked-up keys')}"
@@ -194,9 +196,11 @@ def format_stats(doc: dict, target: str) -> str:
     ]
     for name, t in tiers.items():
         moved = ", ".join(f"{d} {_size(n)}" for (tn, d), n in _pairs(s["bytes"]) if tn == name)
-        lines.append(f"  tier {name:<7} {int(t['objects'])} objects, {_size(t['bytes_used'])} of "
-                     f"{_size(t['capacity_bytes'])}, evictions {int(t['evictions'])}, "
-                     f"corrupt {int(t['corrupt'])}" + (f"; moved {moved}" if moved else ""))
+        lines.append(
+            f"  tier {name:<7} {int(t['objects'])} objects, {_size(t['bytes_used'])} of "
+            f"{_size(t['capacity_bytes'])}, evictions {int(t['evictions'])}, "
+            f"corrupt {int(t['corrupt'])}" + (f"; moved {moved}" if moved else "")
+        )
     for name, b in doc.get("breakers", {}).items():
         lines.append(f"  breaker {name}: {'OPEN' if b.get('breaker_open') else 'closed'}")
     lines.append(f"  write-through {_counts(s['write_through'])}")
@@ -205,21 +209,27 @@ def format_stats(doc: dict, target: str) -> str:
     events = doc.get("kv_events")
     if events:
         rec = events.get("recorded", {})
-        lines.append(f"  kv events    epoch {events.get('epoch', '-')}: stored {rec.get('stored', 0)}, removed "
-                     f"{rec.get('removed', 0)}, undescribed objects {rec.get('undescribed', 0)}, "
-                     f"dropped {rec.get('dropped', 0)}; streams " + ", ".join(sorted(events.get("streams", {}))))
+        lines.append(
+            f"  kv events    epoch {events.get('epoch', '-')}: stored {rec.get('stored', 0)}, removed "
+            f"{rec.get('removed', 0)}, undescribed objects {rec.get('undescribed', 0)}, "
+            f"dropped {rec.get('dropped', 0)}; streams " + ", ".join(sorted(events.get("streams", {})))
+        )
     lines.append(f"  failures     {_counts(s['failures'])}")
     for name, t in doc.get("tenants", {}).items():
         refused = sum(t["refused"].values())
-        lines.append(f"  tenant {name}: host {_size(t['tiers'].get('host', {}).get('bytes_used', 0))} of "
-                     f"{_size(t['quota']['host_bytes'])}, leases {t['held']['leases']}, refused {refused}")
+        lines.append(
+            f"  tenant {name}: host {_size(t['tiers'].get('host', {}).get('bytes_used', 0))} of "
+            f"{_size(t['quota']['host_bytes'])}, leases {t['held']['leases']}, refused {refused}"
+        )
     return "\n".join(lines)
 
 
 def format_latency(latency: dict[str, dict[str, float]]) -> str:
     """``stage p50/p99 ms`` of each stage (``kvstore.metrics.quantiles``)."""
-    return ", ".join(f"{stage} {q['p50'] * 1e3:.2f}/{q['p99'] * 1e3:.2f} ms"
-                     for stage, q in latency.items()) + " (p50/p99)"
+    return (
+        ", ".join(f"{stage} {q['p50'] * 1e3:.2f}/{q['p99'] * 1e3:.2f} ms" for stage, q in latency.items())
+        + " (p50/p99)"
+    )
 
 
 def _pairs(table: dict[str, float]) -> list[tuple[tuple[str, str], float]]:
@@ -228,4 +238,3 @@ def _pairs(table: dict[str, float]) -> list[tuple[tuple[str, str], float]]:
 
 def _counts(table: dict[str, float]) -> str:
     return ", ".join(f"{k} {int(v)}" for k, v in sorted(table.items())) or "none"
-

@@ -9,6 +9,7 @@ file holds no secret) and ``DIR/<tenant>.token`` (mode 0600: the token itself, f
 An existing ``tokens.yaml`` is kept as it is (a restart keeps its tokens) unless ``--force``.
 Nothing is printed but the paths written.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,13 @@ _PERMISSIONS = {"read", "write", "shm", "admin"}
 def register(sub) -> None:
     p = sub.add_parser("tokens", help="generate a tokens file and per-tenant token files")
     p.add_argument("--dir", required=True, help="where tokens.yaml and <tenant>.token go (created 0700)")
-    p.add_argument("--tenant", action="append", required=True, metavar="NAME=PERM,PERM",
-                   help="a tenant and its token's permissions (read, write, shm, admin); repeatable")
+    p.add_argument(
+        "--tenant",
+        action="append",
+        required=True,
+        metavar="NAME=PERM,PERM",
+        help="a tenant and its token's permissions (read, write, shm, admin); repeatable",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing tokens.yaml")
     p.set_defaults(func=_run)
 
@@ -38,8 +44,9 @@ def parse_tenant(text: str) -> tuple[str, list[str]]:
     name, sep, perms = text.partition("=")
     chosen = [p.strip() for p in perms.split(",") if p.strip()]
     if not sep or not _TENANT.match(name) or not chosen or set(chosen) - _PERMISSIONS:
-        raise ConfigError(f"--tenant {text!r}: expected NAME=PERM[,PERM...] with PERM one of "
-                          f"{', '.join(sorted(_PERMISSIONS))}")
+        raise ConfigError(
+            f"--tenant {text!r}: expected NAME=PERM[,PERM...] with PERM one of {', '.join(sorted(_PERMISSIONS))}"
+        )
     return name, chosen
 
 
@@ -54,8 +61,7 @@ def generate(directory: Path, tenants: list[tuple[str, list[str]]], force: bool 
     entries, written = [], []
     for name, perms in tenants:
         token = secrets.token_hex(32)
-        entries.append({"sha256": hashlib.sha256(token.encode()).hexdigest(), "tenant": name,
-                        "permissions": perms})
+        entries.append({"sha256": hashlib.sha256(token.encode()).hexdigest(), "tenant": name, "permissions": perms})
         written.append(_write_private(directory / f"{name}.token", token + "\n"))
     written.insert(0, _write_private(table, yaml.safe_dump({"tokens": entries}, sort_keys=False)))
     return written

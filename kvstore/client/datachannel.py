@@ -24,6 +24,7 @@ it.  A coroutine cancelled (or failing) meanwhile cuts the socket, which returns
 blocking call at once, and waits for the thread before it lets the exception go: no byte
 lands in the buffer after ``get`` returns or raises.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,7 +67,7 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.reused = False
-        self.replied = False   # a byte of the current reply has arrived
+        self.replied = False  # a byte of the current reply has arrived
 
     def abort(self) -> None:
         try:
@@ -91,10 +92,10 @@ class _Conn:
         reply = self._reply()
         if reply.code or not reply.flag:
             return reply
-        if reply.length > len(dst):   # never read it: this connection is out of step now
+        if reply.length > len(dst):  # never read it: this connection is out of step now
             raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {reply.length}")
-        self._recv_into(dst[:reply.length])
-        digest = codec.checksum(dst[codec.HEADER_SIZE:reply.length]) if reply.length >= codec.HEADER_SIZE else b""
+        self._recv_into(dst[: reply.length])
+        digest = codec.checksum(dst[codec.HEADER_SIZE : reply.length]) if reply.length >= codec.HEADER_SIZE else b""
         return Reply(reply.code, reply.flag, reply.tier, reply.length, reply.message, digest)
 
     def put(self, request: bytes, parts: Sequence[memoryview], timeout: float) -> Reply:
@@ -126,8 +127,7 @@ class _Conn:
         while view:
             n = self.sock.recv_into(view)
             if n == 0:
-                raise ConnectionError("the store closed the data connection" +
-                                      (" mid-reply" if self.replied else ""))
+                raise ConnectionError("the store closed the data connection" + (" mid-reply" if self.replied else ""))
             self.replied = True
             view = view[n:]
 
@@ -135,9 +135,18 @@ class _Conn:
 class DataChannel:
     """A pool of data connections to one store (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, *, mint: Callable[[], Awaitable[bytes]], token: str | None,
-                 tls: ssl.SSLContext | None, server_name: str | None, timeout_s: float,
-                 connections: int = DEFAULT_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        mint: Callable[[], Awaitable[bytes]],
+        token: str | None,
+        tls: ssl.SSLContext | None,
+        server_name: str | None,
+        timeout_s: float,
+        connections: int = DEFAULT_CONNECTIONS,
+    ) -> None:
         self.host, self.port = host.strip("[]"), port
         self.address = f"{host}:{port}"
         self._mint, self._token = mint, token

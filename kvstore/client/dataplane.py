@@ -18,6 +18,7 @@ Client side only; no gRPC calls here.
   attach (~75 ms per GiB here): otherwise the first copy into or out of each slot faults
   page by page (measured: 15-30 ms for the first 32 MiB puts, against ~3 ms for a copy).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -34,13 +35,14 @@ from kvstore.errors import ChecksumMismatchError, CorruptHeaderError, KeyMismatc
 from kvstore.keys import ObjectKey
 from kvstore.wire.proto import read_varint, varint
 
-INLINE_BYTES = 1 << 20     # copied on the event loop; larger ones go to the copy thread
-_FEW_KEYS = 16             # Lookup requests of at most this many keys are encoded without numpy
+INLINE_BYTES = 1 << 20  # copied on the event loop; larger ones go to the copy thread
+_FEW_KEYS = 16  # Lookup requests of at most this many keys are encoded without numpy
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _EMPTY = memoryview(b"")
 
 
 # --- protobuf wire format of the two streaming messages ---------------------------------
+
 
 def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
     try:
@@ -99,13 +101,14 @@ def _same_run_slow(keys: Sequence[bytes]) -> int:
 
 def _encode_few(keys: Sequence[bytes]) -> bytes:
     tag = keys[0][64:]
-    return b"".join((b"\x0a\x20", keys[0][:32], *(b"\x12\x20" + k[32:64] for k in keys),
-                     b"\x1a", varint(len(tag)), tag))
+    return b"".join(
+        (b"\x0a\x20", keys[0][:32], *(b"\x12\x20" + k[32:64] for k in keys), b"\x1a", varint(len(tag)), tag)
+    )
 
 
 def _encode_lookup(rows: np.ndarray) -> bytes:
     fields = np.empty((len(rows), 2 + 32), np.uint8)
-    fields[:, 0], fields[:, 1] = 0x12, 32            # field 2, length-delimited, 32 bytes
+    fields[:, 0], fields[:, 1] = 0x12, 32  # field 2, length-delimited, 32 bytes
     fields[:, 2:] = rows[:, 32:64]
     tag = rows[0, 64:].tobytes()
     return b"".join((b"\x0a\x20", rows[0, :32].tobytes(), fields.tobytes(), b"\x1a", varint(len(tag)), tag))
@@ -116,7 +119,7 @@ class GetFrame:
     found: bool
     total_length: int
     offset: int
-    data: memoryview     # a view of the received message: no copy
+    data: memoryview  # a view of the received message: no copy
     tier: int
 
 
@@ -150,6 +153,7 @@ def decode_get_frame(raw: bytes) -> GetFrame:
 
 # --- checks -------------------------------------------------------------------------------
 
+
 def check_object(view: memoryview, expected_key: ObjectKey, digest: bytes) -> codec.ObjectHeader:
     """``codec.verify(view, expected_key, length=len(view))`` where the payload checksum
     (xxh3-128 of ``view[HEADER_SIZE:]``) was computed while the bytes were copied."""
@@ -168,6 +172,7 @@ def payload_digest(view: memoryview) -> bytes:
 
 
 # --- copies -------------------------------------------------------------------------------
+
 
 class Copier:
     """One copy thread and one checksum thread, owned by one client.
@@ -214,7 +219,7 @@ def _digest_then_join(src: np.ndarray, copied: cf.Future) -> bytes:
         digest = payload_digest(memoryview(src))
     finally:
         cf.wait([copied])  # never finish while the copy thread still writes dst
-    copied.result()        # its error, if any, is the caller's
+    copied.result()  # its error, if any, is the caller's
     return digest
 
 
@@ -230,5 +235,14 @@ def prefault(array: np.ndarray) -> None:
         int(array[:: mmap.PAGESIZE].sum())
 
 
-__all__ = ["INLINE_BYTES", "Copier", "GetFrame", "check_object", "decode_get_frame",
-           "encode_data_frame", "lookup_requests", "payload_digest", "prefault"]
+__all__ = [
+    "INLINE_BYTES",
+    "Copier",
+    "GetFrame",
+    "check_object",
+    "decode_get_frame",
+    "encode_data_frame",
+    "lookup_requests",
+    "payload_digest",
+    "prefault",
+]

@@ -7,6 +7,7 @@ may try the server's shared memory: the token has ``shm``, the server named its 
 socket, it runs on this boot of this host (``boot_id``), and the socket is there.  The
 gate itself then decides (``kvstore.client.shmsession``).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,16 @@ from kvstore.errors import ConfigError
 from kvstore.keys import ObjectKey
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-MAX_MESSAGE = 64 << 20   # receive/send limit of the channel (stream frames are ~1 MiB)
+MAX_MESSAGE = 64 << 20  # receive/send limit of the channel (stream frames are ~1 MiB)
 TIER_NAMES = {pb.TIER_HOST: "host", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis"}
 
 
 class Transport(Enum):
     """How a client moves bytes (control is always gRPC)."""
 
-    AUTO = "auto"      # the fastest allowed: shared memory, else the TCP data channel, else gRPC streams
-    SHM = "shm"        # the server's shared-memory segment (same host), or ConfigError
-    TCP = "tcp"        # the raw TCP data channel beside gRPC (any host), or an error at connect
+    AUTO = "auto"  # the fastest allowed: shared memory, else the TCP data channel, else gRPC streams
+    SHM = "shm"  # the server's shared-memory segment (same host), or ConfigError
+    TCP = "tcp"  # the raw TCP data channel beside gRPC (any host), or an error at connect
     STREAM = "stream"  # gRPC streams of ~1 MiB frames (any host; the slowest)
 
     @classmethod
@@ -48,9 +49,9 @@ class Transport(Enum):
 
 
 class RemoteLookup(NamedTuple):
-    hits: int                  # contiguous prefix present in some tier of the store
-    tiers: tuple[str, ...]     # tier of each hit ("host", "ssd", "redis")
-    sizes: tuple[int, ...]     # object bytes of each hit
+    hits: int  # contiguous prefix present in some tier of the store
+    tiers: tuple[str, ...]  # tier of each hit ("host", "ssd", "redis")
+    sizes: tuple[int, ...]  # object bytes of each hit
 
 
 @lru_cache(maxsize=1)
@@ -75,14 +76,25 @@ class ServerInfo:
     lease_ms: int
     frame_bytes: int
     server_version: str
-    data_port: int = 0      # the raw TCP data channel (0: none)
+    data_port: int = 0  # the raw TCP data channel (0: none)
     kv_events: bool = False  # the store publishes KV events: clients Describe what they put
 
     @classmethod
     def from_pb(cls, r: pb.HelloResponse) -> ServerInfo:
-        return cls(r.tenant, frozenset(r.permissions), r.shm_socket, r.segment_size, r.boot_id,
-                   r.max_object_bytes, r.max_keys_per_call, r.lease_ms, r.frame_bytes,
-                   r.server_version, r.data_port, r.kv_events)
+        return cls(
+            r.tenant,
+            frozenset(r.permissions),
+            r.shm_socket,
+            r.segment_size,
+            r.boot_id,
+            r.max_object_bytes,
+            r.max_keys_per_call,
+            r.lease_ms,
+            r.frame_bytes,
+            r.server_version,
+            r.data_port,
+            r.kv_events,
+        )
 
     def shm_refusal(self, boot_id: str) -> str:
         """Why this process cannot try the shared memory ("" when it can)."""
@@ -134,8 +146,8 @@ class ClientCounters:
     lease_expired: int = 0
     corrupt: int = 0
     renewals: int = 0
-    releases_deferred: int = 0   # leases released in the background (copy known good in time)
-    release_calls: int = 0       # ReleaseLease calls sent (background batches and late copies)
+    releases_deferred: int = 0  # leases released in the background (copy known good in time)
+    release_calls: int = 0  # ReleaseLease calls sent (background batches and late copies)
     bytes_read: int = 0
     puts: int = 0
     put_exists: int = 0
@@ -171,16 +183,19 @@ def data_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContex
     return ctx
 
 
-def open_channel(target: str, ca: str | None, cert: str | None, key: str | None,
-                 server_name: str | None) -> grpc.aio.Channel:
+def open_channel(
+    target: str, ca: str | None, cert: str | None, key: str | None, server_name: str | None
+) -> grpc.aio.Channel:
     """An insecure channel, or TLS when ``ca`` or a client certificate is given; reconnects
     quickly (a store that restarts is back within a second)."""
-    options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", MAX_MESSAGE),
-                                            ("grpc.max_send_message_length", MAX_MESSAGE),
-                                            ("grpc.enable_http_proxy", 0),
-                                            ("grpc.initial_reconnect_backoff_ms", 100),
-                                            ("grpc.min_reconnect_backoff_ms", 100),
-                                            ("grpc.max_reconnect_backoff_ms", 1000)]
+    options: list[tuple[str, int | str]] = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     if (cert is None) != (key is None):
         raise ConfigError("tls_cert and tls_key go together (a client certificate and its key)")
     if ca is None and cert is None:
@@ -193,5 +208,15 @@ def open_channel(target: str, ca: str | None, cert: str | None, key: str | None,
     return grpc.aio.secure_channel(target, creds, options=options)
 
 
-__all__ = ["BOOT_ID_PATH", "ClientCounters", "RemoteLookup", "Reservation", "ServerInfo", "TIER_NAMES",
-           "Transport", "data_tls", "local_boot_id", "open_channel"]
+__all__ = [
+    "BOOT_ID_PATH",
+    "ClientCounters",
+    "RemoteLookup",
+    "Reservation",
+    "ServerInfo",
+    "TIER_NAMES",
+    "Transport",
+    "data_tls",
+    "local_boot_id",
+    "open_channel",
+]

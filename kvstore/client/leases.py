@@ -20,6 +20,7 @@ that deadline.  After the copy and its checksum:
 ``close``.  A client killed with queued releases loses nothing: the server's reaper expires
 those leases and drops their pins after their TTL.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,8 @@ from kvstore.keys import ObjectKey
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
-RELEASE_DELAY_S = 0.02     # queued releases wait this long for company (pins last that much longer)
-_MARGIN_S = 0.001          # the window ends this much, plus _MARGIN_FRACTION of the TTL, early
+RELEASE_DELAY_S = 0.02  # queued releases wait this long for company (pins last that much longer)
+_MARGIN_S = 0.001  # the window ends this much, plus _MARGIN_FRACTION of the TTL, early
 _MARGIN_FRACTION = 0.05
 
 
@@ -86,8 +87,13 @@ class ReleaseQueue:
     call's worth goes at once; fewer ids go together once the first of them has waited
     ``delay_s`` (on ``timers``)."""
 
-    def __init__(self, send: Callable[[list[int]], Awaitable[object]], limit: Callable[[], int],
-                 delay_s: float = RELEASE_DELAY_S, timers: Timers | None = None) -> None:
+    def __init__(
+        self,
+        send: Callable[[list[int]], Awaitable[object]],
+        limit: Callable[[], int],
+        delay_s: float = RELEASE_DELAY_S,
+        timers: Timers | None = None,
+    ) -> None:
         self._send = send
         self._limit = limit
         self._delay_s = delay_s
@@ -138,9 +144,16 @@ class LeasedReader:
     and ``copier`` by reference.  ``after_copy`` (tests only) is awaited between the copy and
     the lease check."""
 
-    def __init__(self, rpc: Rpc, planes: Planes, counters: ClientCounters, copier: Copier, lease_ms: int,
-                 release_delay_s: float = RELEASE_DELAY_S,
-                 after_copy: Callable[[], Awaitable[object]] | None = None) -> None:
+    def __init__(
+        self,
+        rpc: Rpc,
+        planes: Planes,
+        counters: ClientCounters,
+        copier: Copier,
+        lease_ms: int,
+        release_delay_s: float = RELEASE_DELAY_S,
+        after_copy: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         self._rpc = rpc
         self._planes = planes
         self._counters = counters
@@ -155,8 +168,9 @@ class LeasedReader:
         The caller checks the copy against the key (``StoreClient``)."""
         segment = self._planes.segment.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
-        resp = await self._rpc.unary("Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag,
-                                                          lease_ms=self.lease_ms))
+        resp = await self._rpc.unary(
+            "Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
+        )
         if not resp.found:
             return None
         n, off = resp.length, resp.offset
@@ -164,8 +178,10 @@ class LeasedReader:
             await self.release(resp.lease_id)
             if n > len(dst):
                 raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {n}")
-            raise TierError(f"store {self._rpc.target}: Get answered bytes [{off}, {off + n}) outside "
-                            f"its {len(segment)}-byte segment")
+            raise TierError(
+                f"store {self._rpc.target}: Get answered bytes [{off}, {off + n}) outside "
+                f"its {len(segment)}-byte segment"
+            )
         window = LeaseWindow(resp.lease_id, t0, (resp.lease_ms or self._rpc.server.lease_ms) / 1000)
         try:
             held, digest = await self._copy_leased(dst[:n], segment[off : off + n], window)
@@ -184,8 +200,7 @@ class LeasedReader:
             return None
         return n, digest
 
-    async def _copy_leased(self, dst: np.ndarray, src: np.ndarray, window: LeaseWindow
-                           ) -> tuple[bool, bytes]:
+    async def _copy_leased(self, dst: np.ndarray, src: np.ndarray, window: LeaseWindow) -> tuple[bool, bytes]:
         """Copy under the lease, renewing it every half TTL; (whether the lease was held
         throughout, the payload checksum), returned only once nothing touches ``dst`` any
         more.  Large objects: the checksum thread hashes the pinned source while the copy
@@ -214,8 +229,9 @@ class LeasedReader:
 
     async def renew(self, lease_id: int, ttl_ms: int) -> int | None:
         """The TTL granted (ms), or None when the server no longer holds the lease."""
-        r = await self._rpc.unary("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms),
-                                  answers=frozenset({Code.NOT_FOUND}))
+        r = await self._rpc.unary(
+            "RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, lease_ms=ttl_ms), answers=frozenset({Code.NOT_FOUND})
+        )
         self._counters.renewals += 1
         return None if isinstance(r, Code) else r.lease_ms
 

@@ -18,6 +18,7 @@ Client side.  The planes, fastest first, and when each is taken:
 * **stream**: gRPC streams of ``frame_bytes`` frames, always possible (``transport="stream"``
   forces it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,9 +45,17 @@ class Planes:
     ticket; ``status_error`` turns a refusal's status into the domain error (both the
     client's ``Rpc``)."""
 
-    def __init__(self, target: str, transport: Transport, timeout_s: float, token: str | None,
-                 tls: ssl.SSLContext | None, server_name: str | None, ticket: Callable[[], Awaitable[bytes]],
-                 status_error: Callable[[str, grpc.StatusCode, str | None], Exception]) -> None:
+    def __init__(
+        self,
+        target: str,
+        transport: Transport,
+        timeout_s: float,
+        token: str | None,
+        tls: ssl.SSLContext | None,
+        server_name: str | None,
+        ticket: Callable[[], Awaitable[bytes]],
+        status_error: Callable[[str, grpc.StatusCode, str | None], Exception],
+    ) -> None:
         self.target = target
         self.transport = transport
         self.timeout_s = timeout_s
@@ -55,10 +64,10 @@ class Planes:
         self._server_name = server_name
         self._ticket = ticket
         self._status_error = status_error
-        self.session: ShmSession | None = None   # the shared-memory session
-        self.data: DataChannel | None = None     # the TCP data channel
-        self.shm_refusal = ""   # why the shared-memory data plane is not used ("" when it is)
-        self.tcp_refusal = ""   # why the TCP data channel is not used ("" when it is)
+        self.session: ShmSession | None = None  # the shared-memory session
+        self.data: DataChannel | None = None  # the TCP data channel
+        self.shm_refusal = ""  # why the shared-memory data plane is not used ("" when it is)
+        self.tcp_refusal = ""  # why the TCP data channel is not used ("" when it is)
 
     @property
     def segment(self):
@@ -95,8 +104,7 @@ class Planes:
             self.drop_segment()
             try:
                 ticket = await self._ticket()
-                session = await asyncio.to_thread(ShmSession.open, info.shm_socket, ticket, self._token,
-                                                  self.timeout_s)
+                session = await asyncio.to_thread(ShmSession.open, info.shm_socket, ticket, self._token, self.timeout_s)
                 self.session = session
                 prefault(session.array)
             except GateRefusedError as err:
@@ -120,8 +128,9 @@ class Planes:
 
     async def _use_data(self, info: ServerInfo) -> None:
         if self.transport not in (Transport.TCP, Transport.AUTO) or self.session is not None:
-            await self.drop_data("shared memory is used" if self.session is not None
-                                 else f"transport is {self.transport.value}")
+            await self.drop_data(
+                "shared memory is used" if self.session is not None else f"transport is {self.transport.value}"
+            )
             return
         if not info.data_port:
             await self.drop_data("the server offers no data channel")
@@ -131,15 +140,26 @@ class Planes:
         if self.data is not None and self.data.port == info.data_port:
             return
         await self.drop_data("")
-        channel = DataChannel(self.target.rpartition(":")[0], info.data_port, mint=self._ticket,
-                              token=self._token, tls=self._tls, server_name=self._server_name,
-                              timeout_s=self.timeout_s)
+        channel = DataChannel(
+            self.target.rpartition(":")[0],
+            info.data_port,
+            mint=self._ticket,
+            token=self._token,
+            tls=self._tls,
+            server_name=self._server_name,
+            timeout_s=self.timeout_s,
+        )
         try:
             await channel.warm()
         except TierError as err:
             await channel.aclose()
-            failure = (self._status_error("data channel", CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
-                                          err.reply.message) if isinstance(err, RefusedError) else err)
+            failure = (
+                self._status_error(
+                    "data channel", CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN), err.reply.message
+                )
+                if isinstance(err, RefusedError)
+                else err
+            )
             if self.transport is Transport.TCP:
                 raise failure from err
             self.tcp_refusal = str(failure)
@@ -153,8 +173,9 @@ class Planes:
         try:
             return await request
         except RefusedError as err:
-            raise self._status_error(name, CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN),
-                                     err.reply.message) from err
+            raise self._status_error(
+                name, CODES.get(err.reply.code, grpc.StatusCode.UNKNOWN), err.reply.message
+            ) from err
 
     async def drop_data(self, why: str) -> None:
         channel, self.data = self.data, None

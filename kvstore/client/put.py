@@ -12,6 +12,7 @@ A put the server refuses (PERMISSION_DENIED, FAILED_PRECONDITION, NOT_FOUND: a r
 token, a damaged object, an expired reservation) is ``PutResult.FAILED`` and counted, never
 an exception; transport failures raise ``TierUnavailableError`` (``kvstore.client.rpc.Rpc.status_error``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,11 @@ from tiers.base import PutResult
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
 _REFUSED_PUT = frozenset({Code.PERMISSION_DENIED, Code.FAILED_PRECONDITION, Code.NOT_FOUND})
-_OUTCOMES: dict[int, PutResult] = {pb.PUT_OUTCOME_STORED: PutResult.STORED, pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
-             pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM}
+_OUTCOMES: dict[int, PutResult] = {
+    pb.PUT_OUTCOME_STORED: PutResult.STORED,
+    pb.PUT_OUTCOME_EXISTS: PutResult.EXISTS,
+    pb.PUT_OUTCOME_NO_ROOM: PutResult.NO_ROOM,
+}
 
 
 class Writer:
@@ -47,16 +51,21 @@ class Writer:
     ``Hello`` that tells whether the server has another session now) decides the one retry
     of a refused ``put`` through the pool."""
 
-    def __init__(self, rpc: Rpc, planes: Planes, counters: ClientCounters, copier: Copier,
-                 segment_changed: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        rpc: Rpc,
+        planes: Planes,
+        counters: ClientCounters,
+        copier: Copier,
+        segment_changed: Callable[[], Awaitable[bool]],
+    ) -> None:
         self._rpc = rpc
         self._planes = planes
         self._counters = counters
         self._copier = copier
         self._segment_changed = segment_changed
 
-    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
-                  *, retry: bool = True) -> PutResult:
+    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None, *, retry: bool = True) -> PutResult:
         """Publish a complete object (its header names ``key``): through the segment
         (``PutStart``, one copy, ``PutCommit``) or a ``PutStream``.  A put refused because
         the server came back without our session is retried once, in a new one."""
@@ -81,8 +90,7 @@ class Writer:
             return await self.put(key, obj, parent_hash, retry=False)
         return result
 
-    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None
-                      ) -> Reservation | PutResult:
+    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None) -> Reservation | PutResult:
         """``PutStart``: a region of the segment to write ``size`` bytes into, or the final
         outcome (EXISTS, NO_ROOM, FAILED when the server refuses)."""
         self.check_size(size)
@@ -104,15 +112,17 @@ class Writer:
 
     async def commit(self, res: Reservation, ok: bool = True) -> PutResult:
         """``PutCommit`` (or abort when not ``ok``); the server verifies and publishes."""
-        r = await self._rpc.unary("PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok),
-                              answers=_REFUSED_PUT)
+        r = await self._rpc.unary(
+            "PutCommit", pb.PutCommitRequest(put_id=res.put_id, abort=not ok), answers=_REFUSED_PUT
+        )
         result = PutResult.FAILED if isinstance(r, Code) or not ok else _outcome(r.outcome)
         if isinstance(r, Code):
             log.warning("kvstore: store %s refused commit of %r: %s", self._rpc.target, res.key, r.name)
         return self._put_done(result, res.size)
 
-    async def put_parts(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
-                        parent_hash: ChunkHash | None = None) -> PutResult:
+    async def put_parts(
+        self, key: ObjectKey, parts: Sequence[memoryview], size: int, parent_hash: ChunkHash | None = None
+    ) -> PutResult:
         """``PutStream`` of ``parts`` (in order, ``size`` bytes in all), framed straight from
         the caller's memory."""
         self.check_size(size)
@@ -137,8 +147,9 @@ class Writer:
                 call.cancel()
         return self._put_done(_outcome(resp.outcome), size)
 
-    async def _put_tcp(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
-                       parent_hash: ChunkHash | None) -> PutResult:
+    async def _put_tcp(
+        self, key: ObjectKey, parts: Sequence[memoryview], size: int, parent_hash: ChunkHash | None
+    ) -> PutResult:
         parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
         request = wire.encode_request(wire.Op.PUT, key, size, parent)
         parts = [memoryview(p).cast("B") for p in parts]
@@ -186,8 +197,11 @@ class Writer:
         if "write" in self._rpc.server.permissions:
             return True
         if self._counters.put_failures == 0:  # once per client: a read-only client puts often
-            log.warning("kvstore: puts to store %s fail: the token lacks the write permission (first: %r)",
-                        self._rpc.target, key)
+            log.warning(
+                "kvstore: puts to store %s fail: the token lacks the write permission (first: %r)",
+                self._rpc.target,
+                key,
+            )
         return False
 
     def check_size(self, size: int) -> None:
@@ -195,8 +209,9 @@ class Writer:
         if size < codec.HEADER_SIZE:
             raise ConfigError(f"object of {size} bytes is smaller than its {codec.HEADER_SIZE}-byte header")
         if self._rpc.server.max_object_bytes and size > self._rpc.server.max_object_bytes:
-            raise CapacityError(f"object of {size} bytes exceeds the store's limit of "
-                                f"{self._rpc.server.max_object_bytes} bytes")
+            raise CapacityError(
+                f"object of {size} bytes exceeds the store's limit of {self._rpc.server.max_object_bytes} bytes"
+            )
 
     async def _copy_out(self, dst: np.ndarray, src: np.ndarray) -> None:
         if len(src) <= INLINE_BYTES:
@@ -211,8 +226,7 @@ class Writer:
 
 def _put_start(key: ObjectKey, size: int, parent_hash: ChunkHash | None) -> pb.PutStartRequest:
     parent = b"" if parent_hash is None or parent_hash == ROOT else bytes(parent_hash)
-    return pb.PutStartRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, size=size,
-                              parent_hash=parent)
+    return pb.PutStartRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, size=size, parent_hash=parent)
 
 
 def _outcome(value: int) -> PutResult:

@@ -10,6 +10,7 @@ RESOURCE_EXHAUSTED ``CapacityError``, NOT_FOUND ``LeaseError``, the rest ``TierE
 counted as ``errors``.  ``hello`` keeps what the last ``Hello`` said (``info``): the one
 copy every collaborator reads.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -22,7 +23,7 @@ from kvstore.errors import CapacityError, ConfigError, LeaseError, TierError, Ti
 
 Code = grpc.StatusCode
 _TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED})
-_STREAM_BYTES_PER_S = 100e6   # deadline allowance for streamed bytes (far below the real rate)
+_STREAM_BYTES_PER_S = 100e6  # deadline allowance for streamed bytes (far below the real rate)
 
 
 class Rpc:
@@ -30,8 +31,9 @@ class Rpc:
     the server's answer to the last ``Hello`` (``info``); counts failures in ``counters``
     (the client's, by reference)."""
 
-    def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
-                 counters: ClientCounters) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float, counters: ClientCounters
+    ) -> None:
         self.channel = channel
         self.target = target
         self.timeout_s = timeout_s
@@ -39,15 +41,17 @@ class Rpc:
         self.info: ServerInfo | None = None
         self.stub = pb_grpc.KVStoreStub(channel)
         # Hand-coded messages (see kvstore.client.dataplane): the streams' frames and Lookup requests are bytes.
-        self.get_stream = channel.unary_stream("/kvstore.v1.KVStore/GetStream",
-                                               request_serializer=pb.GetRequest.SerializeToString,
-                                               _registered_method=True)
-        self.put_stream = channel.stream_unary("/kvstore.v1.KVStore/PutStream",
-                                               response_deserializer=pb.PutCommitResponse.FromString,
-                                               _registered_method=True)
-        self.lookup_call = channel.unary_unary("/kvstore.v1.KVStore/Lookup",
-                                               response_deserializer=pb.LookupResponse.FromString,
-                                               _registered_method=True)
+        self.get_stream = channel.unary_stream(
+            "/kvstore.v1.KVStore/GetStream", request_serializer=pb.GetRequest.SerializeToString, _registered_method=True
+        )
+        self.put_stream = channel.stream_unary(
+            "/kvstore.v1.KVStore/PutStream",
+            response_deserializer=pb.PutCommitResponse.FromString,
+            _registered_method=True,
+        )
+        self.lookup_call = channel.unary_unary(
+            "/kvstore.v1.KVStore/Lookup", response_deserializer=pb.LookupResponse.FromString, _registered_method=True
+        )
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     @property
@@ -71,13 +75,15 @@ class Rpc:
         """The deadline of a call moving ``nbytes``."""
         return self.timeout_s + nbytes / _STREAM_BYTES_PER_S
 
-    async def unary(self, name: str, request, *, answers: frozenset = frozenset(),
-                    wait_for_ready: bool | None = None, call=None):
+    async def unary(
+        self, name: str, request, *, answers: frozenset = frozenset(), wait_for_ready: bool | None = None, call=None
+    ):
         """The reply, or its status code when that is one of ``answers`` (``call``: a
         multicallable of ``name`` other than the stub's, e.g. one taking encoded bytes)."""
         try:
             return await (call or getattr(self.stub, name))(
-                request, timeout=self.timeout_s, metadata=self.metadata, wait_for_ready=wait_for_ready)
+                request, timeout=self.timeout_s, metadata=self.metadata, wait_for_ready=wait_for_ready
+            )
         except grpc.aio.AioRpcError as err:
             if err.code() in answers:
                 return err.code()

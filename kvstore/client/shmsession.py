@@ -13,6 +13,7 @@ holds the session (it closes its end when it stops).
 
 Blocking calls with a timeout: ``open`` runs in a worker thread when called from a loop.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,7 @@ class GateRefusedError(TierError):
 class ShmSession:
     """One open session (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, pool: SharedPoolView, session_id: int, writable: bool,
-                 path: str) -> None:
+    def __init__(self, sock: socket.socket, pool: SharedPoolView, session_id: int, writable: bool, path: str) -> None:
         self.sock, self.pool = sock, pool
         self.session_id, self.writable, self.path = session_id, writable, path
 
@@ -116,8 +116,8 @@ def _receive(sock: socket.socket) -> tuple[wire.GateReply, int]:
         for fd in fds:
             socket.close(fd)
         raise TierUnavailableError("the store closed the shared-memory socket before answering")
-    reply = wire.decode_reply(data[:wire.REPLY.size])
-    message = data[wire.REPLY.size:wire.REPLY.size + reply.message_len].decode(errors="replace")
+    reply = wire.decode_reply(data[: wire.REPLY.size])
+    message = data[wire.REPLY.size : wire.REPLY.size + reply.message_len].decode(errors="replace")
     if reply.code or len(fds) != 1:
         for fd in fds:
             socket.close(fd)

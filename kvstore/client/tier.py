@@ -32,6 +32,7 @@ Runs in the engine's processes, over one ``kvstore.client.store_client.StoreClie
   background: a read never waits for it.  Reads matter after a store restart: its SSD
   objects are announced again once an engine that knows their tokens reads them.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -80,15 +81,16 @@ class RemoteTier(TierBase):
         self.name = name
         self.client = client
         self.breaker = CircuitBreaker(f"store {client.target}", client.refresh, retry_s=retry_s)
-        self._failed_reads = 0   # reads answered "miss" by the open breaker or a failure
+        self._failed_reads = 0  # reads answered "miss" by the open breaker or a failure
         self._errors: dict[str, int] = {}
         self.describer: Callable[[ObjectKey], Description | None] | None = None
         self._told: OrderedDict[ObjectKey, None] = OrderedDict()  # on the loop only
         self._telling: set[asyncio.Task] = set()
 
     @classmethod
-    async def open(cls, target: str, *, name: str = "remote", retry_s: float = 1.0,
-                   **client_options: Any) -> RemoteTier:
+    async def open(
+        cls, target: str, *, name: str = "remote", retry_s: float = 1.0, **client_options: Any
+    ) -> RemoteTier:
         """Connect (``StoreClient.connect(target, **client_options)``); raises
         ``TierUnavailableError`` naming the target when the store cannot be reached."""
         return cls(await StoreClient.connect(target, **client_options), name=name, retry_s=retry_s)
@@ -213,8 +215,7 @@ class RemoteTier(TierBase):
         if not isinstance(token, _StreamPut):
             raise TypeError(f"put_write of {handle.key!r}: not a handle of this tier's ({token!r})")
         if offset != token.written:
-            raise TierError(f"remote put_write at {offset}: streamed writes must be in order "
-                            f"(next is {token.written})")
+            raise TierError(f"remote put_write at {offset}: streamed writes must be in order (next is {token.written})")
         token.parts.append(view)
         token.written += len(view)
 
@@ -238,8 +239,8 @@ class RemoteTier(TierBase):
             return False
         parent_hash = None if handle.parent is None else handle.parent.chunk_hash
         result = await self._guard(
-            "put", lambda: self.client.put_parts(handle.key, token.parts, handle.size, parent_hash),
-            PutResult.FAILED)
+            "put", lambda: self.client.put_parts(handle.key, token.parts, handle.size, parent_hash), PutResult.FAILED
+        )
         token.parts.clear()
         return result in _DONE
 
@@ -253,16 +254,30 @@ class RemoteTier(TierBase):
 
     def stats(self) -> TierStats:
         c = self.client.counters
-        extra: dict[str, float] = {**self.breaker.stats(), "lease_expired": c.lease_expired,
-                                   "renewals": c.renewals, "releases_deferred": c.releases_deferred,
-                                   "release_calls": c.release_calls, "put_exists": c.put_exists,
-                                   "failed_reads": self._failed_reads,
-                                   "shm": float(self.client.uses_shm), "tcp": float(self.client.uses_tcp)}
+        extra: dict[str, float] = {
+            **self.breaker.stats(),
+            "lease_expired": c.lease_expired,
+            "renewals": c.renewals,
+            "releases_deferred": c.releases_deferred,
+            "release_calls": c.release_calls,
+            "put_exists": c.put_exists,
+            "failed_reads": self._failed_reads,
+            "shm": float(self.client.uses_shm),
+            "tcp": float(self.client.uses_tcp),
+        }
         extra.update({f"errors_{k}": v for k, v in self._errors.items()})
         extra["errors"] = sum(self._errors.values())
-        return TierStats(self.name, hits=c.hits, misses=c.misses + self._failed_reads,
-                         bytes_read=c.bytes_read, bytes_written=c.bytes_written, puts=c.puts,
-                         put_failures=c.put_failures, corrupt=c.corrupt, extra=extra)
+        return TierStats(
+            self.name,
+            hits=c.hits,
+            misses=c.misses + self._failed_reads,
+            bytes_read=c.bytes_read,
+            bytes_written=c.bytes_written,
+            puts=c.puts,
+            put_failures=c.put_failures,
+            corrupt=c.corrupt,
+            extra=extra,
+        )
 
     async def aclose(self) -> None:
         if self._telling:

@@ -27,6 +27,7 @@ Rules (docs/architecture.md#kv-geometry-and-capacity):
     of ``block_size`` (full layers: ``tokens``; sliding layers: ``min(tokens, window)``).
     Tail waste = page-rounded bytes - exact bytes.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,15 +83,15 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     dtype: DType
-    q_heads: int | None = None          # only labels MHA vs GQA; bytes do not depend on it
-    kv_lora_rank: int = 0               # MLA latent dim; 0 = not MLA
-    qk_rope_head_dim: int = 0           # MLA decoupled rope dim
-    sliding_window: int | None = None   # tokens kept by sliding-window layers
-    sliding_layers: int | None = None   # how many layers use the window; None = all
+    q_heads: int | None = None  # only labels MHA vs GQA; bytes do not depend on it
+    kv_lora_rank: int = 0  # MLA latent dim; 0 = not MLA
+    qk_rope_head_dim: int = 0  # MLA decoupled rope dim
+    sliding_window: int | None = None  # tokens kept by sliding-window layers
+    sliding_layers: int | None = None  # how many layers use the window; None = all
     tp: int = 1
     pp: int = 1
-    recurrent_layers: int = 0           # hybrid models' Mamba / linear-attention layers (beside `layers`)
-    state_bytes: int = 0                # the fixed state one recurrent layer keeps per request
+    recurrent_layers: int = 0  # hybrid models' Mamba / linear-attention layers (beside `layers`)
+    state_bytes: int = 0  # the fixed state one recurrent layer keeps per request
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim", "tp", "pp"):
@@ -108,13 +109,19 @@ class KVGeometry:
             raise ConfigError("recurrent_layers and state_bytes go together (a fixed state per layer)")
 
     @classmethod
-    def mla(cls, layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: DType,
-            **kwargs: Any) -> KVGeometry:
+    def mla(cls, layers: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype: DType, **kwargs: Any) -> KVGeometry:
         """An MLA geometry: one (latent + rope) vector per layer per token."""
         _require_int("kv_lora_rank", kv_lora_rank)
         _require_int("qk_rope_head_dim", qk_rope_head_dim, 0)
-        return cls(layers, 1, kv_lora_rank + qk_rope_head_dim, dtype, kv_lora_rank=kv_lora_rank,
-                   qk_rope_head_dim=qk_rope_head_dim, **kwargs)
+        return cls(
+            layers,
+            1,
+            kv_lora_rank + qk_rope_head_dim,
+            dtype,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            **kwargs,
+        )
 
     def _check_q_heads(self) -> None:
         if self.q_heads is None:
@@ -130,8 +137,10 @@ class KVGeometry:
             raise ConfigError("qk_rope_head_dim needs kv_lora_rank (the MLA latent dim)")
         want = self.kv_lora_rank + self.qk_rope_head_dim
         if self.is_mla and (self.kv_heads != 1 or self.head_dim != want):
-            raise ConfigError(f"MLA caches one latent+rope vector per layer: expected kv_heads=1 and "
-                              f"head_dim={want}, got kv_heads={self.kv_heads} head_dim={self.head_dim}")
+            raise ConfigError(
+                f"MLA caches one latent+rope vector per layer: expected kv_heads=1 and "
+                f"head_dim={want}, got kv_heads={self.kv_heads} head_dim={self.head_dim}"
+            )
 
     def _check_window(self) -> None:
         if self.sliding_window is None:
@@ -182,10 +191,15 @@ class KVGeometry:
         return self.layers if self.sliding_layers is None else self.sliding_layers
 
     def to_dict(self) -> dict[str, Any]:
-        return {"attention": self.kind.value, **{f.name: getattr(self, f.name) for f in fields(self)},
-                "dtype": self.dtype.value, "sliding_layers": self.window_layers,
-                "heads_per_rank": self.heads_per_rank, "tp_replicated": self.tp_replicated,
-                "layers_per_stage": self.layers_per_stage}
+        return {
+            "attention": self.kind.value,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+            "dtype": self.dtype.value,
+            "sliding_layers": self.window_layers,
+            "heads_per_rank": self.heads_per_rank,
+            "tp_replicated": self.tp_replicated,
+            "layers_per_stage": self.layers_per_stage,
+        }
 
 
 def _layer_token_bytes(g: KVGeometry, per_rank: bool) -> int:
@@ -198,7 +212,7 @@ def _layer_split(g: KVGeometry, per_rank: bool) -> tuple[int, int]:
     full, sliding = g.layers - g.window_layers, g.window_layers
     if not per_rank:
         return full, sliding
-    full_in_stage = min(g.layers_per_stage, full)   # worst case: full layers first
+    full_in_stage = min(g.layers_per_stage, full)  # worst case: full layers first
     return full_in_stage, g.layers_per_stage - full_in_stage
 
 
@@ -218,8 +232,7 @@ def round_up_tokens(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) * block_size
 
 
-def bytes_per_request(g: KVGeometry, tokens: int, *, per_rank: bool = False,
-                      block_size: int | None = None) -> int:
+def bytes_per_request(g: KVGeometry, tokens: int, *, per_rank: bool = False, block_size: int | None = None) -> int:
     """KV bytes retained by one request of ``tokens`` tokens; page-rounded if block_size
     given.  Full-attention layers keep every token, sliding-window layers at most their
     window, recurrent layers a fixed state whatever the length."""
@@ -243,12 +256,13 @@ def state_bytes(g: KVGeometry, per_rank: bool = False) -> int:
 
 def validate_chunk_size(chunk_size: int, block_size: int) -> None:
     """A chunk must cover whole pages: a positive multiple of the engine's block size."""
+
     def is_pos(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
     if not (is_pos(block_size) and is_pos(chunk_size) and chunk_size % block_size == 0):
         why = "" if is_pos(block_size) else " (block_size must be a positive integer)"
-        raise ConfigError(f"chunk_size {chunk_size!r} must be a positive multiple of "
-                          f"block_size {block_size!r}{why}")
+        raise ConfigError(f"chunk_size {chunk_size!r} must be a positive multiple of block_size {block_size!r}{why}")
 
 
 def pages_per_chunk(chunk_size: int, block_size: int) -> int:
@@ -283,4 +297,4 @@ def format_bytes(n: int) -> str:
     power = 0
     while power + 1 < len(units) and n >= 1024 ** (power + 1):
         power += 1
-    return f"{n} B" if power == 0 else f"{n / 1024 ** power:.2f} {units[power]}"
+    return f"{n} B" if power == 0 else f"{n / 1024**power:.2f} {units[power]}"

@@ -2,6 +2,7 @@
 per logical copy and on its largest rank, with page rounding and tail waste
 (``plan_capacity`` returning a ``CapacityReport``).  Pure arithmetic over
 ``kvstore.layout``'s geometry; every bad input raises ``ConfigError`` naming the field."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -33,16 +34,13 @@ class Footprint:
         return self.page_rounded_bytes - self.total_bytes
 
     def to_dict(self) -> dict[str, int]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)},
-                "tail_waste_bytes": self.tail_waste_bytes}
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "tail_waste_bytes": self.tail_waste_bytes}
 
 
-def _footprint(g: KVGeometry, tokens: int, requests: int, block_size: int,
-               per_rank: bool) -> Footprint:
+def _footprint(g: KVGeometry, tokens: int, requests: int, block_size: int, per_rank: bool) -> Footprint:
     per_request = bytes_per_request(g, tokens, per_rank=per_rank)
     rounded = bytes_per_request(g, tokens, per_rank=per_rank, block_size=block_size)
-    return Footprint(bytes_per_token(g, per_rank=per_rank), per_request,
-                     per_request * requests, rounded * requests)
+    return Footprint(bytes_per_token(g, per_rank=per_rank), per_request, per_request * requests, rounded * requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,28 +79,41 @@ class CapacityReport:
         return None if self.chunk_size is None else self.per_rank.bytes_per_token * self.chunk_size
 
     def to_dict(self) -> dict[str, Any]:
-        return {"geometry": self.geometry.to_dict(), "tokens": self.tokens,
-                "requests": self.requests, "block_size": self.block_size,
-                "rounded_tokens": self.rounded_tokens,
-                "tail_tokens": self.rounded_tokens - self.tokens,
-                **self.model.to_dict(), "per_rank": self.per_rank.to_dict(),
-                "chunk_size": self.chunk_size, "pages_per_chunk": self.pages_per_chunk,
-                "chunk_bytes": self.chunk_bytes}
+        return {
+            "geometry": self.geometry.to_dict(),
+            "tokens": self.tokens,
+            "requests": self.requests,
+            "block_size": self.block_size,
+            "rounded_tokens": self.rounded_tokens,
+            "tail_tokens": self.rounded_tokens - self.tokens,
+            **self.model.to_dict(),
+            "per_rank": self.per_rank.to_dict(),
+            "chunk_size": self.chunk_size,
+            "pages_per_chunk": self.pages_per_chunk,
+            "chunk_bytes": self.chunk_bytes,
+        }
 
     def format(self) -> str:
         """Human report: exact byte counts with binary units alongside."""
         g = self.geometry
-        lines = [f"geometry      {_describe(g)}",
-                 f"requests      {self.requests} x {self.tokens} tokens, block {self.block_size}"
-                 f" -> {self.rounded_tokens} tokens page-rounded"
-                 f" ({self.rounded_tokens - self.tokens} tail tokens per request)"]
+        lines = [
+            f"geometry      {_describe(g)}",
+            f"requests      {self.requests} x {self.tokens} tokens, block {self.block_size}"
+            f" -> {self.rounded_tokens} tokens page-rounded"
+            f" ({self.rounded_tokens - self.tokens} tail tokens per request)",
+        ]
         lines += _footprint_lines("model (one copy)", self.model)
-        lines += _footprint_lines(f"per rank (tp={g.tp} pp={g.pp}: {g.heads_per_rank} heads"
-                                  f"{' replicated' if g.tp_replicated else ''},"
-                                  f" {g.layers_per_stage} layers)", self.per_rank)
+        lines += _footprint_lines(
+            f"per rank (tp={g.tp} pp={g.pp}: {g.heads_per_rank} heads"
+            f"{' replicated' if g.tp_replicated else ''},"
+            f" {g.layers_per_stage} layers)",
+            self.per_rank,
+        )
         if self.chunk_size is not None:
-            lines.append(f"chunk         {self.chunk_size} tokens = {self.pages_per_chunk} pages,"
-                         f" {_bytes(self.chunk_bytes or 0)} per rank")
+            lines.append(
+                f"chunk         {self.chunk_size} tokens = {self.pages_per_chunk} pages,"
+                f" {_bytes(self.chunk_bytes or 0)} per rank"
+            )
         return "\n".join(lines)
 
 
@@ -111,8 +122,11 @@ def _bytes(n: int) -> str:
 
 
 def _describe(g: KVGeometry) -> str:
-    shape = (f"latent {g.kv_lora_rank} + rope {g.qk_rope_head_dim}" if g.is_mla
-             else f"kv_heads {g.kv_heads} x head_dim {g.head_dim}")
+    shape = (
+        f"latent {g.kv_lora_rank} + rope {g.qk_rope_head_dim}"
+        if g.is_mla
+        else f"kv_heads {g.kv_heads} x head_dim {g.head_dim}"
+    )
     text = f"{g.kind.name}, {g.layers} layers, {shape}, {g.dtype.value}"
     if g.sliding_window is not None:
         text += f", window {g.sliding_window} on {g.window_layers} layers"
@@ -122,21 +136,30 @@ def _describe(g: KVGeometry) -> str:
 
 
 def _footprint_lines(title: str, f: Footprint) -> list[str]:
-    return [title,
-            f"  per token           {_bytes(f.bytes_per_token)}",
-            f"  per request         {_bytes(f.bytes_per_request)}",
-            f"  total               {_bytes(f.total_bytes)}",
-            f"  page-rounded total  {_bytes(f.page_rounded_bytes)}",
-            f"  tail waste          {_bytes(f.tail_waste_bytes)}"]
+    return [
+        title,
+        f"  per token           {_bytes(f.bytes_per_token)}",
+        f"  per request         {_bytes(f.bytes_per_request)}",
+        f"  total               {_bytes(f.total_bytes)}",
+        f"  page-rounded total  {_bytes(f.page_rounded_bytes)}",
+        f"  tail waste          {_bytes(f.tail_waste_bytes)}",
+    ]
 
 
-def plan_capacity(g: KVGeometry, *, tokens: int, requests: int = 1, block_size: int = 16,
-                  chunk_size: int | None = None) -> CapacityReport:
+def plan_capacity(
+    g: KVGeometry, *, tokens: int, requests: int = 1, block_size: int = 16, chunk_size: int | None = None
+) -> CapacityReport:
     """KV capacity of ``requests`` unshared requests holding ``tokens`` tokens each."""
     for name, value in (("tokens", tokens), ("requests", requests), ("block_size", block_size)):
         _require_int(name, value)
     if chunk_size is not None:
         validate_chunk_size(chunk_size, block_size)
-    return CapacityReport(g, tokens, requests, block_size,
-                          _footprint(g, tokens, requests, block_size, per_rank=False),
-                          _footprint(g, tokens, requests, block_size, per_rank=True), chunk_size)
+    return CapacityReport(
+        g,
+        tokens,
+        requests,
+        block_size,
+        _footprint(g, tokens, requests, block_size, per_rank=False),
+        _footprint(g, tokens, requests, block_size, per_rank=True),
+        chunk_size,
+    )

@@ -31,6 +31,7 @@
 * Tokens are kept only as sha256 digests, so a lookup never compares secrets byte by byte
   and a memory dump does not reveal them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,9 +53,9 @@ log = logging.getLogger("kvstore.server")
 
 
 class Permission(Enum):
-    READ = "read"    # Lookup, Get, GetStream, Stats
+    READ = "read"  # Lookup, Get, GetStream, Stats
     WRITE = "write"  # PutStart, PutCommit, PutStream, Delete
-    SHM = "shm"      # the shared-memory data plane: segment offsets (Get, PutStart)
+    SHM = "shm"  # the shared-memory data plane: segment offsets (Get, PutStart)
     ADMIN = "admin"  # Stats of every tenant (without it: the caller's tenant only)
 
 
@@ -78,8 +79,7 @@ class Principal:
     def require(self, *needed: Permission) -> None:
         missing = [p.value for p in needed if p not in self.permissions]
         if missing:
-            raise PermissionDeniedError(
-                f"tenant {self.tenant!r}: token lacks permission {', '.join(missing)}")
+            raise PermissionDeniedError(f"tenant {self.tenant!r}: token lacks permission {', '.join(missing)}")
 
     @property
     def permission_names(self) -> list[str]:
@@ -138,11 +138,12 @@ class TokenTable:
         return cls.from_document(doc, str(path))
 
     @classmethod
-    def from_document(cls, doc: object, where: str = "auth tokens",
-                      env: Mapping[str, str] | None = None) -> TokenTable:
+    def from_document(cls, doc: object, where: str = "auth tokens", env: Mapping[str, str] | None = None) -> TokenTable:
         if not isinstance(doc, dict) or "tokens" not in doc or set(doc) - {"tokens", "tenants"}:
-            raise ConfigError(f"{where}: expected a mapping with 'tokens' (and optionally 'tenants') "
-                              f"(tokens: [{{token, tenant, permissions}}, ...])")
+            raise ConfigError(
+                f"{where}: expected a mapping with 'tokens' (and optionally 'tenants') "
+                f"(tokens: [{{token, tenant, permissions}}, ...])"
+            )
         entries = doc["tokens"]
         if not isinstance(entries, list) or not entries:
             raise ConfigError(f"{where}: 'tokens' must be a non-empty list")
@@ -151,8 +152,10 @@ class TokenTable:
         for i, entry in enumerate(entries):
             digest, principal = _parse_entry(entry, f"{where}: tokens[{i}]", os.environ if env is None else env)
             if digest in table:
-                raise ConfigError(f"{where}: tokens[{i}] repeats the token of "
-                                  f"tokens[{first_seen[digest]}] (each token must be unique)")
+                raise ConfigError(
+                    f"{where}: tokens[{i}] repeats the token of "
+                    f"tokens[{first_seen[digest]}] (each token must be unique)"
+                )
             table[digest] = principal
             first_seen[digest] = i
         tenants = {p.tenant for p in table.values()}
@@ -178,8 +181,9 @@ def _entry_digest(entry: dict, where: str, env: Mapping[str, str]) -> bytes:
     """The sha256 of the entry's token, from whichever one source it names."""
     given = [k for k in _SOURCES if k in entry]
     if len(given) != 1:
-        raise ConfigError(f"{where}: give the token exactly one way ({', '.join(_SOURCES)}); got "
-                          f"{', '.join(given) or 'none'}")
+        raise ConfigError(
+            f"{where}: give the token exactly one way ({', '.join(_SOURCES)}); got {', '.join(given) or 'none'}"
+        )
     source, value = given[0], entry[given[0]]
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where}: {source!r} must be a non-empty string")
@@ -192,9 +196,12 @@ def _entry_digest(entry: dict, where: str, env: Mapping[str, str]) -> bytes:
             raise ConfigError(f"{where}: 'sha256' must be 64 hex digits (the token's sha256)")
         return raw
     if source == "token":
-        log.warning("%s: an inline token: whoever reads this file (or the store's /proc/PID/cmdline, which names "
-                    "it) can use it; give only its digest instead (sha256: <hex of sha256(token)>; "
-                    "`kvstore tokens` writes such a file and each token to a 0600 file of its own)", where)
+        log.warning(
+            "%s: an inline token: whoever reads this file (or the store's /proc/PID/cmdline, which names "
+            "it) can use it; give only its digest instead (sha256: <hex of sha256(token)>; "
+            "`kvstore tokens` writes such a file and each token to a 0600 file of its own)",
+            where,
+        )
     token = _token_from(source, value, where, env)
     if any(c.isspace() for c in token) or not token.isprintable():
         raise ConfigError(f"{where}: the token must not contain spaces or control characters")
@@ -274,5 +281,15 @@ class Authenticator:
         return principal
 
 
-__all__ = ["ALL_PERMISSIONS", "ANONYMOUS", "Authenticator", "DEFAULT_TENANT", "Permission",
-           "PermissionDeniedError", "Principal", "TokenTable", "UnauthenticatedError", "bearer_token"]
+__all__ = [
+    "ALL_PERMISSIONS",
+    "ANONYMOUS",
+    "Authenticator",
+    "DEFAULT_TENANT",
+    "Permission",
+    "PermissionDeniedError",
+    "Principal",
+    "TokenTable",
+    "UnauthenticatedError",
+    "bearer_token",
+]

@@ -24,6 +24,7 @@ the connection goes on; bytes that are not the protocol, a put larger than
 ``max_object_bytes``, or a transport failure end the connection (a get cut short never
 looks like a complete object to the client: it knows the length and checks the checksum).
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,12 +77,21 @@ class Slots(Protocol):
 class DataConnection:
     """One accepted connection (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, ops: DataOps, bridge: Bridge, *, tls: ssl.SSLContext | None,
-                 cfg: ServerConfig, slots: Slots | None = None, peer: object = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        ops: DataOps,
+        bridge: Bridge,
+        *,
+        tls: ssl.SSLContext | None,
+        cfg: ServerConfig,
+        slots: Slots | None = None,
+        peer: object = None,
+    ) -> None:
         self.sock = sock
         self.slots, self.peer = slots, peer
-        self._preauth = slots is not None      # holds its peer's pre-authentication slot
-        self._counted = False                  # holds one of the global slots
+        self._preauth = slots is not None  # holds its peer's pre-authentication slot
+        self._counted = False  # holds one of the global slots
         self.ops, self.bridge = ops, bridge
         self.tls = tls
         self.cfg = cfg
@@ -185,7 +195,7 @@ class DataConnection:
                 return False
             self.busy = True
         try:
-            self._deadline = Deadline(self.cfg.stream_grace)   # until the size is known
+            self._deadline = Deadline(self.cfg.stream_grace)  # until the size is known
             head = wire.decode_request(first + self._recv(wire.REQUEST.size - 1))
             raw_key = self._recv(head.key_len)
             if head.op is wire.Op.GET:
@@ -251,7 +261,7 @@ class DataConnection:
             buf = pending.handle.buffer
             if buf is None:  # the host tier hands out its slot
                 raise LookupError(f"reservation of {pending.key!r} without its slot")
-            self._recv_into(buf[:pending.handle.size])
+            self._recv_into(buf[: pending.handle.size])
             ok = True
         finally:
             if not ok:
@@ -290,7 +300,7 @@ class DataConnection:
     def _drain(self, n: int) -> None:
         while n > 0:
             self.sock.settimeout(self._deadline.left())
-            got = self.sock.recv_into(self._sink[:min(n, _SINK)])
+            got = self.sock.recv_into(self._sink[: min(n, _SINK)])
             if got == 0:
                 raise Closed("the client closed the data connection mid-request")
             n -= got

@@ -19,6 +19,7 @@ deadline of its own while the loop runs, so an answer (a buffer reference, a res
 is never abandoned on the loop; ``soon`` schedules a plain call (a release, an abort) and
 never blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -112,8 +113,9 @@ class DataOps:
         self.store.tenants.take(who.tenant, "streams")
         result = None
         try:
-            result = await self.store.puts.reserve(who.tenant, client_key, key, size,
-                                                   self.scope.parent_of(key, parent), streamed=True)
+            result = await self.store.puts.reserve(
+                who.tenant, client_key, key, size, self.scope.parent_of(key, parent), streamed=True
+            )
         finally:
             if not isinstance(result, PendingPut):
                 self.store.tenants.give(who.tenant, "streams")

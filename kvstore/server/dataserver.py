@@ -25,6 +25,7 @@ seconds, cut the rest (their buffer references and reservations are given back b
 threads' ``finally`` blocks, on the loop, which still runs), and join the threads.  It runs
 before the store closes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -81,7 +82,7 @@ class DataServer:
         # _lock guards _conns (connection threads remove themselves on exit).
         self._lock = threading.Lock()
         self._conns: dict[DataConnection, threading.Thread] = {}
-        self._authenticated = 0   # connections holding a global slot (guarded by _lock)
+        self._authenticated = 0  # connections holding a global slot (guarded by _lock)
         self.preauth = PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated)
 
     @property

@@ -38,6 +38,7 @@ The thread owns every socket (ZMQ sockets are not thread-safe): it takes the rec
 events every ``interval`` seconds, publishes one batch per stream that has any, and answers
 replay requests meanwhile.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,16 +67,16 @@ class StreamSpec:
     endpoint: str
     replay: str | None = None
     topic: str = ""
-    uid: int | None = None      # whose the ipc sockets and their directory are (see the docstring)
+    uid: int | None = None  # whose the ipc sockets and their directory are (see the docstring)
     gid: int | None = None
-    private_dir: bool = False   # {tenant} named the sockets' directory: made 0700 before the bind
+    private_dir: bool = False  # {tenant} named the sockets' directory: made 0700 before the bind
 
 
 @dataclass
 class _Stream:
     spec: StreamSpec
-    pub: Any                    # a zmq.Socket (pyzmq is imported lazily, and mypy does not follow it)
-    replay: Any | None          # likewise, when the stream has a replay socket
+    pub: Any  # a zmq.Socket (pyzmq is imported lazily, and mypy does not follow it)
+    replay: Any | None  # likewise, when the stream has a replay socket
     topic: bytes
     buffer: deque = field(default_factory=deque)
     buffered_bytes: int = 0
@@ -87,35 +88,58 @@ def _tenant_dir(endpoint: str | None) -> bool:
     return endpoint is not None and endpoint.startswith("ipc://") and "{tenant}" in os.path.dirname(endpoint[6:])
 
 
-def stream_specs(endpoint: str, replay: str | None, topic: str, tenants: list[str],
-                 owners: dict[str, tuple[int | None, int | None]] | None = None) -> dict[str, StreamSpec]:
+def stream_specs(
+    endpoint: str,
+    replay: str | None,
+    topic: str,
+    tenants: list[str],
+    owners: dict[str, tuple[int | None, int | None]] | None = None,
+) -> dict[str, StreamSpec]:
     """Each tenant's stream: ``{tenant}`` replaced in the endpoints and the topic.  Several
     tenants on one endpoint are refused (each would see the others' hashes and tokens).
     ``owners``: tenant → (uid, gid) of its sockets, from the tokens file."""
     owners = owners or {}
     for tenant, (uid, gid) in owners.items():
         if (uid is not None or gid is not None) and not all(_tenant_dir(e) for e in (endpoint, replay) if e):
-            raise ConfigError(f"tenant {tenant!r} has a uid/gid for its KV event sockets: kv_events (and "
-                              f"kv_events_replay) must be ipc:// endpoints with {{tenant}} in a directory, "
-                              f"e.g. ipc:///run/kvstore/events/{{tenant}}/pub")
+            raise ConfigError(
+                f"tenant {tenant!r} has a uid/gid for its KV event sockets: kv_events (and "
+                f"kv_events_replay) must be ipc:// endpoints with {{tenant}} in a directory, "
+                f"e.g. ipc:///run/kvstore/events/{{tenant}}/pub"
+            )
     if len(tenants) > 1 and "{tenant}" not in endpoint:
-        raise ConfigError(f"kv_events {endpoint}: {len(tenants)} tenants need '{{tenant}}' in the endpoint "
-                          f"(one stream each: a shared one would show every tenant the others' hashes "
-                          f"and tokens)")
+        raise ConfigError(
+            f"kv_events {endpoint}: {len(tenants)} tenants need '{{tenant}}' in the endpoint "
+            f"(one stream each: a shared one would show every tenant the others' hashes "
+            f"and tokens)"
+        )
     if len(tenants) > 1 and replay and "{tenant}" not in replay:
         raise ConfigError(f"kv_events_replay {replay}: {len(tenants)} tenants need '{{tenant}}' in it")
-    return {t: StreamSpec(endpoint.replace("{tenant}", t), replay.replace("{tenant}", t) if replay else None,
-                          topic.replace("{tenant}", t), *owners.get(t, (None, None)),
-                          private_dir=_tenant_dir(endpoint))
-            for t in tenants}
+    return {
+        t: StreamSpec(
+            endpoint.replace("{tenant}", t),
+            replay.replace("{tenant}", t) if replay else None,
+            topic.replace("{tenant}", t),
+            *owners.get(t, (None, None)),
+            private_dir=_tenant_dir(endpoint),
+        )
+        for t in tenants
+    }
 
 
 class EventPublisher:
     """Publishes a recorder's events on one stream per tenant (see the module docstring)."""
 
-    def __init__(self, recorder: EventRecorder, streams: dict[str, StreamSpec], *, buffer: int = 10_000,
-                 buffer_bytes: int = 64 << 20, interval: float = 0.02, epoch: int | None = None,
-                 layout: EventLayout = EventLayout.MAP) -> None:
+    def __init__(
+        self,
+        recorder: EventRecorder,
+        streams: dict[str, StreamSpec],
+        *,
+        buffer: int = 10_000,
+        buffer_bytes: int = 64 << 20,
+        interval: float = 0.02,
+        epoch: int | None = None,
+        layout: EventLayout = EventLayout.MAP,
+    ) -> None:
         import zmq  # lazily: only a store with --kv-events needs pyzmq
 
         self._zmq = zmq
@@ -136,9 +160,10 @@ class EventPublisher:
             raise
         # Tenant → (bound endpoint, replay endpoint): a ``tcp://…:0`` endpoint shows its port.
         last = zmq.LAST_ENDPOINT
-        self.endpoints = {t: (s.pub.getsockopt_string(last),
-                              s.replay.getsockopt_string(last) if s.replay is not None else None)
-                          for t, s in self._streams.items()}
+        self.endpoints = {
+            t: (s.pub.getsockopt_string(last), s.replay.getsockopt_string(last) if s.replay is not None else None)
+            for t, s in self._streams.items()
+        }
 
     def _open(self, spec: StreamSpec) -> _Stream:
         zmq = self._zmq
@@ -152,7 +177,6 @@ class EventPublisher:
             stream.replay.setsockopt(zmq.LINGER, 0)
             _bind(stream.replay, spec.replay, spec)
         return stream
-
 
     def start(self) -> None:
         """Begin the epoch (``AllBlocksCleared`` first on every stream) and the thread."""
@@ -245,10 +269,11 @@ def _private_dir(path: str, spec: StreamSpec) -> None:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"KV event directory {path} is not a plain directory (a symlink?): refused")
     if st.st_uid not in (os.geteuid(), spec.uid):
-        raise ConfigError(f"KV event directory {path} belongs to uid {st.st_uid}, neither the store's nor "
-                          f"its tenant's: refused")
+        raise ConfigError(
+            f"KV event directory {path} belongs to uid {st.st_uid}, neither the store's nor its tenant's: refused"
+        )
     if st.st_uid == os.geteuid():
-        os.chmod(path, 0o700)   # closed while the sockets are made; opened to the tenant after
+        os.chmod(path, 0o700)  # closed while the sockets are made; opened to the tenant after
 
 
 def _give(path: str, spec: StreamSpec, directory: bool) -> None:
@@ -256,25 +281,28 @@ def _give(path: str, spec: StreamSpec, directory: bool) -> None:
     mode = (0o700 if directory else 0o600) | (0o010 if directory else 0o060) * (spec.gid is not None)
     try:
         if spec.uid is not None or spec.gid is not None:
-            os.chown(path, -1 if spec.uid is None else spec.uid, -1 if spec.gid is None else spec.gid,
-                     follow_symlinks=False)
+            os.chown(
+                path, -1 if spec.uid is None else spec.uid, -1 if spec.gid is None else spec.gid, follow_symlinks=False
+            )
         os.chmod(path, mode)
     except OSError as err:
-        raise ConfigError(f"KV event socket {path}: cannot give it to uid {spec.uid}, gid {spec.gid}: "
-                          f"{err.strerror or err} (chowning to another uid needs the store to run as root "
-                          f"or as that uid; a group, to be a member of it)") from err
+        raise ConfigError(
+            f"KV event socket {path}: cannot give it to uid {spec.uid}, gid {spec.gid}: "
+            f"{err.strerror or err} (chowning to another uid needs the store to run as root "
+            f"or as that uid; a group, to be a member of it)"
+        ) from err
 
 
 def _bind(sock, endpoint: str, spec: StreamSpec | None = None) -> None:
     ipc = endpoint.startswith("ipc://")
     if ipc and spec is not None and spec.private_dir:
-        _private_dir(os.path.dirname(endpoint[len("ipc://"):]), spec)
+        _private_dir(os.path.dirname(endpoint[len("ipc://") :]), spec)
     try:
         sock.bind(endpoint)
     except Exception as err:  # zmq.ZMQError: address in use, bad endpoint
         raise ConfigError(f"cannot publish KV events on {endpoint}: {err}") from err
     if ipc:
-        path = endpoint[len("ipc://"):]
+        path = endpoint[len("ipc://") :]
         if spec is None:
             os.chmod(path, 0o600)  # this uid only, as the shm socket
             return
@@ -290,8 +318,13 @@ def start_publisher(cfg: ServerConfig, recorder: EventRecorder, tenants: Tenants
         raise ConfigError("kv_events: no endpoint to publish KV events on")
     owners = {t: (lim.uid, lim.gid) for t, lim in tenants.limits.items()}
     specs = stream_specs(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic, tenants.names, owners)
-    publisher = EventPublisher(recorder, specs, buffer=cfg.kv_events_buffer, buffer_bytes=cfg.kv_events_buffer_bytes,
-                               layout=cfg.kv_events_encoding)
+    publisher = EventPublisher(
+        recorder,
+        specs,
+        buffer=cfg.kv_events_buffer,
+        buffer_bytes=cfg.kv_events_buffer_bytes,
+        layout=cfg.kv_events_encoding,
+    )
     publisher.start()
     return publisher
 

@@ -23,6 +23,7 @@ acts on what they return.  Both are used from the server's one event loop only (
   lasts, even if the object is deleted), and hands the reaper the leases nobody released:
   ``forget`` and ``sweep`` return the pinned keys, and the store drops those references.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -40,10 +41,10 @@ class PendingPut:
 
     put_id: int
     tenant: str
-    client_key: ObjectKey      # the key the client put in its header
-    key: ObjectKey             # the tenant-scoped key it is published under
+    client_key: ObjectKey  # the key the client put in its header
+    key: ObjectKey  # the tenant-scoped key it is published under
     handle: PutHandle
-    expires_at: float | None   # None: owned by a PutStream handler, never reaped
+    expires_at: float | None  # None: owned by a PutStream handler, never reaped
     session: int | None = None  # the shared-memory session whose mapping may write the slot
 
     def expired(self, now: float) -> bool:
@@ -55,7 +56,7 @@ class PutTable:
 
     def __init__(self) -> None:
         self._puts: dict[int, PendingPut] = {}
-        self._fenced: dict[int, PendingPut] = {}   # expired, slot kept until commit or session end
+        self._fenced: dict[int, PendingPut] = {}  # expired, slot kept until commit or session end
 
     def __len__(self) -> int:
         return len(self._puts) + len(self._fenced)
@@ -68,8 +69,15 @@ class PutTable:
         """Reservations of one tenant (live, streamed and fenced)."""
         return sum(p.tenant == tenant for p in (*self._puts.values(), *self._fenced.values()))
 
-    def add(self, tenant: str, client_key: ObjectKey, key: ObjectKey, handle: PutHandle,
-            expires_at: float | None, session: int | None = None) -> PendingPut:
+    def add(
+        self,
+        tenant: str,
+        client_key: ObjectKey,
+        key: ObjectKey,
+        handle: PutHandle,
+        expires_at: float | None,
+        session: int | None = None,
+    ) -> PendingPut:
         put_id = secrets.randbits(63) | 1
         while put_id in self._puts or put_id in self._fenced:
             put_id = secrets.randbits(63) | 1
@@ -139,7 +147,7 @@ class ExpiredPutError(LeaseError):
 class _Held:
     tenant: str
     expires_at: float
-    key: ObjectKey     # the object whose slot this lease pins
+    key: ObjectKey  # the object whose slot this lease pins
 
 
 class LeaseBook:

@@ -8,6 +8,7 @@ put_stream, promote, write_through...), lanes of spans (concurrent calls overlap
 goes to the first lane where it overlaps nothing), and per tier a track of instants: each
 object stored, and each removed with the reason.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,12 +38,20 @@ class TierTrace:
         self.tracer = tracer
 
     def stored(self, tier: str, key) -> None:
-        self.tracer.instant(self.tracer.track(f"tier {tier}", 10_000), "stored", time.monotonic(),
-                            {"hash": f"{wire_hash(key.chunk_hash):016x}"})
+        self.tracer.instant(
+            self.tracer.track(f"tier {tier}", 10_000),
+            "stored",
+            time.monotonic(),
+            {"hash": f"{wire_hash(key.chunk_hash):016x}"},
+        )
 
     def removed(self, tier: str, key, reason) -> None:
-        self.tracer.instant(self.tracer.track(f"tier {tier}", 10_000), reason.value, time.monotonic(),
-                            {"hash": f"{wire_hash(key.chunk_hash):016x}"})
+        self.tracer.instant(
+            self.tracer.track(f"tier {tier}", 10_000),
+            reason.value,
+            time.monotonic(),
+            {"hash": f"{wire_hash(key.chunk_hash):016x}"},
+        )
 
 
 def trace_tiers(tracer: Tracer, store: ServerStore) -> None:

@@ -12,6 +12,7 @@ A peer is what the caller can tell apart: the source address of a TCP connection
 (uid, pid) of a Unix one (``SO_PEERCRED``: the gate serves only its own uid, so the uid alone
 would put every local client in one bucket).
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,8 +36,7 @@ class PreAuth:
     def enter(self, peer: Hashable) -> str | None:
         """Take a slot for ``peer``; None when taken, else the reason it was refused (counted)."""
         with self._lock:
-            reason = ("total" if self._sum >= self.total else
-                      "per_peer" if self._held[peer] >= self.per_peer else None)
+            reason = "total" if self._sum >= self.total else "per_peer" if self._held[peer] >= self.per_peer else None
             if reason is not None:
                 self.refusals[reason] += 1
                 return reason

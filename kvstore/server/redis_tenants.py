@@ -15,6 +15,7 @@ tenant's connection: a bug in the store cannot write under another tenant's pref
 (Redis refuses: NOPERM).  A key of no configured tenant is a miss and is never stored.
 A put refused by the tenant's budget counts ``redis_bytes`` in the tenant's refusals.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,10 @@ def tenant_configs(url: str, budgets: Mapping[str, int | None]) -> dict[str, Red
         out[tenant] = RedisConfig.from_url(url.replace(TENANT, tenant), **options)
     prefixes = {cfg.key_prefix for cfg in out.values()}
     if len(prefixes) != len(out):
-        raise ConfigError("--redis names {tenant} but its key_prefix does not: every tenant needs its own "
-                          "prefix (e.g. key_prefix=kvstore:{tenant}:)")
+        raise ConfigError(
+            "--redis names {tenant} but its key_prefix does not: every tenant needs its own "
+            "prefix (e.g. key_prefix=kvstore:{tenant}:)"
+        )
     return out
 
 
@@ -63,8 +66,10 @@ def redis_specs(url: str | None, limits: Mapping[str, Any]) -> list[tuple[str | 
         return []
     asked = sorted(n for n, lim in limits.items() if lim.redis_bytes is not None)
     if asked:
-        raise ConfigError(f"tenants {', '.join(asked)} have redis_bytes but --redis does not name "
-                          "{tenant} (one key prefix and budget per tenant; docs/redis-tenants.md)")
+        raise ConfigError(
+            f"tenants {', '.join(asked)} have redis_bytes but --redis does not name "
+            "{tenant} (one key prefix and budget per tenant; docs/redis-tenants.md)"
+        )
     return [(url, {})]
 
 
@@ -89,8 +94,12 @@ async def open_tenant_redis(url: str | None, tenants: Any) -> list[Tier]:
 
 def tenant_evictions(lower: Sequence[Tier]) -> dict[tuple[str, str], int]:
     """(tenant, tier) -> objects evicted within the tenant's own budget (``/metrics``)."""
-    return {(tenant, tier.name): tier.stats().evictions for t in lower if isinstance(t, TenantRedis)
-            for tenant, tier in t.tiers.items()}
+    return {
+        (tenant, tier.name): tier.stats().evictions
+        for t in lower
+        if isinstance(t, TenantRedis)
+        for tenant, tier in t.tiers.items()
+    }
 
 
 class TenantRedis(TierBase):
@@ -98,8 +107,12 @@ class TenantRedis(TierBase):
 
     name = "redis"
 
-    def __init__(self, tiers: Mapping[str, RedisTier], tenant_of: Callable[[bytes], str | None],
-                 refuse: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        tiers: Mapping[str, RedisTier],
+        tenant_of: Callable[[bytes], str | None],
+        refuse: Callable[[str, str], None],
+    ) -> None:
         self.tiers = dict(tiers)
         self._tenant_of = tenant_of
         self._refuse = refuse
@@ -178,9 +191,16 @@ class TenantRedis(TierBase):
         if tier is None:
             return {}
         s = tier.stats()
-        return {"capacity_bytes": tier.cfg.budget_bytes, "hits": s.hits, "misses": s.misses, "puts": s.puts,
-                "put_failures": s.put_failures, "evictions": s.evictions,
-                "budget_refused": s.extra.get("budget_refused", 0), "key_prefix": tier.cfg.key_prefix}
+        return {
+            "capacity_bytes": tier.cfg.budget_bytes,
+            "hits": s.hits,
+            "misses": s.misses,
+            "puts": s.puts,
+            "put_failures": s.put_failures,
+            "evictions": s.evictions,
+            "budget_refused": s.extra.get("budget_refused", 0),
+            "key_prefix": tier.cfg.key_prefix,
+        }
 
     async def aclose(self) -> None:
         for tier in self.tiers.values():
@@ -188,8 +208,11 @@ class TenantRedis(TierBase):
 
 
 def _add(a: TierStats, b: TierStats) -> TierStats:
-    numbers = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(TierStats)
-               if f.name not in ("name", "extra")}
+    numbers = {
+        f.name: getattr(a, f.name) + getattr(b, f.name)
+        for f in dataclasses.fields(TierStats)
+        if f.name not in ("name", "extra")
+    }
     extra = dict(a.extra)
     for k, v in b.extra.items():
         extra[k] = extra.get(k, 0) + v
@@ -201,5 +224,12 @@ def budgets_of(limits: Mapping[str, Any]) -> dict[str, int | None]:
     return {name: lim.redis_bytes for name, lim in limits.items()}
 
 
-__all__ = ["TENANT", "TenantRedis", "budgets_of", "open_tenant_redis", "redis_specs", "tenant_configs",
-           "tenant_evictions"]
+__all__ = [
+    "TENANT",
+    "TenantRedis",
+    "budgets_of",
+    "open_tenant_redis",
+    "redis_specs",
+    "tenant_configs",
+    "tenant_evictions",
+]

@@ -21,6 +21,7 @@ Server side, one event loop.  Keys arriving here are already tenant-scoped by th
   failures (disk full, Redis down) are counted per tier and never fail the put: the object
   is in host memory.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,14 @@ _VERIFY_INLINE = 1 << 20  # smaller objects are hashed on the loop (a thread hop
 class PutPath:
     """Puts into the host pool of the store process (see the module docstring)."""
 
-    def __init__(self, core: TieredStore, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        core: TieredStore,
+        cfg: ServerConfig,
+        metrics: ServerMetrics,
+        tenants: Tenants,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.core, self.host = core, core.host
         self.cfg, self.metrics = cfg, metrics
         self.tenants = tenants
@@ -61,9 +68,16 @@ class PutPath:
         if size > self.cfg.max_object_bytes:
             raise CapacityError(f"object size {size} exceeds max_object_bytes {self.cfg.max_object_bytes}")
 
-    async def reserve(self, tenant: str, client_key: ObjectKey, key: ObjectKey, size: int,
-                      parent: ObjectKey | None, streamed: bool, session: int | None = None
-                      ) -> PutResult | PendingPut:
+    async def reserve(
+        self,
+        tenant: str,
+        client_key: ObjectKey,
+        key: ObjectKey,
+        size: int,
+        parent: ObjectKey | None,
+        streamed: bool,
+        session: int | None = None,
+    ) -> PutResult | PendingPut:
         """A final outcome (EXISTS, NO_ROOM) or a reservation to fill and then finish."""
         self.check_size(size)
         if await self.core.contains(key):
@@ -75,7 +89,7 @@ class PutPath:
         except BaseException as err:
             self._give(tenant, streamed)
             if isinstance(err, CapacityError):
-                self.tenants.refuse(tenant, "host_bytes")          # larger than the tenant's pool
+                self.tenants.refuse(tenant, "host_bytes")  # larger than the tenant's pool
             raise
         if handle is None:
             self._give(tenant, streamed)
@@ -123,7 +137,7 @@ class PutPath:
                     raise LookupError(f"reservation of {pending.key!r} without its slot")
                 await _verify(buf, pending.client_key, handle.size)
                 codec.rekey(buf, pending.key)
-                await _off_loop(handle.size, self.core.seal, pending.key, buf[:handle.size])
+                await _off_loop(handle.size, self.core.seal, pending.key, buf[: handle.size])
             except BaseException as err:
                 self.host.put_commit_sync(handle, False)
                 if isinstance(err, ObjectFormatError):

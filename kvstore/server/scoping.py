@@ -6,6 +6,7 @@ client's (namespace N, hash H, tag T) is stored as ``ObjectKey(N.scoped(tenant),
 no client can address another tenant's objects.  Bad parts raise ``ConfigError`` naming the
 field (INVALID_ARGUMENT on either channel).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,8 +42,8 @@ class Scoper:
     docstring)."""
 
     def __init__(self) -> None:
-        self._scoped: dict[tuple[str, bytes], Namespace] = {}   # (tenant, namespace) -> scoped
-        self._tags: set[str] = set()                            # tags known to be valid
+        self._scoped: dict[tuple[str, bytes], Namespace] = {}  # (tenant, namespace) -> scoped
+        self._tags: set[str] = set()  # tags known to be valid
 
     def namespace(self, who: Principal, raw: bytes) -> Namespace:
         """The tenant-scoped namespace (a sha256: remembered for the last few thousand)."""
@@ -83,10 +84,10 @@ class Scoper:
     def keys_of(self, who: Principal, raw: bytes) -> tuple[ObjectKey, ObjectKey]:
         """``keys`` of a client's whole ``ObjectKey`` bytes (the data channel's form)."""
         try:
-            tag = raw[2 * DIGEST_SIZE:].decode("ascii")
+            tag = raw[2 * DIGEST_SIZE :].decode("ascii")
         except UnicodeDecodeError as err:
             raise ConfigError("tag must be printable ASCII") from err
-        return self.keys(who, raw[:DIGEST_SIZE], raw[DIGEST_SIZE:2 * DIGEST_SIZE], tag)
+        return self.keys(who, raw[:DIGEST_SIZE], raw[DIGEST_SIZE : 2 * DIGEST_SIZE], tag)
 
     def parent_of(self, key: ObjectKey, raw: bytes) -> ObjectKey | None:
         """The scoped parent key of a put whose request named ``raw`` (b"": none)."""

@@ -29,6 +29,7 @@ connection is closed at once, counted); only an accepted hello takes one of the
 listener and ends every session.  ``session_of`` tells ``PutStart`` whether a session id is
 a live one of the caller's tenant.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,10 +74,19 @@ class Session:
 class ShmGate:
     """The Unix socket and the sessions it opened (see the module docstring)."""
 
-    def __init__(self, host: HostTier, auth: Authenticator, tickets: TicketBook, tenants: Tenants,
-                 on_end: Callable[[int], object], path: Path | None = None, *,
-                 hello_timeout: float = HANDSHAKE_S, preauth: PreAuth | None = None,
-                 on_refused: Callable[[str], object] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        host: HostTier,
+        auth: Authenticator,
+        tickets: TicketBook,
+        tenants: Tenants,
+        on_end: Callable[[int], object],
+        path: Path | None = None,
+        *,
+        hello_timeout: float = HANDSHAKE_S,
+        preauth: PreAuth | None = None,
+        on_refused: Callable[[str], object] = lambda reason: None,
+    ) -> None:
         self.host, self.auth, self.tickets, self.tenants = host, auth, tickets, tenants
         self.on_end = on_end
         self.hello_timeout = hello_timeout
@@ -188,12 +198,15 @@ class ShmGate:
             return
         if named == (None, None):
             if uid != os.getuid():
-                raise PeerRefusedError(f"uid {uid} may not map tenant {tenant!r}'s memory "
-                                            f"(only uid {os.getuid()}: the tenant names no uid/gid)")
+                raise PeerRefusedError(
+                    f"uid {uid} may not map tenant {tenant!r}'s memory "
+                    f"(only uid {os.getuid()}: the tenant names no uid/gid)"
+                )
             return
         if uid != named[0] and (named[1] is None or gid != named[1]):
-            raise PeerRefusedError(f"uid {uid} (gid {gid}) may not map tenant {tenant!r}'s memory "
-                                        f"(only uid {named[0]} / gid {named[1]})")
+            raise PeerRefusedError(
+                f"uid {uid} (gid {gid}) may not map tenant {tenant!r}'s memory (only uid {named[0]} / gid {named[1]})"
+            )
 
     def _tenant_uids(self) -> bool:
         """Whether some tenant names a uid or gid of its own (then other uids must reach the socket)."""
@@ -265,8 +278,9 @@ async def _until_closed(conn: socket.socket) -> None:
 
 
 def _reply_error(conn: socket.socket, err: BaseException) -> None:
-    code, message = status_of(err if not isinstance(err, TimeoutError) else
-                              TimeoutError("no hello within the handshake time"))
+    code, message = status_of(
+        err if not isinstance(err, TimeoutError) else TimeoutError("no hello within the handshake time")
+    )
     try:
         conn.send(wire.encode_reply(code.value[0], message=message))
     except OSError:

@@ -4,6 +4,7 @@ Two shapes: the whole document (``flat_counters``, for a token with ``admin``) a
 tenant's part (``flat_tenant``, what every other token sees: its own pool, SSD partition,
 quotas, holdings and refusals, never another tenant's).
 """
+
 from __future__ import annotations
 
 
@@ -31,8 +32,10 @@ def flat_counters(doc: dict) -> dict[str, float]:
     """Numeric leaves of the stats document as ``dotted.names`` (``leases_held``,
     ``puts_in_flight``, ``host.bytes_used``, ``store.lookup_hits.ssd``, ...)."""
     out: dict[str, float] = {
-        "leases_held": doc["leases"]["held"], "leases_expired": doc["leases"]["expired"],
-        "puts_in_flight": doc["puts_in_flight"], "puts_fenced": doc["puts_fenced"],
+        "leases_held": doc["leases"]["held"],
+        "leases_expired": doc["leases"]["expired"],
+        "puts_in_flight": doc["puts_in_flight"],
+        "puts_fenced": doc["puts_fenced"],
         "data_tickets_refused": doc["data_tickets"]["refused"],
         "write_throughs_in_flight": doc["write_throughs_in_flight"],
     }
@@ -53,7 +56,6 @@ def dumpable() -> bool | None:
         return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").prctl(3, 0, 0, 0, 0))
     except (OSError, AttributeError):
         return None
-
 
 
 __all__ = ["dumpable", "flat_counters", "flat_tenant"]

@@ -10,6 +10,7 @@ process's servicer goes through (server side).  The one table (first match wins)
 The data channel (``kvstore.server.dataconn``) and the shared-memory gate
 (``kvstore.server.shmgate``) answer with the same codes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,12 @@ from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.server.servicer")
 TIER_CODES: dict[str, pb.Tier] = {"host": pb.TIER_HOST, "ssd": pb.TIER_SSD, "redis": pb.TIER_REDIS}
-OUTCOMES = {PutResult.STORED: pb.PUT_OUTCOME_STORED, PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
-            PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM, PutResult.FAILED: pb.PUT_OUTCOME_FAILED}
+OUTCOMES = {
+    PutResult.STORED: pb.PUT_OUTCOME_STORED,
+    PutResult.EXISTS: pb.PUT_OUTCOME_EXISTS,
+    PutResult.NO_ROOM: pb.PUT_OUTCOME_NO_ROOM,
+    PutResult.FAILED: pb.PUT_OUTCOME_FAILED,
+}
 
 # The one table of domain error → status code (first match wins: subclasses first).
 STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -47,9 +52,15 @@ STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 # a status sent while the client still writes reaches grpc.aio clients as "INTERNAL: Internal
 # error from Core" from their next write.  Not for strangers (UNAUTHENTICATED: their bytes
 # are not read) nor when the server is going away (UNAVAILABLE) or out of time.
-DRAIN_FIRST = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
-                          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-                          grpc.StatusCode.FAILED_PRECONDITION})
+DRAIN_FIRST = frozenset(
+    {
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
 
 
 def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -32,6 +32,7 @@ Server side, event loop only (the data channel's threads reach it through the lo
   (``kvstore.keys.tenant_mark``): ``tenant_of(key)`` is the tenant whose pool and SSD
   partition hold it, with no table of namespaces to keep.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -43,8 +44,8 @@ from kvstore.errors import CapacityError, ConfigError
 from kvstore.keys import TENANT_MARK_SIZE, tenant_mark
 
 COUNTED = ("reservations", "leases", "streams", "connections", "tickets")
-_MIN_SHARE = 1 << 20   # the least host pool or SSD partition a tenant may be left with
-_UNIT = 4096           # shares are whole 4 KiB units (the host pool's slot alignment)
+_MIN_SHARE = 1 << 20  # the least host pool or SSD partition a tenant may be left with
+_UNIT = 4096  # shares are whole 4 KiB units (the host pool's slot alignment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class Limits:
 
     host_bytes: int | None = None
     ssd_bytes: int | None = None
-    redis_bytes: int | None = None   # the tenant's Redis budget (kvstore.server.redis_tenants); None: none
+    redis_bytes: int | None = None  # the tenant's Redis budget (kvstore.server.redis_tenants); None: none
     reservations: int = 64
     leases: int = 4096
     streams: int = 32
@@ -61,9 +62,9 @@ class Limits:
     tickets: int = 64
     described_bytes: int = 32 << 20
     described: int = 65536
-    uid: int | None = None    # the tenant's KV event sockets belong to this uid ...
-    gid: int | None = None    # ... and/or this group (kvstore.server.kvpublish)
-    encrypt: bool = False     # encryption at rest on SSD / Redis (kvstore.integrity)
+    uid: int | None = None  # the tenant's KV event sockets belong to this uid ...
+    gid: int | None = None  # ... and/or this group (kvstore.server.kvpublish)
+    encrypt: bool = False  # encryption at rest on SSD / Redis (kvstore.integrity)
 
     def count(self, what: str) -> int:
         return getattr(self, what)
@@ -118,17 +119,18 @@ def _shares(names: list[str], wanted: Mapping[str, int | None], total: int, what
     rest = [n for n in names if wanted[n] is None]
     share = (left // len(rest)) // _UNIT * _UNIT if rest else 0
     if left < 0 or (rest and share < _MIN_SHARE):
-        raise ConfigError(f"tenants' {what} ({sum(fixed.values())} bytes asked for) leave "
-                          f"{max(left, 0)} bytes of {total} for {len(rest)} other tenant(s): "
-                          f"each needs at least {_MIN_SHARE}")
+        raise ConfigError(
+            f"tenants' {what} ({sum(fixed.values())} bytes asked for) leave "
+            f"{max(left, 0)} bytes of {total} for {len(rest)} other tenant(s): "
+            f"each needs at least {_MIN_SHARE}"
+        )
     return {**fixed, **{n: share for n in rest}}
 
 
 class Tenants:
     """Every tenant's quotas, usage and refusals (see the module docstring)."""
 
-    def __init__(self, limits: Mapping[str, Limits], host: Mapping[str, int],
-                 ssd: Mapping[str, int] | None) -> None:
+    def __init__(self, limits: Mapping[str, Limits], host: Mapping[str, int], ssd: Mapping[str, int] | None) -> None:
         self.limits = dict(limits)
         self.host_bytes, self.ssd_bytes = dict(host), dict(ssd or {})
         self._by_mark = {tenant_mark(name): name for name in self.limits}
@@ -138,8 +140,9 @@ class Tenants:
         self.refused: Counter[tuple[str, str]] = Counter()
 
     @classmethod
-    def plan(cls, names: Iterable[str], limits: Mapping[str, Limits], host_capacity: int,
-             ssd_capacity: int | None) -> Tenants:
+    def plan(
+        cls, names: Iterable[str], limits: Mapping[str, Limits], host_capacity: int, ssd_capacity: int | None
+    ) -> Tenants:
         """Quotas of ``names`` (``limits`` where given) within the capacities."""
         names = sorted(set(names))
         full = {n: limits.get(n, Limits()) for n in names}
@@ -184,10 +187,15 @@ class Tenants:
     def doc(self, tenant: str) -> dict[str, dict[str, int]]:
         """Quotas, holdings and refusals of one tenant (its part of ``Stats``)."""
         lim = self.limits.get(tenant, DEFAULT)
-        return {"quota": {"host_bytes": self.host_bytes.get(tenant, 0), "ssd_bytes": self.ssd_bytes.get(tenant, 0),
-                          **{what: lim.count(what) for what in COUNTED}},
-                "held": {what: self.usage[tenant, what] for what in COUNTED},
-                "refused": {what: n for (t, what), n in sorted(self.refused.items()) if t == tenant}}
+        return {
+            "quota": {
+                "host_bytes": self.host_bytes.get(tenant, 0),
+                "ssd_bytes": self.ssd_bytes.get(tenant, 0),
+                **{what: lim.count(what) for what in COUNTED},
+            },
+            "held": {what: self.usage[tenant, what] for what in COUNTED},
+            "refused": {what: n for (t, what), n in sorted(self.refused.items()) if t == tenant},
+        }
 
 
 __all__ = ["COUNTED", "Limits", "Tenants", "parse_limits"]

@@ -15,6 +15,7 @@ grow the table, nor take another tenant's tickets.  A ticket is the tenant's unt
 redeemed or forgotten; ``sweep`` forgets expired ones (the server's reaper calls it, and
 ``mint`` before it refuses).  Time comes from ``clock`` (a fake one in tests).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -40,8 +41,13 @@ class _Grant:
 class TicketBook:
     """Outstanding data-channel tickets (see the module docstring)."""
 
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S, limit: int = DEFAULT_LIMIT,
-                 clock: Callable[[], float] = time.monotonic, tenants: Tenants | None = None) -> None:
+    def __init__(
+        self,
+        ttl_s: float = DEFAULT_TTL_S,
+        limit: int = DEFAULT_LIMIT,
+        clock: Callable[[], float] = time.monotonic,
+        tenants: Tenants | None = None,
+    ) -> None:
         self.ttl_s, self.limit = ttl_s, limit
         self.tenants = tenants
         self._clock = clock

@@ -26,6 +26,7 @@ client-streaming one (the same bytes on the wire: headers, one message, end of s
 first message is awaited under that deadline; grpc would otherwise wait for it without a
 bound while the call holds one of ``max_concurrent_rpcs`` slots.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -166,8 +167,9 @@ def _guarded_single(fn, guard: Guard, method: str):
                 request = await anext(aiter(requests))
         except TimeoutError:
             guard.late(method)
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"{method}: no request within {guard.request_timeout:g} s")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: no request within {guard.request_timeout:g} s"
+            )
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the call carried no request")
         return await fn(request, context)
@@ -205,12 +207,21 @@ def method_handlers(servicer: object, guard: Guard | None = None) -> dict[str, g
         if method.client_streaming and method.server_streaming:
             raise RuntimeError(f"no handler shape for bidirectional RPC {method.name}")
         if guard is not None:
-            fn = (_guarded_stream(fn, guard) if method.client_streaming
-                  else _guarded_single(fn, guard, method.name))
+            fn = _guarded_stream(fn, guard) if method.client_streaming else _guarded_single(fn, guard, method.name)
         shape = _SHAPES[(method.client_streaming or guard is not None, method.server_streaming)]
         handlers[method.name] = shape(fn, request_deserializer=parse, response_serializer=serialize)
     return handlers
 
 
-__all__ = ["Guard", "InFrame", "Malformed", "OutFrame", "SERVICE", "add_to_server", "decode_put_frame",
-           "encode_get_frame", "generic_handler", "method_handlers"]
+__all__ = [
+    "Guard",
+    "InFrame",
+    "Malformed",
+    "OutFrame",
+    "SERVICE",
+    "add_to_server",
+    "decode_put_frame",
+    "encode_get_frame",
+    "generic_handler",
+    "method_handlers",
+]

@@ -36,6 +36,7 @@ the budget exceeded).
 Thread-safe: tiers call in from any thread with their own lock held, so ``_lock`` is taken
 last and nothing here calls a tier while holding it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,8 +49,8 @@ from kvstore.wire.kv import Description, Kind, KVEvent, Medium, wire_hash
 from tiers.base import Removal, Tier, listen
 
 StreamOf = Callable[[ObjectKey], "str | None"]
-Budget = Callable[[str], "tuple[int, int]"]   # stream -> (description bytes, entries) it may hold
-ENTRY_COST = 256   # bytes a description costs beyond its tokens: entry, key, array header (an estimate)
+Budget = Callable[[str], "tuple[int, int]"]  # stream -> (description bytes, entries) it may hold
+ENTRY_COST = 256  # bytes a description costs beyond its tokens: entry, key, array header (an estimate)
 
 
 class DescriptionRefused(CapacityError):
@@ -83,9 +84,16 @@ class EventRecorder:
     (tenant) of a key, None for a key no stream publishes; ``group_idx``: the engine's KV
     cache group, when the publisher knows it."""
 
-    def __init__(self, media: Mapping[str, Medium], *, stream_of: StreamOf | None = None,
-                 group_idx: int | None = None, spare: int = 4096, max_pending: int = 100_000,
-                 budget: Budget | None = None) -> None:
+    def __init__(
+        self,
+        media: Mapping[str, Medium],
+        *,
+        stream_of: StreamOf | None = None,
+        group_idx: int | None = None,
+        spare: int = 4096,
+        max_pending: int = 100_000,
+        budget: Budget | None = None,
+    ) -> None:
         self.media = dict(media)
         self._stream_of = stream_of or (lambda key: "")
         self._group = group_idx
@@ -95,11 +103,10 @@ class EventRecorder:
         self._lock = threading.Lock()
         self._entries: dict[ObjectKey, _Entry] = {}
         self._spare: dict[str | None, OrderedDict[ObjectKey, Description]] = {}
-        self.held_bytes: Counter[str | None] = Counter()   # stream -> bytes of its descriptions
-        self.held: Counter[str | None] = Counter()         # stream -> its descriptions
+        self.held_bytes: Counter[str | None] = Counter()  # stream -> bytes of its descriptions
+        self.held: Counter[str | None] = Counter()  # stream -> its descriptions
         self._pending: deque[KVEvent] = deque(maxlen=max_pending)
-        self.counts: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0, "dropped": 0,
-                                       "undescribed": 0}
+        self.counts: dict[str, int] = {"stored": 0, "removed": 0, "cleared": 0, "dropped": 0, "undescribed": 0}
 
     # --- set-up -------------------------------------------------------------------------
 
@@ -123,8 +130,9 @@ class EventRecorder:
 
     # --- descriptions -------------------------------------------------------------------
 
-    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int],
-                 lora: str | None = None) -> None:
+    def describe(
+        self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int], lora: str | None = None
+    ) -> None:
         """``key`` holds the KV of ``tokens`` after chunk ``parent`` (None: a chain's first).
         Announces it in every tier that already holds it."""
         with self._lock:
@@ -181,8 +189,16 @@ class EventRecorder:
             if entry is None or tier not in entry.tiers:
                 return
             if entry.tiers.pop(tier):
-                self._emit(KVEvent(Kind.REMOVED, self._stream_of(key), self.media[tier],
-                                   wire_hash(key.chunk_hash), reason=reason.value, group_idx=self._group))
+                self._emit(
+                    KVEvent(
+                        Kind.REMOVED,
+                        self._stream_of(key),
+                        self.media[tier],
+                        wire_hash(key.chunk_hash),
+                        reason=reason.value,
+                        group_idx=self._group,
+                    )
+                )
                 self.counts["removed"] += 1
             else:
                 self.counts["undescribed"] -= 1
@@ -224,11 +240,15 @@ class EventRecorder:
             while spare and (self.held_bytes[stream] + size > max_bytes or self.held[stream] + 1 > max_entries):
                 self._uncount(stream, spare.popitem(last=False)[1])
             if self.held_bytes[stream] + size > max_bytes:
-                raise DescriptionRefused(f"stream {stream!r} holds {self.held_bytes[stream]} bytes of "
-                                         f"descriptions; {size} more exceed its {max_bytes}", "described_bytes")
+                raise DescriptionRefused(
+                    f"stream {stream!r} holds {self.held_bytes[stream]} bytes of "
+                    f"descriptions; {size} more exceed its {max_bytes}",
+                    "described_bytes",
+                )
             if self.held[stream] + 1 > max_entries:
-                raise DescriptionRefused(f"stream {stream!r} holds {self.held[stream]} descriptions, "
-                                         f"its quota", "described")
+                raise DescriptionRefused(
+                    f"stream {stream!r} holds {self.held[stream]} descriptions, its quota", "described"
+                )
         self.held_bytes[stream] += size
         self.held[stream] += 1
 
@@ -240,8 +260,18 @@ class EventRecorder:
     def _stored_event(self, key: ObjectKey, desc: Description, tier: str) -> None:
         """Caller holds ``_lock``."""
         parent = None if desc.parent is None else wire_hash(desc.parent)
-        self._emit(KVEvent(Kind.STORED, self._stream_of(key), self.media[tier], wire_hash(key.chunk_hash),
-                           parent, desc.tokens, desc.lora, group_idx=self._group))
+        self._emit(
+            KVEvent(
+                Kind.STORED,
+                self._stream_of(key),
+                self.media[tier],
+                wire_hash(key.chunk_hash),
+                parent,
+                desc.tokens,
+                desc.lora,
+                group_idx=self._group,
+            )
+        )
         self.counts["stored"] += 1
 
     def _emit(self, event: KVEvent) -> None:

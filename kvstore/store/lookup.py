@@ -15,6 +15,7 @@ their canonical bytes (the store process's fast path: the host index compares by
   tier, tiers concurrently; an object gone meanwhile ends the prefix.
 * A tier that raises ``TierError`` holds nothing; ``failed(tier, "lookup", err)`` counts it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,9 @@ class Found:
     keys: list[ObjectKey]
 
 
-async def sized_lookup(host: HostTier, lower: Sequence[Tier], keys: Sequence[bytes], sized: bool,
-                       failed: Failed) -> tuple[list[str], list[int | None]]:
+async def sized_lookup(
+    host: HostTier, lower: Sequence[Tier], keys: Sequence[bytes], sized: bool, failed: Failed
+) -> tuple[list[str], list[int | None]]:
     """Tier name and object size of each key of the contiguous hit (parallel lists).  With
     ``sized`` false, lower tiers are not asked for sizes (their hits' sizes are None)."""
     sizes = host.sizes_sync(keys)
@@ -77,8 +79,7 @@ async def sized_lookup(host: HostTier, lower: Sequence[Tier], keys: Sequence[byt
     return names[:n], sizes[:n]  # type: ignore[return-value]
 
 
-async def present_many(host: HostTier, lower: Sequence[Tier], keys: Sequence[bytes],
-                       failed: Failed) -> list[bool]:
+async def present_many(host: HostTier, lower: Sequence[Tier], keys: Sequence[bytes], failed: Failed) -> list[bool]:
     """Whether each key is held by some tier (per key, not a prefix)."""
     names: list[str | None] = [None if size is None else host.name for size in host.sizes_sync(keys)]
     if lower and None in names:
@@ -86,8 +87,9 @@ async def present_many(host: HostTier, lower: Sequence[Tier], keys: Sequence[byt
     return [name is not None for name in names]
 
 
-async def locate(lower: Sequence[Tier], keys: Sequence[bytes], names: list[str | None],
-                 failed: Failed, contiguous: bool) -> list[Found]:
+async def locate(
+    lower: Sequence[Tier], keys: Sequence[bytes], names: list[str | None], failed: Failed, contiguous: bool
+) -> list[Found]:
     """Fill ``names`` (None: no faster tier holds the key) with the fastest lower tier of
     each key; what each tier was found to hold.  With ``contiguous``, the lowest tier is
     asked for a prefix (see the module docstring)."""
@@ -139,5 +141,4 @@ async def fill_sizes(found: list[Found], sizes: list[int | None], n: int, failed
     return prefix(sizes[:n])
 
 
-__all__ = ["Found", "as_keys", "fill_sizes", "locate", "prefix", "present_many", "sized_lookup",
-           "trusted_key"]
+__all__ = ["Found", "as_keys", "fill_sizes", "locate", "prefix", "present_many", "sized_lookup", "trusted_key"]

@@ -8,6 +8,7 @@ Prometheus counters, the connector's hit statistics).  The default observer does
 Hooks are called on the core's event loop, never under a lock; they must be quick and must
 not call back into the store.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,15 +59,15 @@ class StoreCounters:
     promote_no_room: int = 0
     puts: dict[str, int] = field(default_factory=dict)
     put_failures: dict[str, int] = field(default_factory=dict)
-    tier_errors: dict[str, int] = field(default_factory=dict)   # "tier:op" -> errors
-    write_down: dict[str, int] = field(default_factory=dict)    # "tier:result" -> objects
+    tier_errors: dict[str, int] = field(default_factory=dict)  # "tier:op" -> errors
+    write_down: dict[str, int] = field(default_factory=dict)  # "tier:result" -> objects
     write_down_dropped: int = 0
-    write_down_abandoned: int = 0   # still queued or dirty when a close timed out
-    write_down_corrupt: int = 0     # failed the check before the copy (``verify``): not written
+    write_down_abandoned: int = 0  # still queued or dirty when a close timed out
+    write_down_corrupt: int = 0  # failed the check before the copy (``verify``): not written
     forged: dict[str, int] = field(default_factory=dict)  # tier -> objects refused by their MAC, removed
-    sealed: int = 0                 # objects sealed with a MAC at commit
-    encrypted: int = 0              # encrypted copies written down (encryption at rest)
-    decrypted: int = 0              # encrypted objects read back and decrypted
+    sealed: int = 0  # objects sealed with a MAC at commit
+    encrypted: int = 0  # encrypted copies written down (encryption at rest)
+    decrypted: int = 0  # encrypted objects read back and decrypted
 
     def add(self, table: str, label: str, n: float = 1) -> None:
         d = getattr(self, table)

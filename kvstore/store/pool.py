@@ -2,6 +2,7 @@
 shared-memory host tier that a scheduler needs to promise loads and drop objects (pin a
 published object's slot, release it, read a header in place, delete, clear), never the
 tier's put, lease or eviction machinery.  ``TieredStore.pool`` provides it."""
+
 from __future__ import annotations
 
 from typing import Protocol

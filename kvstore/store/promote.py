@@ -27,6 +27,7 @@ Runs on the core's event loop (``kvstore.store.tiered``).
   (``StoreCounters.tier_errors``, ``StoreObserver.tier_failed``) and the next tier is tried;
   no room in the host pool is a counted miss.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,13 +46,14 @@ from tiers.host import HostTier
 class Promoter:
     """Single-flight promotions into ``host`` from ``lower`` (see the module docstring)."""
 
-    def __init__(self, host: HostTier, lower: Sequence[Tier], counters: StoreCounters,
-                 observer: StoreObserver, keys=None) -> None:
+    def __init__(
+        self, host: HostTier, lower: Sequence[Tier], counters: StoreCounters, observer: StoreObserver, keys=None
+    ) -> None:
         self.host, self.lower = host, list(lower)
         self.keys = keys
         self._counters, self._observer = counters, observer
         self._running: dict[ObjectKey, asyncio.Task] = {}  # on the loop only
-        self._waiters: dict[ObjectKey, int] = {}            # callers awaiting each (on the loop only)
+        self._waiters: dict[ObjectKey, int] = {}  # callers awaiting each (on the loop only)
 
     async def promote(self, key: ObjectKey) -> str | None:
         """Make ``key`` resident in the host pool; the name of the tier it came from ("host"
@@ -161,8 +163,9 @@ class Promoter:
         self._observer.tier_failed(tier, "promote", err)
 
 
-def reveal(keys, tier: Tier, key: ObjectKey, buf: memoryview, n: int,
-           counters: StoreCounters | None = None) -> tuple[int | None, BaseException | None]:
+def reveal(
+    keys, tier: Tier, key: ObjectKey, buf: memoryview, n: int, counters: StoreCounters | None = None
+) -> tuple[int | None, BaseException | None]:
     """The object of ``n`` bytes that ``tier`` read into ``buf``, made usable: decrypted in
     place when encrypted, then ``authenticate``d.  ``(its length now, None)``; ``(None, why
     it is refused)`` for a tag or MAC that does not verify (the caller removes it); ``(None,

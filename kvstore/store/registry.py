@@ -24,6 +24,7 @@ that cannot be reached raises ``TierUnavailableError`` (a ``TierError``).
 tier whose opening raises ``TierError`` is left out (logged, reported to ``on_left_out``),
 while a ``ConfigError`` always fails; on failure, the tiers already opened are closed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,22 +41,32 @@ from tiers.base import Tier
 log = logging.getLogger("kvstore.store")
 Opener = Callable[[], Awaitable[Tier]]
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-EXPECTED = ("host:, ssd:PATH, redis://HOST:PORT, rediss://HOST:PORT, redis+cluster://HOST:PORT "
-            "or kvstore://HOST:PORT")
+EXPECTED = "host:, ssd:PATH, redis://HOST:PORT, rediss://HOST:PORT, redis+cluster://HOST:PORT or kvstore://HOST:PORT"
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 _OPTIONS = {
     "host": {"capacity", "shared", "pin", "alignment", "name", "pools", "pool_of", "retention"},
     "ssd": {"capacity", "fsync", "name", "partition", "quotas"},
-    "remote": {"token", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "transport",
-               "timeout_s", "release_delay_s", "lease_ttl_s", "name", "retry_s"},
+    "remote": {
+        "token",
+        "tls_ca",
+        "tls_cert",
+        "tls_key",
+        "tls_server_name",
+        "transport",
+        "timeout_s",
+        "release_delay_s",
+        "lease_ttl_s",
+        "name",
+        "retry_s",
+    },
 }
 
 
 @dataclass(frozen=True, slots=True)
 class TierSpec:
-    kind: str    # host | ssd | redis | remote
+    kind: str  # host | ssd | redis | remote
     target: str  # the directory, the URL or HOST:PORT ("" for host)
-    shown: str   # the spec as messages show it (a password redacted)
+    shown: str  # the spec as messages show it (a password redacted)
 
 
 def parse_spec(spec: str) -> TierSpec:
@@ -72,9 +83,11 @@ def parse_spec(spec: str) -> TierSpec:
             return TierSpec("remote", rest, shown)
         if scheme in REDIS_SCHEMES:
             return TierSpec("redis", spec, shown)
-        raise ConfigError(f"unknown tier spec {shown!r}: not host:, ssd:PATH or kvstore://HOST:PORT, "
-                          f"and unknown redis URL scheme {scheme!r} (expected "
-                          f"{', '.join(s + '://' for s in REDIS_SCHEMES)})")
+        raise ConfigError(
+            f"unknown tier spec {shown!r}: not host:, ssd:PATH or kvstore://HOST:PORT, "
+            f"and unknown redis URL scheme {scheme!r} (expected "
+            f"{', '.join(s + '://' for s in REDIS_SCHEMES)})"
+        )
     kind, sep, rest = spec.partition(":")
     if sep and kind == "host":
         if rest:
@@ -97,16 +110,21 @@ def resolve(spec: str, **options: object) -> Opener:
     return _RESOLVERS[parsed.kind](parsed, dict(options))
 
 
-def tier_specs(cfg: TierSettings, *, host: Mapping[str, object] | None = None,
-               ssd: Mapping[str, object] | None = None,
-               lower: Sequence[tuple[str | None, Mapping[str, object]]] = ()) -> list[tuple[str, dict[str, object]]]:
+def tier_specs(
+    cfg: TierSettings,
+    *,
+    host: Mapping[str, object] | None = None,
+    ssd: Mapping[str, object] | None = None,
+    lower: Sequence[tuple[str | None, Mapping[str, object]]] = (),
+) -> list[tuple[str, dict[str, object]]]:
     """The one builder of a store's specs, fastest first: ``cfg``'s host pool (its capacity
     and retention policy plus ``host``'s options), its SSD directory when ``cfg.ssd_dir`` is set (its capacity
     plus ``ssd``'s), then each ``(spec, options)`` of ``lower`` whose spec is given (the
     store process, Redis).  Used by the embedded store, the store process and the
     connector."""
     specs: list[tuple[str, dict[str, object]]] = [
-        ("host:", {"capacity": cfg.host_capacity, "retention": cfg.host_retention, **(host or {})})]
+        ("host:", {"capacity": cfg.host_capacity, "retention": cfg.host_retention, **(host or {})})
+    ]
     if cfg.ssd_dir is not None:
         specs.append((f"ssd:{cfg.ssd_dir}", {"capacity": cfg.ssd_capacity, **(ssd or {})}))
     specs.extend((spec, dict(options)) for spec, options in lower if spec)
@@ -118,8 +136,12 @@ async def open_tier(spec: str, **options: object) -> Tier:
     return await resolve(spec, **options)()
 
 
-async def open_tiers(specs: Sequence[tuple[str, Mapping[str, object]]], *, required: bool = True,
-                     on_left_out: Callable[[str, TierError], None] | None = None) -> list[Tier]:
+async def open_tiers(
+    specs: Sequence[tuple[str, Mapping[str, object]]],
+    *,
+    required: bool = True,
+    on_left_out: Callable[[str, TierError], None] | None = None,
+) -> list[Tier]:
     """Open every ``(spec, options)`` in order, all checked first (see the module docstring)."""
     openers = [(parse_spec(spec), resolve(spec, **options)) for spec, options in specs]
     tiers: list[Tier] = []
@@ -188,7 +210,11 @@ def _remote(spec: TierSpec, options: dict[str, object]) -> Opener:
 
 
 _RESOLVERS: dict[str, Callable[[TierSpec, dict[str, object]], Opener]] = {
-    "host": _host, "ssd": _ssd, "redis": _redis, "remote": _remote}
+    "host": _host,
+    "ssd": _ssd,
+    "redis": _redis,
+    "remote": _remote,
+}
 
 
 __all__ = ["EXPECTED", "REDIS_SCHEMES", "TierSpec", "open_tier", "open_tiers", "parse_spec", "resolve", "tier_specs"]

@@ -27,6 +27,7 @@ pool's sync methods may be called from other threads, and so may ``written``.
   reported to the ``StoreObserver``.  Every object is whole and verified wherever it comes
   from (``tiers.base`` contract).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,7 +54,7 @@ log = logging.getLogger("kvstore.store")
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     looked_up: int
-    tiers: list[str]         # tier name of each hit, for the contiguous prefix
+    tiers: list[str]  # tier name of each hit, for the contiguous prefix
     sizes: list[int | None]  # object bytes of each hit (None for lower hits when not sized)
     by_tier: dict[str, int]  # hits per tier
 
@@ -76,11 +77,20 @@ class TieredStore:
     how long ``put`` and ``put_payload`` wait for room in a full write-through queue before
     dropping."""
 
-    def __init__(self, host: HostTier, lower: Sequence[Tier] = (),
-                 write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *,
-                 observer: StoreObserver | None = None, max_writes_in_flight: int = 2,
-                 write_queue_bytes: int | None = None, dirty_fraction: float = 0.5,
-                 put_wait_s: float = 10.0, verify_writes: bool = False, keys=None) -> None:
+    def __init__(
+        self,
+        host: HostTier,
+        lower: Sequence[Tier] = (),
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+        *,
+        observer: StoreObserver | None = None,
+        max_writes_in_flight: int = 2,
+        write_queue_bytes: int | None = None,
+        dirty_fraction: float = 0.5,
+        put_wait_s: float = 10.0,
+        verify_writes: bool = False,
+        keys=None,
+    ) -> None:
         self.host = host
         self.keys = keys
         self.pool: HostPool = SharedHostPool(host)  # what the engine connector may do with the host pool
@@ -90,15 +100,30 @@ class TieredStore:
         self.counters = StoreCounters()
         self.observer = observer or StoreObserver()
         self.promoter = Promoter(host, self.lower, self.counters, self.observer, keys)
-        self.writer = WriteDown(host, self.lower, write_policy, self.counters, self.observer,
-                                max_in_flight=max_writes_in_flight, queue_bytes=write_queue_bytes,
-                                dirty_fraction=dirty_fraction, verify=verify_writes, keys=keys)
+        self.writer = WriteDown(
+            host,
+            self.lower,
+            write_policy,
+            self.counters,
+            self.observer,
+            max_in_flight=max_writes_in_flight,
+            queue_bytes=write_queue_bytes,
+            dirty_fraction=dirty_fraction,
+            verify=verify_writes,
+            keys=keys,
+        )
         self._closed = False
 
     @classmethod
-    async def open(cls, specs: Sequence[tuple[str, Mapping[str, object]]],
-                   write_policy: WritePolicy = WritePolicy.WRITE_THROUGH, *, required: bool = True,
-                   on_left_out=None, **options) -> TieredStore:
+    async def open(
+        cls,
+        specs: Sequence[tuple[str, Mapping[str, object]]],
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+        *,
+        required: bool = True,
+        on_left_out=None,
+        **options,
+    ) -> TieredStore:
         """Open ``specs`` (``kvstore.store.registry``: a ``host:`` spec first, then the lower
         tiers, fastest first) and build the store over them."""
         if not specs or not specs[0][0].startswith("host:"):
@@ -226,8 +251,9 @@ class TieredStore:
     async def put(self, key: ObjectKey, obj: memoryview, parent: ObjectKey | None = None) -> PutResult:
         """Publish a complete encoded object in the host pool (its result is returned), then
         hand it to the write-down (waiting up to ``put_wait_s`` for room in its queue)."""
-        result = await put_bytes(self.host, key, obj, parent) if self.keys is None else \
-            self._put_sealed(key, obj, parent)
+        result = (
+            await put_bytes(self.host, key, obj, parent) if self.keys is None else self._put_sealed(key, obj, parent)
+        )
         self.counters.count_put(self.host.name, result)
         if result is PutResult.STORED:
             await self.writer.submit(key, parent, self.put_wait_s)
@@ -254,8 +280,9 @@ class TieredStore:
             published = self.host.put_commit_sync(handle, ok)
         return PutResult.STORED if published else PutResult.FAILED
 
-    async def put_payload(self, key: ObjectKey, geometry: codec.ObjectGeometry, payload,
-                          parent_hash: ChunkHash = ROOT) -> PutResult:
+    async def put_payload(
+        self, key: ObjectKey, geometry: codec.ObjectGeometry, payload, parent_hash: ChunkHash = ROOT
+    ) -> PutResult:
         """Encode ``payload`` straight into a host slot (no staging copy), then write down
         (as ``put``)."""
         parent = None if parent_hash == ROOT else ObjectKey(key.namespace, parent_hash, key.tag)
@@ -321,9 +348,15 @@ class TieredStore:
         return await self.writer.flush(timeout)
 
     def stats(self) -> dict[str, object]:
-        return {"store": self.counters, "tiers": {t.name: t.stats() for t in self.tiers},
-                "write_down": {"in_flight": self.writer.in_flight, "dirty_bytes": self.writer.dirty_bytes,
-                               "written": self.writer.written}}
+        return {
+            "store": self.counters,
+            "tiers": {t.name: t.stats() for t in self.tiers},
+            "write_down": {
+                "in_flight": self.writer.in_flight,
+                "dirty_bytes": self.writer.dirty_bytes,
+                "written": self.writer.written,
+            },
+        }
 
     async def settle(self, timeout: float = 30.0) -> None:
         """Let promotions finish and write everything down (``timeout`` s each), refusing new

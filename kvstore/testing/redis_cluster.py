@@ -14,6 +14,7 @@ Contract:
     when one dies; ``restart(i)`` brings node i back on its port and waits for the whole
     cluster again.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,7 +44,8 @@ class RedisClusterProcs:
             raise ConfigError("RedisClusterProcs picks each node's port and sets cluster=True")
         self.directory = Path(directory).resolve()
         self.nodes: list[RedisServer] = [
-            RedisServer(self.directory / f"node{i}", cluster=True, **server_kw) for i in range(n)]
+            RedisServer(self.directory / f"node{i}", cluster=True, **server_kw) for i in range(n)
+        ]
 
     @property
     def url(self) -> str:
@@ -65,10 +67,13 @@ class RedisClusterProcs:
     def client(self, **kw: Any) -> redis.cluster.RedisCluster:
         """A cluster client bootstrapped from every node still running."""
         live = [n for n in self.nodes if n.running] or self.nodes[:1]
-        opts: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0,
-                                **self.nodes[0].connection_kwargs(), **kw}
-        return redis.cluster.RedisCluster(
-            startup_nodes=[redis.cluster.ClusterNode(HOST, n.port) for n in live], **opts)
+        opts: dict[str, Any] = {
+            "socket_connect_timeout": 2.0,
+            "socket_timeout": 5.0,
+            **self.nodes[0].connection_kwargs(),
+            **kw,
+        }
+        return redis.cluster.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(HOST, n.port) for n in live], **opts)
 
     def node_of(self, key: bytes | str) -> int:
         """Index in ``nodes`` of the node that owns ``key``'s slot, per a live node's view."""
@@ -109,8 +114,15 @@ class RedisClusterProcs:
         if exe is None:
             raise TierError("the 'redis-cli' command is not on PATH")
         first, env = self.nodes[0], dict(os.environ)
-        args = [exe, "--cluster", "create", *(f"{HOST}:{n.port}" for n in self.nodes),
-                "--cluster-replicas", "0", "--cluster-yes"]
+        args = [
+            exe,
+            "--cluster",
+            "create",
+            *(f"{HOST}:{n.port}" for n in self.nodes),
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ]
         if first.password is not None:
             env["REDISCLI_AUTH"] = first.password  # not on the command line
         if first.username is not None:
@@ -120,18 +132,23 @@ class RedisClusterProcs:
             if first.tls_auth_clients:
                 args += ["--cert", str(first.tls.client_cert), "--key", str(first.tls.client_key)]
         try:
-            done = subprocess.run(args, env=env, capture_output=True, text=True,
-                                  stdin=subprocess.DEVNULL,
-                                  timeout=max(deadline - time.monotonic(), 1.0))
+            done = subprocess.run(
+                args,
+                env=env,
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                timeout=max(deadline - time.monotonic(), 1.0),
+            )
         except subprocess.TimeoutExpired as err:
             raise TierError(f"redis-cli --cluster create timed out: {err.stdout!r}") from err
         if done.returncode != 0 or "[OK] All 16384 slots covered" not in done.stdout:
-            raise TierError(f"redis-cli --cluster create exited {done.returncode}:\n"
-                            f"{(done.stdout + done.stderr).strip()[-1500:]}")
+            raise TierError(
+                f"redis-cli --cluster create exited {done.returncode}:\n{(done.stdout + done.stderr).strip()[-1500:]}"
+            )
 
     def _await_ok(self, deadline: float, timeout: float) -> None:
-        want = {"cluster_state": "ok", "cluster_slots_assigned": "16384",
-                "cluster_known_nodes": str(len(self.nodes))}
+        want = {"cluster_state": "ok", "cluster_slots_assigned": "16384", "cluster_known_nodes": str(len(self.nodes))}
         pending = [n for n in self.nodes if n.running]
         last: dict[str, str] = {}
         while pending:
@@ -145,6 +162,8 @@ class RedisClusterProcs:
                 last = {"error": str(err)}
             if time.monotonic() >= deadline:
                 node = pending[0]
-                raise TierError(f"cluster node {node.host}:{node.port} not ready within "
-                                f"{timeout:g} s: {last}; last log lines:\n{node.log_tail()}")
+                raise TierError(
+                    f"cluster node {node.host}:{node.port} not ready within "
+                    f"{timeout:g} s: {last}; last log lines:\n{node.log_tail()}"
+                )
             time.sleep(0.05)

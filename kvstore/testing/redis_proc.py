@@ -22,6 +22,7 @@ Contract:
   * ``make_tls_files`` builds a CA, a server certificate (SAN IP:127.0.0.1, DNS:localhost) and
     a client certificate with the ``openssl`` command.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,18 @@ HOST = "127.0.0.1"
 _CONF, _LOG, _OUT = "redis.conf", "redis.log", "redis.out"
 _BUS_OFFSET = 10000  # a cluster node's bus listens on port + 10000
 _CLUSTER_PORTS = (15000, 22000)  # bus ports land in 25000..32000, below Linux's ephemeral range
-_POLICIES = frozenset({"noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random",
-                       "volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl"})
+_POLICIES = frozenset(
+    {
+        "noeviction",
+        "allkeys-lru",
+        "allkeys-lfu",
+        "allkeys-random",
+        "volatile-lru",
+        "volatile-lfu",
+        "volatile-random",
+        "volatile-ttl",
+    }
+)
 _STOP_WAIT_S = 10.0
 
 
@@ -78,10 +89,10 @@ def free_cluster_port() -> int:
 
 # --------------------------------------------------------------------------- one server
 
+
 def _quote(value: str) -> str:
     """A double-quoted redis.conf argument: anything but plain printable ASCII as \\xHH."""
-    out = (ch if " " <= ch <= "~" and ch not in '"\\'
-           else "".join(f"\\x{b:02x}" for b in ch.encode()) for ch in value)
+    out = (ch if " " <= ch <= "~" and ch not in '"\\' else "".join(f"\\x{b:02x}" for b in ch.encode()) for ch in value)
     return '"' + "".join(out) + '"'
 
 
@@ -97,18 +108,27 @@ class RedisServer:
 
     host: str = HOST
 
-    def __init__(self, directory: Path, *, port: int | None = None, password: str | None = None,
-                 username: str | None = None, maxmemory: str | int | None = None,
-                 maxmemory_policy: str | None = None, tls: TLSFiles | None = None,
-                 tls_auth_clients: bool = False, appendonly: bool = False,
-                 cluster: bool = False, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        username: str | None = None,
+        maxmemory: str | int | None = None,
+        maxmemory_policy: str | None = None,
+        tls: TLSFiles | None = None,
+        tls_auth_clients: bool = False,
+        appendonly: bool = False,
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         if username is not None and password is None:
             raise ConfigError(f"username {username!r} needs a password")
         if tls_auth_clients and tls is None:
             raise ConfigError("tls_auth_clients=True needs tls=TLSFiles(...)")
         if maxmemory_policy is not None and maxmemory_policy not in _POLICIES:
-            raise ConfigError(f"maxmemory_policy {maxmemory_policy!r} is not one of "
-                              f"{sorted(_POLICIES)}")
+            raise ConfigError(f"maxmemory_policy {maxmemory_policy!r} is not one of {sorted(_POLICIES)}")
         top = 65535 - (_BUS_OFFSET if cluster else 0)
         if port is not None and not 0 < port <= top:
             raise ConfigError(f"port {port} is outside 1..{top}")
@@ -149,16 +169,20 @@ class RedisServer:
         if self.tls is not None:
             kw.update(ssl=True, ssl_ca_certs=str(self.tls.ca_cert), ssl_cert_reqs="required")
             if self.tls_auth_clients:
-                kw.update(ssl_certfile=str(self.tls.client_cert),
-                          ssl_keyfile=str(self.tls.client_key))
+                kw.update(ssl_certfile=str(self.tls.client_cert), ssl_keyfile=str(self.tls.client_key))
         return kw
 
     def client(self, **kw: Any) -> redis.Redis:
         """A sync client with the right credentials and TLS; no retries, 2 s/5 s timeouts.
         Keyword arguments override any of these."""
-        opts: dict[str, Any] = {"host": self.host, "port": self.port, "socket_timeout": 5.0,
-                                "socket_connect_timeout": 2.0, "retry": Retry(NoBackoff(), 0),
-                                **self.connection_kwargs()}
+        opts: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "socket_timeout": 5.0,
+            "socket_connect_timeout": 2.0,
+            "retry": Retry(NoBackoff(), 0),
+            **self.connection_kwargs(),
+        }
         return redis.Redis(**{**opts, **kw})
 
     def info(self, section: str | None = None) -> dict[str, Any]:
@@ -184,8 +208,9 @@ class RedisServer:
             if attempt == 1 and self._auto_port and "Address already in use" in tail:
                 self.port = self._pick_port()
                 continue
-            raise TierError(f"redis-server on {self.host}:{self.port} ({self.directory}) "
-                            f"{reason}; last log lines:\n{tail}")
+            raise TierError(
+                f"redis-server on {self.host}:{self.port} ({self.directory}) {reason}; last log lines:\n{tail}"
+            )
         raise AssertionError("unreachable")
 
     def kill(self) -> None:
@@ -203,9 +228,11 @@ class RedisServer:
 
     def log_tail(self, lines: int = 25) -> str:
         """The last lines of the server's stdout/stderr and of its log."""
-        parts = [f"[{f.name}]\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:])
-                 for f in (self.directory / _OUT, self.directory / _LOG)
-                 if f.exists() and f.stat().st_size > 0]
+        parts = [
+            f"[{f.name}]\n" + "\n".join(f.read_text(errors="replace").splitlines()[-lines:])
+            for f in (self.directory / _OUT, self.directory / _LOG)
+            if f.exists() and f.stat().st_size > 0
+        ]
         return "\n".join(parts) or "(no log output)"
 
     def __enter__(self) -> RedisServer:
@@ -219,32 +246,47 @@ class RedisServer:
 
     def _config_lines(self) -> list[str]:
         d = self.directory
-        conf = [f"bind {HOST}", "protected-mode no", "daemonize no", 'save ""',
-                f"appendonly {'yes' if self.appendonly else 'no'}", f"dir {_quote(str(d))}",
-                f"logfile {_quote(str(d / _LOG))}"]
+        conf = [
+            f"bind {HOST}",
+            "protected-mode no",
+            "daemonize no",
+            'save ""',
+            f"appendonly {'yes' if self.appendonly else 'no'}",
+            f"dir {_quote(str(d))}",
+            f"logfile {_quote(str(d / _LOG))}",
+        ]
         if self.tls is None:
             conf.append(f"port {self.port}")
         else:
             t = self.tls
-            conf += ["port 0", f"tls-port {self.port}", f"tls-cert-file {_quote(str(t.cert))}",
-                     f"tls-key-file {_quote(str(t.key))}",
-                     f"tls-ca-cert-file {_quote(str(t.ca_cert))}",
-                     f"tls-auth-clients {'yes' if self.tls_auth_clients else 'no'}"]
+            conf += [
+                "port 0",
+                f"tls-port {self.port}",
+                f"tls-cert-file {_quote(str(t.cert))}",
+                f"tls-key-file {_quote(str(t.key))}",
+                f"tls-ca-cert-file {_quote(str(t.ca_cert))}",
+                f"tls-auth-clients {'yes' if self.tls_auth_clients else 'no'}",
+            ]
             if self.cluster:
                 conf.append("tls-cluster yes")
         if self.password is not None and self.username is None:
             conf.append(f"requirepass {_quote(self.password)}")
         elif self.password is not None:
-            conf += ["user default off",
-                     f"user {_quote(self.username or '')} on {_quote('>' + self.password)} "
-                     "~* &* +@all"]
+            conf += [
+                "user default off",
+                f"user {_quote(self.username or '')} on {_quote('>' + self.password)} ~* &* +@all",
+            ]
         if self.maxmemory is not None:
             conf.append(f"maxmemory {_quote(str(self.maxmemory))}")
         if self.maxmemory_policy is not None:
             conf.append(f"maxmemory-policy {self.maxmemory_policy}")
         if self.cluster:
-            conf += ["cluster-enabled yes", f"cluster-config-file nodes-{self.port}.conf",
-                     "cluster-node-timeout 2000", "cluster-require-full-coverage no"]
+            conf += [
+                "cluster-enabled yes",
+                f"cluster-config-file nodes-{self.port}.conf",
+                "cluster-node-timeout 2000",
+                "cluster-require-full-coverage no",
+            ]
         return conf
 
     def _spawn(self, exe: str) -> None:
@@ -257,9 +299,13 @@ class RedisServer:
             if old.exists():
                 old.replace(old.with_name(old.name + ".prev"))
         with open(self.directory / _OUT, "wb") as out:
-            self._proc = subprocess.Popen([exe, str(conf), *self.extra_args],
-                                          cwd=self.directory, stdin=subprocess.DEVNULL,
-                                          stdout=out, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(
+                [exe, str(conf), *self.extra_args],
+                cwd=self.directory,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
 
     def _await_ping(self, deadline: float, timeout: float) -> str | None:
@@ -275,8 +321,12 @@ class RedisServer:
                         return None
             except redis.AuthenticationError as err:
                 return f"refused the configured credentials: {err}"
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError,
-                    OSError) as err:  # not listening yet, or still loading its data
+            except (
+                redis.ConnectionError,
+                redis.TimeoutError,
+                redis.BusyLoadingError,
+                OSError,
+            ) as err:  # not listening yet, or still loading its data
                 if "certificate verify failed" in str(err):  # will not get better by waiting
                     return f"presented a certificate the client rejects: {err}"
             if time.monotonic() >= deadline:

@@ -15,6 +15,7 @@ Runs in the test or benchmark process and owns one child:
 * ``log_text()`` is everything the current child printed.  A context manager: the child is
   stopped (SIGTERM, then SIGKILL after 10 s) on exit, and killed when the object is garbage-collected.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from kvstore.errors import TierError
 
-ROOT = Path(__file__).resolve().parents[2]   # the checkout: its kvstore package, not an installed one
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its kvstore package, not an installed one
 _METRICS_RE = re.compile(r"metrics (http://\S+/metrics)")
 
 
@@ -71,13 +72,23 @@ class StoreProcess:
         ready = self.workdir / f"ready-{self._runs}"
         ready.unlink(missing_ok=True)
         self._log = self.workdir / f"serve-{self._runs}.log"
-        cmd = [sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0",
-               "--ready-file", str(ready), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+            *self.args,
+        ]
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         with open(self._log, "wb") as log:
-            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          cwd=str(ROOT), start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True
+            )
         self._finalizer = weakref.finalize(self, _reap, self._proc)
         self.target = self._wait_ready(self._proc, ready, timeout)
         match = _METRICS_RE.search(self.log_text())
@@ -92,8 +103,9 @@ class StoreProcess:
                 if text and "listening on" in self.log_text():
                     return text
             if proc.poll() is not None:
-                raise TierError(f"kvstore serve exited with code {proc.returncode} before "
-                                f"it was ready:\n{self.log_tail()}")
+                raise TierError(
+                    f"kvstore serve exited with code {proc.returncode} before it was ready:\n{self.log_tail()}"
+                )
             time.sleep(0.02)
         self.kill()
         raise TierError(f"kvstore serve was not ready after {timeout:.0f} s:\n{self.log_tail()}")

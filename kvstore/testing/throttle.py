@@ -10,6 +10,7 @@ as on a congested link; requests to the server are not limited (they are small).
 Threads, not asyncio: the proxy runs beside code under test in the same process and must
 never wait on that code's event loop.
 """
+
 from __future__ import annotations
 
 import socket

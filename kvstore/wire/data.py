@@ -27,6 +27,7 @@ server refuses or answers at once (EXISTS, NO_ROOM, a bad key, no write permissi
 has its bytes read to their end before the reply, so the stream stays in step; a size above
 the server's ``max_object_bytes`` is answered and the connection closed instead.
 """
+
 from __future__ import annotations
 
 import struct
@@ -41,9 +42,9 @@ MAX_TOKEN_BYTES = 4096
 MAX_MESSAGE_BYTES = 4096
 NO_PARENT = bytes(32)
 
-HELLO = struct.Struct("<4sH32s")       # magic, token length, ticket
-REQUEST = struct.Struct("<BBHQ32s")    # op, key length, 0, size, parent hash
-REPLY = struct.Struct("<BBBxIQ")       # code, flag, tier, message length, length
+HELLO = struct.Struct("<4sH32s")  # magic, token length, ticket
+REQUEST = struct.Struct("<BBHQ32s")  # op, key length, 0, size, parent hash
+REPLY = struct.Struct("<BBBxIQ")  # code, flag, tier, message length, length
 
 
 class Op(IntEnum):
@@ -62,7 +63,7 @@ class RequestHead:
     op: Op
     key_len: int
     size: int
-    parent: bytes   # b"" when the request names no parent
+    parent: bytes  # b"" when the request names no parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,24 @@ def decode_reply(head: bytes) -> ReplyHead:
     return ReplyHead(code, flag, tier, message_len, length)
 
 
-__all__ = ["HELLO", "MAGIC", "MAX_MESSAGE_BYTES", "MAX_TOKEN_BYTES", "NO_PARENT", "Op", "REPLY", "REQUEST",
-           "ReplyHead", "RequestHead", "TICKET_SIZE", "TicketHello", "WireError", "decode_hello", "decode_reply",
-           "decode_request", "encode_hello", "encode_reply", "encode_request"]
+__all__ = [
+    "HELLO",
+    "MAGIC",
+    "MAX_MESSAGE_BYTES",
+    "MAX_TOKEN_BYTES",
+    "NO_PARENT",
+    "Op",
+    "REPLY",
+    "REQUEST",
+    "ReplyHead",
+    "RequestHead",
+    "TICKET_SIZE",
+    "TicketHello",
+    "WireError",
+    "decode_hello",
+    "decode_reply",
+    "decode_request",
+    "encode_hello",
+    "encode_reply",
+    "encode_request",
+]

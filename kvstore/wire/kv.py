@@ -40,6 +40,7 @@ block_size, lora_id, medium, lora_name, ...]``, ``["BlockRemoved", block_hashes,
 ...]``, ``["AllBlocksCleared"]``.  Fields a decoder does not know are trailing elements,
 which array decoders skip, as map decoders skip unknown keys.
 """
+
 from __future__ import annotations
 
 import functools
@@ -73,9 +74,9 @@ class Kind(Enum):
 class Medium:
     """Where a tier keeps its objects, in vLLM's terms."""
 
-    medium: str                    # CPU | STORAGE
-    locality: str | None = None    # LOCAL | REMOTE, relative to the publisher
-    ownership: str | None = None   # which tier (None: the publisher's primary CPU pool)
+    medium: str  # CPU | STORAGE
+    locality: str | None = None  # LOCAL | REMOTE, relative to the publisher
+    ownership: str | None = None  # which tier (None: the publisher's primary CPU pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,20 +168,50 @@ def _struct(event: KVEvent, layout: EventLayout = EventLayout.MAP):
     m = event.medium or Medium(CPU)
     if event.kind is Kind.STORED:
         tokens = event.tokens.tolist() if event.tokens is not None else []
-        return stored([event.block_hash], event.parent_hash, tokens, len(tokens), None, m.medium, event.lora,
-                      group_idx=event.group_idx, locality=m.locality, ownership=m.ownership)
+        return stored(
+            [event.block_hash],
+            event.parent_hash,
+            tokens,
+            len(tokens),
+            None,
+            m.medium,
+            event.lora,
+            group_idx=event.group_idx,
+            locality=m.locality,
+            ownership=m.ownership,
+        )
     if event.kind is Kind.REMOVED:
-        return removed([event.block_hash], m.medium, group_idx=event.group_idx, locality=m.locality,
-                       ownership=m.ownership, reason=event.reason)
+        return removed(
+            [event.block_hash],
+            m.medium,
+            group_idx=event.group_idx,
+            locality=m.locality,
+            ownership=m.ownership,
+            reason=event.reason,
+        )
     return cleared()
 
 
-def encode_batch(events: Sequence[KVEvent], ts: float, epoch: int, dp_rank: int = 0,
-                 layout: EventLayout = EventLayout.MAP) -> bytes:
+def encode_batch(
+    events: Sequence[KVEvent], ts: float, epoch: int, dp_rank: int = 0, layout: EventLayout = EventLayout.MAP
+) -> bytes:
     """The msgpack payload of one batch (the third frame of a message)."""
     *_, batch, encoder = _structs(layout)
     return encoder.encode(batch(ts, [_struct(e, layout) for e in events], dp_rank, epoch))
 
 
-__all__ = ["CPU", "END_SEQ", "LOCAL", "REMOTE", "STORAGE", "Description", "EventLayout", "KVEvent", "Kind", "Medium",
-           "encode_batch", "new_epoch", "wire_hash"]
+__all__ = [
+    "CPU",
+    "END_SEQ",
+    "LOCAL",
+    "REMOTE",
+    "STORAGE",
+    "Description",
+    "EventLayout",
+    "KVEvent",
+    "Kind",
+    "Medium",
+    "encode_batch",
+    "new_epoch",
+    "wire_hash",
+]

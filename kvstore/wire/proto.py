@@ -1,6 +1,7 @@
 """Protobuf varints, for the few messages the store's client and server encode by hand
 (stream frames and the 512-key Lookup request; tests check them against protobuf's own
 encoding)."""
+
 from __future__ import annotations
 
 

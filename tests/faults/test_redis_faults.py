@@ -3,6 +3,7 @@ mid-put, the circuit breaker while Redis is down and after it is back, maxmemory
 noeviction and allkeys-lru, values corrupted by hand, wrong credentials, TLS, and an
 unreachable port.  A fault is a miss or a failed put, counted; never an exception out of a
 read or lookup, never wrong or partial bytes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,7 @@ async def wait_for(cond, timeout: float) -> float:
 
 
 # --- kill -9 -------------------------------------------------------------------------------
+
 
 async def test_kill_mid_get_is_a_miss_and_opens_the_breaker(redis_factory):
     server = redis_factory()
@@ -100,7 +102,7 @@ async def test_kill_mid_put_never_leaves_a_partial_object(redis_factory):
     for key in visible:  # any visible manifest reads back whole and verified
         got = await read_back(reader, key, size)
         assert got is not None and np.array_equal(got, make_object(key, size))
-    for key in keys[len(visible) + 1:]:
+    for key in keys[len(visible) + 1 :]:
         assert await read_back(reader, key, size) is None
     s = reader.stats()
     assert (s.corrupt, s.extra["lost"]) == (0, 0)
@@ -121,8 +123,9 @@ async def test_breaker_answers_misses_without_the_network_while_down_and_closes_
     assert await read_back(tier, keys[0], 2 * PART) is None
     assert not await tier.contains(keys[0]) and await tier.present(keys) == [False] * 8
     assert tier.stats().extra["round_trips"] == trips  # answered without touching the network
-    assert await put_bytes(tier, keys_of(1, 99)[0], memoryview(make_object(keys_of(1, 99)[0], 300))) \
-        is PutResult.NO_ROOM  # put_start refuses while the breaker is open
+    assert (
+        await put_bytes(tier, keys_of(1, 99)[0], memoryview(make_object(keys_of(1, 99)[0], 300))) is PutResult.NO_ROOM
+    )  # put_start refuses while the breaker is open
     s = tier.stats()
     assert (s.extra["breaker_opened"], s.extra["breaker_open"]) == (1, 1.0)
     assert s.extra["breaker_rejected"] >= 200
@@ -138,6 +141,7 @@ async def test_breaker_answers_misses_without_the_network_while_down_and_closes_
 
 
 # --- maxmemory -----------------------------------------------------------------------------
+
 
 async def test_noeviction_full_puts_fail_cleanly_and_earlier_objects_stay(redis_factory):
     server = redis_factory(maxmemory="6mb", maxmemory_policy="noeviction")
@@ -192,6 +196,7 @@ async def test_allkeys_lru_evicted_parts_are_detected_counted_and_cleaned(redis_
 
 
 # --- damage by hand ------------------------------------------------------------------------
+
 
 async def test_part_corrupted_by_hand_is_a_counted_miss_and_deleted(redis_server):
     tier = await open_redis_tier(redis_server.url)
@@ -250,6 +255,7 @@ async def test_object_verifying_under_another_key_is_corrupt(redis_server, size)
 
 # --- opening: credentials, TLS, unreachable -----------------------------------------------
 
+
 async def test_wrong_password_is_a_config_error_naming_user_not_password(redis_factory):
     server = redis_factory(password="right-pass")
     with pytest.raises(ConfigError) as err:
@@ -294,8 +300,12 @@ async def test_tls_with_self_signed_ca_works_and_plain_client_fails_clearly(redi
 
 async def test_mutual_tls_with_client_certificate(redis_factory, tls_files):
     server = redis_factory(tls=tls_files, tls_auth_clients=True)
-    tier = await open_redis_tier(server.url, tls_ca=str(tls_files.ca_cert), tls_cert=str(tls_files.client_cert),
-                           tls_key=str(tls_files.client_key))
+    tier = await open_redis_tier(
+        server.url,
+        tls_ca=str(tls_files.ca_cert),
+        tls_cert=str(tls_files.client_cert),
+        tls_key=str(tls_files.client_key),
+    )
     assert await tier.lookup(keys_of(2, 13)) == 0
     await tier.aclose()
     with pytest.raises((ConfigError, TierUnavailableError)):

@@ -4,6 +4,7 @@ Each example asserts the exact status code.  After each test the server must sti
 valid round trip, the objects stored at the start must read back intact, and memory must be
 back at its baseline: no puts in flight, no leases, host ``bytes_used`` unchanged.
 """
+
 import functools
 
 import grpc
@@ -21,8 +22,9 @@ OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED, NOT_FOUND = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 MAX_KEYS, MAX_OBJECT, HOST = 64, 48 * MiB, 32 * MiB
-FUZZ = settings(max_examples=50, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 digest = st.binary(min_size=32, max_size=32)
 any_bytes = st.binary(max_size=40)
 tags = st.one_of(st.sampled_from(["r0", "tp3_pp1", "x" * 32, "x" * 33, "r0\n", "", "é", "a b"]), st.text(max_size=40))
@@ -39,9 +41,19 @@ def valid_tag(tag: str) -> bool:
 
 @pytest.fixture(scope="module")
 def store(store_process):
-    return store_process("--host-capacity", str(HOST), "--max-keys-per-call", str(MAX_KEYS),
-                         "--max-object-bytes", str(MAX_OBJECT), "--max-message-bytes", "2MiB", "--frame-bytes", "1MiB",
-                         name="bad-input")
+    return store_process(
+        "--host-capacity",
+        str(HOST),
+        "--max-keys-per-call",
+        str(MAX_KEYS),
+        "--max-object-bytes",
+        str(MAX_OBJECT),
+        "--max-message-bytes",
+        "2MiB",
+        "--frame-bytes",
+        "1MiB",
+        name="bad-input",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +94,7 @@ def still_serving(client, stored, baseline, objects):
     assert client.get_shm(key, out) == 5000 and bytes(out[:5000]) == bytes(objects.make(key, 5000, seed=9))
     assert client.delete(key)
     for key, want in stored:
-        assert client.get_stream(key, out) == len(want) and bytes(out[:len(want)]) == want
+        assert client.get_stream(key, out) == len(want) and bytes(out[: len(want)]) == want
     counters = client.stats()[1]
     assert counters["puts_in_flight"] == 0 and counters["leases_held"] == 0
     assert counters["host.bytes_used"] == baseline and counters["host.pending"] == 0
@@ -95,8 +107,7 @@ def key_code(namespace: bytes, chunk_hash: bytes, tag: str) -> grpc.StatusCode:
 
 
 @FUZZ
-@given(namespace=st.one_of(digest, any_bytes), hashes=st.lists(st.one_of(digest, any_bytes), max_size=6),
-       tag=tags)
+@given(namespace=st.one_of(digest, any_bytes), hashes=st.lists(st.one_of(digest, any_bytes), max_size=6), tag=tags)
 def test_lookup_malformed_keys(client, namespace, hashes, tag):
     request = pb.LookupRequest(namespace=namespace, chunk_hashes=hashes, tag=tag)
     ok = len(namespace) == 32 and valid_tag(tag) and all(len(h) == 32 for h in hashes)
@@ -113,8 +124,12 @@ def test_too_many_keys_or_lease_ids(client, n, n_ids):
 
 
 @FUZZ
-@given(namespace=st.one_of(digest, any_bytes), chunk_hash=st.one_of(digest, any_bytes), tag=tags,
-       lease_ms=st.sampled_from([0, 1, 2**32 - 1]))
+@given(
+    namespace=st.one_of(digest, any_bytes),
+    chunk_hash=st.one_of(digest, any_bytes),
+    tag=tags,
+    lease_ms=st.sampled_from([0, 1, 2**32 - 1]),
+)
 def test_get_getstream_delete_malformed_keys(client, namespace, chunk_hash, tag, lease_ms):
     expected = key_code(namespace, chunk_hash, tag)
     fields = {"namespace": namespace, "chunk_hash": chunk_hash, "tag": tag}
@@ -130,15 +145,24 @@ def test_get_getstream_delete_malformed_keys(client, namespace, chunk_hash, tag,
 def _raw(store_target: str, method: str):
     """A raw unary call carrying this user's default token (kvstore.localtoken), as clients do."""
     channel = grpc.insecure_channel(store_target)
-    call = channel.unary_unary(f"/kvstore.v1.KVStore/{method}", request_serializer=lambda raw: raw,
-                               response_deserializer=lambda raw: raw)
+    call = channel.unary_unary(
+        f"/kvstore.v1.KVStore/{method}", request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+    )
     token = local_token()
     return channel, functools.partial(call, metadata=(("authorization", f"Bearer {token}"),) if token else None)
 
 
-UNARY = {"Hello": pb.HelloRequest, "Lookup": pb.LookupRequest, "Get": pb.GetRequest,
-         "PutStart": pb.PutStartRequest, "PutCommit": pb.PutCommitRequest, "Delete": pb.DeleteRequest,
-         "RenewLease": pb.RenewLeaseRequest, "ReleaseLease": pb.ReleaseLeaseRequest, "Stats": pb.StatsRequest}
+UNARY = {
+    "Hello": pb.HelloRequest,
+    "Lookup": pb.LookupRequest,
+    "Get": pb.GetRequest,
+    "PutStart": pb.PutStartRequest,
+    "PutCommit": pb.PutCommitRequest,
+    "Delete": pb.DeleteRequest,
+    "RenewLease": pb.RenewLeaseRequest,
+    "ReleaseLease": pb.ReleaseLeaseRequest,
+    "Stats": pb.StatsRequest,
+}
 
 
 @FUZZ
@@ -171,13 +195,21 @@ def test_tags_that_are_not_utf8(store, method, tag):
 
 
 @FUZZ
-@given(size=st.one_of(st.integers(0, 255), st.integers(256, 4 * MiB), st.integers(HOST + 1, MAX_OBJECT),
-                      st.integers(MAX_OBJECT + 1, 2**64 - 1)),
-       parent=st.one_of(st.just(b""), digest, any_bytes), seed=st.integers(0, 2**32 - 1))
+@given(
+    size=st.one_of(
+        st.integers(0, 255),
+        st.integers(256, 4 * MiB),
+        st.integers(HOST + 1, MAX_OBJECT),
+        st.integers(MAX_OBJECT + 1, 2**64 - 1),
+    ),
+    parent=st.one_of(st.just(b""), digest, any_bytes),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_put_start_sizes_and_parents(client, size, parent, seed):
     key = random_key(np.random.default_rng([seed, 1]))
-    request = pb.PutStartRequest(size=size, parent_hash=parent, session=client.open_session().session_id,
-                                 **key_fields(key))
+    request = pb.PutStartRequest(
+        size=size, parent_hash=parent, session=client.open_session().session_id, **key_fields(key)
+    )
     if len(parent) not in (0, 32) or size < 256:
         expected = INVALID
     elif size > MAX_OBJECT or size > HOST:  # larger than allowed, or than the pool can ever hold
@@ -198,8 +230,11 @@ def test_put_start_sizes_and_parents(client, size, parent, seed):
 
 
 @FUZZ
-@given(ids=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=MAX_KEYS),
-       lease_ms=st.integers(0, 2**32 - 1), abort=st.booleans())
+@given(
+    ids=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=MAX_KEYS),
+    lease_ms=st.integers(0, 2**32 - 1),
+    abort=st.booleans(),
+)
 def test_unknown_lease_and_put_ids(client, ids, lease_ms, abort):
     assert list(client.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=ids)).valid) == [False] * len(ids)
     renew = pb.RenewLeaseRequest(lease_id=ids[0], lease_ms=lease_ms)
@@ -212,8 +247,14 @@ DAMAGE = ["payload", "header", "wrong_key", "announced_size"]
 
 
 @FUZZ
-@given(size=st.integers(257, 256 * KiB), where=st.floats(0, 1, exclude_max=True), xor=st.integers(1, 255),
-       damage=st.sampled_from(DAMAGE), path=st.sampled_from(["shm", "stream"]), seed=st.integers(0, 2**32 - 1))
+@given(
+    size=st.integers(257, 256 * KiB),
+    where=st.floats(0, 1, exclude_max=True),
+    xor=st.integers(1, 255),
+    damage=st.sampled_from(DAMAGE),
+    path=st.sampled_from(["shm", "stream"]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_commits_of_damaged_objects_fail_cleanly(client, objects, size, where, xor, damage, path, seed):
     rng = np.random.default_rng([seed, 2])
     key = random_key(rng)
@@ -231,7 +272,7 @@ def test_commits_of_damaged_objects_fail_cleanly(client, objects, size, where, x
     if path == "shm":
         start = client.put_start(key, announced)
         assert start.outcome == pb.PUT_OUTCOME_UNSPECIFIED
-        client.segment[start.offset:start.offset + size] = np.frombuffer(obj, np.uint8)
+        client.segment[start.offset : start.offset + size] = np.frombuffer(obj, np.uint8)
         commit = pb.PutCommitRequest(put_id=start.put_id)
         assert rpc_code(lambda: client.call("PutCommit", commit)) == PRECONDITION
         assert rpc_code(lambda: client.call("PutCommit", commit)) == NOT_FOUND  # the slot is gone
@@ -243,12 +284,16 @@ def test_commits_of_damaged_objects_fail_cleanly(client, objects, size, where, x
 
 
 @FUZZ
-@given(size=st.integers(300, 300 * KiB), delta=st.integers(-299, 64 * KiB).filter(lambda d: d != 0),
-       frame=st.integers(4 * KiB, 128 * KiB), seed=st.integers(0, 2**32 - 1))
+@given(
+    size=st.integers(300, 300 * KiB),
+    delta=st.integers(-299, 64 * KiB).filter(lambda d: d != 0),
+    frame=st.integers(4 * KiB, 128 * KiB),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_put_stream_with_too_few_or_too_many_bytes(client, objects, size, delta, frame, seed):
     key = random_key(np.random.default_rng([seed, 1]))
     obj = objects.make(key, size + max(delta, 0), seed=seed)
-    sent = memoryview(obj)[:size + delta]
+    sent = memoryview(obj)[: size + delta]
     code = rpc_code(lambda: client.put_frames(stream_frames(key, sent, frame=frame, size=size)))
     assert code == INVALID
     assert client.lookup([key]).hits == 0

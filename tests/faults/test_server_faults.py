@@ -11,6 +11,7 @@ Disk full is a real 4 MiB tmpfs mounted by the test (this runs as root here).  W
 ignores SIGXFSZ, so every write past the limit fails with EFBIG, as a full disk fails with
 ENOSPC; both reach the SSD tier as an OSError during the write.
 """
+
 import os
 import resource
 import signal
@@ -84,8 +85,7 @@ def full_disk(tmp_path):
     """A 4 MiB tmpfs at ``tmp_path/ssd`` ("tmpfs"), or None when mounting is refused."""
     mnt = tmp_path / "ssd"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
     yield mnt if done.returncode == 0 else None
     if done.returncode == 0:
         subprocess.run(["umount", str(mnt)], check=True)
@@ -100,8 +100,12 @@ def test_full_ssd_puts_land_in_host_and_reads_continue(tmp_path, objects, full_d
     ssd = tmp_path / "ssd"
     size, n = 1 * MiB + 4 * KiB, 8  # four of these cannot fit in 4 MiB
     keys = chain_keys(np.random.default_rng(100), n)
-    with StoreProcess(tmp_path / "work", "--host-capacity", "64MiB", "--ssd-dir", str(ssd),
-                      "--ssd-capacity", "1GiB") as proc, StoreClient(proc.target) as c:
+    with (
+        StoreProcess(
+            tmp_path / "work", "--host-capacity", "64MiB", "--ssd-dir", str(ssd), "--ssd-capacity", "1GiB"
+        ) as proc,
+        StoreClient(proc.target) as c,
+    ):
         if how == "rlimit_fsize":
             resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (512 * KiB, 512 * KiB))
         for i, key in enumerate(keys):
@@ -133,7 +137,7 @@ def test_sigterm_drains_inflight_stream_and_removes_the_shm_socket(tmp_path, obj
     try:
         with StoreClient(proc.target) as c:
             assert c.put_stream(key, send.make(key, size, seed=2)) == pb.PUT_OUTCOME_STORED
-            segment = c.hello().shm_socket   # the pools have no name; the gate's socket has
+            segment = c.hello().shm_socket  # the pools have no name; the gate's socket has
         assert Path(segment).is_socket()
         with StoreClient(proc.target, options=SLOW_READER) as slow:
             watch = health_pb2_grpc.HealthStub(slow.channel).Watch(health_pb2.HealthCheckRequest(), timeout=30)
@@ -144,15 +148,18 @@ def test_sigterm_drains_inflight_stream_and_removes_the_shm_socket(tmp_path, obj
             assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
             watch.cancel()
             with StoreClient(proc.target) as late:  # no new calls once draining
+
                 def refused() -> bool:  # a fresh Hello each time (StoreClient.hello caches)
-                    return rpc_code(lambda: late.call("Hello", pb.HelloRequest(), timeout=5)) == \
-                        grpc.StatusCode.UNAVAILABLE
+                    return (
+                        rpc_code(lambda: late.call("Hello", pb.HelloRequest(), timeout=5))
+                        == grpc.StatusCode.UNAVAILABLE
+                    )
 
                 assert wait_until(refused, timeout=5)
             assert proc.running
             out = np.zeros(size, np.uint8)
             for frame in [first, *frames]:
-                out[frame.offset:frame.offset + len(frame.data)] = np.frombuffer(frame.data, np.uint8)
+                out[frame.offset : frame.offset + len(frame.data)] = np.frombuffer(frame.data, np.uint8)
         assert np.array_equal(out[256:], np.frombuffer(expect.make(key, size, seed=2), np.uint8)[256:])
         assert proc.terminate(timeout=15) == 0
         assert "kvstore serve: stopped" in proc.log_text()
@@ -222,14 +229,14 @@ def test_client_killed_holding_leases_they_expire_and_space_returns(tmp_path, ob
     send = objects[0]
     rng = np.random.default_rng(3)
     size = 2 * MiB
-    with StoreProcess(tmp_path, "--host-capacity", "8MiB", "--lease-ttl", "1") as proc, \
-            StoreClient(proc.target) as c:
+    with StoreProcess(tmp_path, "--host-capacity", "8MiB", "--lease-ttl", "1") as proc, StoreClient(proc.target) as c:
         keys = [random_key(rng) for _ in range(4)]
         for key in keys:
             assert c.put_shm(key, send.make(key, size)) == pb.PUT_OUTCOME_STORED
         args = [f"{bytes(k.namespace).hex()}:{bytes(k.chunk_hash).hex()}" for k in keys]
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(ROOT), proc.target, *args],
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(ROOT), proc.target, *args], stdout=subprocess.PIPE, text=True
+        )
         try:
             assert child.stdout.readline().strip() == "held 4"
             # (renewals outliving the TTL: tests/unit/test_server_core.py and test_server.py)
@@ -275,19 +282,21 @@ def test_client_killed_with_queued_releases_they_expire_and_pins_go(tmp_path, ob
     send = objects[0]
     rng = np.random.default_rng(4)
     size = 2 * MiB
-    with StoreProcess(tmp_path, "--host-capacity", "8MiB", "--lease-ttl", "1") as proc, \
-            StoreClient(proc.target) as c:
+    with StoreProcess(tmp_path, "--host-capacity", "8MiB", "--lease-ttl", "1") as proc, StoreClient(proc.target) as c:
         base = c.stats()[1]["host.bytes_used"]
         keys = [random_key(rng) for _ in range(4)]
         for key in keys:
             assert c.put_shm(key, send.make(key, size)) == pb.PUT_OUTCOME_STORED
-        child = subprocess.Popen([sys.executable, "-c", QUEUED, str(ROOT), proc.target, str(size),
-                                  *(bytes(k).hex() for k in keys)], stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", QUEUED, str(ROOT), proc.target, str(size), *(bytes(k).hex() for k in keys)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert child.stdout.readline().strip() == "read 4"
             counters = c.stats()[1]
             assert (counters["leases_held"], counters["host.refs_held"]) == (4, 4)
-            assert c.delete(keys[0])                                # hidden, but its slot pinned
+            assert c.delete(keys[0])  # hidden, but its slot pinned
             extra = random_key(rng)
             assert c.put_shm(extra, send.make(extra, size)) == pb.PUT_OUTCOME_NO_ROOM
             child.send_signal(signal.SIGKILL)
@@ -296,7 +305,7 @@ def test_client_killed_with_queued_releases_they_expire_and_pins_go(tmp_path, ob
             counters = c.stats()[1]
             assert (counters["leases_held"], counters["host.doomed"]) == (0, 0)
             assert counters["host.bytes_used"] == base + 3 * size
-            assert counters["leases_expired"] == 3      # the deleted object's lease ended with it
+            assert counters["leases_expired"] == 3  # the deleted object's lease ended with it
             assert c.put_shm(extra, send.make(extra, size)) == pb.PUT_OUTCOME_STORED
             assert c.lookup([extra]).hits == 1 and c.lookup([keys[0]]).hits == 0
         finally:

@@ -6,6 +6,7 @@ varying delays, then re-open the directory: every printed key must be present an
 every indexed object must verify, the index must equal the files, and no temp file may remain.
 (SIGKILL loses the process, not the page cache; power loss is not simulated here.)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ from tiers.ssd import SSDTier
 
 REPO = Path(__file__).resolve().parents[2]
 
-WRITER = textwrap.dedent('''
+WRITER = textwrap.dedent("""
     import asyncio, sys
     from kvstore.codec import HEADER_SIZE, ObjectGeometry, encode_into, object_size
     from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes
@@ -49,14 +50,15 @@ WRITER = textwrap.dedent('''
             parent = chunk
 
     asyncio.run(main(sys.argv[1], int(sys.argv[2])))
-''')
+""")
 
 
 def run_and_kill(script: Path, directory: Path, seed: int, commits: int, delay: float) -> list[str]:
     """Start the writer, SIGKILL it ``delay`` s after its ``commits``-th commit; keys it printed."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, str(script), str(directory), str(seed)],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(directory), str(seed)], stdout=subprocess.PIPE, text=True, env=env
+    )
     printed: list[str] = []
     watchdog = threading.Timer(60, proc.kill)  # a hung writer fails the test instead of hanging it
     watchdog.start()

@@ -1,6 +1,7 @@
 """The store core over a real redis-server that fails: killed (lookups and promotions are
 misses, the breaker counts them), or stopped with SIGSTOP (write-downs hang until the close
 gives up on them, releasing every host reference)."""
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ async def test_sized_lookup_asks_redis_twice_then_misses_once_it_is_killed(redis
             assert publish(store, k, i) is Offer.QUEUED
         assert await store.drain(10)
         for k in ks[1:4]:
-            store.host.delete_sync(k)            # host keeps chunk 0 only
+            store.host.delete_sync(k)  # host keeps chunk 0 only
         before = redis.stats().extra["round_trips"]
         found = await store.lookup(ks)
         assert found.tiers == ["host", "redis", "redis", "redis"] and found.sizes == [SIZE] * 4
@@ -58,11 +59,11 @@ async def test_sized_lookup_asks_redis_twice_then_misses_once_it_is_killed(redis
 async def test_close_gives_up_on_hanging_write_downs_and_releases_every_reference(redis_factory):
     server = redis_factory()
     store = await store_over(server, op_timeout_s=30)
-    os.kill(server.pid, signal.SIGSTOP)       # up, but never answers
+    os.kill(server.pid, signal.SIGSTOP)  # up, but never answers
     try:
         for i, k in enumerate(keys_of(NS, 3, seed=1)):
             assert publish(store, k, i) is Offer.QUEUED
-        assert not await store.drain(0.3)     # the first copy hangs, the others wait behind it
+        assert not await store.drain(0.3)  # the first copy hangs, the others wait behind it
         assert store.writer.copying == 2 and store.writer.in_flight == 3
         await store.settle(0.3)
         assert store.counters.write_down_abandoned == 3

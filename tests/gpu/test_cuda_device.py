@@ -6,6 +6,7 @@ fails after enqueuing copies reports its error only once those copies are done; 
 ``PagedKV`` moves pages between KV blocks on ``cuda:0`` and a pinned host pool exactly.
 Run with ``scripts/gpu-check.sh`` or ``pytest -m gpu tests/gpu``.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,7 +25,7 @@ from kvstore.codec import HEADER_SIZE  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 SLOW = 200_000_000  # GPU cycles of torch.cuda._sleep: long enough (~0.1 s) to expose a race
-N = 1 << 22         # floats per test buffer (16 MiB)
+N = 1 << 22  # floats per test buffer (16 MiB)
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 4, 32, 16, 4, 64
 NAMES = [f"layer.{i}" for i in range(LAYERS)]
 
@@ -61,8 +62,9 @@ def test_compute_sees_a_side_stream_copy_only_after_make_compute_wait(device):
 def test_synchronize_completes_every_event(device):
     src = torch.ones(N, device="cuda")
     host = torch.zeros(N, pin_memory=True)
-    events = [device.submit(lambda: (torch.cuda._sleep(SLOW // 4), host.copy_(src, non_blocking=True)))
-              for _ in range(3)]
+    events = [
+        device.submit(lambda: (torch.cuda._sleep(SLOW // 4), host.copy_(src, non_blocking=True))) for _ in range(3)
+    ]
     assert not any(e._done.is_set() for e in events)  # still running on the side stream
     assert device.synchronize()
     assert all(e._done.is_set() and e.ok for e in events)
@@ -89,8 +91,11 @@ def gpu_kv(fill: bool):
     """Flash-attention style per-layer ``[2, blocks, block_size, heads, head_dim]`` on cuda:0."""
     shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    buf = (torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16) if fill
-           else torch.zeros(shape, dtype=torch.bfloat16, device="cuda"))
+    buf = (
+        torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+        if fill
+        else torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    )
     return {name: buf[i] for i, name in enumerate(NAMES)}
 
 
@@ -98,8 +103,9 @@ def test_paged_gather_and_scatter_between_cuda_blocks_and_a_pinned_pool(device):
     src_ids, dst_ids = [5, 2, 9, 30], [0, 31, 7, 8]
     kv, empty = gpu_kv(True), gpu_kv(False)
     paged, dst = PagedKV(kv, NAMES, BLOCKS), PagedKV(empty, NAMES, BLOCKS)
-    pool = torch.zeros(HEADER_SIZE + LAYERS * len(src_ids) * paged.layout.page_bytes,
-                       dtype=torch.uint8, pin_memory=True)
+    pool = torch.zeros(
+        HEADER_SIZE + LAYERS * len(src_ids) * paged.layout.page_bytes, dtype=torch.uint8, pin_memory=True
+    )
     payload = paged.payload_view(pool, 0, len(src_ids))
 
     saved = device.submit(lambda: paged.gather(src_ids, payload))
@@ -134,6 +140,8 @@ def test_copy_bandwidth_is_reported(device, capsys):
     via_device = _median_seconds(lambda: device.submit(lambda: dev.copy_(host, non_blocking=True)).wait())
     d2h = _median_seconds(lambda: host.copy_(dev, non_blocking=True))
     with capsys.disabled():
-        print(f"\nH2D 32 MiB: plain copy_ {nbytes / limit / 1e9:.1f} GB/s, "
-              f"CudaDevice {nbytes / via_device / 1e9:.1f} GB/s ({limit / via_device:.0%}); "
-              f"D2H {nbytes / d2h / 1e9:.1f} GB/s")
+        print(
+            f"\nH2D 32 MiB: plain copy_ {nbytes / limit / 1e9:.1f} GB/s, "
+            f"CudaDevice {nbytes / via_device / 1e9:.1f} GB/s ({limit / via_device:.0%}); "
+            f"D2H {nbytes / d2h / 1e9:.1f} GB/s"
+        )

@@ -9,6 +9,7 @@ greedy tokens and logprobs; the connector was reset by the sleep (a new epoch, h
 emptied) and loaded nothing stored before it.  The gathers of the first answer were done
 before the sleep freed the KV (the workers drained them).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,14 @@ def test_sleep_and_wake_with_the_connector_keeps_outputs_and_loads_nothing_old(t
 
     model = tinymodel.build_named(tmp_path / "model", "tiny-f32")
     stats = tmp_path / "stats.json"
-    llm = LLM(model=str(model), skip_tokenizer_init=True, enable_sleep_mode=True, seed=0,
-              gpu_memory_utilization=0.2, kv_transfer_config=KVTransferConfig(
-                  **connector_config(tmp_path / "ssd", stats)))
+    llm = LLM(
+        model=str(model),
+        skip_tokenizer_init=True,
+        enable_sleep_mode=True,
+        seed=0,
+        gpu_memory_utilization=0.2,
+        kv_transfer_config=KVTransferConfig(**connector_config(tmp_path / "ssd", stats)),
+    )
     prompt = TokensPrompt(prompt_token_ids=[(7 * i + 3) % 1000 for i in range(900)])
     sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1, ignore_eos=True)
 
@@ -49,6 +55,6 @@ def test_sleep_and_wake_with_the_connector_keeps_outputs_and_loads_nothing_old(t
     assert after[0] == before[0]
     assert max(abs(a - b) for a, b in zip(after[1], before[1])) <= 1e-3
     s = json.loads(stats.read_text())
-    assert s["resets"]["total"] >= 1          # the sleep reset the connector
-    assert s["tokens_hit"] == 0               # nothing stored before the sleep was loaded
+    assert s["resets"]["total"] >= 1  # the sleep reset the connector
+    assert s["tokens_hit"] == 0  # nothing stored before the sleep was loaded
     assert s["failures"].get("cancelled_asleep", 0) == 0

@@ -2,6 +2,7 @@
 never call back), a paged KV in the HND layout on ``cuda:0`` and the shared host pool
 pinned with ``cudaHostRegister``.  The same stories run on the CPU under ``emulated-cuda``
 (tests/unit/test_worker_stream.py).  Run with ``scripts/gpu-check.sh``."""
+
 from __future__ import annotations
 
 import pytest

@@ -33,6 +33,7 @@ Phase ``main``:
 Phase ``restart`` (after the test restarted the store): the same pages read back through
 new backends (over the new store process, and over the reopened SSD directory).
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,7 +47,7 @@ from types import SimpleNamespace
 
 import torch
 
-PAGE = 4           # tokens per page
+PAGE = 4  # tokens per page
 LAYERS, HEADS, DIM = 3, 2, 8
 MODEL = "probe/tiny-model"
 TOKENS = list(range(1000, 1000 + 6 * PAGE))  # six pages
@@ -59,9 +60,19 @@ def _error(exc: BaseException) -> dict:
 def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-                                is_page_first_layout=False, model_name=MODEL, extra_config=dict(extra))
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name=MODEL,
+        extra_config=dict(extra),
+    )
 
 
 def backend(extra: dict):
@@ -79,11 +90,21 @@ def host_pool(layout: str, seed: int = 0):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    device = MHATokenToKVPool(16 * PAGE, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False,
-                              start_layer=0, end_layer=LAYERS - 1)
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout,
-                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS - 1, write_back_staging=device.hicache_write_back_staging)
+    device = MHATokenToKVPool(
+        16 * PAGE, PAGE, torch.float16, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS - 1
+    )
+    host = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2,
+        0,
+        PAGE,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        write_back_staging=device.hicache_write_back_staging,
+    )
     gen = torch.Generator().manual_seed(seed)
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=gen).to(host.kv_buffer.dtype))
     return host
@@ -98,10 +119,12 @@ def page_keys(tokens=TOKENS) -> list[str]:
 def pages_equal(pool, a: torch.Tensor, b: torch.Tensor) -> list[bool]:
     def page(idx: torch.Tensor, i: int) -> torch.Tensor:
         return pool.get_data_page(int(idx[i * PAGE]), flat=True)
+
     return [torch.equal(page(a, i), page(b, i)) for i in range(len(a) // PAGE)]
 
 
 # --- parts ------------------------------------------------------------------------------------------
+
 
 def env_part() -> dict:
     import sglang
@@ -117,25 +140,47 @@ def interface_part() -> dict:
     def owner(name: str) -> str:
         cls = next(c for c in KVStoreHiCache.__mro__ if name in c.__dict__)
         return f"{cls.__module__}.{cls.__qualname__}"
-    api = ["get", "batch_get", "set", "batch_set", "exists", "batch_exists", "batch_get_v1", "batch_set_v1",
-           "batch_exists_v2", "batch_get_v2", "batch_set_v2", "register_mem_pool_host", "register_mem_host_pool_v2"]
-    return {"subclass": issubclass(KVStoreHiCache, HiCacheStorage),
-            "abstract": {name: owner(name) for name in sorted(HiCacheStorage.__abstractmethods__)},
-            "still_abstract": sorted(KVStoreHiCache.__abstractmethods__),
-            "defines": {name: owner(name) for name in api}}
+
+    api = [
+        "get",
+        "batch_get",
+        "set",
+        "batch_set",
+        "exists",
+        "batch_exists",
+        "batch_get_v1",
+        "batch_set_v1",
+        "batch_exists_v2",
+        "batch_get_v2",
+        "batch_set_v2",
+        "register_mem_pool_host",
+        "register_mem_host_pool_v2",
+    ]
+    return {
+        "subclass": issubclass(KVStoreHiCache, HiCacheStorage),
+        "abstract": {name: owner(name) for name in sorted(HiCacheStorage.__abstractmethods__)},
+        "still_abstract": sorted(KVStoreHiCache.__abstractmethods__),
+        "defines": {name: owner(name) for name in api},
+    }
 
 
 def factory_part(args: dict) -> dict:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    extra = {"backend_name": "kvstore", "module_path": "adapters.sglang_hicache.backend",
-             "class_name": "KVStoreHiCache", "host_capacity": "16MiB", **remote(args)}
+    extra = {
+        "backend_name": "kvstore",
+        "module_path": "adapters.sglang_hicache.backend",
+        "class_name": "KVStoreHiCache",
+        "host_capacity": "16MiB",
+        **remote(args),
+    }
     made = StorageBackendFactory.create_backend("dynamic", storage_config(extra), host_pool("layer_first"))
-    out = {"class": f"{type(made).__module__}.{type(made).__qualname__}",
-           "tiers": [t.name for t in made.store.tiers]}
+    out = {"class": f"{type(made).__module__}.{type(made).__qualname__}", "tiers": [t.name for t in made.store.tiers]}
     made.close()
-    for name, bad in {"engine_key": {**extra, "chunk_size": 256}, "no_lower_tier": {
-            k: v for k, v in extra.items() if k not in ("store_target", "store_token_file")}}.items():
+    for name, bad in {
+        "engine_key": {**extra, "chunk_size": 256},
+        "no_lower_tier": {k: v for k, v in extra.items() if k not in ("store_target", "store_token_file")},
+    }.items():
         try:
             StorageBackendFactory.create_backend("dynamic", storage_config(bad), None).close()
             out[name] = None
@@ -154,24 +199,43 @@ def cli_part(args: dict) -> dict:
     from sglang.srt.mem_cache.storage import StorageBackendFactory
     from sglang.srt.server_args import ServerArgs
 
-    extra = {"backend_name": "kvstore", "module_path": "adapters.sglang_hicache.backend",
-             "class_name": "KVStoreHiCache", "host_capacity": "16MiB", "hicache_storage_pass_prefix_keys": True,
-             **remote(args)}
+    extra = {
+        "backend_name": "kvstore",
+        "module_path": "adapters.sglang_hicache.backend",
+        "class_name": "KVStoreHiCache",
+        "host_capacity": "16MiB",
+        "hicache_storage_pass_prefix_keys": True,
+        **remote(args),
+    }
     path = Path(args["work"]) / "hicache.json"
     path.write_text(json.dumps(extra))
     out = {}
     for form, value in (("inline", json.dumps(extra)), ("file", f"@{path}")):
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
-        server = ServerArgs.from_cli_args(parser.parse_args([
-            "--model-path", MODEL, "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", value]))
+        server = ServerArgs.from_cli_args(
+            parser.parse_args(
+                [
+                    "--model-path",
+                    MODEL,
+                    "--enable-hierarchical-cache",
+                    "--hicache-storage-backend",
+                    "dynamic",
+                    "--hicache-storage-backend-extra-config",
+                    value,
+                ]
+            )
+        )
         parsed, *_ = HybridCacheController.parse_storage_backend_extra_config(
-            server.hicache_storage_backend_extra_config)
+            server.hicache_storage_backend_extra_config
+        )
         made = StorageBackendFactory.create_backend(server.hicache_storage_backend, storage_config(parsed), None)
-        out[form] = {"backend": server.hicache_storage_backend, "hierarchical": server.enable_hierarchical_cache,
-                     "class": f"{type(made).__module__}.{type(made).__qualname__}",
-                     "tiers": [t.name for t in made.store.tiers]}
+        out[form] = {
+            "backend": server.hicache_storage_backend,
+            "hierarchical": server.enable_hierarchical_cache,
+            "class": f"{type(made).__module__}.{type(made).__qualname__}",
+            "tiers": [t.name for t in made.store.tiers],
+        }
         made.close()
     return out
 
@@ -182,11 +246,16 @@ def keys_part() -> dict:
     keys = page_keys()
     changed = page_keys([TOKENS[0] + 1, *TOKENS[1:]])
     tail_changed = page_keys([*TOKENS[:-1], TOKENS[-1] + 1])
-    return {"keys": keys, "tokens": TOKENS, "page": PAGE, "hex64": all(len(k) == 64 and int(k, 16) >= 0 for k in keys),
-            "first_page_changed": [a != b for a, b in zip(keys, changed)],
-            "last_page_changed": [a != b for a, b in zip(keys, tail_changed)],
-            "object_names_are_keys": all(page_hash(k).hex() == k for k in keys),
-            "repeat_equal": page_keys() == keys}
+    return {
+        "keys": keys,
+        "tokens": TOKENS,
+        "page": PAGE,
+        "hex64": all(len(k) == 64 and int(k, 16) >= 0 for k in keys),
+        "first_page_changed": [a != b for a, b in zip(keys, changed)],
+        "last_page_changed": [a != b for a, b in zip(keys, tail_changed)],
+        "object_names_are_keys": all(page_hash(k).hex() == k for k in keys),
+        "repeat_equal": page_keys() == keys,
+    }
 
 
 def layouts_part(args: dict) -> dict:
@@ -198,8 +267,10 @@ def layouts_part(args: dict) -> dict:
         pool, be = host_pool(layout, seed=n), backend(extra)
         be.register_mem_pool_host(pool)
         src, dst, dst2 = pool.alloc(3 * PAGE), pool.alloc(3 * PAGE), pool.alloc(3 * PAGE)
-        row = {"other_layout_hits": be.batch_exists(written) if written else None,
-               "exists_before": be.batch_exists(keys[:3])}
+        row = {
+            "other_layout_hits": be.batch_exists(written) if written else None,
+            "exists_before": be.batch_exists(keys[:3]),
+        }
         pages = [pool.get_data_page(int(src[i * PAGE]), flat=True) for i in range(3)]
         row["batch_set"] = be.batch_set(keys[:3], pages)
         got = be.batch_get(keys[:3], [pool.get_dummy_flat_data_page() for _ in range(3)])
@@ -224,15 +295,21 @@ def controller_part(args: dict) -> dict:
     be = backend(remote(args, scope="controller"))
     be.register_mem_pool_host(pool)
     keys = page_keys()
-    ctl = SimpleNamespace(storage_backend=be, page_size=PAGE, storage_host_pool=pool, mem_pool_host=pool,
-                          prefetch_sync_queue=queue.Queue())
+    ctl = SimpleNamespace(
+        storage_backend=be,
+        page_size=PAGE,
+        storage_host_pool=pool,
+        mem_pool_host=pool,
+        prefetch_sync_queue=queue.Queue(),
+    )
     ctl.page_set_func = functools.partial(HiCacheController._generic_page_set, ctl)
     ctl._page_transfer_kv_batch = functools.partial(HiCacheController._page_transfer_kv_batch, ctl)
     src = pool.alloc(6 * PAGE)
     # pages 0-3 backed up, page 4 never, page 5 alone: a hole at 4
     HiCacheController._page_backup(ctl, StorageOperation(src[: 4 * PAGE], TOKENS[: 4 * PAGE], hash_value=keys[:4]))
-    HiCacheController._page_backup(ctl, StorageOperation(src[5 * PAGE:], TOKENS[5 * PAGE:], hash_value=keys[5:],
-                                                         prefix_keys=keys[:5]))
+    HiCacheController._page_backup(
+        ctl, StorageOperation(src[5 * PAGE :], TOKENS[5 * PAGE :], hash_value=keys[5:], prefix_keys=keys[:5])
+    )
     out = {"exists_each": [be.exists(k) for k in keys]}
     hashes, hit_tokens = HiCacheController._storage_hit_query(ctl, PrefetchOperation("r1", TOKENS))
     out["hit_query"] = {"tokens": hit_tokens, "keys_equal": hashes == keys[: len(hashes)]}
@@ -255,8 +332,10 @@ def mamba_pool():
     from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
     gen = torch.Generator().manual_seed(3)
-    info = MambaStateBufferInfo(temporal=torch.randn(2, 8, 4, 4, generator=gen),
-                                conv=(torch.randn(2, 8, 3, 5, generator=gen).to(torch.bfloat16),))
+    info = MambaStateBufferInfo(
+        temporal=torch.randn(2, 8, 4, 4, generator=gen),
+        conv=(torch.randn(2, 8, 3, 5, generator=gen).to(torch.bfloat16),),
+    )
     host = MambaPoolHost(info, 2, 0, device_capacity=8, pin_memory=False, layout="page_first")
     for t in (host.temporal_buffer, *host.conv_buffer):
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
@@ -278,30 +357,47 @@ def pools_part(args: dict) -> dict:
         be.register_mem_host_pool_v2(swa, PoolName.SWA)
         be.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
         rec = out[label]
-        rec["set"] = be.batch_set_v2([
-            PoolTransfer(PoolName.KV, host_indices=kv_idx, keys=keys),
-            PoolTransfer(PoolName.SWA, host_indices=swa_idx[4 * PAGE:], keys=keys[4:]),
-            PoolTransfer(PoolName.MAMBA, host_indices=m_idx[2:3], keys=keys[2:3])])
+        rec["set"] = be.batch_set_v2(
+            [
+                PoolTransfer(PoolName.KV, host_indices=kv_idx, keys=keys),
+                PoolTransfer(PoolName.SWA, host_indices=swa_idx[4 * PAGE :], keys=keys[4:]),
+                PoolTransfer(PoolName.MAMBA, host_indices=m_idx[2:3], keys=keys[2:3]),
+            ]
+        )
         rec["set_mamba_5"] = be.batch_set_v2([PoolTransfer(PoolName.MAMBA, host_indices=m_idx[5:6], keys=keys[5:6])])
-        trailing = [PoolTransfer(PoolName.MAMBA, keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES),
-                    PoolTransfer(PoolName.SWA, keys=keys[:2], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
-        for case, transfers in {"kv_only": [], "mamba_trailing": trailing[:1], "swa_trailing": trailing[1:],
-                                "both_trailing": trailing,
-                                "swa_all_pages": [PoolTransfer(PoolName.SWA, keys=keys,
-                                                               hit_policy=PoolHitPolicy.ALL_PAGES)]}.items():
+        trailing = [
+            PoolTransfer(PoolName.MAMBA, keys=keys[:1], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(PoolName.SWA, keys=keys[:2], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        ]
+        for case, transfers in {
+            "kv_only": [],
+            "mamba_trailing": trailing[:1],
+            "swa_trailing": trailing[1:],
+            "both_trailing": trailing,
+            "swa_all_pages": [PoolTransfer(PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)],
+        }.items():
             r = be.batch_exists_v2(keys, transfers)
-            rec[case] = {"kv_hit_pages": r.kv_hit_pages,
-                         "extra": {str(k): v for k, v in sorted(r.extra_pool_hit_pages.items(), key=str)},
-                         "restorable": r.restorable_prefix_pages}
+            rec[case] = {
+                "kv_hit_pages": r.kv_hit_pages,
+                "extra": {str(k): v for k, v in sorted(r.extra_pool_hit_pages.items(), key=str)},
+                "restorable": r.restorable_prefix_pages,
+            }
         dst_m, dst_swa = mamba.alloc(2), swa.alloc(2 * PAGE)
-        got = be.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=dst_m, keys=[keys[2], keys[5]]),
-                               PoolTransfer(PoolName.SWA, host_indices=dst_swa, keys=keys[4:])])
+        got = be.batch_get_v2(
+            [
+                PoolTransfer(PoolName.MAMBA, host_indices=dst_m, keys=[keys[2], keys[5]]),
+                PoolTransfer(PoolName.SWA, host_indices=dst_swa, keys=keys[4:]),
+            ]
+        )
         rec["get"] = {str(k): v for k, v in got.items()}
-        rec["mamba_equal"] = [torch.equal(mamba.get_data_page(int(a)), mamba.get_data_page(int(b)))
-                              for a, b in zip([m_idx[2], m_idx[5]], dst_m)]
-        rec["swa_equal"] = pages_equal(swa, swa_idx[4 * PAGE:], dst_swa)
-        rec["missing_mamba"] = be.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=mamba.alloc(1),
-                                                             keys=keys[3:4])])["mamba"]
+        rec["mamba_equal"] = [
+            torch.equal(mamba.get_data_page(int(a)), mamba.get_data_page(int(b)))
+            for a, b in zip([m_idx[2], m_idx[5]], dst_m)
+        ]
+        rec["swa_equal"] = pages_equal(swa, swa_idx[4 * PAGE :], dst_swa)
+        rec["missing_mamba"] = be.batch_get_v2(
+            [PoolTransfer(PoolName.MAMBA, host_indices=mamba.alloc(1), keys=keys[3:4])]
+        )["mamba"]
     try:
         ours.batch_get_v2([PoolTransfer(PoolName.INDEXER, host_indices=kv_idx[:PAGE], keys=keys[:1])])
         out["unknown_pool"] = None
@@ -325,7 +421,8 @@ def tenants_part(args: dict) -> dict:
     out["b_get"] = [p is not None for p in bes["b"].batch_get(keys)]
     out["b_get_one"], out["a_get_one"] = bes["b"].get(keys[0]), bes["a"].get(keys[0])
     out["a_get_one"] = out["a_get_one"] is not None and torch.equal(
-        out["a_get_one"], pool.get_data_page(int(a_idx[0]), flat=True))
+        out["a_get_one"], pool.get_data_page(int(a_idx[0]), flat=True)
+    )
     other = pool.get_data_page(int(b_idx[0]), flat=True)
     out["other_scope_set_one"] = bes["a_other_scope"].set(keys[0], other)
     got = bes["a_other_scope"].get(keys[0], pool.get_dummy_flat_data_page())
@@ -341,9 +438,16 @@ def tenants_part(args: dict) -> dict:
 
 
 def persist_extras(args: dict) -> dict:
-    return {"store": remote(args, scope="persist"),
-            "ssd": {"ssd_dir": str(Path(args["work"]) / "own-ssd"), "ssd_capacity": "64MiB",
-                    "host_capacity": "16MiB", "keys_file": args["keys_file"], "scope": "persist"}}
+    return {
+        "store": remote(args, scope="persist"),
+        "ssd": {
+            "ssd_dir": str(Path(args["work"]) / "own-ssd"),
+            "ssd_capacity": "64MiB",
+            "host_capacity": "16MiB",
+            "keys_file": args["keys_file"],
+            "scope": "persist",
+        },
+    }
 
 
 def persist_part(args: dict, read: bool) -> dict:
@@ -354,8 +458,11 @@ def persist_part(args: dict, read: bool) -> dict:
         src = pool.alloc(3 * PAGE)
         if read:
             dst = pool.alloc(3 * PAGE)
-            out[name] = {"exists": be.batch_exists(out["keys"]), "get": be.batch_get_v1(out["keys"][:3], dst),
-                         "equal": pages_equal(pool, src, dst)}
+            out[name] = {
+                "exists": be.batch_exists(out["keys"]),
+                "get": be.batch_get_v1(out["keys"][:3], dst),
+                "equal": pages_equal(pool, src, dst),
+            }
         else:
             out[name] = {"set": be.batch_set_v1(out["keys"][:3], src)}
         be.close()
@@ -376,13 +483,23 @@ def run_parts(parts: dict) -> dict:
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    report = {"main": run_parts({
-        "env": env_part, "interface": interface_part, "factory": lambda: factory_part(args),
-        "cli": lambda: cli_part(args), "keys": keys_part,
-        "layouts": lambda: layouts_part(args), "controller": lambda: controller_part(args),
-        "pools": lambda: pools_part(args), "tenants": lambda: tenants_part(args),
-        "persist": lambda: persist_part(args, False)})}
-    print("RESTART", flush=True)   # the test restarts the store and answers its new address
+    report = {
+        "main": run_parts(
+            {
+                "env": env_part,
+                "interface": interface_part,
+                "factory": lambda: factory_part(args),
+                "cli": lambda: cli_part(args),
+                "keys": keys_part,
+                "layouts": lambda: layouts_part(args),
+                "controller": lambda: controller_part(args),
+                "pools": lambda: pools_part(args),
+                "tenants": lambda: tenants_part(args),
+                "persist": lambda: persist_part(args, False),
+            }
+        )
+    }
+    print("RESTART", flush=True)  # the test restarts the store and answers its new address
     args["target"] = json.loads(sys.stdin.readline())["target"]
     report["restart"] = run_parts({"persist": lambda: persist_part(args, True)})
     print(json.dumps(report, default=str))

@@ -9,6 +9,7 @@
   while its neighbour is served; an object sealed before a rotation is served after it and
   refused once its key id is retired.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,7 +47,7 @@ def test_an_object_forged_in_redis_under_tenant_as_key_is_a_counted_miss_and_rem
     keys_cli.export(deployment, "a", tmp_path / "a.keys")
     keys_cli.export(deployment, "b", tmp_path / "b.keys")
     rng = np.random.default_rng(7)
-    ns = Namespace(rng.bytes(32))                           # tenant a's namespace
+    ns = Namespace(rng.bytes(32))  # tenant a's namespace
     genuine, by_b, unsealed = (random_key(rng, namespace=ns) for _ in range(3))
 
     async def story():
@@ -54,12 +55,12 @@ def test_an_object_forged_in_redis_under_tenant_as_key_is_a_counted_miss_and_rem
         assert await a.put(genuine, memoryview(_obj(genuine, 1))) is PutResult.STORED
         await a.drain()
         await a.aclose()
-        b = await _engine(redis_server.url, tmp_path / "b.keys")   # b's engine, straight to Redis
+        b = await _engine(redis_server.url, tmp_path / "b.keys")  # b's engine, straight to Redis
         assert await b.put(by_b, memoryview(_obj(by_b, 2))) is PutResult.STORED
         await b.drain()
         raw = b.lower[0]
         forged = _obj(unsealed, 3)
-        codec.verify(forged, expected_key=unsealed)                 # a valid xxh3 checksum, no MAC
+        codec.verify(forged, expected_key=unsealed)  # a valid xxh3 checksum, no MAC
         assert await put_bytes(raw, unsealed, memoryview(forged)) is PutResult.STORED
         await b.aclose()
 
@@ -69,7 +70,7 @@ def test_an_object_forged_in_redis_under_tenant_as_key_is_a_counted_miss_and_rem
         out = memoryview(bytearray(SIZE))
         got = await reader.read_into(genuine, out)
         assert got is not None and got.tier == redis.name
-        assert bytes(out[codec.HEADER_SIZE:]) == _obj(genuine, 1)[codec.HEADER_SIZE:]
+        assert bytes(out[codec.HEADER_SIZE :]) == _obj(genuine, 1)[codec.HEADER_SIZE :]
         assert await reader.read_into(by_b, out) is None
         assert await reader.promote(unsealed) is None
         assert reader.counters.forged == {redis.name: 2}
@@ -82,12 +83,13 @@ def test_an_object_forged_in_redis_under_tenant_as_key_is_a_counted_miss_and_rem
 
 def _ssd_file(ssd_dir, scoped_key_matches):
     files = [p for p in ssd_dir.rglob("*.kv")]
-    return [p for p in files if scoped_key_matches(codec.decode_header(p.read_bytes()[:codec.HEADER_SIZE]))]
+    return [p for p in files if scoped_key_matches(codec.decode_header(p.read_bytes()[: codec.HEADER_SIZE]))]
 
 
 def _server(tmp_path, keys_file):
-    return StoreProcess(tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
-                        "--keys-file", str(keys_file))
+    return StoreProcess(
+        tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"), "--keys-file", str(keys_file)
+    )
 
 
 def test_an_ssd_object_rewritten_with_a_valid_checksum_is_refused_after_a_restart(tmp_path):
@@ -104,10 +106,10 @@ def test_an_ssd_object_rewritten_with_a_valid_checksum_is_refused_after_a_restar
     [path] = _ssd_file(tmp_path / "ssd", lambda h: h.key.chunk_hash == victim.chunk_hash)
     data = bytearray(path.read_bytes())
     header = codec.decode_header(data)
-    assert header.key_id == 1                                    # the store sealed it
-    data[codec.HEADER_SIZE + 100] ^= 0x55                        # the attacker's change...
+    assert header.key_id == 1  # the store sealed it
+    data[codec.HEADER_SIZE + 100] ^= 0x55  # the attacker's change...
     codec.encode_into(data, header.key, header.geometry, None, header.parent)  # ...a valid checksum
-    codec.set_mac(data, header.key_id, header.mac)               # ...and the old MAC
+    codec.set_mac(data, header.key_id, header.mac)  # ...and the old MAC
     codec.verify(data, expected_key=header.key)
     path.write_bytes(data)
 
@@ -135,16 +137,16 @@ def test_rotation_an_object_of_the_old_key_id_reads_until_that_id_is_retired(tmp
         proc.start()
         with StoreClient(proc.target) as c:
             out = np.zeros(SIZE, np.uint8)
-            assert c.get_stream(old, out) == SIZE and bytes(out) == _obj(old, 1)   # key id 1 still reads
+            assert c.get_stream(old, out) == SIZE and bytes(out) == _obj(old, 1)  # key id 1 still reads
             assert c.put_stream(new, memoryview(_obj(new, 2))) == pb.PUT_OUTCOME_STORED
             assert wait_until(lambda: c.stats()[1]["ssd.objects"] == 2)
         assert proc.terminate() == 0
-    ids = {codec.decode_header(p.read_bytes()[:codec.HEADER_SIZE]).key_id for p in (tmp_path / "ssd").rglob("*.kv")}
-    assert ids == {1, 2}                                          # new seals use the new id
+    ids = {codec.decode_header(p.read_bytes()[: codec.HEADER_SIZE]).key_id for p in (tmp_path / "ssd").rglob("*.kv")}
+    assert ids == {1, 2}  # new seals use the new id
     keys_cli.retire(keys, 1)
     with _server(tmp_path, keys).start() as proc, StoreClient(proc.target) as c:
         out = np.zeros(SIZE, np.uint8)
-        assert c.get_stream(old, out) is None                    # retired: refused
+        assert c.get_stream(old, out) is None  # retired: refused
         assert c.get_stream(new, out) == SIZE and bytes(out) == _obj(new, 2)
         assert c.stats()[1]["store.failures.ssd_forged"] == 1
 
@@ -167,7 +169,6 @@ def test_a_store_without_a_keys_file_makes_one_default_secret_and_keeps_it_acros
             assert "store.failures.ssd_forged" not in c.stats()[1]
 
 
-
 def test_a_tenants_object_moved_under_another_tenants_key_is_refused_by_the_store(tmp_path):
     """The store verifies with the keys of the tenant the key belongs to: tenant a's sealed
     object, rekeyed (valid checksum) and planted as tenant b's file, is refused for b."""
@@ -177,13 +178,26 @@ def test_a_tenants_object_moved_under_another_tenants_key_is_refused_by_the_stor
 
     keys = tmp_path / "keys.json"
     keys_cli.create(keys)
-    tokens = write_tokens(tmp_path / "tokens.yaml", [
-        {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
-        {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]},
-        {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}])
+    tokens = write_tokens(
+        tmp_path / "tokens.yaml",
+        [
+            {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
+            {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]},
+            {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]},
+        ],
+    )
     key = random_key(np.random.default_rng(14))
-    server = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
-                          "--keys-file", str(keys), "--auth-tokens", str(tokens))
+    server = StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "32MiB",
+        "--ssd-dir",
+        str(tmp_path / "ssd"),
+        "--keys-file",
+        str(keys),
+        "--auth-tokens",
+        str(tokens),
+    )
     with server.start() as proc:
         with StoreClient(proc.target, token="tok-a") as a:
             assert a.put_stream(key, memoryview(_obj(key, 1))) == pb.PUT_OUTCOME_STORED
@@ -192,12 +206,21 @@ def test_a_tenants_object_moved_under_another_tenants_key_is_refused_by_the_stor
     as_b = ObjectKey(key.namespace.scoped("b"), key.chunk_hash, key.tag)
     [path] = list((tmp_path / "ssd").rglob("*.kv"))
     data = bytearray(path.read_bytes())
-    codec.rekey(data, as_b)                                     # MAC kept, checksum valid
+    codec.rekey(data, as_b)  # MAC kept, checksum valid
     planted = object_path(tmp_path / "ssd", as_b)
     planted.parent.mkdir(parents=True, exist_ok=True)
     planted.write_bytes(data)
-    server = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
-                          "--keys-file", str(keys), "--auth-tokens", str(tokens))
+    server = StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "32MiB",
+        "--ssd-dir",
+        str(tmp_path / "ssd"),
+        "--keys-file",
+        str(keys),
+        "--auth-tokens",
+        str(tokens),
+    )
     with server.start() as proc:
         out = np.zeros(SIZE, np.uint8)
         with StoreClient(proc.target, token="tok-b") as b:

@@ -1,6 +1,7 @@
 """``kvstore bench redis`` end to end: it starts its own redis-server (or uses --redis URL),
 prints the house table and writes every row as JSON with its same-run limit and ratio.
 No speed is asserted (the machine is shared); the shape and the honesty of the rows are."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 EXPECTED = [
     (f"redis tier {op} {mb} MiB{suffix}", limit)
     for mb in (1, 4, 32)
-    for op, suffix, limit in (("put", "", "plain redis-py SET"), ("get", "", "plain redis-py GET"),
-                              ("put", " vs TCP", "loopback TCP put"), ("get", " vs TCP", "loopback TCP get"),
-                              *((("get", ": round trips", "one round trip"),) if mb == 1 else ()))
+    for op, suffix, limit in (
+        ("put", "", "plain redis-py SET"),
+        ("get", "", "plain redis-py GET"),
+        ("put", " vs TCP", "loopback TCP put"),
+        ("get", " vs TCP", "loopback TCP get"),
+        *((("get", ": round trips", "one round trip"),) if mb == 1 else ()),
+    )
 ] + [
     ("lookup 512 keys: round trips", "target"),
     ("lookup 512 keys: server commands", "target"),
@@ -25,8 +30,13 @@ EXPECTED = [
 
 
 def run_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore", "bench", "redis", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "redis", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bench_redis_writes_every_row_beside_its_limit(tmp_path):
@@ -36,12 +46,24 @@ def test_bench_redis_writes_every_row_beside_its_limit(tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["name"], r["limit_name"]) for r in rows] == EXPECTED
     for r in rows:
-        assert set(r) == {"name", "value", "unit", "limit_name", "limit_value", "better", "target",
-                          "ratio", "meets_target"}
+        assert set(r) == {
+            "name",
+            "value",
+            "unit",
+            "limit_name",
+            "limit_value",
+            "better",
+            "target",
+            "ratio",
+            "meets_target",
+        }
         assert r["value"] > 0 and r["limit_value"] > 0 and math.isfinite(r["value"])
         assert math.isclose(r["ratio"], r["value"] / r["limit_value"], rel_tol=1e-3)
-        met = None if r["target"] is None else (
-            r["ratio"] >= r["target"] if r["better"] == "higher" else r["ratio"] <= r["target"])
+        met = (
+            None
+            if r["target"] is None
+            else (r["ratio"] >= r["target"] if r["better"] == "higher" else r["ratio"] <= r["target"])
+        )
         assert r["meets_target"] == met
     by_name = {r["name"]: r for r in rows}
     for mb in (1, 4, 32):

@@ -14,6 +14,7 @@ mismatch.  Speed is never asserted.
 Cost: ~70-170 s on 2 shared cores: two server starts (30-70 s each) shared by the three
 workloads in one module-wide run; agent and rag add ~10-20 s to chat's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,11 +25,42 @@ import pytest
 from harness import bench_serve
 from harness.bench_serve.report import check
 
-SMALL = ["--setups", "none,ours", "--workload", "chat,agent,rag", "--sessions", "4", "--turns", "2",
-         "--system", "256", "--context", "256", "--message", "64", "--answer", "8", "--concurrency", "2",
-         "--blocks", "10", "--host-capacity", "16MiB",
-         "--tool", "64", "--forks", "1", "--pause", "0.1",  # agent
-         "--documents", "6", "--document", "128", "--per-prompt", "2"]  # rag
+SMALL = [
+    "--setups",
+    "none,ours",
+    "--workload",
+    "chat,agent,rag",
+    "--sessions",
+    "4",
+    "--turns",
+    "2",
+    "--system",
+    "256",
+    "--context",
+    "256",
+    "--message",
+    "64",
+    "--answer",
+    "8",
+    "--concurrency",
+    "2",
+    "--blocks",
+    "10",
+    "--host-capacity",
+    "16MiB",
+    "--tool",
+    "64",
+    "--forks",
+    "1",
+    "--pause",
+    "0.1",  # agent
+    "--documents",
+    "6",
+    "--document",
+    "128",
+    "--per-prompt",
+    "2",
+]  # rag
 # requests, later-turn requests, output tokens: chat 4x2; agent 4x2 + a fork's turn 2; rag 4 users x 2 rounds
 COUNTS = {"chat": (8, 4, 64), "agent": (9, 5, 72), "rag": (8, 4, 64)}
 
@@ -36,8 +68,9 @@ COUNTS = {"chat": (8, 4, 64), "agent": (9, 5, 72), "rag": (8, 4, 64)}
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory, tiny_f32_model):
     out = tmp_path_factory.mktemp("bench-serve")
-    rc = bench_serve.main([*SMALL, "--model-dir", str(tiny_f32_model), "--workdir", str(out / "work"),
-                           "--json", str(out / "serve.json")])
+    rc = bench_serve.main(
+        [*SMALL, "--model-dir", str(tiny_f32_model), "--workdir", str(out / "work"), "--json", str(out / "serve.json")]
+    )
     return rc, json.loads((out / "serve.json").read_text())
 
 

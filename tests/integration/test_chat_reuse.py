@@ -8,6 +8,7 @@ the stats count those hit tokens apart.  A new engine process then replays the c
 the SSD directory (the last answer's blocks were written down when engine 1's script ended).
 Every output must equal recompute: the same greedy tokens and logprobs within tolerance.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,13 @@ ANSWER = 260  # generated tokens per turn
 
 def chat(vocab: int) -> kit.Workload:
     g = kit.TokenSource(31, vocab)
-    return kit.Workload((kit.Request("turn-1", g.take(300)),
-                         kit.Request("turn-2", g.take(40), extends="turn-1"),
-                         kit.Request("turn-3", g.take(40), extends="turn-2")))
+    return kit.Workload(
+        (
+            kit.Request("turn-1", g.take(300)),
+            kit.Request("turn-2", g.take(40), extends="turn-1"),
+            kit.Request("turn-3", g.take(40), extends="turn-2"),
+        )
+    )
 
 
 def log(result: kit.EngineResult, stats: dict) -> dict[str, dict]:
@@ -51,14 +56,14 @@ def test_chat_turns_hit_through_earlier_answers(tmp_path):
     entries, lengths = log(result, stats), {r.label: r.prompt_len for r in result.requests}
     # turn 2 = turn 1's 300-token prompt + 260-token answer + 40: its whole blocks up to the
     # 559 tokens turn 1 computed (all but the last answer token) are stored.
-    assert entries["turn-2"]["hit_tokens"] == 512                      # 2 chunks (the 2nd: 212 generated)
+    assert entries["turn-2"]["hit_tokens"] == 512  # 2 chunks (the 2nd: 212 generated)
     assert entries["turn-2"]["generated_hit_tokens"] == 212
     assert entries["turn-3"]["hit_tokens"] == (lengths["turn-2"] + ANSWER - 1) // 128 * 128
     assert entries["turn-3"]["generated_hit_tokens"] >= 212 + ANSWER - 128
     assert stats["tokens_hit_generated"] == sum(e["generated_hit_tokens"] for e in entries.values())
     assert "generated_hit_share" in stats["rates"]
 
-    result, stats = runs["engine-2"]   # a new process: everything comes from the SSD directory
+    result, stats = runs["engine-2"]  # a new process: everything comes from the SSD directory
     entries = log(result, stats)
     for r in result.requests:
         assert entries[r.label]["hit_tokens"] == (r.prompt_len - 1) // 128 * 128, (r.label, entries[r.label])

@@ -1,4 +1,5 @@
 """The README's main job and the tier benchmark, run as a user runs them."""
+
 import json
 import subprocess
 import sys
@@ -8,8 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvstore", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_demo_reads_back_from_ssd_after_restart(tmp_path):
@@ -33,16 +35,36 @@ def test_demo_rejects_bad_capacity():
 
 def test_bench_tiers_rows_carry_limits(tmp_path):
     out = tmp_path / "rows.json"
-    proc = run_cli("bench", "tiers", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out),
-                   "--plot", str(tmp_path / "rows.png"))
+    proc = run_cli(
+        "bench",
+        "tiers",
+        "--repeat",
+        "1",
+        "--dir",
+        str(tmp_path),
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "rows.png"),
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
     names = {r["name"] for r in rows}
-    for expected in ("host put 32 MiB", "host get 28 MiB", "ssd write 32 MiB", "ssd cold read 28 MiB",
-                     "chained hash per 256-token chunk", "host index bytes per object",
-                     "MAC seal (keyed BLAKE3) 32 MiB", "MAC check (keyed BLAKE3) 32 MiB",
-                     "AES-256-GCM encrypt 32 MiB", "AES-256-GCM decrypt 32 MiB", "xxh3-128 checksum 32 MiB",
-                     "ssd hit 2 MiB encrypted, cold", "ssd hit 2 MiB encrypted, warm"):
+    for expected in (
+        "host put 32 MiB",
+        "host get 28 MiB",
+        "ssd write 32 MiB",
+        "ssd cold read 28 MiB",
+        "chained hash per 256-token chunk",
+        "host index bytes per object",
+        "MAC seal (keyed BLAKE3) 32 MiB",
+        "MAC check (keyed BLAKE3) 32 MiB",
+        "AES-256-GCM encrypt 32 MiB",
+        "AES-256-GCM decrypt 32 MiB",
+        "xxh3-128 checksum 32 MiB",
+        "ssd hit 2 MiB encrypted, cold",
+        "ssd hit 2 MiB encrypted, warm",
+    ):
         assert expected in names
     digest = {n.split(",")[0] for n in names if n.startswith("weight digest")}
     assert digest == {"weight digest 1 GiB cold", "weight digest 1 GiB warm"}

@@ -1,6 +1,7 @@
 """The Grafana dashboard (``deploy/grafana/kvstore.json``) shows only what we export: every
 metric of every panel's query is declared in ``/metrics``, the connector's (its Prometheus
 registry, as a vLLM engine process exposes it) or a real ``kvstore serve``'s."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,11 @@ def exported(text: str) -> set[str]:
 
 def queried(dashboard: dict) -> dict[str, set[str]]:
     """Panel title -> the metric names its queries use."""
-    return {p["title"]: {m for t in p["targets"] for m in METRIC.findall(t["expr"])}
-            for p in dashboard["panels"] if p["type"] != "row"}
+    return {
+        p["title"]: {m for t in p["targets"] for m in METRIC.findall(t["expr"])}
+        for p in dashboard["panels"]
+        if p["type"] != "row"
+    }
 
 
 def test_every_panel_metric_is_exported(tmp_path):
@@ -46,10 +50,19 @@ def test_every_panel_metric_is_exported(tmp_path):
     missing = {title: names - connector - server for title, names in panels.items() if names - connector - server}
     assert not missing, missing
     used = set().union(*panels.values())
-    for wanted in ("kvstore_hit_tokens_total", "kvstore_looked_up_tokens_total", "kvstore_bytes_total",
-                   "kvstore_stage_seconds_bucket", "kvstore_failures_total", "kvstore_breaker_open",
-                   "kvstore_server_breaker_open", "kvstore_server_leases_held", "kvstore_server_tenant_quota",
-                   "kvstore_server_lookup_keys_total", "kvstore_server_stage_seconds_bucket"):
+    for wanted in (
+        "kvstore_hit_tokens_total",
+        "kvstore_looked_up_tokens_total",
+        "kvstore_bytes_total",
+        "kvstore_stage_seconds_bucket",
+        "kvstore_failures_total",
+        "kvstore_breaker_open",
+        "kvstore_server_breaker_open",
+        "kvstore_server_leases_held",
+        "kvstore_server_tenant_quota",
+        "kvstore_server_lookup_keys_total",
+        "kvstore_server_stage_seconds_bucket",
+    ):
         assert wanted in used, wanted
 
 

@@ -8,6 +8,7 @@ installs it).  Traffic runs while Prometheus scrapes, so rates have several samp
 panel query, with Grafana's ``$__rate_interval`` as ``30s``, goes to the query API: every
 one must succeed, and the panels of counters that moved must return data.  Cost: about 25 s.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,18 @@ from tests.kits.store_calls import StoreClient
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvstore.json"
 # Panels whose metrics this traffic moves: each must return at least one series.
-MOVED = ("kvstore_hit_tokens_total", "kvstore_looked_up_tokens_total", "kvstore_requests_total",
-         "kvstore_load_decisions_total", "kvstore_bytes_total", "kvstore_stage_seconds_bucket",
-         "kvstore_server_lookup_keys_total", "kvstore_server_bytes_total", "kvstore_server_stage_seconds_bucket",
-         "kvstore_server_leases_held")
+MOVED = (
+    "kvstore_hit_tokens_total",
+    "kvstore_looked_up_tokens_total",
+    "kvstore_requests_total",
+    "kvstore_load_decisions_total",
+    "kvstore_bytes_total",
+    "kvstore_stage_seconds_bucket",
+    "kvstore_server_lookup_keys_total",
+    "kvstore_server_bytes_total",
+    "kvstore_server_stage_seconds_bucket",
+    "kvstore_server_leases_held",
+)
 
 
 def query(base: str, expr: str) -> dict:
@@ -55,13 +64,26 @@ def prometheus_server(tmp_path):
     def start(scrape: list[str]) -> str:
         port = free_port()
         config = tmp_path / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": f"job{i}", "static_configs": [{"targets": [t]}]}
-                               for i, t in enumerate(scrape)]}))
-        proc = subprocess.Popen(["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [
+                        {"job_name": f"job{i}", "static_configs": [{"targets": [t]}]} for i, t in enumerate(scrape)
+                    ],
+                }
+            )
+        )
+        proc = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=open(tmp_path / "prometheus.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         procs.append(proc)
         return f"http://127.0.0.1:{port}"
 
@@ -124,4 +146,4 @@ def test_every_panel_query_runs_on_a_real_prometheus(tmp_path, prometheus_server
     print(f"{len(panels)} panels; queries with no series yet (nothing of theirs moved): {sorted(set(empty))}")
     assert moved_seen == set(MOVED)
     assert query(base, "kvstore_hit_token_total_not_a_metric")["data"]["result"] == []  # what an empty answer is
-    assert query(base, "sum(rate(kvstore_requests_total[30s])")["status"] == "error"    # what a bad query is
+    assert query(base, "sum(rate(kvstore_requests_total[30s])")["status"] == "error"  # what a bad query is

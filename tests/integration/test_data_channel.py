@@ -2,6 +2,7 @@
 ``kvstore serve``: round trips of every size into the caller's buffer, how ``auto`` picks
 its plane (shm, else tcp, else gRPC streams), tenants, TLS with client certificates on the
 data port, and a server restarted under a client's pooled connections."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,7 @@ from tiers.base import PutResult
 
 KiB, MiB = 1 << 10, 1 << 20
 CHAIN = Chain(namespace("data-channel-test"))
-TOKENS = {"ta": ("a", ["read", "write", "shm"]), "tb": ("b", ["read", "write"]),
-          "ta-noshm": ("a", ["read", "write"])}
+TOKENS = {"ta": ("a", ["read", "write", "shm"]), "tb": ("b", ["read", "write"]), "ta-noshm": ("a", ["read", "write"])}
 
 
 def free_port() -> int:
@@ -41,8 +41,11 @@ def store(store_process):
 def tenant_store(tmp_path_factory):
     work = tmp_path_factory.mktemp("tenants")
     tokens = work / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [{"token": t, "tenant": ten, "permissions": perms}
-                                                 for t, (ten, perms) in TOKENS.items()]}))
+    tokens.write_text(
+        yaml.safe_dump(
+            {"tokens": [{"token": t, "tenant": ten, "permissions": perms} for t, (ten, perms) in TOKENS.items()]}
+        )
+    )
     proc = StoreProcess(work, "--host-capacity", "64MiB", "--auth-tokens", str(tokens)).start()
     yield proc
     assert proc.terminate(30) == 0
@@ -63,9 +66,9 @@ async def test_round_trip(store, size):
         assert await client.put(keys[1], obj, hashes[0]) is PutResult.EXISTS
         assert tuple(await client.lookup(keys[1:])) == (1, ("host",), (size,))
         assert await client.read_into(keys[1], memoryview(buf)) == size
-        assert np.array_equal(buf[:size], obj)              # header rekeyed back to our key
+        assert np.array_equal(buf[:size], obj)  # header rekeyed back to our key
         assert codec.decode_header(buf[:size]).parent == hashes[0]
-        assert not buf[size:].any()                         # nothing written past the object
+        assert not buf[size:].any()  # nothing written past the object
         assert await client.delete(keys[1]) is True
         assert await client.read_into(keys[1], memoryview(buf)) is None
         c = client.counters
@@ -144,7 +147,7 @@ async def test_auto_falls_back_to_streams_when_the_data_port_is_unreachable(tena
     try:
         async with await StoreClient.connect(target, token="ta-noshm", transport="auto") as c:
             assert not c.uses_shm and not c.uses_tcp and "127.0.0.2" in c.tcp_refusal
-            assert await c.put(keys[0], obj) is PutResult.STORED             # over gRPC streams
+            assert await c.put(keys[0], obj) is PutResult.STORED  # over gRPC streams
             assert await c.read_into(keys[0], memoryview(buf)) == MiB and np.array_equal(buf, obj)
             assert await c.delete(keys[0])
         with pytest.raises(TierUnavailableError, match="data channel 127.0.0.2"):
@@ -165,12 +168,14 @@ async def test_tenants_are_isolated_on_the_data_channel(tenant_store):
     keys = CHAIN.keys(1, seed=41)
     obj = CHAIN.seal(keys[0], 2 * MiB, 41)
     buf = np.empty(len(obj), np.uint8)
-    async with await StoreClient.connect(tenant_store.target, token="ta", transport="tcp") as a, \
-            await StoreClient.connect(tenant_store.target, token="tb", transport="tcp") as b:
+    async with (
+        await StoreClient.connect(tenant_store.target, token="ta", transport="tcp") as a,
+        await StoreClient.connect(tenant_store.target, token="tb", transport="tcp") as b,
+    ):
         assert (a.info.tenant, b.info.tenant) == ("a", "b") and a.uses_tcp and b.uses_tcp
         assert await a.put(keys[0], obj) is PutResult.STORED
-        assert await b.read_into(keys[0], memoryview(buf)) is None          # B cannot read it
-        assert await b.put(keys[0], obj) is PutResult.STORED                 # B's own copy
+        assert await b.read_into(keys[0], memoryview(buf)) is None  # B cannot read it
+        assert await b.put(keys[0], obj) is PutResult.STORED  # B's own copy
         assert await b.read_into(keys[0], memoryview(buf)) == len(obj) and np.array_equal(buf, obj)
         assert await a.delete(keys[0]) and await b.delete(keys[0])
 
@@ -179,8 +184,17 @@ async def test_tls_with_client_certificates_on_the_data_channel(tmp_path):
     from kvstore.testing.tls_files import make_tls_files
 
     tls = make_tls_files(tmp_path / "tls")
-    proc = StoreProcess(tmp_path, "--host-capacity", "64MiB", "--tls-cert", str(tls.cert),
-                        "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca_cert)).start()
+    proc = StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "64MiB",
+        "--tls-cert",
+        str(tls.cert),
+        "--tls-key",
+        str(tls.key),
+        "--tls-client-ca",
+        str(tls.ca_cert),
+    ).start()
     keys = CHAIN.keys(1, seed=42)
     obj = CHAIN.seal(keys[0], 8 * MiB + 3, 42)
     buf = np.empty(len(obj), np.uint8)
@@ -192,14 +206,14 @@ async def test_tls_with_client_certificates_on_the_data_channel(tmp_path):
             assert await client.read_into(keys[0], memoryview(buf)) == len(obj)
             assert np.array_equal(buf, obj)
             port = client.info.data_port
-        with RawData(port) as plain:                                 # plaintext on a TLS port
+        with RawData(port) as plain:  # plaintext on a TLS port
             plain.sock.sendall(b"KVD1" + bytes(34))
             assert plain.closed_by_server()
         no_cert = ssl.create_default_context(cafile=str(tls.ca_cert))
         with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
-            with RawData(port, tls=no_cert) as raw:                  # TLS without a client certificate
+            with RawData(port, tls=no_cert) as raw:  # TLS without a client certificate
                 raw.hello(bytes(32))
-        wrong_ca = ssl.create_default_context()                      # the system roots do not know it
+        wrong_ca = ssl.create_default_context()  # the system roots do not know it
         with pytest.raises(ssl.SSLError):
             RawData(port, tls=wrong_ca)
     finally:
@@ -210,8 +224,16 @@ async def test_restart_on_the_same_ports_reconnects_once(tmp_path):
     """Pooled connections die with the server; the next request fails on one before any
     reply byte and is retried once on a new connection (a new ticket) without an error."""
     listen, data = free_port(), free_port()
-    args = ("--listen", f"127.0.0.1:{listen}", "--data-port", str(data), "--host-capacity", "32MiB",
-            "--ssd-dir", str(tmp_path / "ssd"))
+    args = (
+        "--listen",
+        f"127.0.0.1:{listen}",
+        "--data-port",
+        str(data),
+        "--host-capacity",
+        "32MiB",
+        "--ssd-dir",
+        str(tmp_path / "ssd"),
+    )
     proc = StoreProcess(tmp_path, *args).start()
     keys = CHAIN.keys(1, seed=43)
     obj = CHAIN.seal(keys[0], 4 * MiB, 43)
@@ -220,10 +242,10 @@ async def test_restart_on_the_same_ports_reconnects_once(tmp_path):
         async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=10) as client:
             assert await client.put(keys[0], obj) is PutResult.STORED
             assert client.planes.data.opened == 1
-            assert proc.terminate(30) == 0                            # write-through to SSD first
+            assert proc.terminate(30) == 0  # write-through to SSD first
             proc.start()
             await client.rpc.channel.channel_ready()
-            assert await client.read_into(keys[0], memoryview(buf)) == len(obj)   # from SSD
+            assert await client.read_into(keys[0], memoryview(buf)) == len(obj)  # from SSD
             assert np.array_equal(buf, obj)
             assert (client.planes.data.retries, client.planes.data.opened) == (1, 2)
     finally:
@@ -238,11 +260,11 @@ async def test_a_new_data_port_after_restart_needs_a_refresh(tmp_path):
         async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=5) as client:
             old = client.info.data_port
             proc.terminate(30)
-            proc.start()                                               # same gRPC port, new data port
+            proc.start()  # same gRPC port, new data port
             await client.rpc.channel.channel_ready()
             with pytest.raises(TierUnavailableError, match="data channel"):
                 await client.read_into(keys[0], memoryview(buf))
-            await client.refresh()                                      # the breaker's probe does this
+            await client.refresh()  # the breaker's probe does this
             assert client.info.data_port != old and client.uses_tcp
             assert await client.read_into(keys[0], memoryview(buf)) is None
     finally:
@@ -259,7 +281,7 @@ async def test_sigterm_with_pooled_connections_drains_and_exits_cleanly(tmp_path
     buf = np.empty(len(obj), np.uint8)
     async with await StoreClient.connect(proc.target, transport="tcp", timeout_s=5) as client:
         assert await client.put(keys[0], obj) is PutResult.STORED
-        assert await client.read_into(keys[0], memoryview(buf)) == len(obj)   # a pooled connection
+        assert await client.read_into(keys[0], memoryview(buf)) == len(obj)  # a pooled connection
         assert await asyncio.to_thread(proc.terminate, 30) == 0
         assert "connection thread did not stop" not in proc.log_text()
         with pytest.raises(TierUnavailableError):

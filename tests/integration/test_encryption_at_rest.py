@@ -18,6 +18,7 @@
 
 Cost: about 6-15 s (six store starts, two redis-servers).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,16 +75,28 @@ def _redis_bytes(url: str) -> bytes:
 
 
 def _tokens(path, encrypt: dict[str, bool]):
-    doc = {"tokens": [{"token": f"tok-{t}", "tenant": t, "permissions": ["read", "write"]} for t in ("a", "b")]
-           + [{"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}],
-           "tenants": {t: {"encrypt": on} for t, on in encrypt.items()}}
+    doc = {
+        "tokens": [{"token": f"tok-{t}", "tenant": t, "permissions": ["read", "write"]} for t in ("a", "b")]
+        + [{"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}],
+        "tenants": {t: {"encrypt": on} for t, on in encrypt.items()},
+    }
     path.write_text(yaml.safe_dump(doc))
     return path
 
 
 def _server(tmp_path, keys, tokens, *extra: str) -> StoreProcess:
-    return StoreProcess(tmp_path, "--host-capacity", "32MiB", "--ssd-dir", str(tmp_path / "ssd"),
-                        "--keys-file", str(keys), "--auth-tokens", str(tokens), *extra)
+    return StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "32MiB",
+        "--ssd-dir",
+        str(tmp_path / "ssd"),
+        "--keys-file",
+        str(keys),
+        "--auth-tokens",
+        str(tokens),
+        *extra,
+    )
 
 
 def _get(proc, tenant: str, key: ObjectKey) -> bytes | None:
@@ -107,7 +120,7 @@ def _ops(proc) -> dict:
 def test_the_store_writes_no_plaintext_of_an_encrypting_tenant_to_ssd_or_redis(tmp_path, redis_server):
     keys = tmp_path / "keys.json"
     keys_cli.create(keys)
-    tokens = _tokens(tmp_path / "tokens.yaml", {"a": True})            # b: off, the default
+    tokens = _tokens(tmp_path / "tokens.yaml", {"a": True})  # b: off, the default
     rng = np.random.default_rng(21)
     ka, kb = random_key(rng), random_key(rng)
     server = _server(tmp_path, keys, tokens, "--redis", redis_server.url)
@@ -117,11 +130,11 @@ def test_the_store_writes_no_plaintext_of_an_encrypting_tenant_to_ssd_or_redis(t
         assert wait_until(lambda: _pattern("b") in _redis_bytes(redis_server.url))
         assert proc.terminate() == 0
     disk, mem = _ssd_bytes(tmp_path / "ssd"), _redis_bytes(redis_server.url)
-    assert _pattern("b") in disk and _pattern("b") in mem             # off: the search finds it
-    assert _pattern("a") not in disk and _pattern("a") not in mem     # on: nowhere at rest
+    assert _pattern("b") in disk and _pattern("b") in mem  # off: the search finds it
+    assert _pattern("a") not in disk and _pattern("a") not in mem  # on: nowhere at rest
     kc = random_key(rng)
-    with server.start() as proc:                                       # host pools empty: from SSD
-        assert asyncio.run(_through_the_store(proc, ka)) == _obj(ka, "a")[codec.HEADER_SIZE:]
+    with server.start() as proc:  # host pools empty: from SSD
+        assert asyncio.run(_through_the_store(proc, ka)) == _obj(ka, "a")[codec.HEADER_SIZE :]
         asyncio.run(_engine_over_the_store(proc, tmp_path, keys, kc))
         assert _get(proc, "a", kc) == _obj(kc, "c")
         assert _get(proc, "a", ka) == _obj(ka, "a")
@@ -129,7 +142,7 @@ def test_the_store_writes_no_plaintext_of_an_encrypting_tenant_to_ssd_or_redis(t
         assert proc.terminate() == 0
     for p in (tmp_path / "ssd").rglob("*.kv"):
         p.unlink()
-    with server.start() as proc:                                       # SSD copies gone: from Redis
+    with server.start() as proc:  # SSD copies gone: from Redis
         assert _get(proc, "a", ka) == _obj(ka, "a")
         assert _get(proc, "b", kb) == _obj(kb, "b")
         assert _ops(proc).get("store.failures.redis_forged", 0) == 0
@@ -149,7 +162,7 @@ async def _through_the_store(proc, key: ObjectKey) -> bytes:
         out = memoryview(bytearray(SIZE + codec.AEAD_OVERHEAD))
         got = await core.read_into(key, out)
         assert got is not None and got.tier == "host" and got.length == SIZE
-        return bytes(out[codec.HEADER_SIZE:SIZE])
+        return bytes(out[codec.HEADER_SIZE : SIZE])
     finally:
         await core.aclose()
 
@@ -161,9 +174,13 @@ async def _engine_over_the_store(proc, tmp_path, keys, key: ObjectKey) -> None:
     from kvstore.store.registry import open_tiers
 
     ring = integrity.load_keys(keys).keyring("a").encrypting(True)
-    tiers = await open_tiers([("host:", {"capacity": 8 * MiB, "pin": False}),
-                              (f"ssd:{tmp_path / 'own'}", {"capacity": 8 * MiB}),
-                              (f"kvstore://{proc.target}", {"transport": "stream", "token": "tok-a"})])
+    tiers = await open_tiers(
+        [
+            ("host:", {"capacity": 8 * MiB, "pin": False}),
+            (f"ssd:{tmp_path / 'own'}", {"capacity": 8 * MiB}),
+            (f"kvstore://{proc.target}", {"transport": "stream", "token": "tok-a"}),
+        ]
+    )
     core = TieredStore(tiers[0], tiers[1:], keys=lambda _k: ring)
     try:
         assert await core.put(key, memoryview(_obj(key, "c"))) is PutResult.STORED
@@ -181,9 +198,9 @@ def _replace_payload(path, payload: bytes) -> None:
     data = bytearray(path.read_bytes())
     header = codec.decode_header(data)
     assert header.encrypted and len(payload) == header.stored_len
-    data[codec.HEADER_SIZE:] = payload
+    data[codec.HEADER_SIZE :] = payload
     data[: codec.HEADER_SIZE] = codec.with_payload(header, True, header.stored_len, codec.checksum(payload))
-    codec.verify(data, expected_key=header.key)                        # damage checks pass
+    codec.verify(data, expected_key=header.key)  # damage checks pass
     path.write_bytes(data)
 
 
@@ -200,9 +217,11 @@ def test_tampered_or_moved_ciphertexts_are_refused_and_rotation_keeps_old_object
         _put(proc, "b", kb, "b", 5)
         assert proc.terminate() == 0
     ssd = tmp_path / "ssd"
-    path = {k: object_path(ssd, ObjectKey(k.namespace.scoped(t), k.chunk_hash, k.tag))
-            for k, t in ((flipped, "a"), (moved, "a"), (from_b, "a"), (kept, "a"), (kb, "b"))}
-    stored = {k: p.read_bytes()[codec.HEADER_SIZE:] for k, p in path.items()}
+    path = {
+        k: object_path(ssd, ObjectKey(k.namespace.scoped(t), k.chunk_hash, k.tag))
+        for k, t in ((flipped, "a"), (moved, "a"), (from_b, "a"), (kept, "a"), (kb, "b"))
+    }
+    stored = {k: p.read_bytes()[codec.HEADER_SIZE :] for k, p in path.items()}
     bad = bytearray(stored[flipped])
     bad[1000] ^= 0x01
     _replace_payload(path[flipped], bytes(bad))
@@ -217,10 +236,10 @@ def test_tampered_or_moved_ciphertexts_are_refused_and_rotation_keeps_old_object
         assert proc.terminate() == 0
 
     assert keys_cli.rotate(keys) == 2
-    _tokens(tokens, {"a": False, "b": True})                          # a turns encryption off
+    _tokens(tokens, {"a": False, "b": True})  # a turns encryption off
     fresh = random_key(rng)
     with server.start() as proc:
-        assert _get(proc, "a", kept) == _obj(kept, "a3")              # encrypted under id 1: reads
+        assert _get(proc, "a", kept) == _obj(kept, "a3")  # encrypted under id 1: reads
         assert _get(proc, "b", kb) == _obj(kb, "b")
         _put(proc, "a", fresh, "fresh", 3)
         assert proc.terminate() == 0
@@ -232,9 +251,10 @@ def test_tampered_or_moved_ciphertexts_are_refused_and_rotation_keeps_old_object
 async def _engine(tmp_path, redis_url: str, keys_file, encrypt: bool) -> TieredStore:
     extra = {"redis_url": redis_url, "keys_file": str(keys_file), "encrypt_at_rest": encrypt}
     cfg = ConnectorConfig.from_extra_config(extra, env={})
-    return await TieredStore.open([("host:", {"capacity": 8 * MiB}),
-                                   (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB}), (redis_url, {})],
-                                  keys=keys_of(cfg))
+    return await TieredStore.open(
+        [("host:", {"capacity": 8 * MiB}), (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB}), (redis_url, {})],
+        keys=keys_of(cfg),
+    )
 
 
 def test_the_connector_option_encrypts_its_own_ssd_and_redis_copies(tmp_path, redis_server):
@@ -261,32 +281,38 @@ def test_the_connector_option_encrypts_its_own_ssd_and_redis_copies(tmp_path, re
 
         reader = await _engine(tmp_path, redis_server.url, tmp_path / "a.keys", encrypt=False)
         out = memoryview(bytearray(SIZE))
-        got = await reader.read_into(secret, out)                         # off now: still reads
-        assert got is not None and got.length == SIZE                     # the sealed object: MAC set
-        assert bytes(out[codec.HEADER_SIZE:]) == _obj(secret, "secret")[codec.HEADER_SIZE:]
+        got = await reader.read_into(secret, out)  # off now: still reads
+        assert got is not None and got.length == SIZE  # the sealed object: MAC set
+        assert bytes(out[codec.HEADER_SIZE :]) == _obj(secret, "secret")[codec.HEADER_SIZE :]
         assert reader.counters.decrypted == 1 and not reader.counters.forged
         await reader.aclose()
         ring = integrity.load_keys(tmp_path / "a.keys").keyring()
-        small = await TieredStore.open([("host:", {"capacity": SIZE // 2}),   # no room for a promotion
-                                        (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB})], keys=lambda _k: ring)
+        small = await TieredStore.open(
+            [
+                ("host:", {"capacity": SIZE // 2}),  # no room for a promotion
+                (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB}),
+            ],
+            keys=lambda _k: ring,
+        )
         out[:] = bytes(SIZE)
-        got = await small.read_into(secret, out)             # straight from SSD: staged, decrypted, copied
+        got = await small.read_into(secret, out)  # straight from SSD: staged, decrypted, copied
         assert got is not None and got.tier == "ssd" and got.length == SIZE
-        assert bytes(out[codec.HEADER_SIZE:]) == _obj(secret, "secret")[codec.HEADER_SIZE:]
+        assert bytes(out[codec.HEADER_SIZE :]) == _obj(secret, "secret")[codec.HEADER_SIZE :]
         assert small.counters.decrypted == 1 and small.counters.promote_no_room == 1
         await small.aclose()
 
-        keyless = await TieredStore.open([("host:", {"capacity": 8 * MiB}),
-                                          (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB})])
-        assert await keyless.read_into(secret, out) is None                 # no keys: a miss...
+        keyless = await TieredStore.open(
+            [("host:", {"capacity": 8 * MiB}), (f"ssd:{tmp_path / 'essd'}", {"capacity": 16 * MiB})]
+        )
+        assert await keyless.read_into(secret, out) is None  # no keys: a miss...
         assert await keyless.promote(secret) is None
-        assert keyless.counters.tier_errors == {"ssd:encrypted": 3}          # promote + direct read, promote
-        assert await keyless.lower[0].contains(secret)                      # ...that removes nothing
+        assert keyless.counters.tier_errors == {"ssd:encrypted": 3}  # promote + direct read, promote
+        assert await keyless.lower[0].contains(secret)  # ...that removes nothing
         await keyless.aclose()
 
         thief = await _engine(tmp_path, redis_server.url, tmp_path / "b.keys", encrypt=True)
         assert await thief.read_into(secret, out) is None
-        assert sum(thief.counters.forged.values()) == 2                   # SSD and Redis copies
+        assert sum(thief.counters.forged.values()) == 2  # SSD and Redis copies
         assert not await thief.contains(secret)
         await thief.aclose()
 

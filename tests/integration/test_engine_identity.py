@@ -7,6 +7,7 @@ inode, the old mtime forged back) and engine 3, on the same SSD directory, must 
 nothing: its outputs equal a fresh recompute of the changed model and differ from the old
 model's.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def distinct_workload(vocab: int) -> kit.Workload:
 
 def hits(result: kit.EngineResult, stats: dict) -> dict[str, int]:
     """Hit tokens per label, from the connector's own per-request log."""
-    log = stats["recent"][-len(result.requests):]
+    log = stats["recent"][-len(result.requests) :]
     return {r.label: entry["hit_tokens"] for r, entry in zip(result.requests, log)}
 
 
@@ -48,8 +49,11 @@ def overwrite_middle_tensor(path: Path, seed: int) -> str:
         header_len = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(header_len))
         middle = st.st_size // 2 - 8 - header_len
-        name, info = next((k, v) for k, v in header.items()
-                          if k != "__metadata__" and v["data_offsets"][0] <= middle < v["data_offsets"][1])
+        name, info = next(
+            (k, v)
+            for k, v in header.items()
+            if k != "__metadata__" and v["data_offsets"][0] <= middle < v["data_offsets"][1]
+        )
         assert info["dtype"] == "F32"
         begin, end = info["data_offsets"]
         values = np.random.default_rng(seed).normal(0.0, 0.1, (end - begin) // 4).astype("<f4")
@@ -77,7 +81,7 @@ def test_weights_changed_in_place_share_no_kv_and_unchanged_files_share_all(tmp_
     assert stats["tiers"]["ssd"]["objects"] >= len(workload.requests)
     assert list((tmp_path / "identity").glob("*.json")), "the engine recorded its weight digest"
 
-    same, stats = run("same", single_process=False)     # another process, the other mode
+    same, stats = run("same", single_process=False)  # another process, the other mode
     cmp = kit.compare_outputs(old, same)
     assert cmp, cmp.mismatches
     assert all(n >= 256 for n in hits(same, stats).values()), hits(same, stats)
@@ -87,7 +91,7 @@ def test_weights_changed_in_place_share_no_kv_and_unchanged_files_share_all(tmp_
     assert set(hits(changed, stats).values()) == {0}, hits(changed, stats)
     assert stats["tokens_hit_by_tier"].get("ssd", 0) == 0
 
-    fresh = kit.run_engine(model, None, workload)        # recompute of the changed model
+    fresh = kit.run_engine(model, None, workload)  # recompute of the changed model
     cmp = kit.compare_outputs(fresh, changed)
     assert cmp, cmp.mismatches
     assert not kit.compare_outputs(old, changed), "the overwritten tensor must change the outputs"

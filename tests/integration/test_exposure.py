@@ -12,6 +12,7 @@
 
 Cost: about 10 s (nine short store processes, a few subprocesses as other uids).
 """
+
 from __future__ import annotations
 
 import json
@@ -86,7 +87,7 @@ def test_the_default_token_lets_the_stores_user_in_and_keeps_another_uid_out(tmp
 
         key = keys(1, seed=90)[0]
         objects = Objects(64 * KiB)
-        with StoreClient(proc.target) as same_uid:      # no token given: found in the default file
+        with StoreClient(proc.target) as same_uid:  # no token given: found in the default file
             assert same_uid.put_stream(key, objects.make(key, 64 * KiB)) == pb.PUT_OUTCOME_STORED
             assert same_uid.lookup([key]).hits == 1
 
@@ -94,22 +95,28 @@ def test_the_default_token_lets_the_stores_user_in_and_keeps_another_uid_out(tmp
         seen = as_uid(NOBODY, code + ATTACK)
         assert seen["read_token"] == "PermissionError" and seen["local_token"] is None
         assert {k: v for k, v in seen.items() if "/" in k} == {
-            f"{call}/{how}": "UNAUTHENTICATED" for call in ("stats", "lookup", "get", "delete")
-            for how in ("none", "guess")}
+            f"{call}/{how}": "UNAUTHENTICATED"
+            for call in ("stats", "lookup", "get", "delete")
+            for how in ("none", "guess")
+        }
 
-        with StoreClient(proc.target) as same_uid:      # the attack deleted nothing
+        with StoreClient(proc.target) as same_uid:  # the attack deleted nothing
             assert same_uid.lookup([key]).hits == 1
-            assert same_uid.stats()[0]["server"]["pid"] == proc.pid   # tenant default has admin
+            assert same_uid.stats()[0]["server"]["pid"] == proc.pid  # tenant default has admin
 
-        stats = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--target", proc.target, "--json"],
-                               capture_output=True, text=True, timeout=60, cwd=ROOT,
-                               env={k: v for k, v in os.environ.items() if k != "KVSTORE_TOKEN"}
-                               | {"PYTHONPATH": str(ROOT)})
+        stats = subprocess.run(
+            [sys.executable, "-m", "kvstore", "stats", "--target", proc.target, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={k: v for k, v in os.environ.items() if k != "KVSTORE_TOKEN"} | {"PYTHONPATH": str(ROOT)},
+        )
         assert stats.returncode == 0, stats.stderr
         assert json.loads(stats.stdout)["server"]["pid"] == proc.pid
 
         assert f"auth: the default token in {path}" in proc.log_text()
-        proc.restart()                                   # a later server reuses the token
+        proc.restart()  # a later server reuses the token
         assert path.read_text().strip() == token
         with StoreClient(proc.target) as same_uid:
             assert same_uid.lookup([key]).hits == 0 and same_uid.tenant == "default"
@@ -150,12 +157,27 @@ def test_a_default_token_of_another_owner_or_a_symlink_is_refused(tmp_path):
     loose.parent.mkdir(mode=0o755)
     loose.write_text("e" * 64 + "\n")
     os.chmod(loose, 0o644)
-    assert ensure_token(loose) == "e" * 64          # group/other bits are taken away
+    assert ensure_token(loose) == "e" * 64  # group/other bits are taken away
     assert stat.S_IMODE(os.stat(loose).st_mode) == 0o600 and stat.S_IMODE(os.stat(loose.parent).st_mode) == 0o700
-    run = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0",
-                          "--host-capacity", "16MiB", "--default-token-file", str(theirs)],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--host-capacity",
+            "16MiB",
+            "--default-token-file",
+            str(theirs),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert run.returncode == 2 and "belongs to uid 65534" in run.stderr and "f" * 64 not in run.stderr
 
 
@@ -199,29 +221,58 @@ print(json.dumps(out))
 
 def test_a_tenants_event_sockets_belong_to_its_uid_alone(open_dir):
     tokens = open_dir / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({
-        "tokens": [{"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
-                   {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]}],
-        "tenants": {"a": {"uid": TENANT_A_UID}, "b": {"uid": NOBODY, "gid": NOBODY}}}))
+    tokens.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": [
+                    {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
+                    {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]},
+                ],
+                "tenants": {"a": {"uid": TENANT_A_UID}, "b": {"uid": NOBODY, "gid": NOBODY}},
+            }
+        )
+    )
     events = open_dir / "events"
-    proc = StoreProcess(open_dir / "work", "--host-capacity", "16MiB", "--auth-tokens", str(tokens),
-                        "--kv-events", f"ipc://{events}/{{tenant}}/pub",
-                        "--kv-events-replay", f"ipc://{events}/{{tenant}}/replay",
-                        "--kv-events-topic", "kv@{tenant}").start()
+    proc = StoreProcess(
+        open_dir / "work",
+        "--host-capacity",
+        "16MiB",
+        "--auth-tokens",
+        str(tokens),
+        "--kv-events",
+        f"ipc://{events}/{{tenant}}/pub",
+        "--kv-events-replay",
+        f"ipc://{events}/{{tenant}}/replay",
+        "--kv-events-topic",
+        "kv@{tenant}",
+    ).start()
     try:
         for tenant, uid, dmode, smode in (("a", TENANT_A_UID, 0o700, 0o600), ("b", NOBODY, 0o710, 0o660)):
-            for p, mode in ((events / tenant, dmode), (events / tenant / "pub", smode),
-                            (events / tenant / "replay", smode)):
+            for p, mode in (
+                (events / tenant, dmode),
+                (events / tenant / "pub", smode),
+                (events / tenant / "replay", smode),
+            ):
                 st = os.lstat(p)
                 assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (uid, mode), p
         paths = {f"{t}/{s}": str(events / t / s) for t in ("a", "b") for s in ("pub", "replay")}
         b_sees = as_uid(NOBODY, f"PATHS = {paths!r}\nREPLAY = {str(events / 'b' / 'replay')!r}\n" + PROBE)
-        assert b_sees == {"a/pub": "PermissionError", "a/replay": "PermissionError",
-                          "b/pub": "connected", "b/replay": "connected", "replay": ["kv@b", ""]}
+        assert b_sees == {
+            "a/pub": "PermissionError",
+            "a/replay": "PermissionError",
+            "b/pub": "connected",
+            "b/replay": "connected",
+            "replay": ["kv@b", ""],
+        }
         a_sees = as_uid(TENANT_A_UID, f"PATHS = {paths!r}\nREPLAY = {str(events / 'a' / 'replay')!r}\n" + PROBE)
-        assert a_sees == {"a/pub": "connected", "a/replay": "connected",
-                          "b/pub": "PermissionError", "b/replay": "PermissionError", "replay": ["kv@a", ""]}
-        proc.restart()                                    # the directories, now the tenants', are reused
+        assert a_sees == {
+            "a/pub": "connected",
+            "a/replay": "connected",
+            "b/pub": "PermissionError",
+            "b/replay": "PermissionError",
+            "replay": ["kv@a", ""],
+        }
+        proc.restart()  # the directories, now the tenants', are reused
         assert os.lstat(events / "a").st_uid == TENANT_A_UID
         assert as_uid(NOBODY, f"PATHS = {paths!r}\nREPLAY = None\n" + PROBE)["a/replay"] == "PermissionError"
     finally:
@@ -230,14 +281,36 @@ def test_a_tenants_event_sockets_belong_to_its_uid_alone(open_dir):
 
 def test_a_tenant_uid_needs_a_per_tenant_ipc_directory(tmp_path):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({
-        "tokens": [{"token": "tok-a", "tenant": "a", "permissions": ["read"]}],
-        "tenants": {"a": {"uid": TENANT_A_UID}}}))
+    tokens.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": [{"token": "tok-a", "tenant": "a", "permissions": ["read"]}],
+                "tenants": {"a": {"uid": TENANT_A_UID}},
+            }
+        )
+    )
     for endpoint in (f"ipc://{tmp_path}/{{tenant}}.events", "tcp://127.0.0.1:0"):
-        run = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0",
-                              "--host-capacity", "16MiB", "--auth-tokens", str(tokens), "--kv-events", endpoint],
-                             capture_output=True, text=True, timeout=60, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--host-capacity",
+                "16MiB",
+                "--auth-tokens",
+                str(tokens),
+                "--kv-events",
+                endpoint,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert run.returncode == 2 and "with {tenant} in a directory" in run.stderr, run.stderr
 
 
@@ -251,13 +324,29 @@ def test_metrics_tenant_labels(tmp_path, mode):
     from kvstore.server.metrics import tenant_label
 
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [
-        {"token": "tok-a", "tenant": "acme-secret-team", "permissions": ["read", "write"]},
-        {"token": "tok-b", "tenant": "bravo-secret-team", "permissions": ["read", "write"]}]}))
-    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--auth-tokens", str(tokens), "--metrics-port", "0",
-                        "--metrics-tenant-labels", mode).start()
+    tokens.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": [
+                    {"token": "tok-a", "tenant": "acme-secret-team", "permissions": ["read", "write"]},
+                    {"token": "tok-b", "tenant": "bravo-secret-team", "permissions": ["read", "write"]},
+                ]
+            }
+        )
+    )
+    proc = StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "16MiB",
+        "--auth-tokens",
+        str(tokens),
+        "--metrics-port",
+        "0",
+        "--metrics-tenant-labels",
+        mode,
+    ).start()
     try:
-        with StoreClient(proc.target, "tok-a") as a:   # something held, so tenant series exist
+        with StoreClient(proc.target, "tok-a") as a:  # something held, so tenant series exist
             a.stats()
         text = scrape(proc.metrics_url)
         quota_lines = [line for line in text.splitlines() if line.startswith("kvstore_server_tenant_quota{")]
@@ -284,22 +373,40 @@ def scrape_code(url: str, token: str | None) -> int:
 
 def test_metrics_beyond_loopback_answer_only_an_admin_token(tmp_path):
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [
-        {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
-        {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}]}))
-    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--auth-tokens", str(tokens), "--metrics-port", "0",
-                        "--metrics-host", "0.0.0.0").start()
+    tokens.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": [
+                    {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
+                    {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]},
+                ]
+            }
+        )
+    )
+    proc = StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "16MiB",
+        "--auth-tokens",
+        str(tokens),
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "0.0.0.0",
+    ).start()
     try:
         assert "WARNING: /metrics" not in proc.log_text() and proc.metrics_url.startswith("http://0.0.0.0:")
-        assert {who: scrape_code(proc.metrics_url, token) for who, token in
-                (("nobody", None), ("stranger", "guess"), ("a", "tok-a"), ("ops", "tok-ops"))} == {
-            "nobody": 401, "stranger": 401, "a": 403, "ops": 200}
+        assert {
+            who: scrape_code(proc.metrics_url, token)
+            for who, token in (("nobody", None), ("stranger", "guess"), ("a", "tok-a"), ("ops", "tok-ops"))
+        } == {"nobody": 401, "stranger": 401, "a": 403, "ops": 200}
     finally:
         assert proc.terminate(30) == 0
     assert "tok-" not in proc.log_text()
-    default = StoreProcess(tmp_path / "default", "--host-capacity", "16MiB", "--metrics-port", "0",
-                           "--metrics-host", "0.0.0.0").start()
-    try:     # without a tokens file: the default token (tenant default has admin)
+    default = StoreProcess(
+        tmp_path / "default", "--host-capacity", "16MiB", "--metrics-port", "0", "--metrics-host", "0.0.0.0"
+    ).start()
+    try:  # without a tokens file: the default token (tenant default has admin)
         assert scrape_code(default.metrics_url, None) == 401
         assert scrape_code(default.metrics_url, default_token_path().read_text().strip()) == 200
     finally:
@@ -307,7 +414,12 @@ def test_metrics_beyond_loopback_answer_only_an_admin_token(tmp_path):
 
 
 def test_a_bad_metrics_tenant_labels_value_is_refused():
-    run = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--host-capacity", "16MiB",
-                          "--metrics-tenant-labels", "names"], capture_output=True, text=True, timeout=60,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    run = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--host-capacity", "16MiB", "--metrics-tenant-labels", "names"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert run.returncode == 2 and "metrics_tenant_labels must be name, hash or off" in run.stderr

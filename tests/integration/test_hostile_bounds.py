@@ -1,6 +1,7 @@
 """Issue 23, part 1: bounds on what a client can make a real ``kvstore serve`` hold.  In each
 test the attack runs (its attempts are counted) and fails: the server refuses or cuts the
 attacker while tenant a keeps being served (docs/store-bounds.md)."""
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,12 @@ def test_refused_put_streams_end_at_once_and_hold_no_rpc_slot(store, objects):
     refused streams never fill the server's call slots and a's puts and hellos go on."""
     before = refused(store.target, "tok-b")
     mine = keys(3, seed=300)
-    with StoreClient(store.target, "tok-b") as b, StoreClient(store.target, "tok-b-ro") as ro, \
-            StoreClient(store.target, "tok-a") as a:
-        holders = [Trickle(b, k, 256 * MiB) for k in keys(2, seed=301)]   # b's 2 streams, held
+    with (
+        StoreClient(store.target, "tok-b") as b,
+        StoreClient(store.target, "tok-b-ro") as ro,
+        StoreClient(store.target, "tok-a") as a,
+    ):
+        holders = [Trickle(b, k, 256 * MiB) for k in keys(2, seed=301)]  # b's 2 streams, held
         attacks: list[Trickle] = []
         try:
             assert wait_until(lambda: b.stats()[1]["held.streams"] == 2, timeout=15)
@@ -59,15 +63,18 @@ def test_refused_put_streams_end_at_once_and_hold_no_rpc_slot(store, objects):
             assert all(t.while_sending for t in attacks)
             codes = [t.code for t in attacks]
             assert codes == [Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED] * MAX_RPCS
-            assert all(h.code is None for h in holders)                       # still held
-            for k in mine:                                                    # a is served
+            assert all(h.code is None for h in holders)  # still held
+            for k in mine:  # a is served
                 assert a.put_stream(k, objects.make(k, 256 * KiB)) == pb.PUT_OUTCOME_STORED
             assert a.hello().tenant == "a"
         finally:
             for t in (*attacks, *holders):
                 t.stop()
-    assert grown(before, refused(store.target, "tok-b")) == {"streams": MAX_RPCS, "permission": MAX_RPCS,
-                                                           "host_bytes": 2}   # the holders: no room
+    assert grown(before, refused(store.target, "tok-b")) == {
+        "streams": MAX_RPCS,
+        "permission": MAX_RPCS,
+        "host_bytes": 2,
+    }  # the holders: no room
     assert wait_until(lambda: quiet(store.target), timeout=30)
 
 
@@ -84,7 +91,7 @@ def test_a_read_only_token_cannot_take_the_ticket_table(store):
             minted += 1
         assert code is Code.RESOURCE_EXHAUSTED
         assert rpc_code(lambda: ro.call("OpenData", pb.OpenDataRequest())) is Code.RESOURCE_EXHAUSTED
-    assert minted == 64                                         # b's default ticket budget
+    assert minted == 64  # b's default ticket budget
     assert grown(before, refused(store.target, "tok-b-ro")) == {"tickets": 2}
     with StoreClient(store.target, "tok-a") as a:
         for _ in range(3):
@@ -104,7 +111,7 @@ def test_calls_without_a_token_or_without_a_request_hold_no_call_slot(store):
         grpc.channel_ready_future(channel).result(timeout=20)
         for i in range(3 * MAX_RPCS):
             calls.append(Silent(channel, ("Hello", "Lookup", "GetStream", "OpenData")[i % 4]))
-        with StoreClient(store.target, "tok-b") as b:           # b's own: cut when late
+        with StoreClient(store.target, "tok-b") as b:  # b's own: cut when late
             late = [Silent(b.channel, m, "tok-b") for m in ("Hello", "Lookup")]
             calls += late
             assert wait_until(lambda: all(c.code is not None for c in calls), timeout=30)
@@ -136,7 +143,7 @@ def test_descriptions_count_against_their_tenant(tmp_path, objects):
             for k in theirs:
                 assert b.put_stream(k, objects.make(k, 64 * KiB)) == pb.PUT_OUTCOME_STORED
             codes = describe(b, theirs, 65536)
-            assert codes == [Code.OK] * 3 + [Code.RESOURCE_EXHAUSTED] * 37     # 3 x (256 KiB + entry)
+            assert codes == [Code.OK] * 3 + [Code.RESOURCE_EXHAUSTED] * 37  # 3 x (256 KiB + entry)
             held = b.stats()[1]
             assert held["held.described"] == 3 and held["held.described_bytes"] <= MiB
             assert held["refused.described_bytes"] == 37
@@ -150,7 +157,7 @@ def test_descriptions_count_against_their_tenant(tmp_path, objects):
         assert proc.terminate(30) == 0
 
 
-STRANGERS = 600     # more than the data channel's 512 global connection slots
+STRANGERS = 600  # more than the data channel's 512 global connection slots
 
 
 def test_strangers_holding_data_connections_take_no_slot_of_a(store):
@@ -163,20 +170,20 @@ def test_strangers_holding_data_connections_take_no_slot_of_a(store):
         port = ticket_of(a)[1]
         try:
             for _ in range(STRANGERS):
-                socks.append(socket.create_connection(("127.0.0.1", port), timeout=20,
-                                                      source_address=("127.0.0.2", 0)))
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=20, source_address=("127.0.0.2", 0)))
             for _ in range(3):
                 ticket, _ = ticket_of(a)
                 with RawData(port) as raw:
                     assert raw.hello(ticket, "tok-a")[0].code == 0
             assert sum(open_now(s) for s in socks) <= 16
-            assert wait_until(lambda: not any(open_now(s) for s in socks), timeout=30)   # cut: no hello
+            assert wait_until(lambda: not any(open_now(s) for s in socks), timeout=30)  # cut: no hello
         finally:
             for s in socks:
                 s.close()
-    grown_ = admin_counters(store.target)["store.failures.data_unauthenticated_per_peer"] - \
-        before.get("store.failures.data_unauthenticated_per_peer", 0)
-    assert grown_ >= STRANGERS - 16 * 8         # refused at once (a few more were held if some were cut meanwhile)
+    grown_ = admin_counters(store.target)["store.failures.data_unauthenticated_per_peer"] - before.get(
+        "store.failures.data_unauthenticated_per_peer", 0
+    )
+    assert grown_ >= STRANGERS - 16 * 8  # refused at once (a few more were held if some were cut meanwhile)
 
 
 GATE_ATTACKER = r"""
@@ -196,7 +203,7 @@ while any(open_now(s) for s in socks) and time.monotonic() < deadline:
     time.sleep(0.1)
 print(json.dumps({"open": sum(open_now(s) for s in socks)}), flush=True)
 """
-GATE_STRANGERS = 1100   # more than the gate's 1024 sessions
+GATE_STRANGERS = 1100  # more than the gate's 1024 sessions
 
 
 def test_strangers_holding_gate_connections_take_no_session_of_a(store):
@@ -206,9 +213,13 @@ def test_strangers_holding_gate_connections_take_no_session_of_a(store):
     before = admin_counters(store.target)
     with StoreClient(store.target, "tok-a") as a:
         path = a.hello().shm_socket
-        attacker = subprocess.Popen([sys.executable, "-c", GATE_ATTACKER, path, str(GATE_STRANGERS)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                    cwd=Path(__file__).resolve().parents[2])  # the kit imports from here
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", GATE_ATTACKER, path, str(GATE_STRANGERS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+        )  # the kit imports from here
         try:
             assert json.loads(attacker.stdout.readline()) == {"opened": GATE_STRANGERS}
             for _ in range(3):
@@ -217,12 +228,13 @@ def test_strangers_holding_gate_connections_take_no_session_of_a(store):
             attacker.stdin.write("report\n")
             attacker.stdin.flush()
             assert json.loads(attacker.stdout.readline())["open"] <= 16
-            assert json.loads(attacker.stdout.readline()) == {"open": 0}                 # cut: no hello
+            assert json.loads(attacker.stdout.readline()) == {"open": 0}  # cut: no hello
         finally:
             attacker.kill()
             attacker.wait()
-    grown_ = admin_counters(store.target)["store.failures.shm_unauthenticated_per_peer"] - \
-        before.get("store.failures.shm_unauthenticated_per_peer", 0)
+    grown_ = admin_counters(store.target)["store.failures.shm_unauthenticated_per_peer"] - before.get(
+        "store.failures.shm_unauthenticated_per_peer", 0
+    )
     assert grown_ >= GATE_STRANGERS - 16 * 8
 
 
@@ -251,9 +263,15 @@ def test_a_tenant_churning_described_objects_keeps_a_bounded_replay_buffer(tmp_p
     """b describes one object with 65,536 tokens, then puts and deletes it 24 times: each put
     announces it again, tokens and all (~320 KiB a batch).  b's replay buffer keeps at most
     1 MiB of them, the oldest dropped; a's stream keeps its own batches."""
-    proc = start_store(tmp_path, "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
-                       "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay",
-                       "--kv-events-buffer-bytes", "1MiB")
+    proc = start_store(
+        tmp_path,
+        "--kv-events",
+        f"ipc://{tmp_path}/{{tenant}}.events",
+        "--kv-events-replay",
+        f"ipc://{tmp_path}/{{tenant}}.replay",
+        "--kv-events-buffer-bytes",
+        "1MiB",
+    )
     try:
         k, mine = keys(1, seed=330)[0], keys(1, seed=331)[0]
         with StoreClient(proc.target, "tok-b") as b, StoreClient(proc.target, "tok-a") as a:
@@ -266,7 +284,7 @@ def test_a_tenant_churning_described_objects_keeps_a_bounded_replay_buffer(tmp_p
                 assert b.delete(k)
             assert wait_until(lambda: replayed(f"ipc://{tmp_path}/b.replay")[-1][0] >= 24, timeout=30)
         theirs = replayed(f"ipc://{tmp_path}/b.replay")
-        assert sum(n for _, n in theirs) <= MiB and theirs[0][0] > 0           # the oldest went first
-        assert [seq for seq, _ in replayed(f"ipc://{tmp_path}/a.replay")][0] == 0   # a's: all kept
+        assert sum(n for _, n in theirs) <= MiB and theirs[0][0] > 0  # the oldest went first
+        assert [seq for seq, _ in replayed(f"ipc://{tmp_path}/a.replay")][0] == 0  # a's: all kept
     finally:
         assert proc.terminate(30) == 0

@@ -2,6 +2,7 @@
 attacks 1, 3 and 4): tenant b cannot find, read or change a byte of tenant a's objects
 through any mapping it can obtain, nor forge an object a is served; no process reaches a
 pool by name; a failed put evicts nothing; a late writer cannot touch a reused slot."""
+
 from __future__ import annotations
 
 import mmap
@@ -50,12 +51,12 @@ def test_b_cannot_find_read_or_change_a_byte_of_as_objects(store):
         for i, key in enumerate(mine):
             want[key] = bytes(objects.make(key, 2 * MiB, seed=100 + i))
             assert a.put_shm(key, memoryview(want[key])) == pb.PUT_OUTCOME_STORED
-        pool = b.segment                                   # everything b can map
+        pool = b.segment  # everything b can map
         assert b.hello().segment_size == len(pool) == 16 * MiB and b.hello().tenant == "b"
         haystack = pool.tobytes()
         for key, obj in want.items():
             assert obj[256:512] not in haystack and bytes(scoped(key, "a")) not in haystack
-        pool[:] = np.random.default_rng(5).integers(0, 256, len(pool), dtype=np.uint8)   # scribble it all
+        pool[:] = np.random.default_rng(5).integers(0, 256, len(pool), dtype=np.uint8)  # scribble it all
         out = np.empty(2 * MiB, np.uint8)
         _, port = ticket_of(a)
         with RawData(port) as raw:
@@ -65,7 +66,7 @@ def test_b_cannot_find_read_or_change_a_byte_of_as_objects(store):
                 assert a.get_stream(key, out) == len(obj) and out.tobytes() == obj
                 head, _, body = raw.get(key)
                 assert head.code == 0 and head.flag and body[256:] == obj[256:]
-        for key in mine:                                   # b cannot even see them
+        for key in mine:  # b cannot even see them
             assert b.lookup([key]).hits == 0 and b.get_shm(key, out) is None
 
 
@@ -79,10 +80,10 @@ def test_read_only_tokens_map_read_only_and_a_pool_without_writers_is_sealed(sto
             fd, size = raw_session(c)
             try:
                 with pytest.raises(PermissionError):
-                    mmap.mmap(fd, size)                                  # the descriptor is read-only
-                reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)   # the same file, read-write
+                    mmap.mmap(fd, size)  # the descriptor is read-only
+                reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the same file, read-write
                 try:
-                    if sealed:                                           # c has no writer: sealed
+                    if sealed:  # c has no writer: sealed
                         with pytest.raises(PermissionError):
                             mmap.mmap(reopened, size)
                 finally:
@@ -97,7 +98,7 @@ def raw_session(client: StoreClient) -> tuple[int, int]:
     sock.connect(client.hello().shm_socket)
     sock.sendall(shmwire.encode_hello(ticket_of(client)[0], client.token))
     data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-    reply = shmwire.decode_reply(data[:shmwire.REPLY.size])
+    reply = shmwire.decode_reply(data[: shmwire.REPLY.size])
     assert reply.code == 0 and len(fds) == 1 and not reply.writable
     sock.close()
     return fds[0], reply.pool_size
@@ -112,32 +113,34 @@ def test_a_forged_object_is_never_served_to_a(store):
     with StoreClient(store.target, "tok-a") as a, StoreClient(store.target, "tok-b") as b:
         forged = objects.make(scoped(target_key, "a"), 1 * MiB, seed=66)
         start = b.put_start(target_key, len(forged))
-        b.segment[start.offset:start.offset + len(forged)] = np.frombuffer(forged, np.uint8)
-        assert rpc_code(lambda: b.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == \
-            Code.FAILED_PRECONDITION
+        b.segment[start.offset : start.offset + len(forged)] = np.frombuffer(forged, np.uint8)
+        assert (
+            rpc_code(lambda: b.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == Code.FAILED_PRECONDITION
+        )
         assert rpc_code(lambda: b.put_stream(target_key, forged)) == Code.FAILED_PRECONDITION
         _, port = ticket_of(b)
         with RawData(port) as raw:
             assert raw.hello(ticket_of(b)[0], "tok-b")[0].code == 0
             assert raw.put(target_key, forged)[0].code == Code.FAILED_PRECONDITION.value[0]
-        own = keys(1, seed=3)[0]                            # a published object of b's, rewritten
+        own = keys(1, seed=3)[0]  # a published object of b's, rewritten
         assert b.put_shm(own, objects.make(own, 1 * MiB, seed=67)) == pb.PUT_OUTCOME_STORED
         got = b.call("Get", get_request(own))
-        b.segment[got.offset:got.offset + got.length] = np.frombuffer(
-            objects.make(scoped(target_key, "a"), 1 * MiB, seed=68), np.uint8)
+        b.segment[got.offset : got.offset + got.length] = np.frombuffer(
+            objects.make(scoped(target_key, "a"), 1 * MiB, seed=68), np.uint8
+        )
         b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]))
         assert wait_until(lambda: admin_counters(store.target)["write_throughs_in_flight"] == 0)
         out = np.empty(1 * MiB, np.uint8)
         assert a.lookup([target_key]).hits == 0
         assert a.get_shm(target_key, out) is None and a.get_stream(target_key, out) is None
-    assert store.restart().running                          # and not after a rebuild either
+    assert store.restart().running  # and not after a rebuild either
     with StoreClient(store.target, "tok-a") as a:
         assert a.lookup([target_key]).hits == 0 and a.get_stream(target_key, out) is None
 
 
 def test_no_process_reaches_a_pool_by_name_or_through_proc(store):
     doc = admin_doc(store.target)
-    assert doc["server"]["dumpable"] is False               # no ptrace, no /proc/<pid>/fd for its uid
+    assert doc["server"]["dumpable"] is False  # no ptrace, no /proc/<pid>/fd for its uid
     assert not [p for p in os.listdir("/dev/shm") if str(store.pid) in p]
     links = fd_links(store.pid)
     memfds = [link for link in links if link.startswith("/memfd:kvstore-")]
@@ -145,11 +148,11 @@ def test_no_process_reaches_a_pool_by_name_or_through_proc(store):
     with StoreClient(store.target, "tok-a") as a, StoreClient(store.target, "tok-b"):
         path = a.hello().shm_socket
         assert oct(os.stat(path).st_mode & 0o777) == "0o600"
-        assert gate_code(path, os.urandom(32), "tok-a") == Code.UNAUTHENTICATED.value[0]     # forged ticket
+        assert gate_code(path, os.urandom(32), "tok-a") == Code.UNAUTHENTICATED.value[0]  # forged ticket
         assert gate_code(path, ticket_of(a)[0], "tok-b") == Code.PERMISSION_DENIED.value[0]  # a's ticket, b's token
         parent = os.path.dirname(path)
         assert oct(os.stat(parent).st_mode & 0o777) == "0o700"
-        os.chmod(parent, 0o711)                             # past the modes: SO_PEERCRED still says no
+        os.chmod(parent, 0o711)  # past the modes: SO_PEERCRED still says no
         os.chmod(path, 0o666)
         try:
             assert gate_code(path, ticket_of(a)[0], "tok-a", uid=65534) == Code.PERMISSION_DENIED.value[0]
@@ -162,8 +165,10 @@ def gate_code(path: str, ticket: bytes, token: str, uid: int | None = None) -> i
     """The gate's answer to a hello (from a child of another uid when ``uid`` is given)."""
     if uid is None:
         return _hello_code(path, ticket, token)
-    code = (f"from tests.integration.test_hostile_shm import _hello_code\n"
-            f"print(_hello_code({path!r}, bytes.fromhex({ticket.hex()!r}), {token!r}))\n")
+    code = (
+        f"from tests.integration.test_hostile_shm import _hello_code\n"
+        f"print(_hello_code({path!r}, bytes.fromhex({ticket.hex()!r}), {token!r}))\n"
+    )
     run = run_as(uid, uid, code, preload=("tests.integration.test_hostile_shm",))
     assert run.returncode == 0, f"the child of uid {uid} failed: {run.stderr[-1000:]}"
     return int(run.stdout.strip().splitlines()[-1])
@@ -176,12 +181,12 @@ def _hello_code(path: str, ticket: bytes, token: str) -> int:
         sock.connect(path)
         try:
             sock.sendall(shmwire.encode_hello(ticket, token))
-        except BrokenPipeError:                             # refused before the hello: read why
+        except BrokenPipeError:  # refused before the hello: read why
             pass
         data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
         for fd in fds:
             os.close(fd)
-        return shmwire.decode_reply(data[:shmwire.REPLY.size]).code
+        return shmwire.decode_reply(data[: shmwire.REPLY.size]).code
     finally:
         sock.close()
 
@@ -215,8 +220,8 @@ def test_a_late_writer_cannot_touch_a_reused_slot(fresh):
         fence = range(start.offset, start.offset + 4 * MiB)
         assert wait_until(lambda: admin_counters(fresh.target)["puts_fenced"] == 1, timeout=10)
         stored = {}
-        for i, key in enumerate(keys(20, seed=7)):          # more than a's pool holds: it evicts,
-                                                            # never into the fenced slot
+        for i, key in enumerate(keys(20, seed=7)):  # more than a's pool holds: it evicts,
+            # never into the fenced slot
             obj = bytes(objects.make(key, 1 * MiB, seed=200 + i))
             assert wait_until(lambda: admin_counters(fresh.target)["write_throughs_in_flight"] == 0)
             assert a2.put_shm(key, memoryview(obj)) == pb.PUT_OUTCOME_STORED
@@ -224,15 +229,15 @@ def test_a_late_writer_cannot_touch_a_reused_slot(fresh):
             a2.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]))
             assert got.offset not in fence and got.offset + got.length - 1 not in fence
             stored[key] = obj
-        late.segment[fence.start:fence.stop] = 0xEE         # the late copy
+        late.segment[fence.start : fence.stop] = 0xEE  # the late copy
         out = np.empty(1 * MiB, np.uint8)
-        for key, obj in stored.items():                     # from the pool, or promoted from SSD
+        for key, obj in stored.items():  # from the pool, or promoted from SSD
             assert a2.get_shm(key, out) == len(obj) and out.tobytes() == obj
         assert rpc_code(lambda: late.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == Code.NOT_FOUND
         assert admin_counters(fresh.target)["puts_fenced"] == 0
-        late.put_start(keys(1, seed=8)[0], 1 * MiB)          # another one, left to expire
+        late.put_start(keys(1, seed=8)[0], 1 * MiB)  # another one, left to expire
         assert wait_until(lambda: admin_counters(fresh.target)["puts_fenced"] == 1, timeout=10)
-        late.session.close()                                 # the session ends: its fenced slot goes
+        late.session.close()  # the session ends: its fenced slot goes
         late.session = None
         assert wait_until(lambda: admin_counters(fresh.target)["puts_fenced"] == 0, timeout=10)
     assert wait_until(lambda: quiet(fresh.target))

@@ -3,6 +3,7 @@
 data channel, are cut by their deadlines and give back what they held while a's puts go on;
 each tenant quota refuses with RESOURCE_EXHAUSTED, counted per tenant, without touching
 another tenant; gRPC and the data channel bound calls and idle connections."""
+
 from __future__ import annotations
 
 import socket
@@ -41,7 +42,7 @@ def test_a_slow_put_stream_is_cut_and_a_still_puts(store, objects):
     with StoreClient(store.target, "tok-b") as b, StoreClient(store.target, "tok-a") as a:
         stall = StalledPut(b, key, objects.make(key, 8 * MiB), 8 * MiB)
         try:
-            for k in mine:                                   # a's puts meanwhile
+            for k in mine:  # a's puts meanwhile
                 assert a.put_stream(k, objects.make(k, 2 * MiB)) == pb.PUT_OUTCOME_STORED
             assert wait_until(lambda: stall.code is not None, timeout=15)
             assert stall.code is Code.DEADLINE_EXCEEDED
@@ -58,9 +59,9 @@ def test_a_stalled_get_stream_is_cut_and_gives_its_object_back_even_after_delete
         assert a.put_stream(key, objects.make(key, 12 * MiB)) == pb.PUT_OUTCOME_STORED
         assert wait_until(lambda: admin_counters(store.target)["write_throughs_in_flight"] == 0)
         frames = ro.call("GetStream", pb.GetRequest(**key_fields(key)), timeout=60)
-        assert next(frames).found                            # ... and then it reads no more
+        assert next(frames).found  # ... and then it reads no more
         assert admin_counters(store.target)["host.refs_held"] == 1
-        assert a.delete(key)                                 # hidden at once, freed when the pin goes
+        assert a.delete(key)  # hidden at once, freed when the pin goes
         assert wait_until(lambda: admin_counters(store.target)["host.refs_held"] == 0, timeout=15)
         assert rpc_code(lambda: list(frames)) is Code.DEADLINE_EXCEEDED
     assert wait_until(lambda: quiet(store.target))
@@ -75,9 +76,9 @@ def test_the_data_channel_cuts_stalled_puts_and_gets(store, objects):
             assert slow_put.hello(ticket, "tok-a")[0].code == 0
             assert slow_get.hello(ticket_of(a)[0], "tok-a")[0].code == 0
             slow_put.sock.sendall(wire.encode_request(wire.Op.PUT, key, 8 * MiB))
-            slow_put.sock.sendall(objects.make(key, 8 * MiB)[:MiB])              # 1 of 8 MiB, then silence
+            slow_put.sock.sendall(objects.make(key, 8 * MiB)[:MiB])  # 1 of 8 MiB, then silence
             slow_get.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            slow_get.sock.sendall(wire.encode_request(wire.Op.GET, big))          # and never read the reply
+            slow_get.sock.sendall(wire.encode_request(wire.Op.GET, big))  # and never read the reply
             assert wait_until(lambda: slow_put.closed_by_server(), timeout=15)
             assert wait_until(lambda: quiet(store.target), timeout=15)
         assert a.lookup([key]).hits == 0
@@ -91,24 +92,26 @@ def test_quotas_refuse_with_resource_exhausted_counted_per_tenant(store, objects
         for k in (*mine, *theirs):
             client = a if k in mine else b
             assert client.put_stream(k, objects.make(k, 256 * 1024)) == pb.PUT_OUTCOME_STORED
-        held = [b.call("Get", get_request(k)) for k in theirs[:4]]                 # b's 4 leases
+        held = [b.call("Get", get_request(k)) for k in theirs[:4]]  # b's 4 leases
         assert rpc_code(lambda: b.call("Get", get_request(theirs[4]))) is EXHAUSTED
-        a_held = [a.call("Get", get_request(k)) for k in mine]                      # a unaffected
+        a_held = [a.call("Get", get_request(k)) for k in mine]  # a unaffected
         assert all(g.found for g in a_held)
-        starts = [b.put_start(k, 256 * 1024) for k in keys(2, seed=16)]           # b's 2 reservations
+        starts = [b.put_start(k, 256 * 1024) for k in keys(2, seed=16)]  # b's 2 reservations
         assert rpc_code(lambda: b.put_start(keys(1, seed=17)[0], 256 * 1024)) is EXHAUSTED
         a_start = a.put_start(keys(1, seed=18)[0], 256 * 1024)
-        big = keys(1, seed=20)[0]                                                   # longer than a window
+        big = keys(1, seed=20)[0]  # longer than a window
         assert b.put_stream(big, objects.make(big, 8 * MiB)) == pb.PUT_OUTCOME_STORED
         with StoreClient(store.target, "tok-b", options=SLOW_READER) as slow:
             streams = [slow.call("GetStream", pb.GetRequest(**key_fields(big)), timeout=30) for _ in range(2)]
-            for s in streams:                                                       # b's 2 streams, stalled
+            for s in streams:  # b's 2 streams, stalled
                 next(s)
             assert rpc_code(lambda: list(b.call("GetStream", pb.GetRequest(**key_fields(theirs[2]))))) is EXHAUSTED
             for s in streams:
                 s.cancel()
-        grown = {t: {k: v - before[t].get(k, 0) for k, v in refused(store.target, t).items()
-                     if v != before[t].get(k, 0)} for t in before}
+        grown = {
+            t: {k: v - before[t].get(k, 0) for k, v in refused(store.target, t).items() if v != before[t].get(k, 0)}
+            for t in before
+        }
         assert grown == {"tok-b": {"leases": 1, "reservations": 1, "streams": 1}, "tok-a": {}}
         metrics = urllib.request.urlopen(store.metrics_url, timeout=10).read().decode()
         assert 'kvstore_server_tenant_refused_total{tenant="b",what="leases"}' in metrics
@@ -116,7 +119,7 @@ def test_quotas_refuse_with_resource_exhausted_counted_per_tenant(store, objects
         for client, start in ((b, starts[0]), (b, starts[1]), (a, a_start)):
             client.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id, abort=True))
         a.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[g.lease_id for g in a_held]))
-        again = b.call("Get", get_request(theirs[4]))                               # room again
+        again = b.call("Get", get_request(theirs[4]))  # room again
         assert again.found
         b.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[again.lease_id]))
     assert wait_until(lambda: quiet(store.target), timeout=15)
@@ -128,7 +131,7 @@ def test_b_connections_are_capped_and_idle_ones_are_closed(store):
         conns = [RawData(port) for _ in range(7)]
         try:
             codes = [raw.hello(ticket_of(b)[0], "tok-b")[0].code for raw in conns[:5]]
-            assert codes == [0] * 5                          # b's shared-memory session is the 6th
+            assert codes == [0] * 5  # b's shared-memory session is the 6th
             b.open_session()
             assert conns[5].hello(ticket_of(b)[0], "tok-b")[0].code == EXHAUSTED.value[0]
             assert wait_until(lambda: all(raw.closed_by_server() for raw in conns[:5]), timeout=15)  # idle
@@ -139,9 +142,20 @@ def test_b_connections_are_capped_and_idle_ones_are_closed(store):
 
 def test_grpc_bounds_calls_at_once(tmp_path, objects):
     key = keys(1, seed=19)[0]
-    with StoreProcess(tmp_path, "--host-capacity", "64MiB", "--max-concurrent-rpcs", "3",
-                      "--stream-min-rate", "32MiB", "--stream-grace", "5") as proc, \
-            StoreClient(proc.target, options=SLOW_READER) as c:
+    with (
+        StoreProcess(
+            tmp_path,
+            "--host-capacity",
+            "64MiB",
+            "--max-concurrent-rpcs",
+            "3",
+            "--stream-min-rate",
+            "32MiB",
+            "--stream-grace",
+            "5",
+        ) as proc,
+        StoreClient(proc.target, options=SLOW_READER) as c,
+    ):
         assert c.put_stream(key, objects.make(key, 16 * MiB)) == pb.PUT_OUTCOME_STORED
         calls = [c.call("GetStream", pb.GetRequest(**key_fields(key)), timeout=30) for _ in range(5)]
         codes = []

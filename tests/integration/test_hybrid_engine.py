@@ -9,6 +9,7 @@ hit boundary.  Engine 1 stores (a shared prefix hits host DRAM), engine 2 restar
 same SSD directory; outputs equal recompute, and the load copies fewer bytes than the
 hit's objects hold.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,7 @@ def test_sliding_window_hybrid_hits_across_a_restart_and_loads_only_its_windows(
     model = tinymodel.build_named(tmp_path / "model", GEOMETRY)
     g = kit.TokenSource(71, tinymodel.GEOMETRIES[GEOMETRY].vocab)
     p = g.take(900)
-    wl = kit.Workload((kit.Request("g0", p), kit.Request("g1", p[:600] + g.take(300)),
-                       kit.Request("g0-again", p)))
+    wl = kit.Workload((kit.Request("g0", p), kit.Request("g1", p[:600] + g.take(300)), kit.Request("g0-again", p)))
     reference = kit.run_engine(model, None, wl)
     runs = {}
     for name in ("engine-1", "engine-2"):
@@ -48,7 +48,7 @@ def test_sliding_window_hybrid_hits_across_a_restart_and_loads_only_its_windows(
     assert hits["g0"]["tiers"] == {"ssd": 896}
     # 6 layers x 7 blocks per 896-token hit if every layer were copied; the five sliding
     # layers copy only the 2-3 blocks inside their window of 256 tokens
-    page = 2 * 128 * 128 * 4                              # 2 KV heads x 128 tokens x (K+V of 64) x fp32
+    page = 2 * 128 * 128 * 4  # 2 KV heads x 128 tokens x (K+V of 64) x fp32
     hit_tokens = sum(e["hit_tokens"] for e in hits.values())
     every_layer = hit_tokens // 128 * 6 * page
     assert 0 < stats["bytes_by_tier"]["host:read"] < 0.6 * every_layer

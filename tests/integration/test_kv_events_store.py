@@ -10,6 +10,7 @@ that missed batches gets exactly those back from the replay socket.  After a res
 new epoch opens with ``AllBlocksCleared``, and an SSD survivor is announced again once a
 client that knows its tokens reads it.  The store's stage trace (``--trace-path``) nests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,10 @@ from tiers.base import put_bytes
 
 SIZE = 240 * 1024  # four per tenant pool of 1 MiB
 VLLM = msgspec.msgpack.Decoder(type=KVEventBatch)
-TOKENS = [{"token": "tok-a", "tenant": "a", "permissions": ["read", "write", "shm"]},
-          {"token": "tok-b", "tenant": "b", "permissions": ["read", "write", "shm"]}]
+TOKENS = [
+    {"token": "tok-a", "tenant": "a", "permissions": ["read", "write", "shm"]},
+    {"token": "tok-b", "tenant": "b", "permissions": ["read", "write", "shm"]},
+]
 
 
 class Subscriber:
@@ -51,8 +54,8 @@ class Subscriber:
         self.sub.connect(endpoint)
         self.replay_endpoint, self.topic, self.ctx = replay, topic, ctx
         self.seen: list[tuple[int, KVEventBatch, list]] = []  # (seq, vLLM's batch, the raw batch)
-        self.next = 0            # the next sequence number this consumer has not seen
-        self.replayed = 0        # batches that came from the replay socket instead of the stream
+        self.next = 0  # the next sequence number this consumer has not seen
+        self.replayed = 0  # batches that came from the replay socket instead of the stream
 
     def poll(self, until, timeout: float = 15.0) -> list:
         """Read batches in sequence until ``until(events)`` holds for the events read by this
@@ -103,7 +106,7 @@ class Subscriber:
         return got
 
     def _decode(self, seq: int, payload: bytes) -> KVEventBatch:
-        batch = VLLM.decode(payload)                       # vLLM's own structs read every message
+        batch = VLLM.decode(payload)  # vLLM's own structs read every message
         self.seen.append((seq, batch, msgspec.msgpack.decode(payload)))
         self.next = seq + 1
         return batch
@@ -119,9 +122,7 @@ class Subscriber:
 CHAIN = Chain(namespace("kv-events-store"))
 
 
-def described(
-    n: int, seed: int
-) -> tuple[np.ndarray, list[ChunkHash], list[ObjectKey], dict[ObjectKey, Description]]:
+def described(n: int, seed: int) -> tuple[np.ndarray, list[ChunkHash], list[ObjectKey], dict[ObjectKey, Description]]:
     """A chain of ``CHAIN`` and each key's description (its parent's hash and its tokens)."""
     tokens, hashes, keys = CHAIN.links(n, seed)
     descs = {k: Description.of(hashes[i - 1] if i else None, tokens[i].tolist()) for i, k in enumerate(keys)}
@@ -156,23 +157,39 @@ def stored(events, medium=None):
 @pytest.fixture
 def store(tmp_path):
     tokens = write_tokens(tmp_path / "tokens.yaml", TOKENS)
-    proc = StoreProcess(tmp_path / "store", "--host-capacity", "2MiB", "--ssd-dir", str(tmp_path / "ssd"),
-                        "--ssd-capacity", "64MiB", "--auth-tokens", str(tokens),
-                        "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
-                        "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay",
-                        "--kv-events-topic", "kv@store@{tenant}", "--trace-path", str(tmp_path / "trace.json"))
+    proc = StoreProcess(
+        tmp_path / "store",
+        "--host-capacity",
+        "2MiB",
+        "--ssd-dir",
+        str(tmp_path / "ssd"),
+        "--ssd-capacity",
+        "64MiB",
+        "--auth-tokens",
+        str(tokens),
+        "--kv-events",
+        f"ipc://{tmp_path}/{{tenant}}.events",
+        "--kv-events-replay",
+        f"ipc://{tmp_path}/{{tenant}}.replay",
+        "--kv-events-topic",
+        "kv@store@{tenant}",
+        "--trace-path",
+        str(tmp_path / "trace.json"),
+    )
     with proc.start():
         yield proc
 
 
 def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
     ctx = zmq.Context()
-    subs = {t: Subscriber(ctx, f"ipc://{tmp_path}/{t}.events", f"ipc://{tmp_path}/{t}.replay",
-                          f"kv@store@{t}".encode()) for t in "ab"}
+    subs = {
+        t: Subscriber(ctx, f"ipc://{tmp_path}/{t}.events", f"ipc://{tmp_path}/{t}.replay", f"kv@store@{t}".encode())
+        for t in "ab"
+    }
     tokens, hashes, keys, descs = described(6, seed=1)
     try:
         # The epoch opened with AllBlocksCleared, before anyone listened: replay has it.
-        (seq0, batch0, epoch0), = subs["a"].replay(0)
+        ((seq0, batch0, epoch0),) = subs["a"].replay(0)
         assert seq0 == 0 and batch0.events == [AllBlocksCleared()] and epoch0 > 0
 
         # A chain of 3: announced in the store's DRAM and on its SSD, with tokens.
@@ -184,7 +201,7 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
         assert [e.parent_block_hash for e in cpu] == [None, *(kvwire.wire_hash(h) for h in hashes[:2])]
         assert {(e.block_size, e.ownership) for e in cpu} == {(16, "kvstore")}
         assert {(e.locality, e.ownership) for e in stored(events, "STORAGE")} == {("LOCAL", "ssd")}
-        assert all(raw[3] == epoch0 for _, _, raw in subs["a"].seen)   # the epoch in every batch
+        assert all(raw[3] == epoch0 for _, _, raw in subs["a"].seen)  # the epoch in every batch
 
         # Tenant b saves the very same chunks: b's stream says so, a's hears nothing.
         asyncio.run(save(store.target, "tok-b", keys[:3], descs))
@@ -220,7 +237,7 @@ def test_store_eviction_replay_restart_and_tenants(store, tmp_path):
         # A restart: a new epoch, cleared first; an SSD survivor is announced again once read.
         store.restart()
         sub = Subscriber(ctx, f"ipc://{tmp_path}/a.events", f"ipc://{tmp_path}/a.replay", b"kv@store@a")
-        (_, batch, epoch1), = sub.replay(0)
+        ((_, batch, epoch1),) = sub.replay(0)
         assert batch.events == [AllBlocksCleared()] and epoch1 > epoch0
         asyncio.run(read(store.target, "tok-a", keys[0], descs))
         events = sub.poll(lambda ev: {e.medium for e in stored(ev)} == {"CPU", "STORAGE"})
@@ -248,7 +265,6 @@ async def _delete(target: str, token: str, key) -> None:
         await tier.aclose()
 
 
-
 def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
     """``--kv-events-encoding array``: a real store's stream and replay read by a decoder of
     the positional era (the structs of tests/unit/test_kv_events.py), tokens and hashes
@@ -256,9 +272,19 @@ def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
     from tests.unit.test_kv_events import _OldBatch, _OldStored
 
     tokens_file = write_tokens(tmp_path / "tokens.yaml", TOKENS)
-    proc = StoreProcess(tmp_path / "store", "--host-capacity", "2MiB", "--auth-tokens", str(tokens_file),
-                        "--kv-events", f"ipc://{tmp_path}/{{tenant}}.events",
-                        "--kv-events-replay", f"ipc://{tmp_path}/{{tenant}}.replay", "--kv-events-encoding", "array")
+    proc = StoreProcess(
+        tmp_path / "store",
+        "--host-capacity",
+        "2MiB",
+        "--auth-tokens",
+        str(tokens_file),
+        "--kv-events",
+        f"ipc://{tmp_path}/{{tenant}}.events",
+        "--kv-events-replay",
+        f"ipc://{tmp_path}/{{tenant}}.replay",
+        "--kv-events-encoding",
+        "array",
+    )
     tokens, hashes, keys, descs = described(2, seed=5)
     old = msgspec.msgpack.Decoder(type=_OldBatch)
     ctx = zmq.Context()
@@ -269,8 +295,12 @@ def test_the_array_layout_reaches_a_positional_decoder(tmp_path):
             deadline, stored = time.monotonic() + 15, []
             while len(stored) < 2:  # the replay socket has every batch since the epoch began
                 assert time.monotonic() < deadline, f"no stored events: {stored}"
-                stored = [e for _, payload in reader._replayed(0) for e in old.decode(payload).events
-                          if isinstance(e, _OldStored)]
+                stored = [
+                    e
+                    for _, payload in reader._replayed(0)
+                    for e in old.decode(payload).events
+                    if isinstance(e, _OldStored)
+                ]
                 time.sleep(0.05)  # poll interval
             assert [e.block_hashes for e in stored] == [[kvwire.wire_hash(h)] for h in hashes]
             assert [e.token_ids for e in stored] == tokens.tolist()

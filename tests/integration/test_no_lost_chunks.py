@@ -20,6 +20,7 @@ in vLLM's multi-process mode (its scheduler, and so the drain at exit, in the en
 process), engine 2 in the single-process mode; the single-process exit path is the main
 job's and the other engine tests'.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,9 @@ def test_back_to_back_prompts_lose_no_chunk_and_hit_every_whole_block(setup, tmp
 
     def run(name: str, single: bool, device: str) -> tuple[kit.EngineResult, dict[str, dict]]:
         stats = tmp_path / f"stats-{name}.json"
-        result = kit.run_engine(model, connector_config(ssd, stats, device=device), wl, max_tokens=2,
-                                single_process=single)
+        result = kit.run_engine(
+            model, connector_config(ssd, stats, device=device), wl, max_tokens=2, single_process=single
+        )
         cmp = kit.compare_outputs(reference, result)
         assert cmp, f"{name}: outputs differ from recompute: {cmp.mismatches[:3]}"
         return result, hits_by_label(result, json.loads(stats.read_text()))

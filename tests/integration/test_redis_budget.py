@@ -12,6 +12,7 @@ tenant (``kvstore redis-acl``'s commands):
 
 Cost: about 5 s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,7 @@ from tiers.redis_manifest import MANIFEST_SIZE
 
 PART = 64 << 10
 OBJ = 40 << 10
-BUDGET = 400 << 10          # room for 9 objects of OBJ (+ manifest)
+BUDGET = 400 << 10  # room for 9 objects of OBJ (+ manifest)
 NS_A, NS_B = kv.namespace("tenant-a"), kv.namespace("tenant-b")
 
 
@@ -53,8 +54,9 @@ def shared_redis(tmp_path_factory):
 
 async def tier(server, tenant: str, **options: object) -> RedisTier:
     url = f"redis://kvstore-{tenant}:pw-{tenant}-0123456789abcdef@{server.host}:{server.port}/0"
-    return await RedisTier.open(RedisConfig.from_url(url, key_prefix=f"kvstore:{tenant}:", part_size=PART,
-                                                     budget_bytes=BUDGET, **options))
+    return await RedisTier.open(
+        RedisConfig.from_url(url, key_prefix=f"kvstore:{tenant}:", part_size=PART, budget_bytes=BUDGET, **options)
+    )
 
 
 def bytes_under(server, prefix: str) -> int:
@@ -79,21 +81,21 @@ async def test_a_tenant_beyond_its_budget_evicts_only_its_own_least_recently_use
     a, b = await tier(shared_redis, "a"), await tier(shared_redis, "b")
     mine = kv.keys_of(NS_A, 8, seed=1)
     assert await put_all(a, mine) == [PutResult.STORED] * 8
-    theirs = kv.keys_of(NS_B, 60, seed=2)                    # 2.4 MiB into a 400 KiB budget
-    assert await put_all(b, theirs[:9]) == [PutResult.STORED] * 9   # b's budget is full
+    theirs = kv.keys_of(NS_B, 60, seed=2)  # 2.4 MiB into a 400 KiB budget
+    assert await put_all(b, theirs[:9]) == [PutResult.STORED] * 9  # b's budget is full
     buf = bytearray(OBJ)
-    assert await b.read_into(theirs[0], buf) == OBJ         # refreshes theirs[0]
+    assert await b.read_into(theirs[0], buf) == OBJ  # refreshes theirs[0]
     assert await put_all(b, theirs[9:10]) == [PutResult.STORED]
-    assert await b.sizes(theirs[:2]) == [OBJ, None]         # the least recently used went, not the read one
+    assert await b.sizes(theirs[:2]) == [OBJ, None]  # the least recently used went, not the read one
     assert await put_all(b, theirs[10:]) == [PutResult.STORED] * 50
     assert b.stats().extra["budget_evicted"] >= 50
     assert 0 < bytes_under(shared_redis, "kvstore:b:") <= BUDGET
     used, count = await b.budget_usage()
     assert used <= BUDGET and count == 9
-    assert await b.sizes(theirs[-9:]) == [OBJ] * 9          # the newest nine stayed
+    assert await b.sizes(theirs[-9:]) == [OBJ] * 9  # the newest nine stayed
     assert await b.sizes(theirs[:3]) == [None, None, None]
     assert await a.lookup(mine) == 8 and a.stats().extra["budget_evicted"] == 0
-    a2 = await tier(shared_redis, "a")                         # a fresh connection (a restarted writer)
+    a2 = await tier(shared_redis, "a")  # a fresh connection (a restarted writer)
     for k in mine:
         assert await a2.read_into(k, buf) == OBJ and bytes(buf) == kv.make_object(k, OBJ).tobytes()
     for t in (a, a2, b):
@@ -129,12 +131,16 @@ async def test_an_object_larger_than_the_budget_is_refused_and_evicts_nothing(sh
 
 async def test_the_sweep_repairs_what_a_crashed_writer_leaves(shared_redis):
     wipe(shared_redis, "kvstore:b:")
-    b = await tier(shared_redis, "b", orphan_ttl_s=0.5)      # reservations are stale at once
-    plain = await RedisTier.open(RedisConfig.from_url(        # a writer that counts nothing
-        f"redis://kvstore-b:pw-b-0123456789abcdef@{shared_redis.host}:{shared_redis.port}/0",
-        key_prefix="kvstore:b:", part_size=PART))
+    b = await tier(shared_redis, "b", orphan_ttl_s=0.5)  # reservations are stale at once
+    plain = await RedisTier.open(
+        RedisConfig.from_url(  # a writer that counts nothing
+            f"redis://kvstore-b:pw-b-0123456789abcdef@{shared_redis.host}:{shared_redis.port}/0",
+            key_prefix="kvstore:b:",
+            part_size=PART,
+        )
+    )
     ghost, stray = kv.keys_of(NS_B, 2, seed=6)
-    assert await b._reserve(ghost, OBJ) is True             # crashed before writing
+    assert await b._reserve(ghost, OBJ) is True  # crashed before writing
     assert await put_bytes(plain, stray, kv.make_object(stray, OBJ)) is PutResult.STORED
     admin = shared_redis.client()
     held = budget_keys("kvstore:b:")["held"]
@@ -145,11 +151,26 @@ async def test_the_sweep_repairs_what_a_crashed_writer_leaves(shared_redis):
     assert used <= BUDGET and int(admin.get(budget_keys("kvstore:b:")["used"])) == used
     assert await b.budget_sweep() == {"adopted": 0, "released": 0}
     assert await put_bytes(plain, ghost, kv.make_object(ghost, OBJ)) is PutResult.STORED
-    out = subprocess.run([sys.executable, "-m", "kvstore", "redis-sweep",   # as an operator runs it
-                          f"redis://kvstore-b:pw-b-0123456789abcdef@{shared_redis.host}:{shared_redis.port}/0"
-                          f"?key_prefix=kvstore:b:&budget_bytes={BUDGET}"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
-    assert json.loads(out) == {"adopted": 1, "released": 0, "used_bytes": used + OBJ + MANIFEST_SIZE,
-                               "objects": count + 1, "budget_bytes": BUDGET}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "redis-sweep",  # as an operator runs it
+            f"redis://kvstore-b:pw-b-0123456789abcdef@{shared_redis.host}:{shared_redis.port}/0"
+            f"?key_prefix=kvstore:b:&budget_bytes={BUDGET}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert json.loads(out) == {
+        "adopted": 1,
+        "released": 0,
+        "used_bytes": used + OBJ + MANIFEST_SIZE,
+        "objects": count + 1,
+        "budget_bytes": BUDGET,
+    }
     for t in (b, plain):
         await t.aclose()

@@ -4,6 +4,7 @@ missing part (LOST), a part of the wrong length (CORRUPT) with the connection dr
 reused, error replies falling back to redis-py, AUTH/ACL, SELECT, TLS and mutual TLS, a server
 stopped or killed mid-read (a miss, the breaker opens), cancellation that leaves the caller's
 buffer alone, connection reuse, concurrent reads, and a 3-node cluster."""
+
 from __future__ import annotations
 
 import asyncio
@@ -73,7 +74,7 @@ async def test_objects_of_every_shape_read_back_byte_equal_over_one_connection(r
         for key, obj in zip(keys, objs):
             out = np.full(len(obj) + 100, SENTINEL, np.uint8)  # larger than the object
             assert await tier.read_into(key, memoryview(out)) == len(obj)
-            assert np.array_equal(out[: len(obj)], obj) and (out[len(obj):] == SENTINEL).all()
+            assert np.array_equal(out[: len(obj)], obj) and (out[len(obj) :] == SENTINEL).all()
     parts = sum(-(-size // PART) for size in SIZES)
     n = len(SIZES)
     assert extra(tier, "bulk_reads", "bulk_parts", "bulk_bytes") == (2 * n, 2 * parts, 2 * sum(SIZES))
@@ -131,6 +132,7 @@ async def test_concurrent_reads_share_a_small_pool(redis_server):
 
 # --- lost and corrupt parts -------------------------------------------------------------------
 
+
 async def test_missing_part_is_lost_cleaned_up_and_the_connection_drained(redis_server):
     tier = await open_redis_tier(redis_server.url)
     lost, good = keys_of(2, 5)
@@ -160,7 +162,7 @@ async def test_part_of_wrong_length_is_corrupt_and_never_lands(redis_server, del
         c.set(part_names(c, bad)[1], b"\x11" * (PART + delta))
     out = np.full(4 * PART, SENTINEL, np.uint8)
     assert await tier.read_into(bad, memoryview(out)) is None
-    assert (out[PART: 2 * PART] == SENTINEL).all()  # drained into the sink, not the buffer
+    assert (out[PART : 2 * PART] == SENTINEL).all()  # drained into the sink, not the buffer
     s = tier.stats()
     assert (s.misses, s.corrupt, s.extra["lost"], s.extra["breaker_opened"]) == (1, 1, 0, 0)
     with redis_server.client() as c:
@@ -184,6 +186,7 @@ async def test_damaged_bytes_of_the_right_length_fail_verification(redis_server)
 
 
 # --- error replies fall back to redis-py ------------------------------------------------------
+
 
 async def test_refused_auth_on_the_bulk_connection_falls_back_to_redis_py(redis_factory):
     server = redis_factory(password="old-pass")
@@ -216,6 +219,7 @@ async def test_error_reply_falls_back_and_is_a_plain_miss(redis_server):
 
 
 # --- AUTH / ACL, SELECT, TLS ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("username", [None, "kv-user"])
 async def test_password_and_acl_user_and_database(redis_factory, username):
@@ -251,6 +255,7 @@ async def test_tls_and_mutual_tls(redis_factory, tls_files, mutual):
 
 
 # --- failures mid-read --------------------------------------------------------------------------
+
 
 async def test_server_killed_mid_read_is_a_miss_and_opens_the_breaker(redis_factory):
     server = redis_factory()
@@ -340,6 +345,7 @@ async def test_server_restarted_between_reads_costs_nothing(redis_factory):
 
 # --- cluster ------------------------------------------------------------------------------------
 
+
 async def test_cluster_reads_each_nodes_parts_over_its_own_connection(redis_cluster):
     tier = await open_redis_tier(redis_cluster.url, part_size="16KiB")
     keys = keys_of(6, 16)
@@ -352,8 +358,7 @@ async def test_cluster_reads_each_nodes_parts_over_its_own_connection(redis_clus
     assert extra(tier, "bulk_connects") == (3,)  # one per node, reused
     # The first round trip asks the nodes of the manifest and of the inline value (one or
     # two), then every object's parts span all three nodes.
-    first = sum(len({tier._node(manifest_key("kvstore:", k)), tier._node(inline_key("kvstore:", k))})
-                for k in keys)
+    first = sum(len({tier._node(manifest_key("kvstore:", k)), tier._node(inline_key("kvstore:", k))}) for k in keys)
     assert extra(tier, "bulk_round_trips")[0] == first + 6 * 3
     for key in keys:
         await tier.delete(key)

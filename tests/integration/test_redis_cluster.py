@@ -2,6 +2,7 @@
 present() in one round trip per node, a byte budget kept by two writers (index keys in one
 slot), and one node killed: objects with any key on it are
 misses (no exception, nothing deleted, no wrong bytes), every other object still hits."""
+
 from __future__ import annotations
 
 import asyncio
@@ -148,13 +149,30 @@ async def test_resharding_moves_slots_and_reads_stay_whole(redis_cluster_factory
         assert await put_bytes(tier, key, memoryview(make_object(key))) is PutResult.STORED
     before = slot_owners(cluster)
     with cluster.nodes[0].client() as c:
-        ids = {int(addr.split(":")[1].split("@")[0]): info["node_id"]
-               for addr, info in c.execute_command("CLUSTER NODES").items()}
+        ids = {
+            int(addr.split(":")[1].split("@")[0]): info["node_id"]
+            for addr, info in c.execute_command("CLUSTER NODES").items()
+        }
     src, dst = ids[cluster.nodes[0].port], ids[cluster.nodes[1].port]
-    run = await asyncio.to_thread(subprocess.run, [
-        shutil.which("redis-cli"), "--cluster", "reshard", f"127.0.0.1:{cluster.nodes[0].port}",
-        "--cluster-from", src, "--cluster-to", dst, "--cluster-slots", "3000", "--cluster-yes"],
-        capture_output=True, text=True, timeout=120)
+    run = await asyncio.to_thread(
+        subprocess.run,
+        [
+            shutil.which("redis-cli"),
+            "--cluster",
+            "reshard",
+            f"127.0.0.1:{cluster.nodes[0].port}",
+            "--cluster-from",
+            src,
+            "--cluster-to",
+            dst,
+            "--cluster-slots",
+            "3000",
+            "--cluster-yes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     after = slot_owners(cluster)
     moved = [s for s in before if before[s] != after[s]]
@@ -180,8 +198,9 @@ async def test_a_budget_holds_across_nodes_with_two_writers(redis_cluster):
     (the prefix's hash tag), the objects spread over the nodes; two writers of one prefix stay
     within the budget, counted from every node's keys; the sweep finds nothing to repair."""
     prefix, budget = "kvstore:bud:", 10 * (SIZE + 40)
-    w1, w2 = [await open_redis_tier(redis_cluster, part_size=PART, key_prefix=prefix, budget_bytes=budget)
-              for _ in range(2)]
+    w1, w2 = [
+        await open_redis_tier(redis_cluster, part_size=PART, key_prefix=prefix, budget_bytes=budget) for _ in range(2)
+    ]
     keys = keys_of(40, seed=11)
 
     async def put_all(tier: RedisTier, mine: list[ObjectKey]) -> list[PutResult]:

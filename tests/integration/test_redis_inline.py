@@ -4,6 +4,7 @@ keys, and every safety property of the parts layout holds: a value without its m
 invisible, a dead writer's value expires, concurrent writers leave one object, a value lost
 or damaged is a counted miss and is cleaned up, and a stray value never disturbs an object
 of parts."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,11 @@ def names(key: ObjectKey) -> tuple[str, str]:
 
 def calls(server) -> dict[str, int]:
     stats = server.info("commandstats")
-    return {n.removeprefix("cmdstat_"): int(v["calls"]) for n, v in stats.items()
-            if not n.startswith(("cmdstat_info", "cmdstat_client", "cmdstat_hello"))}
+    return {
+        n.removeprefix("cmdstat_"): int(v["calls"])
+        for n, v in stats.items()
+        if not n.startswith(("cmdstat_info", "cmdstat_client", "cmdstat_hello"))
+    }
 
 
 def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -59,14 +63,14 @@ async def test_a_small_object_is_two_keys_and_one_round_trip(redis_server, size)
         assert sorted(c.keys("*")) == sorted([mkey.encode(), ikey.encode()])
         raw = c.get(mkey)
         assert len(raw) == MANIFEST_SIZE and raw[6] & INLINE and unpack(raw).inline
-        assert c.get(ikey) == obj.tobytes()                      # exactly the object's bytes
-        assert c.pttl(ikey) == -1 and c.pttl(mkey) == -1         # no ttl_s: both persist
+        assert c.get(ikey) == obj.tobytes()  # exactly the object's bytes
+        assert c.pttl(ikey) == -1 and c.pttl(mkey) == -1  # no ttl_s: both persist
     trips, before = tier.stats().extra["round_trips"], calls(redis_server)
     out = np.full(size + 64, 0xA5, np.uint8)
     assert await tier.read_into(key, memoryview(out)) == size
     assert np.array_equal(out[:size], obj) and (out[size:] == 0xA5).all()
-    assert tier.stats().extra["round_trips"] - trips == 1       # one pipeline
-    assert delta(before, calls(redis_server)) == {"get": 2}     # the manifest and the value
+    assert tier.stats().extra["round_trips"] - trips == 1  # one pipeline
+    assert delta(before, calls(redis_server)) == {"get": 2}  # the manifest and the value
     s = tier.stats()
     assert (s.hits, s.extra["bulk_reads"], s.extra["bulk_fallbacks"]) == (1, 1, 0)
     await tier.aclose()
@@ -83,7 +87,7 @@ async def test_pieces_written_out_of_order_are_sent_once_whole(redis_server):
         await tier.put_write(handle, lo, memoryview(obj.copy())[lo:hi])  # the caller reuses its buffer
     assert await tier.put_commit(handle, True)
     d = delta(before, calls(redis_server))
-    assert d.get("set") == 2 and "setrange" not in d                      # the value, then the manifest
+    assert d.get("set") == 2 and "setrange" not in d  # the value, then the manifest
     got = await read_back(tier, key, len(obj))
     assert got is not None and np.array_equal(got, obj)
     await tier.aclose()
@@ -94,14 +98,14 @@ async def test_a_value_without_its_manifest_is_invisible_and_dies_with_its_write
     k1, k2 = keys_of(2, 2)
     obj = kv.make_object(k1, 2 * KiB)
     handle = await tier.put_start(k1, len(obj))
-    await tier.put_write(handle, 0, memoryview(obj))                     # the writer "dies" here
+    await tier.put_write(handle, 0, memoryview(obj))  # the writer "dies" here
     mkey, ikey = names(k1)
     with redis_server.client() as c:
         assert c.exists(ikey) and not c.exists(mkey)
-        assert 0 < c.pttl(ikey) <= 30_000                                 # it expires by itself
+        assert 0 < c.pttl(ikey) <= 30_000  # it expires by itself
     assert not await tier.contains(k1)
-    assert await read_back(tier, k1, len(obj)) is None                    # complete, but not published
-    assert await tier.put_commit(handle, False) is False                 # abandoned: removed now
+    assert await read_back(tier, k1, len(obj)) is None  # complete, but not published
+    assert await tier.put_commit(handle, False) is False  # abandoned: removed now
     with redis_server.client() as c:
         assert c.dbsize() == 0
     s = tier.stats()
@@ -115,9 +119,9 @@ async def test_a_dead_writers_value_is_adopted_by_the_next_put(redis_server):
     obj = kv.make_object(key, 3 * KiB)
     mkey, ikey = names(key)
     with redis_server.client() as c:
-        c.set(ikey, obj.tobytes(), px=30_000)                             # left by a killed writer
+        c.set(ikey, obj.tobytes(), px=30_000)  # left by a killed writer
         assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
-        assert c.pttl(ikey) == -1 and c.pttl(mkey) == -1                  # adopted: the final TTL
+        assert c.pttl(ikey) == -1 and c.pttl(mkey) == -1  # adopted: the final TTL
     got = await read_back(tier, key, len(obj))
     assert got is not None and np.array_equal(got, obj)
     await tier.aclose()
@@ -143,17 +147,17 @@ async def test_a_lost_value_is_counted_cleaned_and_repaired_by_a_later_put(redis
     assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
     mkey, ikey = names(key)
     with redis_server.client() as c:
-        c.delete(ikey)                                                    # evicted, say
+        c.delete(ikey)  # evicted, say
         assert await read_back(tier, key, len(obj)) is None
-        assert c.dbsize() == 0                                            # its manifest went too
+        assert c.dbsize() == 0  # its manifest went too
         s = tier.stats()
         assert (s.misses, s.corrupt, s.extra["lost"]) == (1, 0, 1)
         assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
-        c.delete(ikey)                                                    # lost again, then a put meets
-        handle = await tier.put_start(key, len(obj))                      # the dangling manifest
+        c.delete(ikey)  # lost again, then a put meets
+        handle = await tier.put_start(key, len(obj))  # the dangling manifest
         await tier.put_write(handle, 0, memoryview(obj))
-        assert await tier.put_commit(handle, True) is True                # "exists": a success
-        assert c.pttl(ikey) == -1                                         # and its value serves it
+        assert await tier.put_commit(handle, True) is True  # "exists": a success
+        assert c.pttl(ikey) == -1  # and its value serves it
     got = await read_back(tier, key, len(obj))
     assert got is not None and np.array_equal(got, obj)
     await tier.aclose()
@@ -167,8 +171,12 @@ async def test_a_damaged_value_is_a_counted_miss_and_deleted(redis_server, damag
     obj = kv.make_object(key, size)
     assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
     _, ikey = names(key)
-    bad = {"flip": lambda b: b[:9000] + bytes([b[9000] ^ 1]) + b[9001:], "shorter": lambda b: b[:-1],
-           "longer": lambda b: b + b"x", "other key": lambda b: kv.make_object(other, size).tobytes()}[damage]
+    bad = {
+        "flip": lambda b: b[:9000] + bytes([b[9000] ^ 1]) + b[9001:],
+        "shorter": lambda b: b[:-1],
+        "longer": lambda b: b + b"x",
+        "other key": lambda b: kv.make_object(other, size).tobytes(),
+    }[damage]
     with redis_server.client() as c:
         c.set(ikey, bad(obj.tobytes()))
         assert await read_back(tier, key, size + 1) is None
@@ -181,7 +189,7 @@ async def test_a_damaged_value_is_a_counted_miss_and_deleted(redis_server, damag
 async def test_a_stray_value_never_disturbs_an_object_of_parts(redis_server):
     tier = await open_redis_tier(redis_server)
     k1, k2 = keys_of(2, 7)
-    for key, stray in ((k1, 5), (k2, 10 * PART)):                         # smaller; larger than the buffer
+    for key, stray in ((k1, 5), (k2, 10 * PART)):  # smaller; larger than the buffer
         obj = kv.make_object(key, 3 * PART + 1)
         assert await put_bytes(tier, key, memoryview(obj)) is PutResult.STORED
         with redis_server.client() as c:
@@ -200,11 +208,11 @@ async def test_an_error_reply_for_the_value_falls_back_and_is_a_plain_miss(redis
     with redis_server.client() as c:
         ikey = names(key)[1]
         c.delete(ikey)
-        c.rpush(ikey, b"not a string")                                    # GET answers -WRONGTYPE
+        c.rpush(ikey, b"not a string")  # GET answers -WRONGTYPE
     assert await read_back(tier, key, 4 * KiB) is None
     s = tier.stats()
     assert (s.misses, s.corrupt, s.extra["lost"], s.extra["bulk_fallbacks"]) == (1, 0, 0, 1)
-    assert await tier.contains(key)                                       # not proof the object is dead
+    assert await tier.contains(key)  # not proof the object is dead
     await tier.aclose()
 
 

@@ -1,6 +1,7 @@
 """Real redis-server processes from kvstore.testing.redis_proc and .redis_cluster: plain,
 password/ACL, TLS, mutual TLS, memory limits, kill/restart, start-up failures, and a 3-node
 cluster that survives a dead node."""
+
 from __future__ import annotations
 
 import gc
@@ -164,13 +165,16 @@ def test_a_picked_port_lost_to_a_race_is_replaced_once(tmp_path):
     assert srv.pid is None and _refused(srv.port)
 
 
-@pytest.mark.parametrize("kw, names", [
-    ({"username": "bob"}, "'bob'"),
-    ({"maxmemory_policy": "lru-please"}, "'lru-please'"),
-    ({"tls_auth_clients": True}, "tls_auth_clients"),
-    ({"port": 70000}, "70000"),
-    ({"port": 60000, "cluster": True}, "60000"),
-])
+@pytest.mark.parametrize(
+    "kw, names",
+    [
+        ({"username": "bob"}, "'bob'"),
+        ({"maxmemory_policy": "lru-please"}, "'lru-please'"),
+        ({"tls_auth_clients": True}, "tls_auth_clients"),
+        ({"port": 70000}, "70000"),
+        ({"port": 60000, "cluster": True}, "60000"),
+    ],
+)
 def test_impossible_options_are_config_errors(tmp_path, kw, names):
     with pytest.raises(ConfigError, match=names):
         RedisServer(tmp_path, **kw)
@@ -207,8 +211,12 @@ def test_cluster_spreads_keys_over_three_nodes(redis_cluster):
     for node in redis_cluster.nodes:
         node.client().flushall()
         info = _cluster_info(node)
-        assert (info["cluster_state"], info["cluster_slots_assigned"],
-                info["cluster_known_nodes"], info["cluster_size"]) == ("ok", "16384", "3", "3")
+        assert (
+            info["cluster_state"],
+            info["cluster_slots_assigned"],
+            info["cluster_known_nodes"],
+            info["cluster_size"],
+        ) == ("ok", "16384", "3", "3")
     data = _write_300(redis_cluster)
     sizes = [node.client().dbsize() for node in redis_cluster.nodes]
     assert min(sizes) > 0 and sum(sizes) == 300
@@ -255,8 +263,7 @@ def _flags(node, port: int) -> list[str]:
 
 
 def test_tls_cluster_with_an_acl_user(redis_cluster_factory, tls_files):
-    cluster = redis_cluster_factory(tls=tls_files, tls_auth_clients=True,
-                                    username="kv", password="pw")
+    cluster = redis_cluster_factory(tls=tls_files, tls_auth_clients=True, username="kv", password="pw")
     data = _write_300(cluster)
     sizes = [node.client().dbsize() for node in cluster.nodes]
     assert min(sizes) > 0 and sum(sizes) == 300

@@ -10,6 +10,7 @@ the store connects to Redis as each tenant's ACL user (a ``--redis`` URL with ``
 
 Cost: about 8 s (two store starts).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,10 @@ from kvstore.cli.redis_acl import acl_commands
 from kvstore.testing.serve_proc import StoreProcess
 from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, random_key, wait_until, write_tokens
 
-TOKENS = [{"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
-          {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]}]
+TOKENS = [
+    {"token": "tok-a", "tenant": "a", "permissions": ["read", "write"]},
+    {"token": "tok-b", "tenant": "b", "permissions": ["read", "write"]},
+]
 BUDGET_B = 1 * MiB
 SIZE = 64 * KiB
 
@@ -50,8 +53,10 @@ def setup(tmp_path_factory):
     tokens = write_tokens(work / "tokens.yaml", TOKENS)
     text = tokens.read_text() + f"tenants:\n  a: {{redis_bytes: 4MiB}}\n  b: {{redis_bytes: {BUDGET_B}}}\n"
     tokens.write_text(text)
-    url = (f"redis://kvstore-{{tenant}}@{server.host}:{server.port}/0?key_prefix=kvstore:{{tenant}}:"
-           f"&password_file={work}/redis-{{tenant}}.password")
+    url = (
+        f"redis://kvstore-{{tenant}}@{server.host}:{server.port}/0?key_prefix=kvstore:{{tenant}}:"
+        f"&password_file={work}/redis-{{tenant}}.password"
+    )
     args = ("--host-capacity", "32MiB", "--auth-tokens", str(tokens), "--redis", url)
     yield server, work, args
     server.stop()
@@ -76,12 +81,15 @@ def test_a_tenant_over_its_budget_never_evicts_another_and_the_store_uses_each_u
     server, work, args = setup
     objects, rng = Objects(2 * MiB), np.random.default_rng(7)
     mine, theirs = [random_key(rng) for _ in range(6)], [random_key(rng) for _ in range(48)]
-    with StoreProcess(work / "one", *args, "--metrics-port", "0") as proc, StoreClient(proc.target, "tok-a") as a, \
-            StoreClient(proc.target, "tok-b") as b:
+    with (
+        StoreProcess(work / "one", *args, "--metrics-port", "0") as proc,
+        StoreClient(proc.target, "tok-a") as a,
+        StoreClient(proc.target, "tok-b") as b,
+    ):
         for i, key in enumerate(mine):
             assert a.put_stream(key, objects.make(key, SIZE, seed=i)) == pb.PUT_OUTCOME_STORED
         assert wait_until(lambda: redis_doc(a).get("puts") == 6)
-        for i, key in enumerate(theirs):                      # 3 MiB into a 1 MiB budget
+        for i, key in enumerate(theirs):  # 3 MiB into a 1 MiB budget
             assert b.put_stream(key, objects.make(key, SIZE, seed=i)) == pb.PUT_OUTCOME_STORED
         big = random_key(rng)
         assert b.put_stream(big, objects.make(big, 2 * MiB)) == pb.PUT_OUTCOME_STORED  # host only
@@ -96,8 +104,8 @@ def test_a_tenant_over_its_budget_never_evicts_another_and_the_store_uses_each_u
         assert evicted and int(evicted.group(1)) == doc["evictions"] > 0
         users = [c["user"] for c in server.client().client_list()]  # CLIENT LIST's user= field
         assert {u for u in users if u != "default"} == {"kvstore-a", "kvstore-b"}
-    assert len(under(server, "kvstore:a:", "m:")) == 6        # a lost nothing
-    assert 0 < data_bytes(server, "kvstore:b:") <= BUDGET_B   # measured from outside
+    assert len(under(server, "kvstore:a:", "m:")) == 6  # a lost nothing
+    assert 0 < data_bytes(server, "kvstore:b:") <= BUDGET_B  # measured from outside
     out = np.zeros(2 * MiB, np.uint8)
     with StoreProcess(work / "two", *args) as proc, StoreClient(proc.target, "tok-a") as a:
         assert [list(a.lookup([key]).tiers) for key in mine] == [[pb.TIER_REDIS]] * 6
@@ -112,9 +120,11 @@ def test_each_tenants_redis_user_cannot_touch_the_other_prefix(setup):
         password = (work / f"redis-{me}.password").read_text().strip()
         conn = redis.Redis(host=server.host, port=server.port, username=f"kvstore-{me}", password=password)
         conn.set(f"kvstore:{me}:probe", b"x")
-        for attempt in (lambda: conn.set(f"kvstore:{other}:probe", b"x"),
-                        lambda: conn.get(f"kvstore:{other}:m:anything"),
-                        lambda: conn.unlink(f"kvstore:{other}:m:anything")):
+        for attempt in (
+            lambda: conn.set(f"kvstore:{other}:probe", b"x"),
+            lambda: conn.get(f"kvstore:{other}:m:anything"),
+            lambda: conn.unlink(f"kvstore:{other}:m:anything"),
+        ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 attempt()
         conn.delete(f"kvstore:{me}:probe")

@@ -10,6 +10,7 @@
 
 Cost: about 3 s.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,7 +53,7 @@ async def test_a_tenants_credentials_cannot_write_read_or_delete_under_another_p
     other = kv.keys_of(NS_A, 1, seed=9)[0]
     assert await put_bytes(b_on_a, other, kv.make_object(other, 4096)) is not PutResult.STORED
     assert b_on_a.stats().put_failures == 1
-    assert await b_on_a.sizes(mine) == [None] * 3           # cannot even see them
+    assert await b_on_a.sizes(mine) == [None] * 3  # cannot even see them
     await b_on_a.delete(mine[0])
     assert (await b_on_a.lookup(mine)) == 0
     # a's objects are all there, byte for byte.
@@ -82,13 +83,13 @@ async def test_under_noeviction_one_tenants_writes_never_evict_anothers(redis_fa
     server = redis_factory(maxmemory="8mb", maxmemory_policy="noeviction")
     pw = make_users(server)
     a = await tenant_tier(server, "a", pw["a"], "kvstore:a:")
-    assert "evicts" not in caplog.text                       # noeviction: no warning
+    assert "evicts" not in caplog.text  # noeviction: no warning
     held = await fill(a, NS_A, 16, 64 << 10)
     assert held == [PutResult.STORED] * 16
     b = await tenant_tier(server, "b", pw["b"], "kvstore:b:")
-    results = await fill(b, NS_B, 400, 64 << 10)             # 25 MiB into 8 MiB
+    results = await fill(b, NS_B, 400, 64 << 10)  # 25 MiB into 8 MiB
     assert PutResult.STORED in results and any(r is not PutResult.STORED for r in results)
-    assert b.stats().put_failures > 0                        # refused, counted
+    assert b.stats().put_failures > 0  # refused, counted
     assert await a.lookup(kv.keys_of(NS_A, 16, seed=5)) == 16  # a lost nothing
     for t in (a, b):
         await t.aclose()
@@ -103,7 +104,7 @@ async def test_an_evicting_policy_is_warned_about_and_does_empty_the_other_tenan
     assert await fill(a, NS_A, 16, 64 << 10) == [PutResult.STORED] * 16
     b = await tenant_tier(server, "b", pw["b"], "kvstore:b:")
     await fill(b, NS_B, 400, 64 << 10)
-    assert await a.lookup(kv.keys_of(NS_A, 16, seed=5)) < 16   # the attack the warning is about
+    assert await a.lookup(kv.keys_of(NS_A, 16, seed=5)) < 16  # the attack the warning is about
     for t in (a, b):
         await t.aclose()
 
@@ -115,9 +116,26 @@ async def test_the_redis_acl_command_as_an_operator_scripts_it(redis_server, tmp
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "kvstore", "redis-acl", "--dir", str(tmp_path / "acl"),
-                          "--tenant", "a", "--tenant", "b", "--redis", f"{redis_server.host}:{redis_server.port}"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "redis-acl",
+            "--dir",
+            str(tmp_path / "acl"),
+            "--tenant",
+            "a",
+            "--tenant",
+            "b",
+            "--redis",
+            f"{redis_server.host}:{redis_server.port}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     files = {t: tmp_path / "acl" / f"redis-{t}.password" for t in "ab"}
     for f in files.values():
         assert os.stat(f).st_mode & 0o777 == 0o600 and f.read_text().strip() not in out
@@ -132,6 +150,11 @@ async def test_the_redis_acl_command_as_an_operator_scripts_it(redis_server, tmp
     assert tier.cfg.key_prefix == "kvstore:a:"
     assert await put_bytes(tier, k, kv.make_object(k, 2000)) is PutResult.STORED
     await tier.aclose()
-    again = subprocess.run([sys.executable, "-m", "kvstore", "redis-acl", "--dir", str(tmp_path / "acl"),
-                            "--tenant", "a"], capture_output=True, text=True, check=True, timeout=60).stdout
-    assert again.split("\n")[0] == lines[0]                  # a rerun keeps the password
+    again = subprocess.run(
+        [sys.executable, "-m", "kvstore", "redis-acl", "--dir", str(tmp_path / "acl"), "--tenant", "a"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert again.split("\n")[0] == lines[0]  # a rerun keeps the password

@@ -1,6 +1,7 @@
 """The Redis tier against a real redis-server: round trips of many sizes, batch lookups in one
 command, two tier instances sharing one server, TTLs, key prefixes, content addressing and
 cancellation.  Each test starts its own server on a free port (``redis_server``)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,11 @@ def make_object(key: ObjectKey, size: int) -> np.ndarray:
 def command_calls(server) -> dict[str, int]:
     """Calls per command, without the observer's own INFO/CLIENT/HELLO commands."""
     stats = server.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()
-            if not name.startswith(("cmdstat_info", "cmdstat_client", "cmdstat_hello"))}
+    return {
+        name.removeprefix("cmdstat_"): int(v["calls"])
+        for name, v in stats.items()
+        if not name.startswith(("cmdstat_info", "cmdstat_client", "cmdstat_hello"))
+    }
 
 
 def calls_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

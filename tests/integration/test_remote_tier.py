@@ -1,6 +1,7 @@
 """RemoteTier against a real ``kvstore serve`` process: the Tier contract over shared
 memory and streams, queued lease releases sent at close, and the circuit breaker when the
 store is killed and restarted."""
+
 import asyncio
 import socket
 import time
@@ -72,7 +73,7 @@ async def test_closing_the_tier_sends_its_queued_lease_releases(store):
         base = (await watcher.stats())["server_counters"]
         for key, obj in zip(keys, objs):
             assert await tier.read_into(key, memoryview(buf)) == len(obj)
-            assert np.array_equal(buf[:len(obj)], obj)
+            assert np.array_equal(buf[: len(obj)], obj)
         s = tier.stats()
         assert (s.hits, s.extra["releases_deferred"], s.extra["release_calls"]) == (3, 3, 0)
         held = (await watcher.stats())["server_counters"]
@@ -92,7 +93,7 @@ async def test_put_in_parts_and_abort(store, transport):
     obj = sealed(keys[0], 3 * MiB + 17, 5)
     async with await RemoteTier.open(store.target, transport=transport) as tier:
         handle = await tier.put_start(keys[0], len(obj))
-        assert (handle.buffer is not None) is (transport == "shm")   # in place over shm
+        assert (handle.buffer is not None) is (transport == "shm")  # in place over shm
         view = memoryview(obj)
         for lo in range(0, len(obj), MiB):
             await tier.put_write(handle, lo, view[lo : lo + MiB])
@@ -100,7 +101,7 @@ async def test_put_in_parts_and_abort(store, transport):
         aborted = await tier.put_start(keys[1], len(obj))
         await tier.put_write(aborted, 0, memoryview(sealed(keys[1], len(obj), 6)))
         assert await tier.put_commit(aborted, ok=False) is False
-        again = await tier.put_start(keys[0], len(obj))               # the store holds it
+        again = await tier.put_start(keys[0], len(obj))  # the store holds it
         if transport == "shm":
             assert again.buffer is None
             assert await tier.put_commit(again) is True
@@ -113,8 +114,17 @@ async def test_put_in_parts_and_abort(store, transport):
 
 async def test_breaker_opens_on_kill_and_closes_after_restart(tmp_path):
     port = free_port()
-    proc = StoreProcess(tmp_path, "--listen", f"127.0.0.1:{port}", "--host-capacity", "64MiB",
-                        "--ssd-dir", str(tmp_path / "ssd"), "--ssd-capacity", "256MiB").start()
+    proc = StoreProcess(
+        tmp_path,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--host-capacity",
+        "64MiB",
+        "--ssd-dir",
+        str(tmp_path / "ssd"),
+        "--ssd-capacity",
+        "256MiB",
+    ).start()
     keys = CHAIN.keys(4, seed=7)
     objs = [CHAIN.seal(k, MiB + 100 * i, 20 + i) for i, k in enumerate(keys)]
     try:
@@ -135,12 +145,12 @@ async def test_breaker_opens_on_kill_and_closes_after_restart(tmp_path):
             assert await tier.put_start(keys[0], len(objs[0])) is None
             assert tier.stats().extra["breaker_rejected"] >= 100
 
-            proc.start()                                       # same SSD dir, same port
+            proc.start()  # same SSD dir, same port
             deadline = time.monotonic() + 15
             while tier.breaker.is_open and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert not tier.breaker.is_open and tier.breaker.counters.closed == 1
-            assert tier.client.uses_shm                         # remapped the new segment
+            assert tier.client.uses_shm  # remapped the new segment
             assert await tier.lookup(keys) == 4
             for key, obj in zip(keys, objs):
                 assert await tier.read_into(key, memoryview(buf)) == len(obj)
@@ -170,30 +180,39 @@ async def test_refusals_do_not_trip_the_breaker(tmp_path):
     import yaml
 
     tokens = tmp_path / "tokens.yaml"
-    tokens.write_text(yaml.safe_dump({"tokens": [
-        {"token": "rw", "tenant": "a", "permissions": ["read", "write", "shm"]},
-        {"token": "ro", "tenant": "a", "permissions": ["read"]},
-        {"token": "wo", "tenant": "a", "permissions": ["write"]}]}))
+    tokens.write_text(
+        yaml.safe_dump(
+            {
+                "tokens": [
+                    {"token": "rw", "tenant": "a", "permissions": ["read", "write", "shm"]},
+                    {"token": "ro", "tenant": "a", "permissions": ["read"]},
+                    {"token": "wo", "tenant": "a", "permissions": ["write"]},
+                ]
+            }
+        )
+    )
     proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--auth-tokens", str(tokens)).start()
     keys = CHAIN.keys(2, seed=8)
     obj = sealed(keys[0], MiB, 30)
     buf = np.empty(MiB, np.uint8)
     try:
-        async with await RemoteTier.open(proc.target, token="rw") as rw, \
-                await RemoteTier.open(proc.target, token="ro") as ro, \
-                await RemoteTier.open(proc.target, token="wo") as wo:
+        async with (
+            await RemoteTier.open(proc.target, token="rw") as rw,
+            await RemoteTier.open(proc.target, token="ro") as ro,
+            await RemoteTier.open(proc.target, token="wo") as wo,
+        ):
             assert await rw.put(keys[0], obj) is PutResult.STORED
-            assert await ro.read_into(keys[0], memoryview(buf)) == MiB      # same tenant
+            assert await ro.read_into(keys[0], memoryview(buf)) == MiB  # same tenant
             assert await ro.put(keys[1], sealed(keys[1], MiB, 31), keys[0]) is PutResult.FAILED
             assert await put_bytes(ro, keys[1], sealed(keys[1], MiB, 31), keys[0]) is PutResult.FAILED
-            assert await wo.read_into(keys[0], memoryview(buf)) is None    # PERMISSION_DENIED: a miss
+            assert await wo.read_into(keys[0], memoryview(buf)) is None  # PERMISSION_DENIED: a miss
             assert await wo.lookup(keys) == 0
             for tier in (ro, wo):
                 s = tier.stats()
                 assert tier.breaker.counters.opened == 0 and s.extra["breaker_open"] == 0
             assert ro.stats().put_failures == 2
             assert wo.stats().extra["errors"] == 2 and wo.stats().misses == 1
-            assert await rw.lookup(keys) == 1                             # nothing else stored
+            assert await rw.lookup(keys) == 1  # nothing else stored
     finally:
         assert proc.terminate(30) == 0
 

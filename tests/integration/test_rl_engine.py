@@ -15,6 +15,7 @@ vLLM's own metrics count those hits under ``disk`` and carry our counters (``vll
 
 Cost: two engine processes, about 60-90 s here.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,25 @@ V2 = {"kvstore": {"weights_version": "step-2"}}
 
 def run_engine(tmp_path, name: str, model, actions: list) -> dict[str, dict]:
     stats = tmp_path / f"stats-{name}.json"
-    spec = {"model": str(model), "connector": connector_config(tmp_path / "ssd", stats), "max_tokens": 8,
-            "stats_path": str(stats), "actions": actions}
+    spec = {
+        "model": str(model),
+        "connector": connector_config(tmp_path / "ssd", stats),
+        "max_tokens": 8,
+        "stats_path": str(stats),
+        "actions": actions,
+    }
     spec_path, out, log = tmp_path / f"{name}.json", tmp_path / f"{name}-out.json", tmp_path / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     env = _child_env(True, 1, True, {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     with open(log, "wb") as f:
-        rc = subprocess.run([sys.executable, "-m", "tests.kits.rl_child", str(spec_path), str(out)], env=env,
-                            cwd=PROJECT_ROOT, stdout=f, stderr=f, timeout=900).returncode
+        rc = subprocess.run(
+            [sys.executable, "-m", "tests.kits.rl_child", str(spec_path), str(out)],
+            env=env,
+            cwd=PROJECT_ROOT,
+            stdout=f,
+            stderr=f,
+            timeout=900,
+        ).returncode
     assert rc == 0, log.read_text()[-4000:]
     results, by_label, before = json.loads(out.read_text()), {}, {"tokens_hit": 0, "tokens_hit_by_tier": {}}
     for r in results:
@@ -68,34 +80,44 @@ def test_reloaded_weights_never_meet_old_kv_and_engines_on_one_version_share(tmp
     model = tinymodel.build_named(tmp_path / "model", GEOMETRY)
     p = kit.TokenSource(21, tinymodel.GEOMETRIES[GEOMETRY].vocab).take(900)
 
-    one = run_engine(tmp_path, "one", model, [
-        ["generate", "old", p, None, ""],
-        ["reload", 1.5],
-        ["reset"],
-        ["generate", "new", p, V1, ""],
-        ["generate", "new-recompute", p, V1, "fresh-salt"],
-        ["generate", "mismatch", p, V2, ""],
-    ])
+    one = run_engine(
+        tmp_path,
+        "one",
+        model,
+        [
+            ["generate", "old", p, None, ""],
+            ["reload", 1.5],
+            ["reset"],
+            ["generate", "new", p, V1, ""],
+            ["generate", "new-recompute", p, V1, "fresh-salt"],
+            ["generate", "mismatch", p, V2, ""],
+        ],
+    )
     assert one["reset"][0]["ok"] is True
-    assert one["old"]["hit"] == 0 and one["new"]["hit"] == 0          # nothing stored before is loaded
-    assert not same(one["new"], one["old"])                          # the weights really changed
-    assert same(one["new"], one["new-recompute"])                    # = a recompute with the new weights
+    assert one["old"]["hit"] == 0 and one["new"]["hit"] == 0  # nothing stored before is loaded
+    assert not same(one["new"], one["old"])  # the weights really changed
+    assert same(one["new"], one["new-recompute"])  # = a recompute with the new weights
     assert one["new"]["stats"]["resets"]["total"] == 1
     assert one["mismatch"]["hit"] == 0
     assert one["mismatch"]["stats"]["not_cached"] == {"weights_version_mismatch": 1}
     assert "'step-1'" in one["mismatch"]["kv_transfer_params"]["kvstore"]["error"]
     assert same(one["mismatch"], one["new"])
 
-    two = run_engine(tmp_path, "two", model, [
-        ["generate", "files", p, None, ""],
-        ["reload", 1.5],
-        ["reset"],
-        ["generate", "shared", p, V1, ""],
-        ["reload", 0.7],
-        ["reset"],
-        ["generate", "other", p, V2, ""],
-        ["generate", "other-recompute", p, V2, "fresh-salt"],
-    ])
+    two = run_engine(
+        tmp_path,
+        "two",
+        model,
+        [
+            ["generate", "files", p, None, ""],
+            ["reload", 1.5],
+            ["reset"],
+            ["generate", "shared", p, V1, ""],
+            ["reload", 0.7],
+            ["reset"],
+            ["generate", "other", p, V2, ""],
+            ["generate", "other-recompute", p, V2, "fresh-salt"],
+        ],
+    )
     # The files' weights: engine 1's KV from before its reset is still on SSD.
     assert two["files"]["hit_by_tier"] == {"ssd": 896} and same(two["files"], one["old"])
     # The same weights, the same version: engine 1's new KV, from SSD, equal to its outputs.
@@ -104,8 +126,10 @@ def test_reloaded_weights_never_meet_old_kv_and_engines_on_one_version_share(tmp
     assert two["other"]["hit"] == 0 and same(two["other"], two["other-recompute"])
     assert not same(two["other"], one["new"])
     # vLLM's own statistics say where the hits came from, and carry our counters.
-    metrics = {(m["name"], m["labels"].get("source") or m["labels"].get("tier") or m["labels"].get("what")): m["value"]
-               for m in two["metrics"][0]["metrics"]}
+    metrics = {
+        (m["name"], m["labels"].get("source") or m["labels"].get("tier") or m["labels"].get("what")): m["value"]
+        for m in two["metrics"][0]["metrics"]
+    }
     assert metrics[("vllm:prompt_tokens_cached_by_source", "disk")] == 2 * 896
     assert metrics[("vllm:prompt_tokens_cached_by_source", "host")] == 0
     assert metrics[("vllm:kvstore_hit_tokens_by_tier", "ssd")] == 2 * 896

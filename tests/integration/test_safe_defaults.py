@@ -4,6 +4,7 @@ real ``kvstore serve``: a listen address beyond loopback needs TLS and tokens (o
 0600 in 0700 directories and the rebuild follows no symlink; a stale pool name is skipped
 with a clear message; tokens never reach logs or the process list; the connector presents
 a client certificate."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,14 @@ def process_list() -> list[str]:
 
 def serve(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "kvstore", "serve", "--host-capacity", "16MiB", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--host-capacity", "16MiB", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_beyond_loopback_needs_tls_and_tokens_or_a_loud_insecure(tmp_path):
@@ -51,8 +58,9 @@ def test_beyond_loopback_needs_tls_and_tokens_or_a_loud_insecure(tmp_path):
     for extra in ([], ["--auth-tokens", str(tokens)]):
         run = serve("--listen", "0.0.0.0:0", *extra)
         assert run.returncode == 2 and "is not loopback: serving it needs TLS" in run.stderr
-    proc = StoreProcess(tmp_path, "--host-capacity", "16MiB", "--listen", "0.0.0.0:0", "--insecure",
-                        "--metrics-port", "0").start()
+    proc = StoreProcess(
+        tmp_path, "--host-capacity", "16MiB", "--listen", "0.0.0.0:0", "--insecure", "--metrics-port", "0"
+    ).start()
     try:
         log = proc.log_text()
         assert "WARNING: --insecure: 0.0.0.0:0 is served beyond loopback without TLS and without tokens" in log
@@ -96,7 +104,7 @@ def test_ssd_files_are_private_and_the_rebuild_follows_no_symlink(tmp_path):
         assert {stat.S_IMODE(os.stat(p).st_mode) for p in (ssd, ssd / "tmp", *(f.parent for f in files))} == {0o700}
         assert proc.terminate(30) == 0
         os.rmdir(ssd / "tmp")
-        os.symlink(precious, ssd / "tmp")                   # the issue's trap for the rebuild
+        os.symlink(precious, ssd / "tmp")  # the issue's trap for the rebuild
         proc.start()
         assert (precious / "keep.kv").read_text() == "keep me" and not (ssd / "tmp").is_symlink()
         with StoreClient(proc.target, "tok-a") as a:
@@ -106,8 +114,8 @@ def test_ssd_files_are_private_and_the_rebuild_follows_no_symlink(tmp_path):
 
 
 def test_a_stale_pool_name_is_skipped_with_a_clear_message(caplog):
-    planted = SHM_DIR / "kvstore-pool-999999999-feedfacefeedface"   # a dead owner's name...
-    planted.mkdir()                                                   # ... that cannot be unlinked
+    planted = SHM_DIR / "kvstore-pool-999999999-feedfacefeedface"  # a dead owner's name...
+    planted.mkdir()  # ... that cannot be unlinked
     try:
         with caplog.at_level(logging.WARNING, logger="tiers.host"):
             tier = HostTier(64 * KiB, shared=True, pin=False)
@@ -126,12 +134,20 @@ def test_tokens_never_reach_logs_or_the_process_list(tmp_path):
         (tmp_path / "ops.token").write_text("tok-ops\n")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         cli = [sys.executable, "-m", "kvstore", "stats", "--target", proc.target, "--json"]
-        by_file = subprocess.run([*cli, "--token-file", str(tmp_path / "ops.token")], capture_output=True,
-                                 text=True, env=env, cwd=ROOT, timeout=60)
-        by_env = subprocess.run(cli, capture_output=True, text=True, env={**env, "KVSTORE_TOKEN": "tok-a"},
-                                cwd=ROOT, timeout=60)
-        on_line = subprocess.run([*cli, "--token", "tok-a"], capture_output=True, text=True, env=env,
-                                 cwd=ROOT, timeout=60)
+        by_file = subprocess.run(
+            [*cli, "--token-file", str(tmp_path / "ops.token")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=60,
+        )
+        by_env = subprocess.run(
+            cli, capture_output=True, text=True, env={**env, "KVSTORE_TOKEN": "tok-a"}, cwd=ROOT, timeout=60
+        )
+        on_line = subprocess.run(
+            [*cli, "--token", "tok-a"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+        )
         assert by_file.returncode == 0 and "tenants" in json.loads(by_file.stdout)
         assert by_env.returncode == 0 and json.loads(by_env.stdout)["tenant"] == "a"
         assert on_line.returncode == 0 and "--token puts the token in the process list" in on_line.stderr
@@ -157,12 +173,28 @@ async def test_the_connector_presents_its_client_certificate(tmp_path):
     from kvstore.testing.tls_files import make_tls_files
 
     tls = make_tls_files(tmp_path / "tls")
-    proc = StoreProcess(tmp_path, "--host-capacity", "32MiB", "--tls-cert", str(tls.cert), "--tls-key",
-                        str(tls.key), "--tls-client-ca", str(tls.ca_cert)).start()
+    proc = StoreProcess(
+        tmp_path,
+        "--host-capacity",
+        "32MiB",
+        "--tls-cert",
+        str(tls.cert),
+        "--tls-key",
+        str(tls.key),
+        "--tls-client-ca",
+        str(tls.ca_cert),
+    ).start()
     try:
-        cfg = ConnectorConfig.from_extra_config({
-            "host_capacity": "16MiB", "store_target": proc.target, "store_tls_ca": str(tls.ca_cert),
-            "store_tls_cert": str(tls.client_cert), "store_tls_key": str(tls.client_key)}, env={})
+        cfg = ConnectorConfig.from_extra_config(
+            {
+                "host_capacity": "16MiB",
+                "store_target": proc.target,
+                "store_tls_ca": str(tls.ca_cert),
+                "store_tls_cert": str(tls.client_cert),
+                "store_tls_key": str(tls.client_key),
+            },
+            env={},
+        )
         key = keys(1, seed=32)[0]
         obj = np.frombuffer(Objects(256 * KiB).make(key, 256 * KiB), np.uint8).copy()
         store = await open_store(cfg, lambda *a: None, lambda *a: None)
@@ -182,6 +214,7 @@ def test_kvstore_tokens_writes_private_digests_that_a_real_store_accepts(tmp_pat
     tenant's token file is private, a rerun keeps the tokens (a restart must not lock clients
     out) unless ``--force``, a bad spec is refused with a clear message, and a real store
     started on the file authenticates each tenant's token with its permissions."""
+
     def run(*a: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "kvstore", "tokens", "--dir", str(tmp_path / "t"), *a]
         return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -203,10 +236,13 @@ def test_kvstore_tokens_writes_private_digests_that_a_real_store_accepts(tmp_pat
     proc = StoreProcess(tmp_path / "store", "--host-capacity", "16MiB", "--auth-tokens", str(table)).start()
     try:
         objects, key = Objects(64 * KiB), keys(1, seed=41)[0]
-        with StoreClient(proc.target, secret[engine]) as e, StoreClient(proc.target, secret[ops]) as o, \
-                StoreClient(proc.target, "not-a-token") as nobody:
+        with (
+            StoreClient(proc.target, secret[engine]) as e,
+            StoreClient(proc.target, secret[ops]) as o,
+            StoreClient(proc.target, "not-a-token") as nobody,
+        ):
             assert e.put_stream(key, objects.make(key, 64 * KiB)) == pb.PUT_OUTCOME_STORED
-            assert o.stats()[0]["tenants"]["engine"]["tiers"]["host"]["objects"] == 1   # admin sees all
+            assert o.stats()[0]["tenants"]["engine"]["tiers"]["host"]["objects"] == 1  # admin sees all
             assert rpc_code(lambda: o.put_stream(key, objects.make(key, 64 * KiB))) == grpc.StatusCode.PERMISSION_DENIED
             assert rpc_code(lambda: nobody.stats()) == grpc.StatusCode.UNAUTHENTICATED
     finally:

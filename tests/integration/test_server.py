@@ -7,6 +7,7 @@ leases (never evicted under pressure, expiry at release, renewal), reaped reserv
 racing clients, health (and ``kvstore health``), reflection, /metrics, ``kvstore stats``, TLS
 and start-up errors.
 """
+
 import json
 import re
 import subprocess
@@ -86,19 +87,21 @@ def test_lookup_512_keys_then_restart_promotes_from_ssd(tmp_path, objects):
             assert reply.hits == 512 and list(reply.tiers) == [pb.TIER_HOST] * 512
             assert list(reply.sizes) == sizes
         assert proc.terminate() == 0  # graceful: write-throughs finish before exit
-        proc.start()                   # same SSD directory, empty host pool, new port
+        proc.start()  # same SSD directory, empty host pool, new port
         with StoreClient(proc.target) as c:
             reply = c.lookup(keys)
             assert reply.hits == 512 and list(reply.tiers) == [pb.TIER_SSD] * 512
             assert list(reply.sizes) == sizes
             out = np.zeros(8 * KiB, np.uint8)
             for i in range(10):
-                got = c.call("Get", pb.GetRequest(namespace=bytes(keys[i].namespace),
-                                                  chunk_hash=bytes(keys[i].chunk_hash), tag="r0"))
+                got = c.call(
+                    "Get",
+                    pb.GetRequest(namespace=bytes(keys[i].namespace), chunk_hash=bytes(keys[i].chunk_hash), tag="r0"),
+                )
                 assert got.found and got.tier == pb.TIER_SSD and got.length == sizes[i]
                 c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]))
                 assert c.get_shm(keys[i], out) == sizes[i]
-                assert bytes(out[:sizes[i]]) == bytes(expect.make(keys[i], sizes[i], seed=sizes[i]))
+                assert bytes(out[: sizes[i]]) == bytes(expect.make(keys[i], sizes[i], seed=sizes[i]))
             reply = c.lookup(keys)
             assert list(reply.tiers) == [pb.TIER_HOST] * 10 + [pb.TIER_SSD] * 502
             missing = random_key(np.random.default_rng(0), namespace=keys[0].namespace)
@@ -118,18 +121,19 @@ def test_lease_protects_an_object_from_eviction(tmp_path, objects):
         leased, plain = random_key(rng), random_key(rng)
         for key in (leased, plain):
             assert c.put_shm(key, send.make(key, size, seed=1)) == pb.PUT_OUTCOME_STORED
-        got = c.call("Get", pb.GetRequest(namespace=bytes(leased.namespace),
-                                          chunk_hash=bytes(leased.chunk_hash), tag="r0"))
+        got = c.call(
+            "Get", pb.GetRequest(namespace=bytes(leased.namespace), chunk_hash=bytes(leased.chunk_hash), tag="r0")
+        )
         assert got.found
         for i in range(40):
             key = random_key(rng)
             assert c.put_stream(key, send.make(key, size, seed=i)) == pb.PUT_OUTCOME_STORED
-        assert c.lookup([plain]).hits == 0                       # churned out
+        assert c.lookup([plain]).hits == 0  # churned out
         reply = c.lookup([leased])
         assert reply.hits == 1 and list(reply.tiers) == [pb.TIER_HOST]
         want = np.frombuffer(expect.make(leased, size, seed=1), np.uint8).copy()
-        want_scoped = c.segment[got.offset:got.offset + size].copy()
-        assert np.array_equal(want_scoped[256:], want[256:])      # payload never overwritten
+        want_scoped = c.segment[got.offset : got.offset + size].copy()
+        assert np.array_equal(want_scoped[256:], want[256:])  # payload never overwritten
         assert list(c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[got.lease_id])).valid) == [True]
         counters = c.stats()[1]
         assert counters["host.objects"] == 8 and counters["host.evictions"] == 42 - 8
@@ -143,8 +147,11 @@ def test_pool_of_leased_objects_answers_no_room(tmp_path, objects):
         leases = []
         for key in keys:
             assert c.put_shm(key, send.make(key, 1 * MiB)) == pb.PUT_OUTCOME_STORED
-            leases.append(c.call("Get", pb.GetRequest(namespace=bytes(key.namespace),
-                                                      chunk_hash=bytes(key.chunk_hash), tag="r0")).lease_id)
+            leases.append(
+                c.call(
+                    "Get", pb.GetRequest(namespace=bytes(key.namespace), chunk_hash=bytes(key.chunk_hash), tag="r0")
+                ).lease_id
+            )
         extra = random_key(rng)
         assert c.put_shm(extra, send.make(extra, 1 * MiB)) == pb.PUT_OUTCOME_NO_ROOM
         assert c.put_stream(extra, send.make(extra, 1 * MiB)) == pb.PUT_OUTCOME_NO_ROOM
@@ -176,14 +183,13 @@ def test_lease_expiry_renewal_and_release(tmp_path, objects):
         renewed, short = get(200), get(200)
         assert c.call("RenewLease", pb.RenewLeaseRequest(lease_id=renewed, lease_ms=5000)).lease_ms == 5000
         assert wait_until(lambda: c.stats()[1]["leases_held"] == 1, timeout=5, interval=0.02)
-        assert not release(short)                                    # expired: the copy is a miss
-        assert rpc_code(lambda: c.call("RenewLease", pb.RenewLeaseRequest(lease_id=short))) == \
-            grpc.StatusCode.NOT_FOUND
+        assert not release(short)  # expired: the copy is a miss
+        assert rpc_code(lambda: c.call("RenewLease", pb.RenewLeaseRequest(lease_id=short))) == grpc.StatusCode.NOT_FOUND
         assert release(renewed)
-        assert not release(renewed)                                  # released twice: not valid
+        assert not release(renewed)  # released twice: not valid
         deleted = get(5000)
         assert c.delete(key)
-        assert not release(deleted)                                  # object deleted meanwhile
+        assert not release(deleted)  # object deleted meanwhile
         assert c.stats()[1]["leases_held"] == 0
 
 
@@ -192,8 +198,7 @@ def test_uncommitted_put_start_is_fenced_then_freed_by_its_commit(tmp_path, obje
     it) until its PutCommit says the client is done; then its room is reused."""
     rng = np.random.default_rng(12)
     size = 3 * MiB
-    with StoreProcess(tmp_path, "--host-capacity", "4MiB", "--lease-ttl", "1") as proc, \
-            StoreClient(proc.target) as c:
+    with StoreProcess(tmp_path, "--host-capacity", "4MiB", "--lease-ttl", "1") as proc, StoreClient(proc.target) as c:
         base = c.stats()[1]["host.bytes_used"]
         first, second = random_key(rng), random_key(rng)
         start = c.put_start(first, size)
@@ -205,8 +210,9 @@ def test_uncommitted_put_start_is_fenced_then_freed_by_its_commit(tmp_path, obje
         counters = c.stats()[1]
         assert counters["host.bytes_used"] == base + size and counters["store.puts_reaped"] == 1
         assert c.put_start(second, size).outcome == pb.PUT_OUTCOME_NO_ROOM  # fenced, not reused
-        assert rpc_code(lambda: c.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == \
-            grpc.StatusCode.NOT_FOUND
+        assert (
+            rpc_code(lambda: c.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == grpc.StatusCode.NOT_FOUND
+        )
         counters = c.stats()[1]
         assert (counters["puts_in_flight"], counters["puts_fenced"]) == (0, 0)
         assert counters["host.bytes_used"] == base and counters["store.puts_reaped"] == 1
@@ -230,8 +236,10 @@ def test_concurrent_clients_on_shared_keys(tmp_path):
             with StoreClient(target) as c:
                 for _ in range(40):
                     i = int(rng.integers(len(keys)))
-                    key, op = keys[i], rng.choice(["put_shm", "put_stream", "get_shm", "get_stream",
-                                                   "delete", "lookup"])
+                    key, op = (
+                        keys[i],
+                        rng.choice(["put_shm", "put_stream", "get_shm", "get_stream", "delete", "lookup"]),
+                    )
                     if op.startswith("put"):
                         outcome = getattr(c, op)(key, objs.make(key, size, seed=i))
                         assert outcome in (pb.PUT_OUTCOME_STORED, pb.PUT_OUTCOME_EXISTS, pb.PUT_OUTCOME_NO_ROOM)
@@ -285,11 +293,17 @@ def test_metrics_and_stats_cli(store, client, objects):
     text = urllib.request.urlopen(store.metrics_url, timeout=5).read().decode()
     metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert float(metrics["kvstore_server_lookup_keys_total"]) == before["store.lookup_keys"] + 5
-    assert float(metrics['kvstore_server_lookup_hits_total{tier="host"}']) == \
-        before.get("store.lookup_hits.host", 0) + 3
-    for name in ('kvstore_server_bytes_total{direction="write",tier="host"}', "kvstore_server_leases_held",
-                 'kvstore_server_evictions_total{tier="ssd"}', 'kvstore_server_stage_seconds_count{stage="lookup"}',
-                 "kvstore_server_leases_expired_total", "kvstore_server_puts_in_flight"):
+    assert (
+        float(metrics['kvstore_server_lookup_hits_total{tier="host"}']) == before.get("store.lookup_hits.host", 0) + 3
+    )
+    for name in (
+        'kvstore_server_bytes_total{direction="write",tier="host"}',
+        "kvstore_server_leases_held",
+        'kvstore_server_evictions_total{tier="ssd"}',
+        'kvstore_server_stage_seconds_count{stage="lookup"}',
+        "kvstore_server_leases_expired_total",
+        "kvstore_server_puts_in_flight",
+    ):
         assert name in metrics, name
     cli = [sys.executable, "-m", "kvstore", "stats", "--target", store.target]
     summary = subprocess.run(cli, capture_output=True, text=True, timeout=30, check=True).stdout
@@ -301,8 +315,7 @@ def test_metrics_and_stats_cli(store, client, objects):
     assert split and "host" in {t for t, _, _ in split} and abs(sum(int(p) for _, _, p in split) - 100) <= len(split)
     stages = re.search(r"^  stages +(.*) \(p50/p99\)$", summary, re.M).group(1)
     assert re.search(r"\blookup \d+\.\d\d/\d+\.\d\d ms", stages), stages
-    doc = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True, timeout=30,
-                                    check=True).stdout)
+    doc = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True, timeout=30, check=True).stdout)
     assert doc["store"]["lookup_keys"] == before["store.lookup_keys"] + 5
 
 
@@ -316,8 +329,9 @@ def test_tls_and_client_certificates(tmp_path, objects, tls_files):
             assert rpc_code(plain.hello) == grpc.StatusCode.UNAVAILABLE
         health = [sys.executable, "-m", "kvstore", "health", "--target", proc.target, "--tls-ca", str(tls.ca_cert)]
         assert subprocess.run(health, capture_output=True, timeout=30).returncode == 0
-    with StoreProcess(tmp_path / "two", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
-                      "--tls-client-ca", str(tls.ca_cert)) as proc:
+    with StoreProcess(
+        tmp_path / "two", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca_cert)
+    ) as proc:
         with StoreClient(proc.target, credentials=grpc.ssl_channel_credentials(ca)) as anonymous:
             assert rpc_code(anonymous.hello) == grpc.StatusCode.UNAVAILABLE
         mutual = grpc.ssl_channel_credentials(ca, tls.client_key.read_bytes(), tls.client_cert.read_bytes())
@@ -332,29 +346,34 @@ def test_redis_is_the_lowest_tier_shared_by_store_processes(tmp_path, objects, r
     send, expect = objects
     keys = chain_keys(np.random.default_rng(15), 6)
     sizes = [4 * KiB, 300 * KiB, 1 * MiB, 1 * MiB + 1, 3 * MiB + 7, 5 * KiB]
-    with StoreProcess(tmp_path / "one", "--host-capacity", "64MiB", "--redis", redis_server.url) as one, \
-            StoreClient(one.target) as c:
+    with (
+        StoreProcess(tmp_path / "one", "--host-capacity", "64MiB", "--redis", redis_server.url) as one,
+        StoreClient(one.target) as c,
+    ):
         for i, (key, size) in enumerate(zip(keys, sizes)):
             assert c.put_stream(key, send.make(key, size, seed=i)) == pb.PUT_OUTCOME_STORED
         assert wait_until(lambda: c.stats()[1]["write_throughs_in_flight"] == 0)
         doc, counters = c.stats()
         assert counters["store.write_through.redis.stored"] == 6
         assert doc["breakers"]["redis"]["breaker_open"] == 0
-    with StoreProcess(tmp_path / "two", "--host-capacity", "64MiB", "--redis", redis_server.url) as two, \
-            StoreClient(two.target) as c:
+    with (
+        StoreProcess(tmp_path / "two", "--host-capacity", "64MiB", "--redis", redis_server.url) as two,
+        StoreClient(two.target) as c,
+    ):
         reply = c.lookup(keys)
         assert reply.hits == 6 and list(reply.tiers) == [pb.TIER_REDIS] * 6 and list(reply.sizes) == sizes
         out = np.zeros(4 * MiB, np.uint8)
-        got = c.call("Get", pb.GetRequest(namespace=bytes(keys[0].namespace),
-                                          chunk_hash=bytes(keys[0].chunk_hash), tag="r0"))
+        got = c.call(
+            "Get", pb.GetRequest(namespace=bytes(keys[0].namespace), chunk_hash=bytes(keys[0].chunk_hash), tag="r0")
+        )
         assert got.found and got.tier == pb.TIER_REDIS
         c.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[got.lease_id]))
         assert c.get_stream(keys[1], out) == sizes[1]
-        assert bytes(out[:sizes[1]]) == bytes(expect.make(keys[1], sizes[1], seed=1))
+        assert bytes(out[: sizes[1]]) == bytes(expect.make(keys[1], sizes[1], seed=1))
         reply = c.lookup(keys)
         assert list(reply.tiers) == [pb.TIER_HOST] * 2 + [pb.TIER_REDIS] * 4
         redis_server.kill()
-        assert c.lookup(keys).hits == 2                  # Redis down: a miss, not an error
+        assert c.lookup(keys).hits == 2  # Redis down: a miss, not an error
         assert c.get_stream(keys[2], out) is None
         extra = random_key(np.random.default_rng(16))
         assert c.put_stream(extra, send.make(extra, 8 * KiB)) == pb.PUT_OUTCOME_STORED
@@ -365,16 +384,21 @@ def test_redis_is_the_lowest_tier_shared_by_store_processes(tmp_path, objects, r
         assert doc["breakers"]["redis"]["breaker_open"] == 1
 
 
-@pytest.mark.parametrize("args,needle", [
-    (("--auth-tokens", "/nonexistent/tokens.yaml"), "auth tokens file /nonexistent/tokens.yaml does not exist"),
-    (("--host-capacity", "lots"), "--host-capacity: cannot parse size 'lots'"),
-    (("--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"), "tls_cert /nonexistent/c.pem"),
-    (("--ssd-dir", "/proc/kvstore-ssd"), "SSD tier directory /proc/kvstore-ssd is not usable"),
-    (("--tls-cert", "/proc/self/status", "--tls-key", "/proc/self/status"),
-     "tls_cert /proc/self/status / tls_key /proc/self/status: not a PEM certificate"),
-    (("--redis", "http://cache:6379"), "unknown redis URL scheme 'http'"),
-    (("--redis", "redis://127.0.0.1:1/0"), "cannot reach redis at 127.0.0.1:1"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (("--auth-tokens", "/nonexistent/tokens.yaml"), "auth tokens file /nonexistent/tokens.yaml does not exist"),
+        (("--host-capacity", "lots"), "--host-capacity: cannot parse size 'lots'"),
+        (("--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"), "tls_cert /nonexistent/c.pem"),
+        (("--ssd-dir", "/proc/kvstore-ssd"), "SSD tier directory /proc/kvstore-ssd is not usable"),
+        (
+            ("--tls-cert", "/proc/self/status", "--tls-key", "/proc/self/status"),
+            "tls_cert /proc/self/status / tls_key /proc/self/status: not a PEM certificate",
+        ),
+        (("--redis", "http://cache:6379"), "unknown redis URL scheme 'http'"),
+        (("--redis", "redis://127.0.0.1:1/0"), "cannot reach redis at 127.0.0.1:1"),
+    ],
+)
 def test_startup_errors_name_the_problem(tmp_path, args, needle):
     proc = StoreProcess(tmp_path, *args)
     with pytest.raises(TierError, match="exited with code 2") as info:
@@ -383,7 +407,11 @@ def test_startup_errors_name_the_problem(tmp_path, args, needle):
 
 
 def test_port_in_use_is_an_error(store, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen", store.target,
-                           "--host-capacity", "4MiB"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--listen", store.target, "--host-capacity", "4MiB"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2
     assert f"cannot listen on {store.target}" in done.stderr

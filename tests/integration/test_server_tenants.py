@@ -1,6 +1,7 @@
 """Tenants and tokens against one real ``kvstore serve --auth-tokens``: isolation (another
 tenant cannot read, delete or detect an object, even knowing its hashes), authentication,
 permissions per RPC, and ids (leases, puts) bound to the tenant that got them."""
+
 import grpc
 import numpy as np
 import pytest
@@ -26,9 +27,17 @@ def store(store_process):
 
 @pytest.fixture(scope="module")
 def clients(store):
-    made = {name: StoreClient(store.target, token) for name, token in
-            (("a", "tok-a"), ("b", "tok-b"), ("ro", "tok-a-read"), ("noshm", "tok-a-noshm"),
-             ("none", None), ("wrong", "tok-zzz"))}
+    made = {
+        name: StoreClient(store.target, token)
+        for name, token in (
+            ("a", "tok-a"),
+            ("b", "tok-b"),
+            ("ro", "tok-a-read"),
+            ("noshm", "tok-a-noshm"),
+            ("none", None),
+            ("wrong", "tok-zzz"),
+        )
+    }
     yield made
     for c in made.values():
         c.close()
@@ -65,8 +74,8 @@ def _stream_code(c: StoreClient, method: str, key) -> grpc.StatusCode:
 def test_hello_names_the_tenant_and_offers_shm_only_with_permission(clients):
     a, noshm = clients["a"].hello(), clients["noshm"].hello()
     assert (a.tenant, list(a.permissions)) == ("a", ["read", "write", "shm"])
-    assert a.shm_socket.endswith(".sock") and a.segment_path == ""   # a socket, no pool name
-    assert a.segment_size == 16 << 20                                  # a's pool: half of 32 MiB
+    assert a.shm_socket.endswith(".sock") and a.segment_path == ""  # a socket, no pool name
+    assert a.segment_size == 16 << 20  # a's pool: half of 32 MiB
     assert (noshm.tenant, list(noshm.permissions)) == ("a", ["read", "write"])
     assert noshm.shm_socket == "" and noshm.segment_size == 0 and noshm.segment_inode == 0
     assert noshm.boot_id == "" and a.boot_id == open("/proc/sys/kernel/random/boot_id").read().strip()
@@ -85,12 +94,13 @@ def test_missing_or_wrong_token_is_unauthenticated_everywhere(clients, who):
 
 def test_malformed_authorization_header(store):
     with grpc.insecure_channel(store.target) as channel:
-        hello = channel.unary_unary("/kvstore.v1.KVStore/Hello",
-                                    request_serializer=pb.HelloRequest.SerializeToString,
-                                    response_deserializer=pb.HelloResponse.FromString)
+        hello = channel.unary_unary(
+            "/kvstore.v1.KVStore/Hello",
+            request_serializer=pb.HelloRequest.SerializeToString,
+            response_deserializer=pb.HelloResponse.FromString,
+        )
         for value in ("tok-a", "Basic tok-a", "Bearer"):
-            assert rpc_code(lambda: hello(pb.HelloRequest(), metadata=(("authorization", value),),
-                                          timeout=5)) == UNAUTH
+            assert rpc_code(lambda: hello(pb.HelloRequest(), metadata=(("authorization", value),), timeout=5)) == UNAUTH
 
 
 def test_health_needs_no_token(store):
@@ -126,10 +136,10 @@ def test_read_only_token_cannot_write(clients, objects):
         assert rpc_code(lambda: ro.call(method, requests[method])) == DENIED, method
     assert _stream_code(ro, "PutStream", key) == DENIED
     out = np.zeros(SIZE, np.uint8)
-    assert ro.lookup([key]).hits == 1                     # same tenant: it sees a's object
-    assert ro.get_stream(key, out) == SIZE                 # streaming needs read only
+    assert ro.lookup([key]).hits == 1  # same tenant: it sees a's object
+    assert ro.get_stream(key, out) == SIZE  # streaming needs read only
     assert ro.stats()[1]["leases_held"] == 0
-    assert a.lookup([key]).hits == 1                       # nothing was deleted
+    assert a.lookup([key]).hits == 1  # nothing was deleted
 
 
 def test_shm_needs_its_permission_streams_do_not(clients, objects):
@@ -155,8 +165,7 @@ def test_leases_and_put_ids_belong_to_their_tenant(clients, objects):
     other = random_key(np.random.default_rng(6))
     start = a.put_start(other, SIZE)
     assert start.outcome == pb.PUT_OUTCOME_UNSPECIFIED
-    assert rpc_code(lambda: b.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == \
-        grpc.StatusCode.NOT_FOUND
-    a.segment[start.offset:start.offset + SIZE] = np.frombuffer(objects.make(other, SIZE), np.uint8)
+    assert rpc_code(lambda: b.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id))) == grpc.StatusCode.NOT_FOUND
+    a.segment[start.offset : start.offset + SIZE] = np.frombuffer(objects.make(other, SIZE), np.uint8)
     assert a.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id)).outcome == pb.PUT_OUTCOME_STORED
     assert b.lookup([other]).hits == 0 and a.lookup([other]).hits == 1

@@ -5,6 +5,7 @@
 * The store process killed while an engine is using it: the engine keeps serving by
   recomputing (the remote tier's circuit breaker opens), and its outputs stay correct.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ def test_two_engines_share_one_redis(redis_server, tmp_path):
     """The main job as a user runs it, on Redis (eager, as the other engine tests: vLLM's
     default compiled model runs with the connector in tests/compose, the main job in a
     container, and in test_mla_engine.py)."""
-    run = subprocess.run([sys.executable, "-m", "harness.main", "--no-ssd", "--redis-url", redis_server.url,
-                          "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    run = subprocess.run(
+        [sys.executable, "-m", "harness.main", "--no-ssd", "--redis-url", redis_server.url, "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "result: PASS" in run.stdout and "MISMATCH" not in run.stdout, run.stdout
     stats2 = json.loads((tmp_path / "stats-2.json").read_text())
@@ -76,6 +82,6 @@ def test_store_killed_mid_run_engine_recomputes_and_stays_correct(tmp_path):
     assert cmp, cmp.mismatches
     stats = json.loads(second.read_text())
     remote = stats["tiers"]["remote"]
-    assert remote["breaker_opened"] >= 1                    # it noticed the store was gone
-    assert len(result.requests) == len(workload.requests)   # and served every request
+    assert remote["breaker_opened"] >= 1  # it noticed the store was gone
+    assert len(result.requests) == len(workload.requests)  # and served every request
     assert stats["requests"] == len(workload.requests) + 1  # (+1: the warm-up prompt)

@@ -1,6 +1,7 @@
 """TieredStore over a real host pool and a real SSD directory: lookup across tiers,
 promotion, write-through, restart, corruption and capacity errors.  The core's parts alone
 are ``tests/unit/test_store_core.py`` and ``tests/unit/test_writedown.py``."""
+
 import numpy as np
 import pytest
 
@@ -42,7 +43,7 @@ async def test_put_lookup_get_from_host(tmp_path):
         assert found.sizes == [SIZE] * 3 and found.by_tier == {"host": 3}
         got = await store.read_into(keys[1], memoryview(buf))
         assert (got.length, got.tier) == (SIZE, "host")
-        assert np.array_equal(buf[codec.HEADER_SIZE:], payload(1))
+        assert np.array_equal(buf[codec.HEADER_SIZE :], payload(1))
         assert await store.put_payload(keys[1], GEOM, payload(1), hashes[0]) is PutResult.EXISTS
 
 
@@ -50,14 +51,14 @@ async def test_restart_reads_from_ssd_and_promotes(tmp_path):
     _, hashes, keys = CHAIN.links(3)
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys)
-        assert await store.drain(10)                              # written through, in the background
+        assert await store.drain(10)  # written through, in the background
         assert store.stats()["tiers"]["ssd"].objects == 3
     buf = np.empty(SIZE, np.uint8)
-    async with await make_store(tmp_path) as store:                   # a cold host tier
+    async with await make_store(tmp_path) as store:  # a cold host tier
         found = await store.lookup(keys)
         assert found.tiers == ["ssd"] * 3 and found.sizes == [SIZE] * 3
         got = await store.read_into(keys[0], memoryview(buf))
-        assert got.tier == "ssd" and np.array_equal(buf[codec.HEADER_SIZE:], payload(0))
+        assert got.tier == "ssd" and np.array_equal(buf[codec.HEADER_SIZE :], payload(0))
         assert (await store.lookup(keys)).tiers == ["host", "ssd", "ssd"]
         assert store.counters.promotions == 1
         parent_of_1 = codec.verify(buf).parent
@@ -69,18 +70,18 @@ async def test_gap_ends_the_hit_across_tiers(tmp_path):
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys)
         assert await store.drain(10)
-        await store.host.delete(keys[1])           # chunk 1 only on SSD now
-        for tier in store.tiers:                   # chunk 2 nowhere
+        await store.host.delete(keys[1])  # chunk 1 only on SSD now
+        for tier in store.tiers:  # chunk 2 nowhere
             await tier.delete(keys[2])
         found = await store.lookup(keys)
-        assert found.tiers == ["host", "ssd"]      # chunk 3 exists but is unreachable
+        assert found.tiers == ["host", "ssd"]  # chunk 3 exists but is unreachable
 
 
 async def test_corrupt_ssd_object_is_a_counted_miss(tmp_path):
     _, hashes, keys = CHAIN.links(2)
     async with await make_store(tmp_path) as store:
         await put_chain(store, hashes, keys)
-        ssd = store.lower[0]                       # closing writes everything through first
+        ssd = store.lower[0]  # closing writes everything through first
     path = ssd.path_of(keys[1])
     raw = bytearray(path.read_bytes())
     raw[codec.HEADER_SIZE + 100] ^= 0xFF
@@ -91,7 +92,7 @@ async def test_corrupt_ssd_object_is_a_counted_miss(tmp_path):
         assert store.stats()["tiers"]["ssd"].corrupt == 1
         assert not path.exists()
         assert (await store.lookup(keys)).hits == 1
-        assert await store.read_into(keys[0], memoryview(buf)) is not None   # the rest survives
+        assert await store.read_into(keys[0], memoryview(buf)) is not None  # the rest survives
 
 
 async def test_object_larger_than_host_is_a_capacity_error(tmp_path):

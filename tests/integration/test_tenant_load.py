@@ -22,6 +22,7 @@ measured from outside the server at every sample, its anonymous memory, its memf
 clients' success rate and read p99 with and without the attackers, and their ratio
 (target 2x, printed, never asserted: timings are noise on a shared machine).
 ``KVSTORE_LOAD_EACH_S`` > 0 adds one phase per attacker alone, that long each."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -46,33 +47,52 @@ BASE_S = float(os.environ.get("KVSTORE_LOAD_BASE_S", "10"))
 ATTACK_S = float(os.environ.get("KVSTORE_LOAD_S", "20"))
 EACH_S = float(os.environ.get("KVSTORE_LOAD_EACH_S", "0"))
 RW, RWS = ["read", "write", "shm"], ["read", "shm"]
-TOKENS = [{"token": "tok-good", "tenant": "good", "permissions": RW},
-          {"token": "tok-evil1", "tenant": "evil1", "permissions": RW},
-          {"token": "tok-evil2", "tenant": "evil2", "permissions": RW},
-          {"token": "tok-evil3", "tenant": "evil3", "permissions": RW},
-          {"token": "tok-evil3-ro", "tenant": "evil3", "permissions": RWS},
-          {"token": "tok-evil4", "tenant": "evil4", "permissions": RW},
-          {"token": "tok-evil5", "tenant": "evil5", "permissions": RW},
-          {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]}]
-HOSTILE = {"host_bytes": "16MiB", "ssd_bytes": "16MiB", "streams": 4, "leases": 8, "reservations": 4,
-           "connections": 8, "described_bytes": "1MiB"}
-QUOTAS = {"good": {"host_bytes": "32MiB", "ssd_bytes": "64MiB", "described_bytes": "1MiB"},
-          "evil1": HOSTILE, "evil2": HOSTILE,
-          "evil3": {**HOSTILE, "host_bytes": "8MiB", "ssd_bytes": "8MiB", "streams": 2},
-          "evil4": {**HOSTILE, "host_bytes": "8MiB", "ssd_bytes": "48MiB"},
-          "evil5": {**HOSTILE, "host_bytes": "4MiB", "ssd_bytes": "8MiB"}}
+TOKENS = [
+    {"token": "tok-good", "tenant": "good", "permissions": RW},
+    {"token": "tok-evil1", "tenant": "evil1", "permissions": RW},
+    {"token": "tok-evil2", "tenant": "evil2", "permissions": RW},
+    {"token": "tok-evil3", "tenant": "evil3", "permissions": RW},
+    {"token": "tok-evil3-ro", "tenant": "evil3", "permissions": RWS},
+    {"token": "tok-evil4", "tenant": "evil4", "permissions": RW},
+    {"token": "tok-evil5", "tenant": "evil5", "permissions": RW},
+    {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]},
+]
+HOSTILE = {
+    "host_bytes": "16MiB",
+    "ssd_bytes": "16MiB",
+    "streams": 4,
+    "leases": 8,
+    "reservations": 4,
+    "connections": 8,
+    "described_bytes": "1MiB",
+}
+QUOTAS = {
+    "good": {"host_bytes": "32MiB", "ssd_bytes": "64MiB", "described_bytes": "1MiB"},
+    "evil1": HOSTILE,
+    "evil2": HOSTILE,
+    "evil3": {**HOSTILE, "host_bytes": "8MiB", "ssd_bytes": "8MiB", "streams": 2},
+    "evil4": {**HOSTILE, "host_bytes": "8MiB", "ssd_bytes": "48MiB"},
+    "evil5": {**HOSTILE, "host_bytes": "4MiB", "ssd_bytes": "8MiB"},
+}
 HOST_CAPACITY, SSD_CAPACITY, MAX_RPCS = 92 * MiB, 184 * MiB, 64
-PER_PEER, STRANGER_PEERS = 16, 8         # max_unauthenticated_per_peer (default); data_strangers' addresses
-SSD_SEEDED = 40_000                      # evil4's 1 KiB objects, in its SSD files before the store starts
-MAX_MESSAGE = 2 * MiB                    # --max-message-bytes: a request in flight holds at most this
-RSS_ALLOWANCE = 64 * MiB                 # fixed: the interpreter's heap growth, grpc's connection buffers
-DESCRIBED = 6 * MiB                      # described_bytes of the six tenants that may write (ops may not)
-EVENT_BUFFER = 2 * MiB                   # --kv-events-buffer-bytes: each tenant's KV event batches kept for replay
+PER_PEER, STRANGER_PEERS = 16, 8  # max_unauthenticated_per_peer (default); data_strangers' addresses
+SSD_SEEDED = 40_000  # evil4's 1 KiB objects, in its SSD files before the store starts
+MAX_MESSAGE = 2 * MiB  # --max-message-bytes: a request in flight holds at most this
+RSS_ALLOWANCE = 64 * MiB  # fixed: the interpreter's heap growth, grpc's connection buffers
+DESCRIBED = 6 * MiB  # described_bytes of the six tenants that may write (ops may not)
+EVENT_BUFFER = 2 * MiB  # --kv-events-buffer-bytes: each tenant's KV event batches kept for replay
 RSS_BOUND = DESCRIBED + (len(QUOTAS) + 1) * EVENT_BUFFER + MAX_RPCS * MAX_MESSAGE + RSS_ALLOWANCE  # beyond the start
 GOOD = [("good", "tok-good", f"{transport}:{i}") for i, transport in enumerate(("shm", "shm", "tcp", "stream"))]
 HOSTILE12 = [("flooder", "tok-evil1"), ("forger", "tok-evil1"), ("staller", "tok-evil2"), ("scribbler", "tok-evil2")]
-ATTACK_TOKENS = {"describe_flood": "evil5", "refused_streams": "evil3", "silent_calls": "evil3",
-                 "ticket_minting": "evil3", "data_strangers": "evil3", "gate_strangers": "evil3", "ssd_flood": "evil4"}
+ATTACK_TOKENS = {
+    "describe_flood": "evil5",
+    "refused_streams": "evil3",
+    "silent_calls": "evil3",
+    "ticket_minting": "evil3",
+    "data_strangers": "evil3",
+    "gate_strangers": "evil3",
+    "ssd_flood": "evil4",
+}
 ALL = ["issue 12 hostiles", *attacks.ATTACKERS]
 
 
@@ -86,7 +106,7 @@ def ssd_by_tenant(root: Path) -> dict[str, int]:
     for shard in os.scandir(root):
         if shard.is_dir(follow_symlinks=False) and shard.name != "tmp":
             for f in os.scandir(shard.path):
-                tenant = marks.get(f.name[:2 * TENANT_MARK_SIZE], "other")
+                tenant = marks.get(f.name[: 2 * TENANT_MARK_SIZE], "other")
                 files.setdefault(tenant, {})[f.path] = size_of(f.path)
     held = {t: sum(paths.values()) for t, paths in files.items()}
     for t, paths in files.items():
@@ -114,9 +134,13 @@ def usage(pid: int) -> dict[str, int]:
                 memfd[st.st_ino] = st.st_size
         except FileNotFoundError:
             pass
-    return {"rss_anon": int(status["RssAnon"].split()[0]) * 1024, "fds": len(links),
-            "memfds": sum(link.startswith("/memfd:") for link in links), "memfd_bytes": sum(memfd.values()),
-            "dev_shm": sum(link.startswith("/dev/shm") for link in links)}
+    return {
+        "rss_anon": int(status["RssAnon"].split()[0]) * 1024,
+        "fds": len(links),
+        "memfds": sum(link.startswith("/memfd:") for link in links),
+        "memfd_bytes": sum(memfd.values()),
+        "dev_shm": sum(link.startswith("/dev/shm") for link in links),
+    }
 
 
 class OutsideWatch(threading.Thread):
@@ -127,7 +151,7 @@ class OutsideWatch(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.ssd, self.rss_bound = proc.pid, ssd, rss_before + RSS_BOUND
         self.samples, self.violations, self.peak = 0, [], Counter()
-        self.phase, self.rss_peak = "", Counter()         # the server's RssAnon peak in each phase
+        self.phase, self.rss_peak = "", Counter()  # the server's RssAnon peak in each phase
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -175,13 +199,37 @@ def start(work: Path) -> StoreProcess:
     seeded.spaces = [seeded.spaces[0].scoped("evil4")]
     write_files(work / "ssd", seeded, SSD_SEEDED)
     os.sync()
-    return StoreProcess(work, "--host-capacity", str(HOST_CAPACITY), "--ssd-dir", str(work / "ssd"),
-                        "--ssd-capacity", str(SSD_CAPACITY), "--auth-tokens", str(work / "tokens.yaml"),
-                        "--put-ttl", "1", "--lease-ttl", "5", "--stream-min-rate", "32MiB",
-                        "--stream-grace", "1", "--idle-timeout", "5", "--data-ticket-ttl", "2",
-                        "--max-concurrent-rpcs", str(MAX_RPCS), "--max-message-bytes", str(MAX_MESSAGE),
-                        "--kv-events", f"ipc://{work}/{{tenant}}.events", "--kv-events-buffer-bytes", str(EVENT_BUFFER),
-                        ).start(timeout=60)
+    return StoreProcess(
+        work,
+        "--host-capacity",
+        str(HOST_CAPACITY),
+        "--ssd-dir",
+        str(work / "ssd"),
+        "--ssd-capacity",
+        str(SSD_CAPACITY),
+        "--auth-tokens",
+        str(work / "tokens.yaml"),
+        "--put-ttl",
+        "1",
+        "--lease-ttl",
+        "5",
+        "--stream-min-rate",
+        "32MiB",
+        "--stream-grace",
+        "1",
+        "--idle-timeout",
+        "5",
+        "--data-ticket-ttl",
+        "2",
+        "--max-concurrent-rpcs",
+        str(MAX_RPCS),
+        "--max-message-bytes",
+        str(MAX_MESSAGE),
+        "--kv-events",
+        f"ipc://{work}/{{tenant}}.events",
+        "--kv-events-buffer-bytes",
+        str(EVENT_BUFFER),
+    ).start(timeout=60)
 
 
 def test_good_tenants_keep_their_service_beside_every_attack(tmp_path):
@@ -192,14 +240,17 @@ def test_good_tenants_keep_their_service_beside_every_attack(tmp_path):
         outside.start()
         watch.start()
         plan = [("baseline", BASE_S, []), ("all attacks", ATTACK_S, ALL)]
-        phases = [(name, phase(proc.target, seconds, who, outside, name))
-                  for name, seconds, who in plan + [(a, EACH_S, [a]) for a in (ALL if EACH_S > 0 else [])]]
+        phases = [
+            (name, phase(proc.target, seconds, who, outside, name))
+            for name, seconds, who in plan + [(a, EACH_S, [a]) for a in (ALL if EACH_S > 0 else [])]
+        ]
         for w in (outside, watch):
             w.stop.set()
             w.join(10)
         doc = admin_doc(proc.target)
-        settled = wait_until(lambda: quiet(proc.target) and
-                             admin_doc(proc.target)["data_tickets"]["outstanding"] == 0, timeout=30)
+        settled = wait_until(
+            lambda: quiet(proc.target) and admin_doc(proc.target)["data_tickets"]["outstanding"] == 0, timeout=30
+        )
         fds_back = wait_until(lambda: usage(proc.pid)["fds"] <= before["fds"], timeout=30)
         after = usage(proc.pid)
         outside.check(after, ssd_by_tenant(tmp_path / "ssd"))
@@ -214,29 +265,34 @@ def test_good_tenants_keep_their_service_beside_every_attack(tmp_path):
     for name, counts in ((n, c) for n, _, c in attacked if n in attacks.ATTACKERS):
         check_attack(name, counts)
     assert outside.samples > 0 and outside.violations == [], outside.violations
-    assert outside.peak["ssd.evil4"] >= SSD_SEEDED * 1024               # the SSD flood's files were seen
+    assert outside.peak["ssd.evil4"] >= SSD_SEEDED * 1024  # the SSD flood's files were seen
     assert watch.samples > 0 and watch.violations == []
-    assert settled and fds_back and after["memfds"] == before["memfds"] >= 4   # the pools (mmap keeps a dup each)
+    assert settled and fds_back and after["memfds"] == before["memfds"] >= 4  # the pools (mmap keeps a dup each)
     assert after["dev_shm"] == 0 and not [n for n in os.listdir("/dev/shm") if f"-{proc.pid}-" in n]
 
 
-def phase(target: str, seconds: float, attackers: list[str], outside: OutsideWatch,
-          name: str) -> list[tuple[str, str, dict]]:
+def phase(
+    target: str, seconds: float, attackers: list[str], outside: OutsideWatch, name: str
+) -> list[tuple[str, str, dict]]:
     """The good clients for ``seconds`` beside ``attackers`` (each running 1 s longer); every
     process's counters."""
     outside.phase = name
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=kit.run, args=(name, target, token, seconds, out, arg), daemon=True)
-             for name, token, arg in GOOD]
+    procs = [
+        ctx.Process(target=kit.run, args=(name, target, token, seconds, out, arg), daemon=True)
+        for name, token, arg in GOOD
+    ]
     if "issue 12 hostiles" in attackers:
-        procs += [ctx.Process(target=kit.run, args=(name, target, token, seconds + 1, out), daemon=True)
-                  for name, token in HOSTILE12]
+        procs += [
+            ctx.Process(target=kit.run, args=(name, target, token, seconds + 1, out), daemon=True)
+            for name, token in HOSTILE12
+        ]
     for name in (a for a in attackers if a in attacks.ATTACKERS):
         tenant = ATTACK_TOKENS[name]
         tokens = {"rw": f"tok-{tenant}", "ro": f"tok-{tenant}-ro"}
         procs.append(ctx.Process(target=attacks.run, args=(name, target, tokens, seconds + 1, out), daemon=True))
-    for p in reversed(procs):                       # the attackers first
+    for p in reversed(procs):  # the attackers first
         p.start()
     results = []
     try:
@@ -263,9 +319,15 @@ def check_good(phase_name: str, results: list[tuple[str, str, dict]]) -> None:
 def check_hostile12(hostile: dict[str, dict]) -> None:
     """Issue 12's attacks ran, and no cross-tenant read, delete or forged store got through."""
     assert not [k for c in hostile.values() for k in c if k.startswith("crashed")], hostile
-    for worker, prefix in (("forger", "cross_read:"), ("forger", "cross_delete:"), ("forger", "forged_object:"),
-                           ("flooder", "flood_put:"), ("forger", "forged_ticket:"), ("scribbler", "late_write:"),
-                           ("staller", "slow_put_stream:")):
+    for worker, prefix in (
+        ("forger", "cross_read:"),
+        ("forger", "cross_delete:"),
+        ("forger", "forged_object:"),
+        ("flooder", "flood_put:"),
+        ("forger", "forged_ticket:"),
+        ("scribbler", "late_write:"),
+        ("staller", "slow_put_stream:"),
+    ):
         assert sum(v for k, v in hostile[worker].items() if k.startswith(prefix)) > 0, (worker, prefix)
     assert hostile["forger"]["cross_read:miss"] > 0 and hostile["flooder"].get("cross_read:hit", 0) == 0
     assert hostile["forger"].get("cross_read:hit", 0) == 0
@@ -273,20 +335,31 @@ def check_hostile12(hostile: dict[str, dict]) -> None:
     assert hostile["forger"].get("forged_object:PUT_OUTCOME_STORED", 0) == 0
 
 
-EXPECTED = {   # attacker: (outcomes that must each occur, the only outcomes allowed)
-    "describe_flood": ({"describe:code:OK", "describe:code:RESOURCE_EXHAUSTED"},
-                       {"describe_put:PUT_OUTCOME_STORED", "describe_put:PUT_OUTCOME_EXISTS"}),
-    "refused_streams": ({"refused_stream:code:PERMISSION_DENIED:while_sending",
-                         "refused_stream:code:RESOURCE_EXHAUSTED:while_sending"},
-                        {"refused_stream:code:DEADLINE_EXCEEDED:while_sending",  # one holding a stream of its 2
-                         "refused_stream:code:PERMISSION_DENIED:after_sending"}), # is drained (docs/store-bounds.md)
-    "silent_calls": ({"silent_call:none:code:UNAUTHENTICATED:while_silent",
-                      "silent_call:token:code:DEADLINE_EXCEEDED:while_silent"}, set()),
+EXPECTED = {  # attacker: (outcomes that must each occur, the only outcomes allowed)
+    "describe_flood": (
+        {"describe:code:OK", "describe:code:RESOURCE_EXHAUSTED"},
+        {"describe_put:PUT_OUTCOME_STORED", "describe_put:PUT_OUTCOME_EXISTS"},
+    ),
+    "refused_streams": (
+        {"refused_stream:code:PERMISSION_DENIED:while_sending", "refused_stream:code:RESOURCE_EXHAUSTED:while_sending"},
+        {
+            "refused_stream:code:DEADLINE_EXCEEDED:while_sending",  # one holding a stream of its 2
+            "refused_stream:code:PERMISSION_DENIED:after_sending",
+        },
+    ),  # is drained (docs/store-bounds.md)
+    "silent_calls": (
+        {"silent_call:none:code:UNAUTHENTICATED:while_silent", "silent_call:token:code:DEADLINE_EXCEEDED:while_silent"},
+        set(),
+    ),
     "ticket_minting": ({"ticket:code:OK", "ticket:code:RESOURCE_EXHAUSTED"}, set()),
-    "data_strangers": ({"data_stranger:closed_at_once", "data_stranger:cut_after_hello_timeout"},
-                       {"data_stranger:most_held"}),
-    "gate_strangers": ({"gate_stranger:closed_at_once", "gate_stranger:cut_after_hello_timeout"},
-                       {"gate_stranger:most_held"}),
+    "data_strangers": (
+        {"data_stranger:closed_at_once", "data_stranger:cut_after_hello_timeout"},
+        {"data_stranger:most_held"},
+    ),
+    "gate_strangers": (
+        {"gate_stranger:closed_at_once", "gate_stranger:cut_after_hello_timeout"},
+        {"gate_stranger:most_held"},
+    ),
     "ssd_flood": ({"ssd_put:PUT_OUTCOME_STORED"}, {"ssd_put:PUT_OUTCOME_EXISTS"}),
 }
 
@@ -304,15 +377,19 @@ def check_attack(name: str, counts: dict[str, int]) -> None:
 def print_tables(phases: list, doc: dict, outside: OutsideWatch, before: dict, after: dict) -> None:
     base = {arg: c for name, arg, c in phases[0][1] if name == "good"}
     print(f"\ntenant load: good clients {BASE_S:g} s alone, then {ATTACK_S:g} s beside every attacker (nice 19)")
-    print(f"{'phase':<20} {'good client':<10} {'steps':>6} {'served':>8} {'p99 ms':>8} {'alone':>8} {'ratio':>6}"
-          f"  {'server RssAnon peak':>20}")
+    print(
+        f"{'phase':<20} {'good client':<10} {'steps':>6} {'served':>8} {'p99 ms':>8} {'alone':>8} {'ratio':>6}"
+        f"  {'server RssAnon peak':>20}"
+    )
     for phase_name, results in phases:
         for name, arg, c in sorted(results, key=lambda r: r[1]):
             if name == "good":
                 ratio = c["p99_us"] / max(base[arg]["p99_us"], 1)
-                print(f"{phase_name:<20} {arg:<10} {c['ops']:>6} {c['ok'] / max(c['ops'], 1):>8.2%} "
-                      f"{c['p99_us'] / 1e3:>8.2f} {base[arg]['p99_us'] / 1e3:>8.2f} {ratio:>5.1f}x"
-                      f"  {outside.rss_peak[phase_name] / MiB:>16.1f} MiB")
+                print(
+                    f"{phase_name:<20} {arg:<10} {c['ops']:>6} {c['ok'] / max(c['ops'], 1):>8.2%} "
+                    f"{c['p99_us'] / 1e3:>8.2f} {base[arg]['p99_us'] / 1e3:>8.2f} {ratio:>5.1f}x"
+                    f"  {outside.rss_peak[phase_name] / MiB:>16.1f} MiB"
+                )
     print(f"\n{'attacker (all attacks phase)':<20} outcomes")
     for name, _, c in phases[1][1]:
         if name != "good":
@@ -320,11 +397,17 @@ def print_tables(phases: list, doc: dict, outside: OutsideWatch, before: dict, a
     for tenant in ("evil1", "evil2", "evil3", "evil4", "evil5", "good"):
         print(f"server refusals of {tenant}: {doc['tenants'][tenant]['refused']}")
     print(f"server failures (no tenant): {doc.get('store', {}).get('failures')}")
-    print(f"outside peaks over {outside.samples} samples: " + ", ".join(
-        f"{k} {v / MiB:.1f} MiB" if "bytes" in k or k.startswith(("ssd", "rss")) else f"{k} {v}"
-        for k, v in sorted(outside.peak.items())))
-    print(f"bounds: rss_anon {outside.rss_bound / MiB:.1f} MiB, memfd_bytes {HOST_CAPACITY / MiB:.0f} MiB, "
-          f"ssd per tenant: its ssd_bytes quota; server before/after: {before} / {after}")
+    print(
+        f"outside peaks over {outside.samples} samples: "
+        + ", ".join(
+            f"{k} {v / MiB:.1f} MiB" if "bytes" in k or k.startswith(("ssd", "rss")) else f"{k} {v}"
+            for k, v in sorted(outside.peak.items())
+        )
+    )
+    print(
+        f"bounds: rss_anon {outside.rss_bound / MiB:.1f} MiB, memfd_bytes {HOST_CAPACITY / MiB:.0f} MiB, "
+        f"ssd per tenant: its ssd_bytes quota; server before/after: {before} / {after}"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual run: python -m tests.integration.test_tenant_load

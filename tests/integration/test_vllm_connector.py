@@ -9,6 +9,7 @@ CUDA's side-stream semantics (tensor writes land later, on a stream thread, and 
 calls back until the worker observes it), so the engine path is proven against the GPU's
 rules, not only against the kind host device.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ def workload(vocab: int) -> kit.Workload:
     prefix, q = g.take(3 * kit.BLOCK_SIZE), g.take(40)
     reqs = (
         kit.Request("a", prefix + q),
-        kit.Request("b", prefix + g.take(40)),             # shares one full 256-token chunk
+        kit.Request("b", prefix + g.take(40)),  # shares one full 256-token chunk
         kit.Request("a-turn-2", g.take(30), extends="a"),
         kit.Request("a-salt-x", prefix + q, cache_salt="tenant-x"),
         kit.Request("a-salt-x-again", prefix + q, cache_salt="tenant-x"),
@@ -46,7 +47,7 @@ def workload(vocab: int) -> kit.Workload:
 
 def hits(result: kit.EngineResult, stats: dict) -> dict[str, int]:
     """Hit tokens per label, from the connector's own per-request log."""
-    log = stats["recent"][-len(result.requests):]
+    log = stats["recent"][-len(result.requests) :]
     return {r.label: entry["hit_tokens"] for r, entry in zip(result.requests, log)}
 
 
@@ -93,6 +94,7 @@ def built(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"vllm-{geometry}-{device}")
             cache[geometry, device] = Runs(root, refs[geometry], device)
         return cache[geometry, device]
+
     return get
 
 
@@ -118,14 +120,14 @@ def test_host_hits_match_recompute(runs):
     h = hits(result, stats)
     assert h["a"] == 0 and h["b"] >= 256 and h["a-turn-2"] >= 256
     assert stats["tokens_hit_by_tier"].get("host", 0) > 0
-    assert stats["tiers"]["ssd"]["objects"] > 0          # written through
+    assert stats["tiers"]["ssd"]["objects"] > 0  # written through
 
 
 def test_ssd_hits_after_restart_match_recompute(runs):
     result, stats = runs.second
     cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
-    assert hits(result, stats)["a"] >= 256                # the new process loads what the first saved
+    assert hits(result, stats)["a"] >= 256  # the new process loads what the first saved
     assert stats["tokens_hit_by_tier"].get("ssd", 0) > 0
     assert stats["prefetches"] > 0
 
@@ -133,8 +135,8 @@ def test_ssd_hits_after_restart_match_recompute(runs):
 def test_cache_salt_isolates_and_same_salt_shares(runs):
     result, stats = runs.first
     h = hits(result, stats)
-    assert h["a-salt-x"] == 0                              # same tokens as "a", other salt
-    assert h["a-salt-x-again"] >= 256                      # same salt: a hit
+    assert h["a-salt-x"] == 0  # same tokens as "a", other salt
+    assert h["a-salt-x-again"] >= 256  # same salt: a hit
 
 
 def test_corrupted_ssd_objects_are_misses_and_outputs_stay_correct(runs):
@@ -151,7 +153,7 @@ def test_corrupted_ssd_objects_are_misses_and_outputs_stay_correct(runs):
     result, stats = runs.run("damaged", ssd=damaged)
     cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
-    assert stats["tiers"]["ssd"]["corrupt"] > 0           # detected, deleted, counted
+    assert stats["tiers"]["ssd"]["corrupt"] > 0  # detected, deleted, counted
     assert stats["tokens_hit_by_tier"].get("ssd", 0) == 0
 
 
@@ -160,8 +162,12 @@ def test_copy_failures_are_recomputed(runs, policy):
     """A copy that fails after the promise: reported as failed blocks, vLLM recomputes."""
     ssd = runs.root / f"ssd-faulty-{policy}"
     shutil.copytree(runs.ssd, ssd, ignore=shutil.ignore_patterns("LOCK"))
-    result, stats = runs.run(f"faulty-{policy}", ssd=ssd, extra={"device": FAULTY[runs.device] + "fail_every=2"},
-                             connector={"kv_load_failure_policy": policy})
+    result, stats = runs.run(
+        f"faulty-{policy}",
+        ssd=ssd,
+        extra={"device": FAULTY[runs.device] + "fail_every=2"},
+        connector={"kv_load_failure_policy": policy},
+    )
     cmp = kit.compare_outputs(runs.reference, result)
     assert cmp, cmp.mismatches
     assert stats["failures"].get("load_copy_error", 0) > 0
@@ -174,7 +180,7 @@ def test_multiprocess_engine_matches(tiny, tmp_path):
     thread count), and inside the run: "a-salt-x-again" (loaded) must equal "a-salt-x"
     (the identical prompt, recomputed by the same engine just before)."""
     result, stats = tiny.run("mp", ssd=tmp_path / "ssd", single_process=False)
-    cmp = kit.compare_outputs(tiny.reference, result)    # same threads as the reference
+    cmp = kit.compare_outputs(tiny.reference, result)  # same threads as the reference
     assert cmp, cmp.mismatches
     by = result.by_label()
     computed, loaded = by["a-salt-x"], by["a-salt-x-again"]
@@ -185,12 +191,15 @@ def test_multiprocess_engine_matches(tiny, tmp_path):
     assert stats["tiers"]["ssd"]["objects"] > 0
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ({"ssd_dri": "/tmp/x"}, "unknown key"),
-    ({"chunk_size": 200}, "multiple of block_size 128"),
-    ({"host_capacity": "-1GiB"}, "host_capacity"),
-    ({"device": "emulated-cuda:speed=3"}, "unknown option 'speed'"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"ssd_dri": "/tmp/x"}, "unknown key"),
+        ({"chunk_size": 200}, "multiple of block_size 128"),
+        ({"host_capacity": "-1GiB"}, "host_capacity"),
+        ({"device": "emulated-cuda:speed=3"}, "unknown option 'speed'"),
+    ],
+)
 def test_bad_config_fails_at_engine_start(built, tmp_path, extra, needle):
     with pytest.raises(kit.EngineRunError, match=needle):
         built("tiny-f32", "host").run("bad", ssd=tmp_path / "ssd", extra=extra, warmup=False)

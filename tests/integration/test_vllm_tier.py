@@ -22,6 +22,7 @@ Cost: about 20-30 s: 7 s of tests (one store process, one redis-server, a dozen 
 managers, two scheduler engines) and 12-40 s for the 0.33 probe's process, plus importing
 vLLM when no earlier test did (20-35 s on a busy 2-core host).
 """
+
 from __future__ import annotations
 
 import json
@@ -194,8 +195,15 @@ def test_unreachable_store_process_at_start(models, tmp_path):
     with pytest.raises(TierUnavailableError, match=f"127.0.0.1:{port}"):
         kit.manager(models[0], {"store_target": f"127.0.0.1:{port}", "store_token": "t"})
     keys, data = kit.offload_keys(1, seed=5), kit.payloads(1, seed=5)
-    mgr = kit.manager(models[0], {"store_target": f"127.0.0.1:{port}", "store_token": "t",
-                                  "lower_tiers_required": False, "ssd_dir": str(tmp_path / "ssd")})
+    mgr = kit.manager(
+        models[0],
+        {
+            "store_target": f"127.0.0.1:{port}",
+            "store_token": "t",
+            "lower_tiers_required": False,
+            "ssd_dir": str(tmp_path / "ssd"),
+        },
+    )
     try:
         tier = kit.our_tier(mgr)
         assert [t.name for t in tier.store.tiers] == ["ssd"] and tier.store.counters["remote:open"] == 1
@@ -205,14 +213,17 @@ def test_unreachable_store_process_at_start(models, tmp_path):
         mgr.shutdown()
 
 
-@pytest.mark.parametrize(("params", "named"), [
-    ({"ssd_dir": "/tmp/x", "host_capacity": "1GiB"}, "host_capacity"),
-    ({"ssd_dir": "/tmp/x", "write_policy": "write_back"}, "write_policy"),
-    ({"ssd_dir": "/tmp/x", "ssd_cap": "1GiB"}, "ssd_cap"),
-    ({"ssd_dir": "/tmp/x", "verify_loads": False}, "verify_loads is a setting of the kvstore connector"),
-    ({"ssd_dir": "/tmp/x", "locality": "nearby"}, "locality"),
-    ({}, "ssd_dir, store_target or redis_url"),
-])
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"ssd_dir": "/tmp/x", "host_capacity": "1GiB"}, "host_capacity"),
+        ({"ssd_dir": "/tmp/x", "write_policy": "write_back"}, "write_policy"),
+        ({"ssd_dir": "/tmp/x", "ssd_cap": "1GiB"}, "ssd_cap"),
+        ({"ssd_dir": "/tmp/x", "verify_loads": False}, "verify_loads is a setting of the kvstore connector"),
+        ({"ssd_dir": "/tmp/x", "locality": "nearby"}, "locality"),
+        ({}, "ssd_dir, store_target or redis_url"),
+    ],
+)
 def test_bad_parameters_are_refused_by_name(models, params, named):
     """vLLM's factory raises our ConfigError, which names the key; vLLM cleans up its region."""
     with pytest.raises(ConfigError, match=named) as err:
@@ -227,8 +238,13 @@ def test_the_same_tier_under_vllm_033(tmp_path):
     tier: stored chunks survive a restart byte for byte, and host_capacity is refused."""
     python = ROOT / ".venv-vllm033" / "bin" / "python"
     assert python.exists(), f"{python} is missing: run `make vllm033` (make test does)"
-    proc = subprocess.run([str(python), str(Path(__file__).with_name("vllm_tier033_probe.py")), str(tmp_path)],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(python), str(Path(__file__).with_name("vllm_tier033_probe.py")), str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["version"] == "0.33.0"

@@ -21,6 +21,7 @@ Parts:
              with known values) and saved, then "a-again" (the same prompt) must be matched by
              our store and its blocks loaded with a's values.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -32,14 +33,17 @@ import traceback
 from pathlib import Path
 from types import FunctionType
 
-BLOCK_SIZE = 16          # vLLM's GPU block size
-NUM_BLOCKS = 151         # covers max_model_len (2048 tokens); no other KV dimension equals it
-PROMPT_TOKENS = 2 * 256 + 40   # two full 256-token chunks and a tail
+BLOCK_SIZE = 16  # vLLM's GPU block size
+NUM_BLOCKS = 151  # covers max_model_len (2048 tokens); no other KV dimension equals it
+PROMPT_TOKENS = 2 * 256 + 40  # two full 256-token chunks and a tail
 
 
 def _error(exc: BaseException) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-            "where": traceback.format_exception(exc)[-2].strip().splitlines()[0]}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc).splitlines()[0] if str(exc) else "",
+        "where": traceback.format_exception(exc)[-2].strip().splitlines()[0],
+    }
 
 
 def env_part() -> dict:
@@ -47,9 +51,14 @@ def env_part() -> dict:
     import vllm
     from vllm.platforms import current_platform
 
-    out = {"vllm": vllm.__version__, "vllm_file": vllm.__file__, "torch": torch.__version__,
-           "platform": type(current_platform).__name__, "device_type": current_platform.device_type,
-           "cuda_available": torch.cuda.is_available()}
+    out = {
+        "vllm": vllm.__version__,
+        "vllm_file": vllm.__file__,
+        "torch": torch.__version__,
+        "platform": type(current_platform).__name__,
+        "device_type": current_platform.device_type,
+        "cuda_available": torch.cuda.is_available(),
+    }
     for ext in ("vllm._C", "vllm._C_stable_libtorch"):
         try:
             __import__(ext)
@@ -66,14 +75,24 @@ def vllm_config(model_dir: str, work: Path):
     vc = VllmConfig(
         model_config=model,
         # vLLM's own prefix cache off: a repeated prompt must reach the connector.
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False,
-                                 num_gpu_blocks_override=NUM_BLOCKS),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=2048,
-                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(
+            block_size=BLOCK_SIZE, enable_prefix_caching=False, num_gpu_blocks_override=NUM_BLOCKS
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=2048, is_encoder_decoder=False
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="connector.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"chunk_size": 256, "host_capacity": "64MiB", "device": "host",
-                                       "ssd_dir": str(work / "ssd"), "stats_path": str(work / "stats.json")}),
+            kv_connector="KVStoreConnector",
+            kv_connector_module_path="connector.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "chunk_size": 256,
+                "host_capacity": "64MiB",
+                "device": "host",
+                "ssd_dir": str(work / "ssd"),
+                "stats_path": str(work / "stats.json"),
+            },
+        ),
         device_config=DeviceConfig("cpu"),
     )
     return vc
@@ -91,8 +110,12 @@ def kv_cache_configs(vc):
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     mc = vc.model_config
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=mc.get_total_num_kv_heads(),
-                             head_size=mc.get_head_size(), dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_size=mc.get_head_size(),
+        dtype=torch.float32,
+    )
     specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_total_num_hidden_layers())}
     layouts = [layout.name for layout in get_supported_kv_cache_layouts([FlashAttentionBackend])]
     layout = resolve_kv_cache_layout(vc, [layouts], specs.values())
@@ -160,11 +183,18 @@ def signatures_part() -> dict:
             continue
         base = next((k for k in bases if n in vars(k) and method(k, n)), None)
         if base is not None:
-            compared[n] = {"ours": _describe(KVStoreConnector, n), "base": _describe(base, n),
-                           "base_class": base.__qualname__}
-    return {"compared": compared, "vllm_bases": [k.__qualname__ for k in bases],
-            "base_methods": sorted(n for n in dir(KVConnectorBase_V1)
-                                   if not n.startswith("_") and method(KVConnectorBase_V1, n))}
+            compared[n] = {
+                "ours": _describe(KVStoreConnector, n),
+                "base": _describe(base, n),
+                "base_class": base.__qualname__,
+            }
+    return {
+        "compared": compared,
+        "vllm_bases": [k.__qualname__ for k in bases],
+        "base_methods": sorted(
+            n for n in dir(KVConnectorBase_V1) if not n.startswith("_") and method(KVConnectorBase_V1, n)
+        ),
+    }
 
 
 def _free_port() -> int:
@@ -194,23 +224,36 @@ class Steps:
         from vllm.v1.worker.utils import allocate_kv_cache
 
         self.vc, self.log = vc, log
-        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc,
-                                   structured_output_manager=StructuredOutputManager(vc),
-                                   block_size=BLOCK_SIZE, log_stats=True)
-        log.append(f"scheduler built: {type(self.scheduler.connector).__module__}."
-                   f"{type(self.scheduler.connector).__qualname__}")
+        self.scheduler = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=BLOCK_SIZE,
+            log_stats=True,
+        )
+        log.append(
+            f"scheduler built: {type(self.scheduler.connector).__module__}."
+            f"{type(self.scheduler.connector).__qualname__}"
+        )
         self.spec = kcc.kv_cache_groups[0].kv_cache_spec
         self.names = kcc.kv_cache_groups[0].layer_names
         # 0.33's own allocation, on the host: one buffer, each layer a [blocks, heads, tokens,
         # K|V channels] view in the resolved physical layout
-        self.kv = allocate_kv_cache(worker_kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(),
-                                    [BLOCK_SIZE])
+        self.kv = allocate_kv_cache(
+            worker_kcc, torch.device("cpu"), vc.cache_config.get_resolved_kv_cache_layout(), [BLOCK_SIZE]
+        )
         first = self.kv[self.names[0]]
-        log.append(f"allocate_kv_cache: {vc.cache_config.kv_cache_layout} {list(first.shape)} "
-                   f"strides {list(first.stride())}")
+        log.append(
+            f"allocate_kv_cache: {vc.cache_config.kv_cache_layout} {list(first.shape)} strides {list(first.stride())}"
+        )
         with set_current_vllm_config(vc):
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            )
             initialize_model_parallel(1, 1)
             log.append("one-rank distributed environment (gloo)")
             ensure_kv_transfer_initialized(vc, worker_kcc)
@@ -257,8 +300,12 @@ class Steps:
             kvc.finish_forward()
             out = kvc.post_forward(so.finished_req_ids)
             ids = list(so.num_scheduled_tokens)
-            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                    sampled_token_ids=[[7] for _ in ids], kv_connector_output=out)
+            mro = ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+                kv_connector_output=out,
+            )
         outputs = self.scheduler.update_from_output(so, mro)
         for eco in outputs.values():  # the stats vLLM's engine core reports (and its loggers count)
             ext = eco.scheduler_stats.connector_prefix_cache_stats if eco.scheduler_stats else None
@@ -266,9 +313,13 @@ class Steps:
                 self.external["queries"] += ext.queries
                 self.external["hits"] += ext.hits
         self.steps += 1
-        return {"new": {r.req_id: {"num_computed_tokens": r.num_computed_tokens, "blocks": list(r.block_ids[0])}
-                        for r in so.scheduled_new_reqs},
-                "scheduled": dict(so.num_scheduled_tokens)}
+        return {
+            "new": {
+                r.req_id: {"num_computed_tokens": r.num_computed_tokens, "blocks": list(r.block_ids[0])}
+                for r in so.scheduled_new_reqs
+            },
+            "scheduled": dict(so.num_scheduled_tokens),
+        }
 
     def run(self, request) -> dict:
         """Add a request and step until the scheduler holds nothing (saves delivered)."""
@@ -282,8 +333,12 @@ class Steps:
                 break
             if not s["scheduled"]:  # only waiting for the worker's saves: an idle engine loop
                 time.sleep(0.01)
-        return {"first_step": first, "steps": self.steps, "external": self.external,
-                "pending": self.scheduler.has_requests()}
+        return {
+            "first_step": first,
+            "steps": self.steps,
+            "external": self.external,
+            "pending": self.scheduler.has_requests(),
+        }
 
     def close(self) -> None:
         from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
@@ -320,8 +375,11 @@ def steps_part(vc, kcc, worker_kcc) -> dict:
         log.append("request a-again ran")
         first = again["first_step"]
         loaded = first["num_computed_tokens"] // BLOCK_SIZE
-        same = all(torch.equal(steps.kv[n][first["blocks"][tb]], steps.page(tb, li))
-                   for li, n in enumerate(steps.names) for tb in range(loaded))
+        same = all(
+            torch.equal(steps.kv[n][first["blocks"][tb]], steps.page(tb, li))
+            for li, n in enumerate(steps.names)
+            for tb in range(loaded)
+        )
         out["loaded_blocks_equal_saved"] = same if loaded else None
         # sleep mode (0.33): the worker drops its registrations, then restores them; the
         # store must still serve the prompt into the (wiped) KV cache after the wake-up
@@ -333,9 +391,15 @@ def steps_part(vc, kcc, worker_kcc) -> dict:
         out["after-wake"] = woke = steps.run(make_request("after-wake", tokens))
         first = woke["first_step"]
         loaded = first["num_computed_tokens"] // BLOCK_SIZE
-        out["after_wake_loaded_equal_saved"] = all(
-            torch.equal(steps.kv[n][first["blocks"][tb]], steps.page(tb, li))
-            for li, n in enumerate(steps.names) for tb in range(loaded)) if loaded else None
+        out["after_wake_loaded_equal_saved"] = (
+            all(
+                torch.equal(steps.kv[n][first["blocks"][tb]], steps.page(tb, li))
+                for li, n in enumerate(steps.names)
+                for tb in range(loaded)
+            )
+            if loaded
+            else None
+        )
         steps.close()
         log.append("closed")
     except BaseException as exc:  # noqa: BLE001 - recorded: how far 0.33 ran
@@ -353,11 +417,21 @@ def engine_part(model_dir: str, work: Path) -> dict:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
-        LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=2048,
-            distributed_executor_backend="uni", enable_prefix_caching=False, kv_cache_memory_bytes=1 << 28,
+        LLM(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=2048,
+            distributed_executor_backend="uni",
+            enable_prefix_caching=False,
+            kv_cache_memory_bytes=1 << 28,
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVStoreConnector", kv_connector_module_path="connector.vllm", kv_role="kv_both",
-                kv_connector_extra_config={"host_capacity": "64MiB", "ssd_dir": str(work / "ssd-engine")}))
+                kv_connector="KVStoreConnector",
+                kv_connector_module_path="connector.vllm",
+                kv_role="kv_both",
+                kv_connector_extra_config={"host_capacity": "64MiB", "ssd_dir": str(work / "ssd-engine")},
+            ),
+        )
         return {"started": True}
     except BaseException as exc:  # noqa: BLE001 - recorded: where 0.33 stops on this host
         return {"started": False, "error": _error(exc)}
@@ -374,8 +448,13 @@ def gpu_worker_part(vc) -> dict:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = flag
         stage = "constructor"
         try:
-            worker = Worker(vc, local_rank=0, rank=0, is_driver_worker=True,
-                            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            worker = Worker(
+                vc,
+                local_rank=0,
+                rank=0,
+                is_driver_worker=True,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            )
             stage = "init_device"
             worker.init_device()
             out[runner] = {"stopped_at": None}

@@ -12,6 +12,7 @@ line.  Parts (each recorded with its error, if any):
             answer and whether the promoted bytes equal what was stored;
   refused   the error 0.33's factory raises for ``host_capacity``.
 """
+
 from __future__ import annotations
 
 import json

@@ -9,6 +9,7 @@ tenant load test (``tests/integration/test_tenant_load.py``).
   (``attempt:outcome``).  ``run`` is the process entry: it lowers the process to nice 19
   first (on 2 cores an attacker at full priority measures CPU contention, not the server).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ from tests.kits.hostile import keys, open_now
 from tests.kits.store_calls import KiB, MiB, Objects, StoreClient, key_fields, rpc_code
 
 Code = grpc.StatusCode
-MAX_TOKENS = 1 << 16          # token ids of one described object (the server's limit)
+MAX_TOKENS = 1 << 16  # token ids of one described object (the server's limit)
 
 
 class Trickle:
@@ -72,8 +73,9 @@ class StalledPut:
         self.release = threading.Event()
         self.code: Code | None = None
         frames = self._frames(key, obj, size)
-        self.thread = threading.Thread(target=lambda: setattr(self, "code", rpc_code(
-            lambda: client.put_frames(frames))), daemon=True)
+        self.thread = threading.Thread(
+            target=lambda: setattr(self, "code", rpc_code(lambda: client.put_frames(frames))), daemon=True
+        )
         self.thread.start()
 
     def _frames(self, key: ObjectKey, obj: memoryview, size: int) -> Iterator[pb.PutFrame]:
@@ -95,8 +97,9 @@ class Silent:
         self.release = threading.Event()
         self.code: Code | None = None
         self.while_silent: bool | None = None
-        call = channel.stream_unary(f"/kvstore.v1.KVStore/{method}", request_serializer=lambda m: m,
-                                    response_deserializer=lambda raw: raw)
+        call = channel.stream_unary(
+            f"/kvstore.v1.KVStore/{method}", request_serializer=lambda m: m, response_deserializer=lambda raw: raw
+        )
         meta = (("authorization", f"Bearer {token}"),) if token else None
         self.future = call.future(self._nothing(), metadata=meta, timeout=60)
         self.future.add_done_callback(self._done)
@@ -119,14 +122,18 @@ def describe(client: StoreClient, keys_: list[ObjectKey], n_tokens: int) -> list
     """Describe each of ``keys_`` (one call each) with ``n_tokens`` tokens; the codes."""
     codes = []
     for k in keys_:
-        req = pb.DescribeRequest(namespace=bytes(k.namespace), tag=k.tag, objects=[pb.ObjectDescription(
-            chunk_hash=bytes(k.chunk_hash), token_ids=list(range(n_tokens)))])
+        req = pb.DescribeRequest(
+            namespace=bytes(k.namespace),
+            tag=k.tag,
+            objects=[pb.ObjectDescription(chunk_hash=bytes(k.chunk_hash), token_ids=list(range(n_tokens)))],
+        )
         codes.append(rpc_code(lambda: client.call("Describe", req)))
     return codes
 
 
 # --- whole attackers of the load test: fn(target, tokens, deadline, counts) -----------------
 # ``tokens``: "rw" (the attacker tenant's writer) and "ro" (its read-only token).
+
 
 def describe_flood(target: str, tokens: dict[str, str], deadline: float, counts: Counter) -> None:
     """Holds 8 small objects and describes them again and again with the most tokens a call
@@ -140,16 +147,17 @@ def describe_flood(target: str, tokens: dict[str, str], deadline: float, counts:
                 counts[f"describe:code:{code.name}"] += 1
 
 
-def refused_streams(target: str, tokens: dict[str, str], deadline: float, counts: Counter,
-                    batch: int = 64) -> None:
+def refused_streams(target: str, tokens: dict[str, str], deadline: float, counts: Counter, batch: int = 64) -> None:
     """``batch`` PutStreams at once, half from the read-only token (no ``write``), half beyond
     the tenant's ``streams``, each still sending when answered; again until the deadline."""
     seed = 2310
     with StoreClient(target, tokens["rw"]) as rw, StoreClient(target, tokens["ro"]) as ro:
         while time.monotonic() < deadline:
             seed += 1
-            calls = [Trickle(ro if i % 2 else rw, k, 64 * KiB, frames=40, every=0.1)   # cut after ~1 s
-                     for i, k in enumerate(keys(batch, seed=seed))]
+            calls = [
+                Trickle(ro if i % 2 else rw, k, 64 * KiB, frames=40, every=0.1)  # cut after ~1 s
+                for i, k in enumerate(keys(batch, seed=seed))
+            ]
             for t in calls:
                 t.thread.join(10)
                 state = "while_sending" if t.while_sending else "after_sending"
@@ -157,8 +165,7 @@ def refused_streams(target: str, tokens: dict[str, str], deadline: float, counts
                 t.stop()
 
 
-def silent_calls(target: str, tokens: dict[str, str], deadline: float, counts: Counter,
-                 batch: int = 96) -> None:
+def silent_calls(target: str, tokens: dict[str, str], deadline: float, counts: Counter, batch: int = 96) -> None:
     """``batch`` calls with no token that never send their request (refused at once), and 4
     with the tenant's token (cut after ``request_timeout``); again until the deadline."""
     channel = grpc.insecure_channel(target)
@@ -192,7 +199,7 @@ def _hold(socks: list[socket.socket], counts: Counter, what: str, hello_timeout:
     time.sleep(0.3)
     held = [s for s in socks if open_now(s)]
     counts[f"{what}:closed_at_once"] += len(socks) - len(held)
-    counts[f"{what}:most_held"] = max(counts[f"{what}:most_held"], len(held))   # in any one round
+    counts[f"{what}:most_held"] = max(counts[f"{what}:most_held"], len(held))  # in any one round
     time.sleep(hello_timeout + 1.5)
     still = sum(open_now(s) for s in held)
     counts[f"{what}:cut_after_hello_timeout"] += len(held) - still
@@ -201,8 +208,9 @@ def _hold(socks: list[socket.socket], counts: Counter, what: str, hello_timeout:
         s.close()
 
 
-def data_strangers(target: str, tokens: dict[str, str], deadline: float, counts: Counter,
-                   peers: int = 8, each: int = 64) -> None:
+def data_strangers(
+    target: str, tokens: dict[str, str], deadline: float, counts: Counter, peers: int = 8, each: int = 64
+) -> None:
     """``each`` data-channel connections from each of ``peers`` loopback addresses
     (127.0.0.2...; not the good clients' 127.0.0.1) that never send a hello; again."""
     with StoreClient(target, tokens["rw"]) as c:
@@ -212,8 +220,9 @@ def data_strangers(target: str, tokens: dict[str, str], deadline: float, counts:
         for p in range(peers):
             for _ in range(each):
                 try:
-                    socks.append(socket.create_connection(("127.0.0.1", port), timeout=5,
-                                                          source_address=(f"127.0.0.{2 + p}", 0)))
+                    socks.append(
+                        socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(f"127.0.0.{2 + p}", 0))
+                    )
                 except OSError:
                     counts["data_stranger:connect_refused"] += 1
         _hold(socks, counts, "data_stranger")
@@ -251,9 +260,14 @@ def ssd_flood(target: str, tokens: dict[str, str], deadline: float, counts: Coun
 
 
 ATTACKERS: dict[str, Callable[[str, dict[str, str], float, Counter], None]] = {
-    "describe_flood": describe_flood, "refused_streams": refused_streams, "silent_calls": silent_calls,
-    "ticket_minting": ticket_minting, "data_strangers": data_strangers, "gate_strangers": gate_strangers,
-    "ssd_flood": ssd_flood}
+    "describe_flood": describe_flood,
+    "refused_streams": refused_streams,
+    "silent_calls": silent_calls,
+    "ticket_minting": ticket_minting,
+    "data_strangers": data_strangers,
+    "gate_strangers": gate_strangers,
+    "ssd_flood": ssd_flood,
+}
 
 
 def run(name: str, target: str, tokens: dict[str, str], seconds: float, out) -> None:

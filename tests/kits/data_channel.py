@@ -2,6 +2,7 @@
 to a real ``kvstore serve``, so a test can send exactly the bytes it wants (forged tickets,
 half objects, garbage) and read exactly what comes back.  Tickets come from ``OpenData``
 through ``tests.kits.store_calls.StoreClient`` (plain gRPC stubs)."""
+
 from __future__ import annotations
 
 import socket

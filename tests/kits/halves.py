@@ -8,6 +8,7 @@ on a given torch device.  Per step: scheduler ``build_plan``; worker ``bind`` â†
 ``take_report``; scheduler ``on_report``.  Used by the unit stories (host and emulated
 CUDA devices) and by the gpu stories (``CudaDevice`` on real CUDA tensors).
 """
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,9 @@ class KVShape:
     @property
     def identity(self) -> Identity:
         layout = f"{self.name}:bs{self.block_size}:h{self.heads}x{self.head_dim}"
-        return Identity("test-model", "r1", str(self.dtype).removeprefix("torch."), layout,
-                        self.layers, self.heads, self.head_dim)
+        return Identity(
+            "test-model", "r1", str(self.dtype).removeprefix("torch."), layout, self.layers, self.heads, self.head_dim
+        )
 
 
 VLLM_CPU = KVShape("vllm-cpu", layers=2, blocks=32, heads=2, block_size=128, head_dim=16, hnd=False)
@@ -67,8 +69,7 @@ FLASH_HND = KVShape("flash-hnd", layers=3, blocks=80, heads=4, block_size=16, he
 class Engine:
     """One engine's connector pair plus its KV cache."""
 
-    def __init__(self, tmp_path, device=None, shape: KVShape = VLLM_CPU, kv_device: str = "cpu", kv_events=None,
-                 **cfg):
+    def __init__(self, tmp_path, device=None, shape: KVShape = VLLM_CPU, kv_device: str = "cpu", kv_events=None, **cfg):
         cfg.setdefault("host_capacity", "32MiB")
         cfg.setdefault("ssd_dir", str(tmp_path / "ssd"))
         self.shape, self.kv_device = shape, kv_device
@@ -76,15 +77,18 @@ class Engine:
         self.sched = SchedulerHalf(self.cfg, shape.identity, shape.page_bytes, shape.block_size, kv_events=kv_events)
         self.buf = shape.buffer(kv_device)
         self.kv = {f"layer.{i}": self.buf[i] for i in range(shape.layers)}
-        self.worker = WorkerHalf(device or HostDevice(), self.cfg.verify_loads, self.cfg.load_timeout_s,
-                                 tracing=self.cfg.trace_path is not None)
+        self.worker = WorkerHalf(
+            device or HostDevice(),
+            self.cfg.verify_loads,
+            self.cfg.load_timeout_s,
+            tracing=self.cfg.trace_path is not None,
+        )
         self.worker.register(PagedKV(self.kv, list(self.kv), shape.blocks))
         self.errors: set[int] = set()
         self.sent: set[str] = set()
         self.reports: list = []
 
-    def step(self, new=(), cached=(), scheduled=None, finished=frozenset(), preempted=frozenset(),
-             compute=None):
+    def step(self, new=(), cached=(), scheduled=None, finished=frozenset(), preempted=frozenset(), compute=None):
         plan = self.sched.build_plan(StepInput(list(new), list(cached), dict(scheduled or {}), set(preempted)))
         w = self.worker
         w.bind(plan)
@@ -140,8 +144,11 @@ def run_request(engine: Engine, req_id: str, tokens, blocks, salt: str = "", see
         n = engine.sched.matched_tokens(view, 0)
     engine.sched.after_alloc(req_id, blocks, n)
     computed = list(range(n // bs, (len(tokens) + bs - 1) // bs))
-    engine.step(new=[(req_id, blocks, n)], scheduled={req_id: len(tokens) - n},
-                compute=lambda: fill(engine, [blocks[i] for i in computed], seed) if computed else None)
+    engine.step(
+        new=[(req_id, blocks, n)],
+        scheduled={req_id: len(tokens) - n},
+        compute=lambda: fill(engine, [blocks[i] for i in computed], seed) if computed else None,
+    )
     return n
 
 

@@ -6,6 +6,7 @@ Everything goes through real processes and sockets: ``tests.kits.store_calls.Sto
 (plain gRPC stubs; shared memory through a real session with the server's gate) and
 ``tests.kits.data_channel.RawData`` (raw data-channel sockets).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,14 +27,15 @@ TOKENS = [
     {"token": "tok-a-ro", "tenant": "a", "permissions": ["read", "shm"]},
     {"token": "tok-b", "tenant": "b", "permissions": ["read", "write", "shm"]},
     {"token": "tok-b-ro", "tenant": "b", "permissions": ["read", "shm"]},
-    {"token": "tok-c-ro", "tenant": "c", "permissions": ["read", "shm"]},   # no writer at all
+    {"token": "tok-c-ro", "tenant": "c", "permissions": ["read", "shm"]},  # no writer at all
     {"token": "tok-ops", "tenant": "ops", "permissions": ["read", "admin"]},
 ]
-QUOTAS = {"a": {"host_bytes": "16MiB", "ssd_bytes": "32MiB"},
-          "b": {"host_bytes": "16MiB", "ssd_bytes": "16MiB", "streams": 2, "leases": 4,
-                "reservations": 2, "connections": 6}}
-HOST, SSD = "40MiB", "64MiB"           # c and ops share what a and b leave
-STREAM_RATE, GRACE = 32 * MiB, 1.0     # a stream of N bytes is cut after GRACE + N / STREAM_RATE s
+QUOTAS = {
+    "a": {"host_bytes": "16MiB", "ssd_bytes": "32MiB"},
+    "b": {"host_bytes": "16MiB", "ssd_bytes": "16MiB", "streams": 2, "leases": 4, "reservations": 2, "connections": 6},
+}
+HOST, SSD = "40MiB", "64MiB"  # c and ops share what a and b leave
+STREAM_RATE, GRACE = 32 * MiB, 1.0  # a stream of N bytes is cut after GRACE + N / STREAM_RATE s
 PUT_TTL = 1.0
 
 
@@ -44,11 +46,30 @@ def write_tokens(path: Path, tokens=TOKENS, quotas=QUOTAS) -> Path:
 
 def start_store(work: Path, *extra: str, quotas=QUOTAS) -> StoreProcess:
     tokens = write_tokens(work / "tokens.yaml", quotas=quotas)
-    return StoreProcess(work, "--host-capacity", HOST, "--auth-tokens", str(tokens),
-                        "--ssd-dir", str(work / "ssd"), "--ssd-capacity", SSD,
-                        "--put-ttl", str(PUT_TTL), "--lease-ttl", "5",
-                        "--stream-min-rate", str(STREAM_RATE), "--stream-grace", str(GRACE),
-                        "--idle-timeout", "3", "--metrics-port", "0", *extra).start()
+    return StoreProcess(
+        work,
+        "--host-capacity",
+        HOST,
+        "--auth-tokens",
+        str(tokens),
+        "--ssd-dir",
+        str(work / "ssd"),
+        "--ssd-capacity",
+        SSD,
+        "--put-ttl",
+        str(PUT_TTL),
+        "--lease-ttl",
+        "5",
+        "--stream-min-rate",
+        str(STREAM_RATE),
+        "--stream-grace",
+        str(GRACE),
+        "--idle-timeout",
+        "3",
+        "--metrics-port",
+        "0",
+        *extra,
+    ).start()
 
 
 def keys(n: int, seed: int, tag: str = "r0") -> list[ObjectKey]:
@@ -68,7 +89,7 @@ def open_now(sock: socket.socket) -> bool:
     """Whether the server still holds ``sock`` open: what it sent (an error reply) is read
     and dropped; open until EOF or a reset."""
     timeout = sock.gettimeout()
-    sock.settimeout(0)                  # a socket with a timeout would wait for data despite MSG_DONTWAIT
+    sock.settimeout(0)  # a socket with a timeout would wait for data despite MSG_DONTWAIT
     try:
         while sock.recv(4096, socket.MSG_DONTWAIT):
             pass
@@ -94,17 +115,35 @@ def admin_doc(target: str) -> dict:
 def quiet(target: str) -> bool:
     """Nothing held: no lease, reservation (fenced included), reference or pending slot."""
     c = admin_counters(target)
-    return (c["leases_held"], c["puts_in_flight"], c["puts_fenced"], c["host.refs_held"],
-            c["host.pending"]) == (0, 0, 0, 0, 0)
+    return (c["leases_held"], c["puts_in_flight"], c["puts_fenced"], c["host.refs_held"], c["host.pending"]) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 def get_request(key: ObjectKey, lease_ms: int = 0) -> pb.GetRequest:
-    return pb.GetRequest(namespace=bytes(key.namespace), chunk_hash=bytes(key.chunk_hash), tag=key.tag,
-                         lease_ms=lease_ms)
+    return pb.GetRequest(
+        namespace=bytes(key.namespace), chunk_hash=bytes(key.chunk_hash), tag=key.tag, lease_ms=lease_ms
+    )
 
 
-__all__ = ["GRACE", "PUT_TTL", "QUOTAS", "STREAM_RATE", "TOKENS", "admin_counters", "admin_doc",
-           "get_request", "keys", "quiet", "start_store", "write_tokens"]
+__all__ = [
+    "GRACE",
+    "PUT_TTL",
+    "QUOTAS",
+    "STREAM_RATE",
+    "TOKENS",
+    "admin_counters",
+    "admin_doc",
+    "get_request",
+    "keys",
+    "quiet",
+    "start_store",
+    "write_tokens",
+]
 
 
 def fd_links(pid: int) -> list[str]:

@@ -6,6 +6,7 @@ connector-less server with prefix caching off: pure recompute), and a report hoo
 appends every server's log tail to a failing test's report (``attach_log_tails``).  The names
 of ``harness.openai_server`` are re-exported, so tests import them from here as before.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -23,8 +24,19 @@ from harness.openai_server import (
     parse_completion,
 )
 
-__all__ = ["HOST", "LOG_TAIL_CHARS", "MODULE", "Completion", "OpenAIServer", "ServerError", "attach_log_tails",
-           "checkpoint_dtype", "free_port", "max_in_flight", "parse_completion"]
+__all__ = [
+    "HOST",
+    "LOG_TAIL_CHARS",
+    "MODULE",
+    "Completion",
+    "OpenAIServer",
+    "ServerError",
+    "attach_log_tails",
+    "checkpoint_dtype",
+    "free_port",
+    "max_in_flight",
+    "parse_completion",
+]
 
 
 def attach_log_tails(report, servers: Iterable[OpenAIServer]) -> None:

@@ -13,6 +13,7 @@ what each gave:
 At the end, vLLM's own metrics (``LLM.get_metrics``): its per-source cached prompt tokens and
 our counters on its registry (``vllm:kvstore_*``).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def _reloaded(model_dir: str, scale: float):
 def _push(model_dir: str, scale: float):
     def push(worker) -> None:
         worker.model_runner.reload_weights(weights_iterator=_reloaded(model_dir, scale))
+
     return push
 
 
@@ -51,9 +53,16 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enable_prefix_caching=True, seed=0,
-              distributed_executor_backend="uni", enforce_eager=True, disable_log_stats=False,
-              kv_transfer_config=KVTransferConfig(**spec["connector"]))
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        seed=0,
+        distributed_executor_backend="uni",
+        enforce_eager=True,
+        disable_log_stats=False,
+        kv_transfer_config=KVTransferConfig(**spec["connector"]),
+    )
     results = []
     for action in spec["actions"]:
         if action[0] == "reload":
@@ -65,19 +74,34 @@ def main(spec_path: str, out_path: str) -> None:
             results.append({"action": "reset", "ok": ok, "seconds": time.perf_counter() - t0})
         else:
             _, label, tokens, params, salt = action
-            sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=1, ignore_eos=True,
-                                extra_args={"kv_transfer_params": params} if params is not None else None)
+            sp = SamplingParams(
+                max_tokens=spec["max_tokens"],
+                temperature=0.0,
+                logprobs=1,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": params} if params is not None else None,
+            )
             prompt = TokensPrompt(prompt_token_ids=tokens)
             if salt:
                 prompt["cache_salt"] = salt
             out = llm.generate([prompt], sp, use_tqdm=False)[0]
             seq = out.outputs[0]
-            results.append({"action": "generate", "label": label, "tokens": list(seq.token_ids),
-                            "logprobs": [lp[t].logprob for t, lp in zip(seq.token_ids, seq.logprobs)],
-                            "kv_transfer_params": out.kv_transfer_params,
-                            "num_cached_tokens": out.num_cached_tokens, "stats": _totals(spec["stats_path"])})
-    metrics = [{"name": m.name, "labels": m.labels, "value": m.value} for m in llm.get_metrics()
-               if m.name.startswith(("vllm:kvstore_", "vllm:prompt_tokens_cached_by_source"))]
+            results.append(
+                {
+                    "action": "generate",
+                    "label": label,
+                    "tokens": list(seq.token_ids),
+                    "logprobs": [lp[t].logprob for t, lp in zip(seq.token_ids, seq.logprobs)],
+                    "kv_transfer_params": out.kv_transfer_params,
+                    "num_cached_tokens": out.num_cached_tokens,
+                    "stats": _totals(spec["stats_path"]),
+                }
+            )
+    metrics = [
+        {"name": m.name, "labels": m.labels, "value": m.value}
+        for m in llm.get_metrics()
+        if m.name.startswith(("vllm:kvstore_", "vllm:prompt_tokens_cached_by_source"))
+    ]
     results.append({"action": "metrics", "metrics": metrics})
     tmp = Path(out_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(results))

@@ -7,6 +7,7 @@ tenant-scoped key, write a sealed object made for the client's key into the slot
 and finish.  Observations go through the store's public API (``snapshot``, ``lookup``...)
 and the tiers the test built itself.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from tests.kits import chain as kv
 from tiers.base import PutResult, Tier, put_bytes
 from tiers.host import HostTier
 
-SLOT = 4096          # one host slot unit: an object of SLOT bytes takes exactly one
+SLOT = 4096  # one host slot unit: an object of SLOT bytes takes exactly one
 LEASE_TTL = 1.0
 PUT_TTL = 2.0
 NS = kv.namespace("server-core")
@@ -41,12 +42,12 @@ class FakeClock:
         self.now += seconds
 
 
-def make_store(clock: FakeClock, slots: int = 4, lower: Sequence[Tier] = (),
-               policy: WritePolicy = WritePolicy.HOST_ONLY) -> tuple[ServerStore, HostTier]:
+def make_store(
+    clock: FakeClock, slots: int = 4, lower: Sequence[Tier] = (), policy: WritePolicy = WritePolicy.HOST_ONLY
+) -> tuple[ServerStore, HostTier]:
     """A store over a ``slots``-slot shared pool; the caller ``aclose``s it."""
     host = HostTier(slots * SLOT, shared=True, pin=False, clock=clock)
-    cfg = ServerConfig(host_capacity=slots * SLOT, lease_ttl=LEASE_TTL, put_ttl=PUT_TTL,
-                       write_policy=policy)
+    cfg = ServerConfig(host_capacity=slots * SLOT, lease_ttl=LEASE_TTL, put_ttl=PUT_TTL, write_policy=policy)
     return ServerStore(host, lower, cfg, ServerMetrics(), clock=clock), host
 
 
@@ -63,8 +64,7 @@ def sealed(key: ObjectKey, size: int = SLOT, seed: int = 0) -> np.ndarray:
     return kv.sealed(key, size, seed)
 
 
-async def put(store: ServerStore, key: ObjectKey, size: int = SLOT, tenant: str = "a",
-              seed: int = 0) -> PutResult:
+async def put(store: ServerStore, key: ObjectKey, size: int = SLOT, tenant: str = "a", seed: int = 0) -> PutResult:
     """``PutStart`` + write + ``PutCommit`` of the client key ``key``; the outcome."""
     pending = await store.puts.reserve(tenant, key, scoped(key, tenant), size, None, streamed=False)
     if isinstance(pending, PutResult):
@@ -73,8 +73,7 @@ async def put(store: ServerStore, key: ObjectKey, size: int = SLOT, tenant: str 
     return await store.puts.finish(store.puts.claim(pending.put_id, tenant), "shm")
 
 
-async def put_lower(tier: Tier, key: ObjectKey, size: int = SLOT, tenant: str = "a",
-                    seed: int = 0) -> None:
+async def put_lower(tier: Tier, key: ObjectKey, size: int = SLOT, tenant: str = "a", seed: int = 0) -> None:
     """Store the object straight in a lower tier, as a write-through would have left it."""
     obj = sealed(scoped(key, tenant), size, seed)
     assert await put_bytes(tier, scoped(key, tenant), memoryview(obj)) is PutResult.STORED
@@ -85,6 +84,11 @@ def gauges(store: ServerStore) -> dict[str, int]:
     (``snapshot`` reaps nothing, so a story sees exactly what ``reap`` changes)."""
     snap = store.snapshot()
     host = snap.tiers["host"]
-    return {"leases": snap.leases_held, "puts": snap.puts_in_flight, "bytes": int(host["bytes_used"]),
-            "refs": int(host["refs_held"]), "doomed": int(host["doomed"]),
-            "objects": int(host["objects"])}
+    return {
+        "leases": snap.leases_held,
+        "puts": snap.puts_in_flight,
+        "bytes": int(host["bytes_used"]),
+        "refs": int(host["refs_held"]),
+        "doomed": int(host["doomed"]),
+        "objects": int(host["objects"]),
+    }

@@ -8,6 +8,7 @@ directory and, at teardown, stops every one and checks it shut down gracefully (
 
 ``{work}`` in a flag is the process's work directory; ``tokens`` (entries as in a tokens
 file) writes one there and adds ``--auth-tokens``."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

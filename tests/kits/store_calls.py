@@ -5,6 +5,7 @@ session with the server's gate, ``ShmSession``, or streams), tokens files and po
 The client here is deliberately plain (no retries, no breaker): tests assert exact status
 codes, so every ``grpc.RpcError`` reaches them untouched.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,7 @@ from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
 from kvstore.localtoken import local_token
 
 KiB, MiB = 1 << 10, 1 << 20
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * MiB),
-                   ("grpc.max_send_message_length", 64 * MiB)]
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * MiB), ("grpc.max_send_message_length", 64 * MiB)]
 _BLOCK = 1 * MiB
 
 
@@ -51,9 +51,9 @@ class Objects:
     def make(self, key: ObjectKey, size: int, seed: int = 0, parent: ChunkHash = ROOT) -> memoryview:
         n = size - codec.HEADER_SIZE
         block = np.random.default_rng(seed).integers(0, 256, min(n, _BLOCK), dtype=np.uint8)
-        payload = self.buf[codec.HEADER_SIZE:size]
+        payload = self.buf[codec.HEADER_SIZE : size]
         for off in range(0, n, _BLOCK):
-            payload[off:off + _BLOCK] = block[: min(_BLOCK, n - off)]
+            payload[off : off + _BLOCK] = block[: min(_BLOCK, n - off)]
         codec.encode_into(self.buf, key, codec.ObjectGeometry(1, 1, n), None, parent)
         return memoryview(self.buf)[:size]
 
@@ -79,15 +79,22 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
 class StoreClient:
     """Synchronous test client of one store process (see the module docstring)."""
 
-    def __init__(self, target: str, token: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 options: Sequence[tuple[str, object]] = ()) -> None:
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, object]] = (),
+    ) -> None:
         opts = [*CHANNEL_OPTIONS, *options]
         self.target = target
-        self.channel = (grpc.secure_channel(target, credentials, options=opts) if credentials
-                        else grpc.insecure_channel(target, options=opts))
+        self.channel = (
+            grpc.secure_channel(target, credentials, options=opts)
+            if credentials
+            else grpc.insecure_channel(target, options=opts)
+        )
         self.stub = pb_grpc.KVStoreStub(self.channel)
-        token = token or local_token()   # none given: this user's default token, as real clients do
+        token = token or local_token()  # none given: this user's default token, as real clients do
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.token = token
         self._hello: pb.HelloResponse | None = None
@@ -137,23 +144,24 @@ class StoreClient:
 
     # --- puts ---------------------------------------------------------------------------
 
-    def put_start(self, key: ObjectKey, size: int, parent_hash: bytes = b"",
-                  session: int | None = None) -> pb.PutStartResponse:
+    def put_start(
+        self, key: ObjectKey, size: int, parent_hash: bytes = b"", session: int | None = None
+    ) -> pb.PutStartResponse:
         if session is None:
             session = self.open_session().session_id
-        return self.call("PutStart", pb.PutStartRequest(size=size, parent_hash=parent_hash, session=session,
-                                                        **key_fields(key)))
+        return self.call(
+            "PutStart", pb.PutStartRequest(size=size, parent_hash=parent_hash, session=session, **key_fields(key))
+        )
 
     def put_shm(self, key: ObjectKey, obj: memoryview, parent_hash: bytes = b"") -> int:
         """Two-phase put through the segment; the PutOutcome."""
         start = self.put_start(key, len(obj), parent_hash)
         if start.outcome != pb.PUT_OUTCOME_UNSPECIFIED:
             return start.outcome
-        self.segment[start.offset:start.offset + len(obj)] = np.frombuffer(obj, np.uint8)
+        self.segment[start.offset : start.offset + len(obj)] = np.frombuffer(obj, np.uint8)
         return self.call("PutCommit", pb.PutCommitRequest(put_id=start.put_id)).outcome
 
-    def put_stream(self, key: ObjectKey, obj: memoryview, frame: int = 1 * MiB,
-                   parent_hash: bytes = b"") -> int:
+    def put_stream(self, key: ObjectKey, obj: memoryview, frame: int = 1 * MiB, parent_hash: bytes = b"") -> int:
         return self.put_frames(stream_frames(key, obj, frame, parent_hash))
 
     def put_frames(self, frames: Iterator[pb.PutFrame]) -> int:
@@ -168,7 +176,7 @@ class StoreClient:
         if not reply.found:
             return None
         n = reply.length
-        out[:n] = self.segment[reply.offset:reply.offset + n]
+        out[:n] = self.segment[reply.offset : reply.offset + n]
         valid = self.call("ReleaseLease", pb.ReleaseLeaseRequest(lease_ids=[reply.lease_id])).valid
         if not valid[0]:
             return None
@@ -181,7 +189,7 @@ class StoreClient:
                 if not frame.found:
                     return None
                 total = frame.total_length
-            out[frame.offset:frame.offset + len(frame.data)] = np.frombuffer(frame.data, np.uint8)
+            out[frame.offset : frame.offset + len(frame.data)] = np.frombuffer(frame.data, np.uint8)
         return self._check(key, out, total)
 
     def _check(self, key: ObjectKey, out: np.ndarray, n: int) -> int:
@@ -194,8 +202,12 @@ class StoreClient:
 
     def lookup(self, keys: Sequence[ObjectKey]) -> pb.LookupResponse:
         k0 = keys[0]
-        return self.call("Lookup", pb.LookupRequest(namespace=bytes(k0.namespace), tag=k0.tag,
-                                                    chunk_hashes=[bytes(k.chunk_hash) for k in keys]))
+        return self.call(
+            "Lookup",
+            pb.LookupRequest(
+                namespace=bytes(k0.namespace), tag=k0.tag, chunk_hashes=[bytes(k.chunk_hash) for k in keys]
+            ),
+        )
 
     def delete(self, key: ObjectKey) -> bool:
         return self.call("Delete", pb.DeleteRequest(**key_fields(key))).deleted
@@ -205,13 +217,14 @@ class StoreClient:
         return json.loads(reply.json), dict(reply.counters)
 
 
-def stream_frames(key: ObjectKey, obj: memoryview, frame: int = 1 * MiB,
-                  parent_hash: bytes = b"", size: int | None = None) -> Iterator[pb.PutFrame]:
+def stream_frames(
+    key: ObjectKey, obj: memoryview, frame: int = 1 * MiB, parent_hash: bytes = b"", size: int | None = None
+) -> Iterator[pb.PutFrame]:
     """A PutStream: ``start`` (announcing ``size``, default ``len(obj)``), then the bytes."""
     n = len(obj) if size is None else size
     yield pb.PutFrame(start=pb.PutStartRequest(size=n, parent_hash=parent_hash, **key_fields(key)))
     for off in range(0, len(obj), frame):
-        yield pb.PutFrame(data=bytes(obj[off:off + frame]))
+        yield pb.PutFrame(data=bytes(obj[off : off + frame]))
 
 
 def rpc_code(fn: Callable[[], object]) -> grpc.StatusCode:

@@ -16,6 +16,7 @@ its counters (a dict) through a queue.
 Hostile attempts count what they tried and how the server answered (``code:NAME``); hostile
 processes run at nice 19 (on 2 cores: the server is measured, not CPU contention).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +39,7 @@ from tests.kits.data_channel import RawData, ticket_of
 from tests.kits.store_calls import MiB, StoreClient, key_fields, rpc_code
 
 GOOD_OBJECTS, GOOD_SIZE = 6, 1 * MiB
-RECONNECT_S = 2.0   # a good client connects anew this often (it meets the connection attacks)
+RECONNECT_S = 2.0  # a good client connects anew this often (it meets the connection attacks)
 SLOW_READER = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 0)]
 
 
@@ -63,7 +64,7 @@ def run(name: str, target: str, token: str, seconds: float, out, arg: str = "") 
     deadline = time.monotonic() + seconds
     counts: Counter = Counter()
     if name != "good":
-        os.nice(19)                  # on 2 cores: measure the server, not CPU contention
+        os.nice(19)  # on 2 cores: measure the server, not CPU contention
     try:
         if name == "good":
             asyncio.run(_good(target, token, deadline, counts, arg))
@@ -75,6 +76,7 @@ def run(name: str, target: str, token: str, seconds: float, out, arg: str = "") 
 
 
 # --- the well-behaved tenant -----------------------------------------------------------
+
 
 async def _good(target: str, token: str, deadline: float, counts: Counter, arg: str) -> None:
     """Puts its objects, then reads them back (timed, every byte checked); every 8th step
@@ -143,6 +145,7 @@ async def _churn_one(c, worker: int, step: int, fresh: list[ObjectKey]) -> bool:
 
 # --- evil1: floods and stalls ---------------------------------------------------------------
 
+
 def flooder(target: str, token: str, deadline: float, counts: Counter) -> None:
     rng = np.random.default_rng(11)
     stored: list[ObjectKey] = []
@@ -159,19 +162,19 @@ def flooder(target: str, token: str, deadline: float, counts: Counter) -> None:
                     stored.append(key)
             except grpc.RpcError as err:
                 counts[f"flood_put:{_code(err)}"] += 1
-            for held in stored[-3:]:                     # hoard leases: never released
+            for held in stored[-3:]:  # hoard leases: never released
                 try:
                     found = c.call("Get", pb.GetRequest(lease_ms=3_000, **key_fields(held))).found
                     counts["lease_hoard:" + ("granted" if found else "miss")] += 1
                 except grpc.RpcError as err:
                     counts[f"lease_hoard:{_code(err)}"] += 1
-            if i % 3 == 0:                               # hoard reservations: never committed
+            if i % 3 == 0:  # hoard reservations: never committed
                 try:
                     c.put_start(ObjectKey(key.namespace, ChunkHash(rng.bytes(32)), "r0"), 1 * MiB)
                     counts["reservation_hoard:granted"] += 1
                 except grpc.RpcError as err:
                     counts[f"reservation_hoard:{_code(err)}"] += 1
-            if i % 5 == 0:                               # good's keys, as evil1 (it knows the hashes)
+            if i % 5 == 0:  # good's keys, as evil1 (it knows the hashes)
                 counts["cross_read:" + ("hit" if c.lookup([good_key(0, 0)]).hits else "miss")] += 1
 
 
@@ -181,12 +184,14 @@ def staller(target: str, token: str, deadline: float, counts: Counter) -> None:
         big = ObjectKey(Namespace(rng.bytes(32)), ChunkHash(rng.bytes(32)), "r0")
         obj = good_object(big, 12 * MiB)
         while time.monotonic() < deadline:
-            try:                                         # (again: the scribbler shares this tenant's pool)
+            try:  # (again: the scribbler shares this tenant's pool)
                 c.put_stream(big, memoryview(obj))
-            except grpc.RpcError as err:                 # scribbled mid-put: the server refused it
+            except grpc.RpcError as err:  # scribbled mid-put: the server refused it
                 counts[f"big_put:{_code(err)}"] += 1
-            threads = [threading.Thread(target=fn, args=(c, slow, big, counts), daemon=True)
-                       for fn in (_slow_put, _stalled_get, _slow_data_put, _slow_put)]
+            threads = [
+                threading.Thread(target=fn, args=(c, slow, big, counts), daemon=True)
+                for fn in (_slow_put, _stalled_get, _slow_data_put, _slow_put)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -199,7 +204,8 @@ def _slow_put(c: StoreClient, _slow, big: ObjectKey, counts: Counter) -> None:
     def frames():
         yield pb.PutFrame(start=pb.PutStartRequest(size=8 * MiB, **key_fields(key)))
         yield pb.PutFrame(data=bytes(MiB))
-        time.sleep(20)                                   # silence: the deadline cuts it
+        time.sleep(20)  # silence: the deadline cuts it
+
     counts[f"slow_put_stream:code:{rpc_code(lambda: c.put_frames(frames())).name}"] += 1
 
 
@@ -208,8 +214,9 @@ def _stalled_get(_c, slow: StoreClient, big: ObjectKey, counts: Counter) -> None
         frames = slow.call("GetStream", pb.GetRequest(**key_fields(big)), timeout=30)
         if not next(frames).found:
             raise LookupError
-        time.sleep(3)                                    # reads nothing: past its deadline
+        time.sleep(3)  # reads nothing: past its deadline
         list(frames)
+
     try:
         counts[f"stalled_get_stream:code:{rpc_code(read_one_then_stall).name}"] += 1
     except LookupError:
@@ -233,6 +240,7 @@ def _slow_data_put(c: StoreClient, _slow, big: ObjectKey, counts: Counter) -> No
 
 # --- evil2: bad input, forgeries, scribbling ----------------------------------------------------
 
+
 def forger(target: str, token: str, deadline: float, counts: Counter) -> None:
     rng = np.random.default_rng(13)
     channel = grpc.insecure_channel(target)
@@ -240,15 +248,15 @@ def forger(target: str, token: str, deadline: float, counts: Counter) -> None:
         while time.monotonic() < deadline:
             method = ["Get", "PutStart", "Lookup", "Delete"][rng.integers(4)]
             call = channel.unary_unary(f"/kvstore.v1.KVStore/{method}")
-            raw = bytes([3 << 3 | 2, 3]) + b"\xff\xfe\xfd"          # a tag that is not UTF-8
+            raw = bytes([3 << 3 | 2, 3]) + b"\xff\xfe\xfd"  # a tag that is not UTF-8
             counts[f"malformed_grpc:code:{rpc_code(lambda: call(raw, timeout=10, metadata=c.metadata)).name}"] += 1
             key = good_key(0, int(rng.integers(GOOD_OBJECTS)))
-            bad = iter([pb.PutFrame(data=b"x" * 100)])             # data before start
+            bad = iter([pb.PutFrame(data=b"x" * 100)])  # data before start
             counts[f"bad_put_frames:code:{rpc_code(lambda: c.put_frames(bad)).name}"] += 1
             forged = good_object(ObjectKey(key.namespace.scoped("good"), key.chunk_hash, key.tag), 64 * 1024)
             try:
                 counts[f"forged_object:{pb.PutOutcome.Name(c.put_stream(key, memoryview(forged)))}"] += 1
-            except grpc.RpcError as err:                           # FAILED_PRECONDITION: not its key
+            except grpc.RpcError as err:  # FAILED_PRECONDITION: not its key
                 counts[f"forged_object:{_code(err)}"] += 1
             counts["cross_delete:" + ("deleted" if c.delete(key) else "nothing")] += 1
             counts["cross_read:" + ("hit" if c.lookup([key]).hits else "miss")] += 1
@@ -262,7 +270,7 @@ def _gate(c: StoreClient, ticket: bytes) -> str:
     try:
         try:
             sock.connect(c.hello().shm_socket)
-        except BlockingIOError:                 # the gate's backlog, full of strangers' connections
+        except BlockingIOError:  # the gate's backlog, full of strangers' connections
             return "gate_backlog_full"
         sock.sendall(shmwire.encode_hello(ticket, c.token))
         data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
@@ -278,7 +286,7 @@ def _garbage(c: StoreClient, rng: np.random.Generator) -> str:
     with RawData(port) as raw:
         if raw.hello(ticket, c.token)[0].code:
             return "refused"
-        raw.sock.sendall(bytes([0x58]) + rng.bytes(63))     # op "X": not a request
+        raw.sock.sendall(bytes([0x58]) + rng.bytes(63))  # op "X": not a request
         raw.sock.settimeout(10)
         head, _ = raw.reply()
         code = next(s for s in grpc.StatusCode if s.value[0] == head.code).name
@@ -313,20 +321,19 @@ def scribbler(target: str, token: str, deadline: float, counts: Counter) -> None
             counts[f"own_put:{pb.PutOutcome.Name(c.put_shm(key, memoryview(good_object(key, MiB))))}"] += 1
             try:
                 start = c.put_start(ObjectKey(key.namespace, ChunkHash(rng.bytes(32)), "r0"), MiB)
-                time.sleep(1.2)                               # past put_ttl: fenced
-                pool[start.offset:start.offset + MiB] = 0x5A     # the late copy
+                time.sleep(1.2)  # past put_ttl: fenced
+                pool[start.offset : start.offset + MiB] = 0x5A  # the late copy
                 counts["late_write:done"] += 1
             except grpc.RpcError as err:
                 counts[f"late_write:{_code(err)}"] += 1
-            for _ in range(20):                               # scribble its whole pool
+            for _ in range(20):  # scribble its whole pool
                 at = int(rng.integers(0, len(pool) - 4096))
-                pool[at:at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
+                pool[at : at + 4096] = rng.integers(0, 256, 4096, dtype=np.uint8)
                 counts["scribbled_bytes"] += 4096
             try:
                 counts["own_read:" + ("ok" if c.get_stream(key, np.empty(MiB, np.uint8)) else "miss")] += 1
-            except ObjectFormatError:                         # its own scribbles, caught by the checksum
+            except ObjectFormatError:  # its own scribbles, caught by the checksum
                 counts["own_read:corrupt_detected"] += 1
 
 
-__all__ = ["GOOD_OBJECTS", "GOOD_SIZE", "flooder", "forger", "good_key", "good_object", "run", "scribbler",
-           "staller"]
+__all__ = ["GOOD_OBJECTS", "GOOD_SIZE", "flooder", "forger", "good_key", "good_object", "run", "scribbler", "staller"]

@@ -1,6 +1,7 @@
 """Checks of a Chrome trace-event file (``kvstore.trace``), shared by the fast story and the
 engine test: the file parses, every span lies inside its parent or after it on its track,
 and each load ticket's stages come in lifecycle order, back to back."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -29,14 +30,14 @@ def check_nesting(events: list[dict]) -> None:
                 stack.pop()
             if stack:
                 top = stack[-1]
-                assert e["ts"] + e["dur"] <= top["ts"] + top["dur"] + EPS_US, \
+                assert e["ts"] + e["dur"] <= top["ts"] + top["dur"] + EPS_US, (
                     f"track {track}: {e['name']} overlaps {top['name']} without nesting"
+                )
             stack.append(e)
 
 
 def track_names(events: list[dict]) -> dict[tuple[int, int], str]:
-    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-            if e["ph"] == "M" and e["name"] == "thread_name"}
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
 
 
 def ticket_stages(events: list[dict]) -> list[tuple[str, list[str]]]:

@@ -9,6 +9,7 @@ its ``TieringOffloadingManager``: a real CPU primary region (an mmap in /dev/shm
 The GPU-to-CPU copies are what vLLM's worker does (CUDA or XPU only); here the test writes the
 primary rows itself, between ``prepare_store`` and ``complete_store``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,8 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-CHUNK_BYTES = 8192     # one block per chunk, a multiple of the page size
-PRIMARY_CHUNKS = 8     # vLLM's CPU primary tier: cpu_bytes_to_use = 8 chunks
+CHUNK_BYTES = 8192  # one block per chunk, a multiple of the page size
+PRIMARY_CHUNKS = 8  # vLLM's CPU primary tier: cpu_bytes_to_use = 8 chunks
 TIER = {"type": "KVStoreSecondaryTier", "module_path": "adapters.vllm_tier"}
 
 
@@ -45,15 +46,28 @@ def offloading_config(model: Path, tier_params: dict, engine_id: str | None = No
     """vLLM's normalized offloading config of a 2-layer model, 16-token blocks, one block per chunk."""
     extra = {"cpu_bytes_to_use": CHUNK_BYTES * PRIMARY_CHUNKS, "secondary_tiers": [{**TIER, **tier_params}]}
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn", "layers.1.attn"),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=False, extra_config=extra,
+        groups=(
+            OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn", "layers.1.attn"), group_id=0),
+        ),
+        worker_kv_bytes_per_block=CHUNK_BYTES,
+        enable_kv_cache_events=False,
+        extra_config=extra,
         engine_id=engine_id or f"kvstore-tier-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name=str(model), dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=True))
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
 
 
 def manager(model: Path, tier_params: dict):
@@ -167,23 +181,39 @@ class SchedulerEngine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024, seed=0)
-        extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 22,
-                 "secondary_tiers": [{**TIER, **tier_params}]}
+        extra = {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 1 << 22,
+            "secondary_tiers": [{**TIER, **tier_params}],
+        }
         vc = VllmConfig(
-            model_config=mc, device_config=DeviceConfig("cpu"),
+            model_config=mc,
+            device_config=DeviceConfig("cpu"),
             cache_config=CacheConfig(block_size=self.BLOCK, enable_prefix_caching=False, num_gpu_blocks_override=80),
-            scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024,
-                                             is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                kv_connector_extra_config=extra))
-        spec = FullAttentionSpec(block_size=self.BLOCK, num_kv_heads=mc.get_total_num_kv_heads(),
-                                 head_size=mc.get_head_size(), dtype=torch.float32)
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=1024, is_encoder_decoder=False
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+            ),
+        )
+        spec = FullAttentionSpec(
+            block_size=self.BLOCK,
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_size=mc.get_head_size(),
+            dtype=torch.float32,
+        )
         specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(mc.get_total_num_hidden_layers())}
         resolve_kv_cache_layout(vc, [["LBNHC"]], specs.values())  # what the engine core does first
         kcc = generate_scheduler_kv_cache_config(get_kv_cache_configs(vc, [specs], [1 << 30]))
         vc.cache_config.num_gpu_blocks = kcc.num_blocks
-        self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kcc, block_size=self.BLOCK, log_stats=True,
-                                   structured_output_manager=StructuredOutputManager(vc))
+        self.scheduler = Scheduler(
+            vllm_config=vc,
+            kv_cache_config=kcc,
+            block_size=self.BLOCK,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vc),
+        )
         hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # as the engine core does
         self.hasher = get_request_block_hasher(self.BLOCK, hash_fn)
@@ -197,7 +227,7 @@ class SchedulerEngine:
 
     def page(self, tokens: Sequence[int], block: int) -> np.ndarray:
         """The KV bytes a model computes for ``block`` of ``tokens`` (a function of the prefix)."""
-        prefix = np.asarray(tokens[:(block + 1) * self.BLOCK], np.int64).tobytes()
+        prefix = np.asarray(tokens[: (block + 1) * self.BLOCK], np.int64).tobytes()
         return np.frombuffer(hashlib.shake_256(prefix).digest(self.gpu.shape[1]), np.uint8)
 
     def step(self) -> object:
@@ -219,11 +249,18 @@ class SchedulerEngine:
             done[job_id] = 1
             self.jobs.append(("store", job.req_id, len(job.src_spec.block_ids)))
         ids = list(so.num_scheduled_tokens)
-        out = KVConnectorOutput(finished_recving=received,
-                                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=done))
-        self.scheduler.update_from_output(so, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[7] for _ in ids], kv_connector_output=out))
+        out = KVConnectorOutput(
+            finished_recving=received, kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs=done)
+        )
+        self.scheduler.update_from_output(
+            so,
+            ModelRunnerOutput(
+                req_ids=ids,
+                req_id_to_index={r: i for i, r in enumerate(ids)},
+                sampled_token_ids=[[7] for _ in ids],
+                kv_connector_output=out,
+            ),
+        )
         return so
 
     def _forward(self, so) -> None:
@@ -241,8 +278,9 @@ class SchedulerEngine:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        self.scheduler.add_request(Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), None,
-                                           block_hasher=self.hasher))
+        self.scheduler.add_request(
+            Request(rid, tokens, SamplingParams(max_tokens=1, ignore_eos=True), None, block_hasher=self.hasher)
+        )
         computed, deadline = None, time.monotonic() + timeout
         while self.scheduler.has_requests() or self.scheduler.connector.connector_scheduler.has_pending_push_work():
             if time.monotonic() > deadline:

@@ -6,6 +6,7 @@ The KV is paged in the flash-attention HND layout ``[2][blocks][heads][bs][d]`` 
 so the block dimension is not the first one.  A device is made by ``make(fail=f)``:
 ``fail(n)`` makes the n-th submitted job's copy fail on the stream.
 """
+
 from __future__ import annotations
 
 import time
@@ -17,13 +18,13 @@ from kvstore import codec
 from tests.kits.halves import FLASH_HND, Engine, prompt, run_request
 
 SHAPE = FLASH_HND
-CHUNK_TOKENS = 64                        # 4 blocks of 16 per chunk object
-TOKENS = 300                             # 4 full chunks + a 44-token tail (2 whole blocks)
-SAVED = 5                                # the 4 chunks and a tail object of 2 blocks
-HIT = 288                                # a repeat hits every whole block: 4 chunks + the tail
+CHUNK_TOKENS = 64  # 4 blocks of 16 per chunk object
+TOKENS = 300  # 4 full chunks + a 44-token tail (2 whole blocks)
+SAVED = 5  # the 4 chunks and a tail object of 2 blocks
+HIT = 288  # a repeat hits every whole block: 4 chunks + the tail
 A_BLOCKS = list(range(0, 19))
 B_BLOCKS = list(range(40, 59))
-STEP_LIMIT = 50                          # "a few steps": each engine step sleeps 10 ms
+STEP_LIMIT = 50  # "a few steps": each engine step sleeps 10 ms
 
 
 def engine(tmp_path, device, kv_device: str) -> Engine:
@@ -36,7 +37,7 @@ def saved_request(tmp_path, device, kv_device: str) -> tuple[Engine, list[int]]:
     e = engine(tmp_path, device, kv_device)
     tokens = prompt(TOKENS, seed=1)
     assert run_request(e, "a", tokens, A_BLOCKS, seed=1) == 0
-    assert e.sched.request_finished("a") is True          # saves planned: the free is delayed
+    assert e.sched.request_finished("a") is True  # saves planned: the free is delayed
     for steps in range(1, STEP_LIMIT + 1):
         e.step(finished={"a"})
         if "a" in e.sent and e.sched.stats.saves_committed == SAVED:
@@ -49,7 +50,7 @@ def saved_request(tmp_path, device, kv_device: str) -> tuple[Engine, list[int]]:
 
 def story_saves_complete_and_release_blocks_without_preemption(tmp_path, device, kv_device):
     e, _ = saved_request(tmp_path, device, kv_device)
-    assert not e.worker._save_events                      # every gather observed
+    assert not e.worker._save_events  # every gather observed
     e.close()
 
 
@@ -62,11 +63,11 @@ def story_every_sealed_object_verifies_and_holds_the_pages(tmp_path, device, kv_
         assert size is not None, f"chunk {i} not in host DRAM"
         buf = bytearray(size)
         assert e.sched.store.host.read_into_sync(key, buf) == size
-        header = codec.verify(memoryview(buf), expected_key=key)   # checksum over landed bytes
+        header = codec.verify(memoryview(buf), expected_key=key)  # checksum over landed bytes
         assert header.geometry.pages_per_layer == pages_per_chunk
-        blocks = A_BLOCKS[i * pages_per_chunk:(i + 1) * pages_per_chunk]
+        blocks = A_BLOCKS[i * pages_per_chunk : (i + 1) * pages_per_chunk]
         expected = _payload_of(e, blocks)
-        assert bytes(buf[codec.HEADER_SIZE:codec.HEADER_SIZE + len(expected)]) == expected
+        assert bytes(buf[codec.HEADER_SIZE : codec.HEADER_SIZE + len(expected)]) == expected
     e.close()
 
 
@@ -88,13 +89,13 @@ def story_a_stream_copy_failure_becomes_failed_blocks(tmp_path, make_device, kv_
     target = [-1]
     device = make_device(fail=lambda n: n == target[0])
     e, tokens = saved_request(tmp_path, device, kv_device)
-    target[0] = device._count + 2                          # jobs: verify, layer 0, layer 1, ...
+    target[0] = device._count + 2  # jobs: verify, layer 0, layer 1, ...
     assert run_request(e, "b", tokens, B_BLOCKS, seed=99) == HIT
-    assert e.errors == set(B_BLOCKS[:HIT // 16])           # vLLM recomputes them
+    assert e.errors == set(B_BLOCKS[: HIT // 16])  # vLLM recomputes them
     assert device.failures == 1
     assert e.sched.stats.failures.get("load_copy_error") == 1
     e.errors.clear()
-    assert run_request(e, "c", tokens, list(range(60, 79)), seed=7) == HIT   # next load is fine
+    assert run_request(e, "c", tokens, list(range(60, 79)), seed=7) == HIT  # next load is fine
     assert not e.errors
     n = HIT // 16
     assert torch.equal(SHAPE.block(e.buf, list(range(60, 60 + n))), SHAPE.block(e.buf, A_BLOCKS[:n]))

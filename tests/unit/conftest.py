@@ -2,6 +2,7 @@
 test_hybrid_groups, test_tails): the copy device factory, parametrized over both kinds, and a prompt.
 They cost nothing by themselves.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -14,12 +15,14 @@ from tests.kits.halves import prompt
 @pytest.fixture(params=["host", "emulated-cuda"])
 def dev(request):
     """A factory of copy devices of the parametrized kind: ``dev(delay=S, fail=f)``."""
+
     def make(delay: float | None = None, fail=None):
         if request.param == "host":
             if delay is None and fail is None:
                 return HostDevice()
             return FaultyDevice(delay=delay or 0.0, fail=fail)
         return EmulatedCudaDevice(**({} if delay is None else {"delay": delay}), fail=fail)
+
     return make
 
 

@@ -1,4 +1,5 @@
 """SlotAllocator: first fit, alignment, coalescing, double frees (pure bookkeeping)."""
+
 import random
 
 import pytest
@@ -26,9 +27,15 @@ def test_sizes_round_up_to_alignment_and_remember_requested_size():
     assert (a.size_of(0), a.size_of(P), a.size_of(2 * P)) == (1, P + 1, 0)
 
 
-@pytest.mark.parametrize("capacity, alignment, usable", [
-    (16 * P, P, 16 * P), (16 * P + 100, P, 16 * P), (1000, 256, 768), (7, 1, 7),
-])
+@pytest.mark.parametrize(
+    "capacity, alignment, usable",
+    [
+        (16 * P, P, 16 * P),
+        (16 * P + 100, P, 16 * P),
+        (1000, 256, 768),
+        (7, 1, 7),
+    ],
+)
 def test_capacity_is_rounded_down_to_alignment(capacity, alignment, usable):
     a = SlotAllocator(capacity, alignment)
     assert a.capacity == usable
@@ -50,9 +57,9 @@ def test_zero_size_allocation_is_rejected():
 def test_first_fit_skips_holes_that_are_too_small():
     a = SlotAllocator(16 * P)
     offs = [a.alloc(P) for _ in range(8)]
-    a.free(offs[1])            # 1-page hole at P
+    a.free(offs[1])  # 1-page hole at P
     a.free(offs[4])
-    a.free(offs[5])            # 2-page hole at 4P
+    a.free(offs[5])  # 2-page hole at 4P
     assert a.alloc(2 * P) == 4 * P
     assert a.alloc(P) == P
     assert a.alloc(9 * P) is None
@@ -137,9 +144,9 @@ def test_shrink_keeps_the_slot_and_frees_whole_units_past_its_new_end():
     P = 4096
     a = SlotAllocator(8 * P)
     off = a.alloc(3 * P + 28)
-    a.shrink(off, 3 * P + 10)                       # same units: only the size changes
+    a.shrink(off, 3 * P + 10)  # same units: only the size changes
     assert a.size_of(off) == 3 * P + 10 and a.used_bytes == 4 * P
-    a.shrink(off, 3 * P)                            # a unit freed, merged with the hole after it
+    a.shrink(off, 3 * P)  # a unit freed, merged with the hole after it
     assert a.used_bytes == 3 * P and a.holes() == [(3 * P, 5 * P)]
     with pytest.raises(RuntimeError, match="shrink"):
         a.shrink(off, 3 * P + 1)

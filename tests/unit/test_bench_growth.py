@@ -4,6 +4,7 @@ host fill through the store core, the SSD files found by the tier's start-up sca
 every lookup of a present key hit, every absent one missed and every new put was stored.
 Also: the bench's fast file writer produces exactly the file the SSD tier's own put
 publishes.  No speed is checked.  Cost: about 10 s (the SSD puts fsync)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,21 +29,36 @@ def growth(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("growth")
     out = tmp / "growth.json"
     sizes = ",".join(map(str, SIZES))
-    argv = ["bench", "tiers", "--growth", "--host-sizes", sizes, "--ssd-sizes", sizes,
-            "--tenants", ",".join(map(str, TENANTS)), "--ops", str(OPS), "--dir", str(tmp), "--json", str(out)]
+    argv = [
+        "bench",
+        "tiers",
+        "--growth",
+        "--host-sizes",
+        sizes,
+        "--ssd-sizes",
+        sizes,
+        "--tenants",
+        ",".join(map(str, TENANTS)),
+        "--ops",
+        str(OPS),
+        "--dir",
+        str(tmp),
+        "--json",
+        str(out),
+    ]
     return argv, json.loads(out.read_text()) if main(argv) == 0 else None
 
 
 def test_every_run_held_its_objects_and_found_them(growth):
     _, data = growth
     runs = data["runs"]
-    assert sorted((r["tier"], r["tenants"], r["size"]) for r in runs) == \
-        sorted((tier, t, n) for tier in ("host", "ssd") for t in TENANTS for n in SIZES)
+    assert sorted((r["tier"], r["tenants"], r["size"]) for r in runs) == sorted(
+        (tier, t, n) for tier in ("host", "ssd") for t in TENANTS for n in SIZES
+    )
     for r in runs:
         assert r["objects"] == r["size"], r
         assert (r["hits"], r["misses"], r["stored"], r["lookups"]) == (OPS, OPS, OPS, OPS), r
-        assert {op: v["n"] for op, v in r["latency_us"].items()} == \
-            {"put": OPS, "lookup hit": OPS, "lookup miss": OPS}
+        assert {op: v["n"] for op, v in r["latency_us"].items()} == {"put": OPS, "lookup hit": OPS, "lookup miss": OPS}
         assert (r["scan_s"] > 0) == (r["tier"] == "ssd")
         assert r["pool_bytes"] == (r["size"] * OBJ if r["tier"] == "host" else 0)
 
@@ -93,5 +109,7 @@ def test_fast_writer_makes_the_tiers_own_file(tmp_path):
     fast, own = object_path(tmp_path / "fast", key), object_path(tmp_path / "tier", key)
     assert fast.relative_to(tmp_path / "fast") == own.relative_to(tmp_path / "tier")
     assert fast.read_bytes() == own.read_bytes()
-    assert (os.stat(fast).st_mode & 0o777, os.stat(fast.parent).st_mode & 0o777) == \
-        (os.stat(own).st_mode & 0o777, os.stat(own.parent).st_mode & 0o777)
+    assert (os.stat(fast).st_mode & 0o777, os.stat(fast.parent).st_mode & 0o777) == (
+        os.stat(own).st_mode & 0o777,
+        os.stat(own.parent).st_mode & 0o777,
+    )

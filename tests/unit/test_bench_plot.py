@@ -1,4 +1,5 @@
 """``kvstore bench ... --plot FILE.png``: each row drawn beside its same-run limit."""
+
 from __future__ import annotations
 
 from kvstore.bench.common import Row
@@ -6,9 +7,11 @@ from kvstore.bench.plot import plot_rows
 
 
 def test_plot_draws_every_row_as_value_over_limit(tmp_path):
-    rows = [Row("host get 32 MiB", 8.7, "GB/s", "copy into reused buffer", 4.8, target=0.8),
-            Row("chained hash", 3.1, "µs", "target", 2.0, better="lower", target=1.0),
-            Row("no target", 1.0, "B", "limit", 2.0)]
+    rows = [
+        Row("host get 32 MiB", 8.7, "GB/s", "copy into reused buffer", 4.8, target=0.8),
+        Row("chained hash", 3.1, "µs", "target", 2.0, better="lower", target=1.0),
+        Row("no target", 1.0, "B", "limit", 2.0),
+    ]
     out = plot_rows(tmp_path / "rows.png", "a title", rows)
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -8,6 +8,7 @@ popular documents drawn more often; the serving time is the union of in-flight i
 (pauses and restarts excluded); the command's flags reach each workload and bad ones are a
 ``ConfigError`` naming the flag.  Cost: under 1 s (no server).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,7 @@ def test_agent_longest_is_what_its_branches_reach_and_the_seed_fixes_it():
     assert a._length(session) == 96 + sum(len(m) for m in session.messages) + 4 * 8
     fork = a.seqs[2]
     at, parent = a.fork_at[fork.id], a.seqs[fork.parent]
-    want = 96 + sum(len(m) for m in parent.messages[:at]) + at * 8 + sum(len(m) for m in fork.messages) + \
-        (4 - at) * 8
+    want = 96 + sum(len(m) for m in parent.messages[:at]) + at * 8 + sum(len(m) for m in fork.messages) + (4 - at) * 8
     assert a._length(fork) == want and a.longest() == max(a._length(q) for q in a.seqs)
     assert a.limit_blocks(64) == 4 * (-(-a.longest() // 64) + 1)
 
@@ -95,8 +95,9 @@ def _workloads(*argv: str):
 
 
 def test_flags_reach_each_workload():
-    chat, agent, rag, restart = _workloads("--workload", "chat,agent,rag,restart", "--sessions", "3", "--turns", "4",
-                                           "--forks", "2", "--document", "64")
+    chat, agent, rag, restart = _workloads(
+        "--workload", "chat,agent,rag,restart", "--sessions", "3", "--turns", "4", "--forks", "2", "--document", "64"
+    )
     assert (chat.name, agent.name, rag.name, restart.name) == ("chat", "agent", "rag", "restart")
     assert chat.spec.sessions == agent.spec.sessions == rag.spec.sessions == 3
     assert agent.spec.forks == 2 and rag.spec.document == 64 and agent.spec.system == 512  # its own default
@@ -105,16 +106,19 @@ def test_flags_reach_each_workload():
     assert [w.name for w in _workloads()] == ["chat"]
 
 
-@pytest.mark.parametrize("argv, names", [
-    (("--workload", "chat,search"), "--workload"),
-    (("--workload", "chat,chat"), "--workload"),
-    (("--workload", "chat", "--restart-after", "2"), "--restart-after"),
-    (("--workload", "restart", "--turns", "3", "--restart-after", "3"), "--restart-after 3"),
-    (("--workload", "restart", "--turns", "1"), "--turns 1"),
-    (("--workload", "rag", "--per-prompt", "13"), "--per-prompt 13"),
-    (("--workload", "agent", "--forks", "-1"), "--forks -1"),
-    (("--workload", "agent", "--turns", "1"), "--forks 4 needs --turns >= 2"),
-])
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (("--workload", "chat,search"), "--workload"),
+        (("--workload", "chat,chat"), "--workload"),
+        (("--workload", "chat", "--restart-after", "2"), "--restart-after"),
+        (("--workload", "restart", "--turns", "3", "--restart-after", "3"), "--restart-after 3"),
+        (("--workload", "restart", "--turns", "1"), "--turns 1"),
+        (("--workload", "rag", "--per-prompt", "13"), "--per-prompt 13"),
+        (("--workload", "agent", "--forks", "-1"), "--forks -1"),
+        (("--workload", "agent", "--turns", "1"), "--forks 4 needs --turns >= 2"),
+    ],
+)
 def test_bad_settings_are_named(argv, names):
     with pytest.raises(ConfigError, match=names):
         _workloads(*argv)

@@ -2,6 +2,7 @@
 strict reading of the trace file, the ``--json`` shape, and the host tier's own policy
 (the real ``HostTier`` through the store core) beside LRU on a hot prefix among scans,
 under each retention policy, and the generated second trace shape.  About 3 s."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,7 @@ def line(ts: float, n_in: int, ids: list[int], n_out: int = 1) -> str:
 #   r1 [1,2,4] 1400         LRU: hits 1,2 (1024); 3 goes    MIN: hits 1,2 (1024); 4 goes at once
 #   r2 [5,6]   1024         LRU: miss; 1 and 2 go           MIN: miss; 5 and 6 go at once
 #   r3 [1,2,3] 1536         LRU: miss                       MIN: hits 1,2,3 (1536)
-HAND = [line(0, 1536, [1, 2, 3]), line(1000, 1400, [1, 2, 4]), line(2000, 1024, [5, 6]),
-        line(3000, 1536, [1, 2, 3])]
+HAND = [line(0, 1536, [1, 2, 3]), line(1000, 1400, [1, 2, 4]), line(2000, 1024, [5, 6]), line(3000, 1536, [1, 2, 3])]
 TOTAL = 1536 + 1400 + 1024 + 1536
 
 
@@ -51,21 +51,23 @@ def test_lru_and_min_match_the_values_worked_by_hand(hand_trace):
 def test_min_evicts_the_farthest_next_use_and_may_drop_the_current_request():
     # Capacity 2: r0 stores 1,2 (next used by r2); r1's 3 is next used only by r3, farther:
     # MIN drops 3 at once and r2 hits both blocks; LRU drops 1 and then misses r2.
-    reqs = [Request(0, 1024, 1, (1, 2)), Request(1, 512, 1, (3,)), Request(2, 700, 1, (1, 2)),
-            Request(3, 512, 1, (3,))]
+    reqs = [Request(0, 1024, 1, (1, 2)), Request(1, 512, 1, (3,)), Request(2, 700, 1, (1, 2)), Request(3, 512, 1, (3,))]
     total = 1024 + 512 + 700 + 512
-    assert min_ratio(reqs, 2) == pytest.approx(700 / total)   # capped at input_length
+    assert min_ratio(reqs, 2) == pytest.approx(700 / total)  # capped at input_length
     assert lru_ratio(reqs, 2) == 0.0
 
 
-@pytest.mark.parametrize("bad, why", [
-    ("not json", "not JSON"),
-    ('{"timestamp": 1, "input_length": "x", "output_length": 1, "hash_ids": [1]}', "input_length"),
-    ('{"timestamp": 1, "input_length": 5, "output_length": 1}', "missing hash_ids"),
-    ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}', "hash id"),
-    ('[1, 2]', "JSON object"),
-    ("", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("not json", "not JSON"),
+        ('{"timestamp": 1, "input_length": "x", "output_length": 1, "hash_ids": [1]}', "input_length"),
+        ('{"timestamp": 1, "input_length": 5, "output_length": 1}', "missing hash_ids"),
+        ('{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}', "hash id"),
+        ("[1, 2]", "JSON object"),
+        ("", "not JSON"),
+    ],
+)
 def test_a_malformed_line_is_an_error_naming_its_line(tmp_path, bad, why, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(HAND[0] + "\n" + HAND[1] + "\n" + bad + "\n" + HAND[2] + "\n")
@@ -107,7 +109,7 @@ def hot_prefix_with_scans(rounds: int = 30) -> list[Request]:
 def test_ours_beats_plain_lru_on_a_hot_prefix_among_scans():
     reqs = hot_prefix_with_scans()
     ours, lru, best = asyncio.run(ours_ratio(reqs, 12)), lru_ratio(reqs, 12), min_ratio(reqs, 12)
-    assert lru == 0.0                        # each scan flushes the prompt out of LRU
+    assert lru == 0.0  # each scan flushes the prompt out of LRU
     assert ours > lru and ours <= best
     # The first scan pushes the prompt out while it was used once; stored again by the
     # second question, its keys return (the pool remembers evicted keys): reused, they stay,

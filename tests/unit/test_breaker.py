@@ -1,5 +1,6 @@
 """tiers.breaker.CircuitBreaker: open on a transport failure, fail fast, one background probe,
 close when the probe succeeds.  The probe is a plain coroutine the test controls."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +48,14 @@ def test_retry_interval_must_be_positive():
 async def test_closed_breaker_allows_and_counts_nothing():
     b = CircuitBreaker("x", Backend().probe, retry_s=0.01)
     assert b.allow() and b.allow()
-    assert b.stats() == {"breaker_open": 0.0, "breaker_opened": 0, "breaker_closed": 0,
-                         "breaker_rejected": 0, "breaker_probes": 0, "breaker_failures": 0}
+    assert b.stats() == {
+        "breaker_open": 0.0,
+        "breaker_opened": 0,
+        "breaker_closed": 0,
+        "breaker_rejected": 0,
+        "breaker_probes": 0,
+        "breaker_failures": 0,
+    }
     await b.aclose()
 
 

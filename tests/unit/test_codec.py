@@ -5,6 +5,7 @@ The story: a chunk's pages are sealed in a caller's buffer behind a 256-byte hea
 byte that changes afterwards — in the header or in the payload — must be caught by
 ``verify()`` as a specific ``ObjectFormatError`` (a counted miss), never reach the engine.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,9 @@ from kvstore.codec import (
 from kvstore.errors import ChecksumMismatchError, ConfigError, CorruptHeaderError, KeyMismatchError, ObjectFormatError
 from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes
 
-NS = Identity(model="tiny", revision="r", kv_dtype="bf16", layout_id="cpu:LBHNC:bs128",
-              num_layers=4, num_kv_heads=2, head_dim=64).namespace()
+NS = Identity(
+    model="tiny", revision="r", kv_dtype="bf16", layout_id="cpu:LBHNC:bs128", num_layers=4, num_kv_heads=2, head_dim=64
+).namespace()
 H = chunk_hashes(NS, list(range(64)), 16)
 KEY = ObjectKey(NS, H[1], "r0")
 
@@ -42,8 +44,7 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).bytes(n)
 
 
-def sealed(geometry: ObjectGeometry, payload: bytes | None = None, key: ObjectKey = KEY,
-           parent=H[0]) -> bytearray:
+def sealed(geometry: ObjectGeometry, payload: bytes | None = None, key: ObjectKey = KEY, parent=H[0]) -> bytearray:
     payload = random_bytes(geometry.payload_bytes) if payload is None else payload
     buf = bytearray(object_size(geometry))
     encode_into(buf, key, geometry, payload, parent=parent)
@@ -60,6 +61,7 @@ GEOMETRIES = [
 
 # ---- round trips ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"{g.num_layers}x{g.pages_per_layer}x{g.page_bytes}")
 def test_encode_then_verify_round_trips_header_and_payload(geometry):
     payload = random_bytes(geometry.payload_bytes, seed=geometry.page_bytes)
@@ -74,7 +76,7 @@ def test_encode_then_verify_round_trips_header_and_payload(geometry):
     assert bytes(payload_view(buf, got)) == payload
     for layer in range(geometry.num_layers):
         lo = layer * geometry.layer_bytes
-        assert bytes(layer_view(buf, geometry, layer)) == payload[lo:lo + geometry.layer_bytes]
+        assert bytes(layer_view(buf, geometry, layer)) == payload[lo : lo + geometry.layer_bytes]
 
 
 def test_payload_written_in_place_before_sealing():
@@ -94,7 +96,7 @@ def test_encoding_is_deterministic_and_works_in_numpy_and_larger_slots():
     a = sealed(g, payload)
     slot = np.zeros(object_size(g) + 100, dtype=np.uint8)  # a host slot bigger than the object
     encode_into(slot, KEY, g, np.frombuffer(payload, dtype=np.uint8), parent=H[0])
-    assert slot.tobytes()[:len(a)] == bytes(a)
+    assert slot.tobytes()[: len(a)] == bytes(a)
     assert verify(slot, KEY).total_len == len(a)
     with pytest.raises(CorruptHeaderError):
         verify(slot, KEY, length=len(slot))  # the caller's length disagrees with the header
@@ -181,6 +183,7 @@ def test_sampled_payload_corruptions_of_a_large_object_are_checksum_mismatches()
 
 # ---- truncation, wrong key, wrong length ----------------------------------------------------
 
+
 @pytest.mark.parametrize("keep", [0, 1, 4, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 1, -1])
 def test_truncated_objects_are_corrupt(keep):
     buf = sealed(SMALL)
@@ -189,9 +192,15 @@ def test_truncated_objects_are_corrupt(keep):
         verify(cut)
 
 
-@pytest.mark.parametrize("other", [
-    ObjectKey(NS, H[1], "r1"), ObjectKey(NS, H[2], "r0"), ObjectKey(NS.scoped("t"), H[1], "r0"),
-], ids=["tag", "chunk", "namespace"])
+@pytest.mark.parametrize(
+    "other",
+    [
+        ObjectKey(NS, H[1], "r1"),
+        ObjectKey(NS, H[2], "r0"),
+        ObjectKey(NS.scoped("t"), H[1], "r0"),
+    ],
+    ids=["tag", "chunk", "namespace"],
+)
 def test_an_intact_object_of_another_key_is_a_key_mismatch(other):
     buf = sealed(SMALL)
     with pytest.raises(KeyMismatchError):
@@ -213,6 +222,7 @@ def test_an_object_in_a_larger_buffer_verifies_with_its_own_length():
 
 # ---- bad arguments are configuration errors ------------------------------------------------
 
+
 @pytest.mark.parametrize("spare", [1, HEADER_SIZE, object_size(SMALL)])
 def test_a_buffer_too_small_for_encode_into_is_a_config_error_and_is_left_untouched(spare):
     buf = bytearray(object_size(SMALL) - spare)
@@ -229,13 +239,37 @@ def test_a_payload_of_the_wrong_length_is_a_config_error(n):
     assert not any(buf)
 
 
-@pytest.mark.parametrize("args, kw", [
-    ((0, 1, 1), {}), ((1, 0, 1), {}), ((1, 1, 0), {}), ((-1, 1, 1), {}), ((1, -2, 1), {}),
-    ((1, 1, -64), {}), ((1, 1, 1), {"dtype": "int4"}), ((1, 1, 1), {"dtype": ""}),
-    ((1, 1, 1), {"dtype": "BF16"}), ((1, 1, 1), {"layout_id": ""}), ((1, 1, 1), {"layout_id": "x" * 33}),
-    ((1 << 20, 1 << 10, 1 << 11), {}),  # 2 TiB
-], ids=["layers0", "pages0", "bytes0", "layers-", "pages-", "bytes-", "int4", "empty-dtype",
-        "upper-dtype", "empty-layout", "long-layout", "over-1TiB"])
+@pytest.mark.parametrize(
+    "args, kw",
+    [
+        ((0, 1, 1), {}),
+        ((1, 0, 1), {}),
+        ((1, 1, 0), {}),
+        ((-1, 1, 1), {}),
+        ((1, -2, 1), {}),
+        ((1, 1, -64), {}),
+        ((1, 1, 1), {"dtype": "int4"}),
+        ((1, 1, 1), {"dtype": ""}),
+        ((1, 1, 1), {"dtype": "BF16"}),
+        ((1, 1, 1), {"layout_id": ""}),
+        ((1, 1, 1), {"layout_id": "x" * 33}),
+        ((1 << 20, 1 << 10, 1 << 11), {}),  # 2 TiB
+    ],
+    ids=[
+        "layers0",
+        "pages0",
+        "bytes0",
+        "layers-",
+        "pages-",
+        "bytes-",
+        "int4",
+        "empty-dtype",
+        "upper-dtype",
+        "empty-layout",
+        "long-layout",
+        "over-1TiB",
+    ],
+)
 def test_invalid_geometry_is_a_config_error(args, kw):
     with pytest.raises(ConfigError):
         ObjectGeometry(*args, **kw)
@@ -254,6 +288,7 @@ def test_errors_form_one_hierarchy():
 
 
 # ---- lz4 -----------------------------------------------------------------------------------
+
 
 def compressible_payload(g: ObjectGeometry) -> bytes:
     """Half zeros, half a repeating pattern: lz4 shrinks it a lot."""
@@ -280,7 +315,7 @@ def test_decompress_into_copies_an_uncompressed_object():
     original = sealed(g)
     out = bytearray(object_size(g) + 10)
     assert decompress_into(original, out) == verify(original)
-    assert bytes(out[:len(original)]) == bytes(original) and not any(out[len(original):])
+    assert bytes(out[: len(original)]) == bytes(original) and not any(out[len(original) :])
 
 
 def test_lz4_compresses_random_pages_without_loss():
@@ -316,10 +351,14 @@ def forged_lz4(g: ObjectGeometry, stream: bytes) -> bytes:
     return pack_header(header) + stream
 
 
-@pytest.mark.parametrize("stream", [
-    b"\xff" * 40,                                        # not lz4 at all
-    b"",                                                 # nothing
-], ids=["garbage", "empty"])
+@pytest.mark.parametrize(
+    "stream",
+    [
+        b"\xff" * 40,  # not lz4 at all
+        b"",  # nothing
+    ],
+    ids=["garbage", "empty"],
+)
 def test_an_undecodable_lz4_stream_is_a_checksum_mismatch(stream):
     g = ObjectGeometry(2, 2, 512)
     with pytest.raises(ChecksumMismatchError):
@@ -328,6 +367,7 @@ def test_an_undecodable_lz4_stream_is_a_checksum_mismatch(stream):
 
 def test_an_lz4_stream_of_the_wrong_size_is_a_checksum_mismatch_not_a_config_error():
     import lz4.block
+
     g = ObjectGeometry(2, 2, 512)
     short = lz4.block.compress(bytes(100), store_size=False)  # valid, but 100 bytes, not 2048
     with pytest.raises(ChecksumMismatchError):
@@ -369,9 +409,9 @@ def test_older_objects_read_as_all_prompt_and_a_count_above_the_tokens_is_damage
     g = codec.ObjectGeometry(2, 2, 64, "bf16", "t", 256)
     buf = bytearray(codec.object_size(g))
     codec.encode_into(buf, KEY, g, bytes(256), H[0])
-    assert codec.verify(buf).generated == 0                   # zero bytes there: no generated tokens
+    assert codec.verify(buf).generated == 0  # zero bytes there: no generated tokens
     header = codec.decode_header(buf)
     forged = codec.pack_header(dataclasses.replace(header, generated=257))
-    buf[:codec.HEADER_SIZE] = forged
+    buf[: codec.HEADER_SIZE] = forged
     with pytest.raises(CorruptHeaderError, match="generated"):
         codec.decode_header(buf)

@@ -10,6 +10,7 @@ structs, built on 0.33's ``BlockStored`` (which adds ``lookahead_token_ids``), d
 0.33's own decoder and leave ``lookahead_token_ids`` None: a chunk hash takes no tokens beyond
 its chunk.  Cost: about 2 s, plus about 10 s for the 0.33 probe.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -116,8 +117,13 @@ def test_vllm033_decodes_our_events_without_lookahead_tokens():
     root = Path(__file__).resolve().parents[2]
     python = root / ".venv-vllm033" / "bin" / "python"
     assert python.exists(), f"{python} is missing: run `make vllm033` (make test does)"
-    proc = subprocess.run([str(python), "-c", _PROBE], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(python), "-c", _PROBE],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["has_lookahead"]  # it really is 0.33's struct

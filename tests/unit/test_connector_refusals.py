@@ -16,6 +16,7 @@ checks and its scheduler half are the real ones.
   two images behind the same placeholder ids never share a key; an item without an
   identifier is served uncached, counted per request and logged once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,8 +41,9 @@ from kvstore.errors import ConfigError
 from kvstore.keys import Identity
 from kvstore.metrics import prometheus
 
-IDENT = Identity("refusals-model", "r1", "float32", "cpu:bs16:h2x16", 2, 2, 16, weights="w" * 32,
-                 engine_config="e" * 32)
+IDENT = Identity(
+    "refusals-model", "r1", "float32", "cpu:bs16:h2x16", 2, 2, 16, weights="w" * 32, engine_config="e" * 32
+)
 PAGE_BYTES = 2 * 16 * 2 * 16 * 4
 
 
@@ -58,8 +60,10 @@ def mamba(mode: str = "none", block: int = 16) -> MambaSpec:
 
 
 def config(*specs, pp: int = 1, tp: int = 1, eager: bool = False):
-    vllm = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
-                           model_config=SimpleNamespace(enforce_eager=eager))
+    vllm = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        model_config=SimpleNamespace(enforce_eager=eager),
+    )
     groups = [KVCacheGroupSpec([f"layers.{i}"], spec) for i, spec in enumerate(specs)]
     return vllm, SimpleNamespace(kv_cache_groups=groups)
 
@@ -105,18 +109,26 @@ def test_groups_of_different_block_or_page_sizes_are_refused():
 
 @pytest.fixture
 def sched():
-    half = SchedulerHalf(ConnectorConfig.from_extra_config({"host_capacity": "8MiB", "chunk_size": 32}, env={}),
-                         IDENT, PAGE_BYTES, 16)
+    half = SchedulerHalf(
+        ConnectorConfig.from_extra_config({"host_capacity": "8MiB", "chunk_size": 32}, env={}), IDENT, PAGE_BYTES, 16
+    )
     yield half
     half.close()
 
 
 def request(req_id: str, tokens: list[int], items=()):
     """An engine request; ``items``: its multimodal items as (offset, length, identifier)."""
-    mm = [SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=off, length=n))
-          for off, n, ident in items]
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, mm_features=mm, lora_request=None,
-                           cache_salt=None, all_token_ids=tokens)
+    mm = [
+        SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=off, length=n)) for off, n, ident in items
+    ]
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        mm_features=mm,
+        lora_request=None,
+        cache_salt=None,
+        all_token_ids=tokens,
+    )
 
 
 def ask(sched, req):
@@ -131,17 +143,23 @@ def test_multimodal_requests_are_keyed_by_their_items_content_and_place(sched):
     """Two images behind the same placeholder ids must never share a key; a chunk no item
     touches keeps its text key (a shared text prefix before an image still hits)."""
     tokens = list(range(100, 140)) + [IMAGE_TOKEN] * 32 + list(range(200, 248))  # 120: 3 chunks + a block
-    for rid, items in {"a": [(40, 32, "img-A")], "a-again": [(40, 32, "img-A")], "b": [(40, 32, "img-B")],
-                       "a-moved": [(41, 31, "img-A")], "text": [], "a+c": [(40, 32, "img-A"), (100, 8, "img-C")],
-                       "a+d": [(40, 32, "img-A"), (100, 8, "img-D")]}.items():
+    for rid, items in {
+        "a": [(40, 32, "img-A")],
+        "a-again": [(40, 32, "img-A")],
+        "b": [(40, 32, "img-B")],
+        "a-moved": [(41, 31, "img-A")],
+        "text": [],
+        "a+c": [(40, 32, "img-A"), (100, 8, "img-C")],
+        "a+d": [(40, 32, "img-A"), (100, 8, "img-D")],
+    }.items():
         assert ask(sched, request(rid, tokens, items)) == (0, False)
     keys = {rid: st.keys for rid, st in sched._reqs.items()}
-    assert keys["a"] == keys["a-again"]                                 # the same image: the same keys
-    assert keys["a"][0] == keys["b"][0] == keys["text"][0]              # chunk 0 (0..31): text only
+    assert keys["a"] == keys["a-again"]  # the same image: the same keys
+    assert keys["a"][0] == keys["b"][0] == keys["text"][0]  # chunk 0 (0..31): text only
     for other in ("b", "a-moved", "text"):
-        assert keys["a"][1] != keys[other][1], other                    # the image's chunk: its content, its place
-        assert keys["a"][2] != keys[other][2], other                    # and every chunk after it
-    assert keys["a"] == keys["a+c"] == keys["a+d"]                      # an item in the tail only: full chunks equal
+        assert keys["a"][1] != keys[other][1], other  # the image's chunk: its content, its place
+        assert keys["a"][2] != keys[other][2], other  # and every chunk after it
+    assert keys["a"] == keys["a+c"] == keys["a+d"]  # an item in the tail only: full chunks equal
     tails = {rid: sched.hits.tail_keys(sched._reqs[rid], 3) for rid in ("a", "a+c", "a+d")}
     assert len(tails["a"]) == 1 and len({t[0] for t in tails.values()}) == 3  # ... but the tails differ
     assert sched.stats.requests == 7 and sched.stats.not_cached == {}
@@ -153,14 +171,14 @@ def test_a_multimodal_item_without_an_identifier_is_never_looked_up_or_saved_and
     tokens = list(np.arange(100, 164))
     with caplog.at_level(logging.WARNING, logger="kvstore.connector"):
         assert ask(sched, request("img-1", tokens, [(0, 8, "")])) == (0, False)
-        assert ask(sched, request("img-1", tokens, [(0, 8, "")])) == (0, False)   # asked again: counted once
+        assert ask(sched, request("img-1", tokens, [(0, 8, "")])) == (0, False)  # asked again: counted once
         assert ask(sched, request("img-2", tokens, [(0, 8, "x"), (9, 8, None)])) == (0, False)
     assert sched.stats.not_cached == {"multimodal_unhashed": 2}
     assert metric._value.get() - before == 2
     assert sum("multimodal_unhashed requests are not cached" in r.getMessage() for r in caplog.records) == 1
-    assert "img-1" not in sched._reqs and "img-2" not in sched._reqs      # no state: nothing is saved
-    assert sched.stats.requests == 0                                       # and no lookup was counted
-    ask(sched, request("text", tokens))                                   # the same tokens as text: looked up
+    assert "img-1" not in sched._reqs and "img-2" not in sched._reqs  # no state: nothing is saved
+    assert sched.stats.requests == 0  # and no lookup was counted
+    ask(sched, request("text", tokens))  # the same tokens as text: looked up
     assert "text" in sched._reqs and sched.stats.requests == 1
 
 

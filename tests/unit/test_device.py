@@ -5,6 +5,7 @@ event, never by raising in the caller; a ``FaultyDevice`` delays, fails or reord
 completions; and a cancelled load ticket refuses release, keeping its staging buffer alive,
 until the copy writing that buffer has signalled completion.
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,13 +37,16 @@ def host():
 
 def gated_job(gate: threading.Event, log: list, tag):
     """A job that blocks until ``gate`` opens, then records ``tag``."""
+
     def job():
         assert gate.wait(WAIT), "test gate never opened"
         log.append(tag)
+
     return job
 
 
 # ---- HostDevice ----------------------------------------------------------------------------
+
 
 def test_jobs_run_in_submission_order_on_one_thread_that_is_not_the_callers(host):
     ran: list[tuple[int, int]] = []
@@ -128,6 +132,7 @@ def test_close_drains_is_idempotent_and_refuses_new_work():
 
 # ---- FaultyDevice --------------------------------------------------------------------------
 
+
 def test_faulty_delay_holds_back_completion():
     device = FaultyDevice(delay=0.2)
     try:
@@ -183,10 +188,11 @@ def test_faulty_reorder_does_not_hold_a_lone_completion_forever():
 
 # ---- the lifecycle story -------------------------------------------------------------------
 
+
 def test_cancelled_load_keeps_its_staging_buffer_until_the_copy_has_finished():
     source = np.arange(1, 65, dtype=np.uint8)
     staging = np.zeros_like(source)  # the staging slot the copy writes into
-    freed: list[np.ndarray] = []     # what the slot held when it was handed back
+    freed: list[np.ndarray] = []  # what the slot held when it was handed back
 
     def free_slot(ticket):
         freed.append(staging.copy())
@@ -217,6 +223,7 @@ def test_cancelled_load_keeps_its_staging_buffer_until_the_copy_has_finished():
 
 
 # ---- make_device ---------------------------------------------------------------------------
+
 
 def test_make_device_host_is_a_host_device():
     device = make_device("host")

@@ -13,6 +13,7 @@ A clone must be able to follow each one, so:
 
 The checker is tested on deliberately broken text first, so it is known to be able to fail.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP_DIRS = {".git", ".venv", ".venv-vllm033", ".venv-sglang", "venv", "node_modules", "__pycache__", ".pytest_cache",
-             ".mypy_cache", "build", "dist", ".eggs"}
+SKIP_DIRS = {
+    ".git",
+    ".venv",
+    ".venv-vllm033",
+    ".venv-sglang",
+    "venv",
+    "node_modules",
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    "build",
+    "dist",
+    ".eggs",
+}
 SUFFIXES = {".py", ".pyi", ".proto", ".sh", ".md", ".toml", ".yml", ".yaml", ".cfg", ".ini", ".txt"}
 NAMES = {"Dockerfile", "Makefile", ".dockerignore"}
 
@@ -32,8 +45,10 @@ MD_REF = re.compile(r"(?<![\w./:-])((?:[\w-]+/|\.\./|\./)*[\w.-]+" + re.escape(_
 # Any path under docs/ (a folder, an image, a document).
 DOCS_REF = re.compile(r"(?<![\w./:-])((?:\.\./)*docs/[\w./-]*[\w/])(?:#([\w-]+))?")
 # The private notes' section marks: a capitalised name, a section sign, a number.
-SECTION_REF = re.compile(r"\b([A-Z][A-Z_]+)(?:" + re.escape(_MD) + r")? ?\u00a7 ?\d+"
-                         r"|\b(?i:seeds? section) \d+")
+SECTION_REF = re.compile(
+    r"\b([A-Z][A-Z_]+)(?:" + re.escape(_MD) + r")? ?\u00a7 ?\d+"
+    r"|\b(?i:seeds? section) \d+"
+)
 
 
 def slug(heading: str) -> str:
@@ -77,11 +92,12 @@ def problems(text: str, citing: Path, root: Path = ROOT) -> list[str]:
     for lineno, line in enumerate(text.splitlines(), 1):
         where = f"{citing.relative_to(root) if citing.is_relative_to(root) else citing}:{lineno}"
         for m in SECTION_REF.finditer(line):
-            out.append(f"{where}: {m.group(0)!r} cites a section of a document that is not in the "
-                       "repository; cite docs/<doc>.md#<heading> instead")
+            out.append(
+                f"{where}: {m.group(0)!r} cites a section of a document that is not in the "
+                "repository; cite docs/<doc>.md#<heading> instead"
+            )
         refs = [(m.group(1), m.group(2)) for m in MD_REF.finditer(line)]
-        refs += [(m.group(1), m.group(2)) for m in DOCS_REF.finditer(line)
-                 if not m.group(1).endswith(_MD)]
+        refs += [(m.group(1), m.group(2)) for m in DOCS_REF.finditer(line) if not m.group(1).endswith(_MD)]
         for ref, anchor in refs:
             target = _resolve(ref, citing, root)
             if target is None:
@@ -106,6 +122,7 @@ def cited_files(root: Path = ROOT):
 
 
 # --- the checker can fail -------------------------------------------------------------------
+
 
 def test_checker_fails_on_a_missing_document(tmp_path):
     (tmp_path / "docs").mkdir()
@@ -141,18 +158,24 @@ def test_checker_resolves_links_relative_to_the_citing_document(tmp_path):
     assert problems("https://example.com/x/GONE" + _MD, doc, tmp_path) == []  # a URL is not ours
 
 
-@pytest.mark.parametrize("heading, anchor", [
-    ("Object keys", "object-keys"),
-    ("The store process (`kvstore serve`)", "the-store-process-kvstore-serve"),
-    ("Load or recompute", "load-or-recompute"),
-    ("Engines users run: tensor parallelism, hybrid attention, MLA",
-     "engines-users-run-tensor-parallelism-hybrid-attention-mla"),
-])
+@pytest.mark.parametrize(
+    "heading, anchor",
+    [
+        ("Object keys", "object-keys"),
+        ("The store process (`kvstore serve`)", "the-store-process-kvstore-serve"),
+        ("Load or recompute", "load-or-recompute"),
+        (
+            "Engines users run: tensor parallelism, hybrid attention, MLA",
+            "engines-users-run-tensor-parallelism-hybrid-attention-mla",
+        ),
+    ],
+)
 def test_slug_is_githubs(heading, anchor):
     assert slug(heading) == anchor
 
 
 # --- the repository -------------------------------------------------------------------------
+
 
 def test_every_cited_document_and_section_is_in_the_repository():
     found = []

@@ -7,6 +7,7 @@ callbacks on the observer's thread) only through ``query``/``wait``/``synchroniz
 the job, on the stream or in a callback are reported through the event and never wedge the
 stream.  Also: host-device callbacks that raise do not kill the copy thread.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,7 +42,7 @@ def test_a_non_blocking_copy_has_not_landed_when_submit_returns(stream):
 
     event = stream.submit(job)
     assert seen_in_job == [0.0]
-    assert float(dst.sum()) == 0.0          # not landed after submit either
+    assert float(dst.sum()) == 0.0  # not landed after submit either
     assert event.wait(WAIT) and event.ok
     assert torch.equal(dst, src)
     assert stream.deferred_writes == 1
@@ -54,16 +55,16 @@ def test_every_kind_of_tensor_write_is_deferred_and_runs_in_order(stream):
     out = torch.zeros(2, 4)
 
     def job():
-        pages[2:4].copy_(src[2:4])                             # slice copy
-        pages.index_copy_(0, idx, src[[1, 5]])                 # index_copy_
-        torch.index_select(pages, 0, idx, out=out)             # out= (reads pages eagerly!)
-        pages[2:4].mul_(0).add_(7)                             # chained in-place writes
+        pages[2:4].copy_(src[2:4])  # slice copy
+        pages.index_copy_(0, idx, src[[1, 5]])  # index_copy_
+        torch.index_select(pages, 0, idx, out=out)  # out= (reads pages eagerly!)
+        pages[2:4].mul_(0).add_(7)  # chained in-place writes
 
     stream.submit(job)
     assert torch.count_nonzero(pages) == 0 and torch.count_nonzero(out) == 0
     assert stream.synchronize(WAIT)
     assert torch.equal(pages[1], src[1]) and torch.equal(pages[5], src[5])
-    assert torch.equal(pages[2:4], torch.full((2, 4), 7.0))    # in order: copy, then mul, add
+    assert torch.equal(pages[2:4], torch.full((2, 4), 7.0))  # in order: copy, then mul, add
     # out= read ``pages`` on the stream, after the writes before it in the same job
     assert torch.equal(out, torch.stack([src[1], src[5]]))
 
@@ -72,9 +73,9 @@ def test_nothing_calls_back_until_somebody_observes_the_event(stream):
     calls: list[int] = []
     event = stream.submit(lambda: None)
     event.on_complete(lambda e: calls.append(threading.get_ident()))
-    time.sleep(0.3)                          # the stream reached it long ago
+    time.sleep(0.3)  # the stream reached it long ago
     assert calls == [] and not event.done
-    assert event.query()                     # observing completes it, here
+    assert event.query()  # observing completes it, here
     assert calls == [threading.get_ident()]
     assert event.query() and len(calls) == 1
 
@@ -94,7 +95,7 @@ def test_make_compute_wait_blocks_until_reached_but_observes_nothing(stream):
     start = time.monotonic()
     assert stream.make_compute_wait(event, WAIT)
     assert time.monotonic() - start >= 0.04  # it really waited for the stream
-    assert torch.equal(dst, torch.ones(4))   # "compute" now sees the copied bytes
+    assert torch.equal(dst, torch.ones(4))  # "compute" now sees the copied bytes
     assert calls == [] and not event.done
     assert stream.make_compute_wait(stream.submit(lambda: None), 0.001) is False  # still queued
 
@@ -125,9 +126,9 @@ def test_a_job_that_raises_completes_with_its_error_after_its_enqueued_writes(st
         dst.copy_(torch.ones(4))
         raise ValueError("bad block table")
 
-    event = stream.submit(job)               # does not raise here
+    event = stream.submit(job)  # does not raise here
     assert event.done and isinstance(event.error, ValueError)
-    assert torch.equal(dst, torch.ones(4))   # completed only once the enqueued write ran
+    assert torch.equal(dst, torch.ones(4))  # completed only once the enqueued write ran
     assert stream.submit(lambda: None).wait(WAIT)
 
 
@@ -139,8 +140,8 @@ def test_an_injected_stream_failure_is_seen_only_through_the_event():
         assert dev.synchronize(WAIT)
         assert [e.ok for e in events] == [True, False, True]
         assert isinstance(events[1].error, OSError) and dev.failures == 1
-        assert torch.count_nonzero(dst[1]) == 0            # the failed job's copy never landed
-        assert torch.equal(dst[2], torch.ones(2))          # and the stream kept going
+        assert torch.count_nonzero(dst[1]) == 0  # the failed job's copy never landed
+        assert torch.equal(dst[2], torch.ones(2))  # and the stream kept going
     finally:
         dev.close()
 
@@ -156,7 +157,7 @@ def test_other_threads_tensor_writes_are_not_deferred(stream):
     worker = threading.Thread(target=lambda: stream.submit(job))
     worker.start()
     assert started.wait(WAIT)
-    other.copy_(torch.ones(4))               # while a job is inside its deferral
+    other.copy_(torch.ones(4))  # while a job is inside its deferral
     assert torch.equal(other, torch.ones(4))
     release.set()
     worker.join(WAIT)

@@ -2,6 +2,7 @@
 codec's encrypted flag): the copy holds no plaintext and decrypts back bit for bit; a changed
 byte, a moved ciphertext, another tenant's key and a retired key id are refused; lz4 then
 AES composes.  Pure CPU, well under a second."""
+
 import dataclasses
 
 import numpy as np
@@ -38,7 +39,7 @@ def test_the_encrypted_copy_holds_no_plaintext_and_decrypts_to_the_sealed_object
     assert PATTERN in plain and PATTERN not in enc
     header = codec.verify(enc, expected_key=KEY, length=len(enc))  # a tier's check passes
     assert header.encrypted and header.key_id == 1 and len(enc) == len(plain) + codec.AEAD_OVERHEAD
-    assert _enc(plain, ring)[codec.HEADER_SIZE:] != enc[codec.HEADER_SIZE:]  # a fresh nonce
+    assert _enc(plain, ring)[codec.HEADER_SIZE :] != enc[codec.HEADER_SIZE :]  # a fresh nonce
     reused = bytearray(len(enc) + 100)
     assert len(integrity.encrypt(plain, ring, reused)) == len(enc)
     assert integrity.decrypt_in_place(reused, ring).total_len == len(plain) and reused[: len(plain)] == plain
@@ -56,13 +57,14 @@ def test_a_changed_byte_is_refused_even_with_valid_checksums(where):
     header = codec.decode_header(enc)
     end = header.total_len
     at = {"payload": codec.HEADER_SIZE + 7, "tag": end - codec.AEAD_OVERHEAD + 3, "nonce": end - 2}.get(where)
-    if at is None:      # the parent: a header field the MAC and the tag both cover
+    if at is None:  # the parent: a header field the MAC and the tag both cover
         enc[: codec.HEADER_SIZE] = codec.pack_header(dataclasses.replace(header, parent=OTHER.chunk_hash))
     else:
         enc[at] ^= 0x01
-        enc[: codec.HEADER_SIZE] = codec.with_payload(header, True, header.stored_len,
-                                                      codec.checksum(memoryview(enc)[codec.HEADER_SIZE:end]))
-    codec.verify(enc, expected_key=KEY)                     # damage checks cannot see it
+        enc[: codec.HEADER_SIZE] = codec.with_payload(
+            header, True, header.stored_len, codec.checksum(memoryview(enc)[codec.HEADER_SIZE : end])
+        )
+    codec.verify(enc, expected_key=KEY)  # damage checks cannot see it
     with pytest.raises(ForgedObjectError, match="tag mismatch"):
         integrity.decrypt_in_place(enc, ring)
 
@@ -71,9 +73,10 @@ def test_a_ciphertext_moved_from_another_object_is_refused():
     ring = integrity.new_deployment().keyring("a")
     mine, theirs = _enc(sealed(ring), ring), _enc(sealed(ring, OTHER), ring)
     header = codec.decode_header(mine)
-    mine[codec.HEADER_SIZE:] = theirs[codec.HEADER_SIZE:]
-    mine[: codec.HEADER_SIZE] = codec.with_payload(header, True, header.stored_len,
-                                                   codec.checksum(memoryview(mine)[codec.HEADER_SIZE:]))
+    mine[codec.HEADER_SIZE :] = theirs[codec.HEADER_SIZE :]
+    mine[: codec.HEADER_SIZE] = codec.with_payload(
+        header, True, header.stored_len, codec.checksum(memoryview(mine)[codec.HEADER_SIZE :])
+    )
     codec.verify(mine, expected_key=KEY)
     with pytest.raises(ForgedObjectError, match="tag mismatch"):
         integrity.decrypt_in_place(mine, ring)
@@ -98,7 +101,7 @@ def test_rotation_old_ids_decrypt_until_retired(tmp_path):
     rotated = dep.keyring("a")
     fresh = _enc(sealed(rotated), rotated)
     assert codec.decode_header(fresh).key_id == 2
-    integrity.decrypt_in_place(bytearray(enc), rotated)          # id 1 still held: reads
+    integrity.decrypt_in_place(bytearray(enc), rotated)  # id 1 still held: reads
     del dep.secrets[1]
     with pytest.raises(ForgedObjectError, match="does not hold"):
         integrity.decrypt_in_place(bytearray(enc), dep.keyring("a"))
@@ -132,7 +135,7 @@ def test_what_cannot_be_encrypted_or_decoded_says_so():
     with pytest.raises(ConfigError, match="is not encrypted"):
         integrity.decrypt_in_place(sealed(ring), ring)
     head = bytearray(codec.pack_header(codec.decode_header(enc)))
-    head[10] = 0x02                                      # an unknown flag bit
+    head[10] = 0x02  # an unknown flag bit
     head[-8:] = codec._CHECK.pack(__import__("xxhash").xxh3_64_intdigest(bytes(head[:-8])))
     with pytest.raises(CorruptHeaderError, match="unknown header flags"):
         codec.decode_header(head)

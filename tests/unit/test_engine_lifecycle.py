@@ -14,6 +14,7 @@
 
 Cost: about 5 s (no engine).
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,11 @@ def store(engine: Engine, req_id: str, tokens, blocks, params=None, seed: int = 
     n = lookup(engine, req_id, tokens, params)
     engine.sched.after_alloc(req_id, blocks, n)
     computed = list(range(n // BS, (len(tokens) + BS - 1) // BS))
-    engine.step(new=[(req_id, blocks, n)], scheduled={req_id: len(tokens) - n},
-                compute=lambda: fill(engine, [blocks[i] for i in computed], seed) if computed else None)
+    engine.step(
+        new=[(req_id, blocks, n)],
+        scheduled={req_id: len(tokens) - n},
+        compute=lambda: fill(engine, [blocks[i] for i in computed], seed) if computed else None,
+    )
     finish(engine, req_id)
     engine.settle()
     engine.sched.drain()
@@ -72,6 +76,7 @@ def engines(tmp_path):
             made.pop().close()
         made.append(Engine(tmp_path, **cfg))
         return made[-1]
+
     yield make
     for e in made:
         e.close()
@@ -79,16 +84,17 @@ def engines(tmp_path):
 
 # --- resets --------------------------------------------------------------------------------
 
+
 def test_after_a_reset_nothing_stored_before_is_loaded_again_from_any_tier(engines):
     a = engines()
     p = prompt(700, seed=1)
     assert store(a, "r1", p, list(range(1, 7))) == 0
-    assert lookup(a, "r2", p) == 640           # every whole block but the last: host DRAM
+    assert lookup(a, "r2", p) == 640  # every whole block but the last: host DRAM
     a.sched.request_finished("r2")
     assert published(a) > 0
     done = a.sched.reset()
     assert done["dropped"] > 0 and published(a) == 0
-    assert lookup(a, "r3", p) == 0             # not from host DRAM, not from SSD
+    assert lookup(a, "r3", p) == 0  # not from host DRAM, not from SSD
     assert a.sched.stats.resets == {"total": 1, "host_objects_dropped": done["dropped"], "saves_cancelled": 0}
     a.sched.request_finished("r3")
     # The lower tier was not wiped: an engine still on the loaded files' weights hits it there.
@@ -120,24 +126,24 @@ def test_a_request_running_across_a_reset_saves_nothing_more(engines):
 def test_a_final_save_pending_at_a_reset_is_cancelled_and_its_blocks_are_freed(engines):
     a = engines()
     p = prompt(300, seed=3)
-    tokens = p + prompt(100, seed=30)                    # the prompt, then its answer
+    tokens = p + prompt(100, seed=30)  # the prompt, then its answer
     blocks = [1, 2, 3, 4]
     assert a.sched.matched_tokens(RequestView("f", p, tokens=tokens), 0) == 0
     a.sched.after_alloc("f", blocks, 0)
     a.step(new=[("f", blocks, 0)], scheduled={"f": 300}, compute=lambda: fill(a, blocks, 0))
     a.settle()
     committed = a.sched.saves.committed
-    assert a.sched.request_finished("f", 399) is True   # the answer's whole block waits for the next step
+    assert a.sched.request_finished("f", 399) is True  # the answer's whole block waits for the next step
     assert len(a.sched.jobs.final) == 1
     done = a.sched.reset()
     assert done["cancelled"] == 1 and a.sched.jobs.final == []
-    a.buf.fill_(float("nan"))                            # a sleep discarded the pages it would read
+    a.buf.fill_(float("nan"))  # a sleep discarded the pages it would read
     plan = a.step(finished={"f"})
     assert plan.saves == [] and plan.released == ["f"]
-    assert "f" in a.sent                                 # vLLM may free its blocks
+    assert "f" in a.sent  # vLLM may free its blocks
     a.settle()
     assert a.sched.saves.committed == committed and published(a) == 0
-    assert a.sched.store.host.stats().extra["pending"] == 0   # the reservation was given back
+    assert a.sched.store.host.stats().extra["pending"] == 0  # the reservation was given back
 
 
 def test_a_reset_publishes_the_removal_of_our_host_blocks_with_their_medium(engines):
@@ -155,6 +161,7 @@ def test_a_reset_publishes_the_removal_of_our_host_blocks_with_their_medium(engi
 
 # --- weights versions ----------------------------------------------------------------------
 
+
 def test_engines_declaring_the_same_version_after_a_reset_share_and_others_never_do(engines):
     p = prompt(700, seed=5)
     a = engines()
@@ -162,17 +169,17 @@ def test_engines_declaring_the_same_version_after_a_reset_share_and_others_never
     assert store(a, "a1", p, list(range(1, 7)), V1) == 0
     assert lookup(a, "a2", p, V1) == 640 and a.sched.epoch.current == "memory:step-1"
     a.sched.request_finished("a2")
-    b = engines()                        # same weights pushed, same version declared
+    b = engines()  # same weights pushed, same version declared
     b.sched.reset()
     assert lookup(b, "b1", p, V1) == 640
     assert b.sched.stats.tokens_hit_by_tier == {"ssd": 640}
-    c = engines()                        # other weights
+    c = engines()  # other weights
     c.sched.reset()
     assert lookup(c, "c1", p, V2) == 0
-    d = engines()                        # weights updated, nobody said which
+    d = engines()  # weights updated, nobody said which
     d.sched.reset()
     assert lookup(d, "d1", p) == 0 and d.sched.epoch.current.startswith("memory:unlabelled:")
-    e = engines()                        # never reset: the files' weights, even labelled step-1
+    e = engines()  # never reset: the files' weights, even labelled step-1
     assert lookup(e, "e1", p, V1) == 0 and e.sched.epoch.current == "files:step-1"
 
 
@@ -186,21 +193,24 @@ def test_a_request_declaring_another_version_is_recomputed_counted_and_told(engi
     a.sched.request_finished("bad")
     error = a.sched.output_params("bad")["kvstore"]["error"]
     assert "'step-1'" in error and "'step-2'" in error
-    assert a.sched.output_params("bad") is None          # told once
-    assert lookup(a, "again", p, V1) == 384              # the declared version still hits
+    assert a.sched.output_params("bad") is None  # told once
+    assert lookup(a, "again", p, V1) == 384  # the declared version still hits
     a.sched.request_finished("again")
-    a.sched.reset()                                      # a new epoch takes a new declaration
+    a.sched.reset()  # a new epoch takes a new declaration
     assert lookup(a, "next", p, V2) == 0 and a.sched.epoch.current == "memory:step-2"
 
 
-@pytest.mark.parametrize("params, fragment", [
-    ({"kvstore": {"weights_version": 5}}, "weights_version"),
-    ({"kvstore": {"weights_version": ""}}, "weights_version"),
-    ({"kvstore": {"weights_version": "a b"}}, "weights_version"),
-    ({"kvstore": {"weights_version": "x" * 129}}, "weights_version"),
-    ({"kvstore": "step-1"}, "must be an object"),
-    ("step-1", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ({"kvstore": {"weights_version": 5}}, "weights_version"),
+        ({"kvstore": {"weights_version": ""}}, "weights_version"),
+        ({"kvstore": {"weights_version": "a b"}}, "weights_version"),
+        ({"kvstore": {"weights_version": "x" * 129}}, "weights_version"),
+        ({"kvstore": "step-1"}, "must be an object"),
+        ("step-1", "must be an object"),
+    ],
+)
 def test_malformed_params_refuse_the_connector_for_that_request_only(engines, params, fragment):
     a = engines()
     p = prompt(400, seed=7)
@@ -211,7 +221,7 @@ def test_malformed_params_refuse_the_connector_for_that_request_only(engines, pa
     assert a.sched.stats.not_cached == {"bad_kv_transfer_params": 1}
     a.sched.request_finished("bad")
     assert fragment in a.sched.output_params("bad")["kvstore"]["error"]
-    assert lookup(a, "good", p) == 384                   # the engine goes on serving
+    assert lookup(a, "good", p) == 384  # the engine goes on serving
 
 
 def test_unknown_keys_are_ignored_and_counted_and_other_connectors_keys_left_alone(engines):
@@ -235,11 +245,12 @@ def test_the_first_version_declared_in_an_epoch_names_it_until_the_next_reset():
     unlabelled = w.current
     assert unlabelled.startswith("memory:unlabelled:") and w.admit(None) and w.current == unlabelled
     w.reset()
-    assert w.current != unlabelled                       # each reset: a namespace nobody had
+    assert w.current != unlabelled  # each reset: a namespace nobody had
     assert w.admit("v1") and w.current == "memory:v1" and w.admit("v1") and not w.admit("v0")
 
 
 # --- sleep and wake ------------------------------------------------------------------------
+
 
 def test_sleep_drains_gathers_in_flight_refuses_copies_while_asleep_and_wakes_on_the_tensors(engines):
     """vLLM 0.33's order: the scheduler's ``reset_cache`` (pause with clear_cache), the
@@ -251,13 +262,13 @@ def test_sleep_drains_gathers_in_flight_refuses_copies_while_asleep_and_wakes_on
     assert lookup(a, "s", p) == 0
     a.sched.after_alloc("s", blocks, 0)
     a.step(new=[("s", blocks, 0)], scheduled={"s": 600}, compute=lambda: fill(a, blocks, 0))
-    assert a.worker._save_events                          # gathers still in flight
-    a.sched.reset()                                      # sleep(level=1): pause_scheduler(clear_cache)
+    assert a.worker._save_events  # gathers still in flight
+    a.sched.reset()  # sleep(level=1): pause_scheduler(clear_cache)
     assert a.worker.unregister() == len(a.worker._save_events) or a.worker._save_events == []
     assert a.worker.asleep and a.worker.kv is None
     assert a.worker.take_interval()["sleep_drained"] >= 1
-    a.settle()                                           # the drained gathers' report
-    a.buf.fill_(float("nan"))                            # the sleep allocator discarded the KV
+    a.settle()  # the drained gathers' report
+    a.buf.fill_(float("nan"))  # the sleep allocator discarded the KV
     poisoned = a.buf.clone()
     # A plan arriving while asleep: its copies are refused, the tensor untouched.
     plan = a.sched.build_plan(StepInput())
@@ -268,7 +279,7 @@ def test_sleep_drains_gathers_in_flight_refuses_copies_while_asleep_and_wakes_on
     a.worker.finish_loads()
     a.worker.submit_saves()
     assert a.buf.isnan().all() and torch.equal(a.buf.isnan(), poisoned.isnan())  # no copy touched it
-    assert a.worker.load_errors() == {1, 2}              # vLLM recomputes those blocks
+    assert a.worker.load_errors() == {1, 2}  # vLLM recomputes those blocks
     report = a.worker.take_report()
     assert report.loads == {999: False} and report.saves == {998: [False]}
     assert report.failures == {"cancelled_asleep": 2}
@@ -292,19 +303,20 @@ def test_sleep_drains_gathers_in_flight_refuses_copies_while_asleep_and_wakes_on
 
 # --- vLLM's own statistics -----------------------------------------------------------------
 
+
 def test_hit_sources_split_each_requests_hit_by_tier_in_vllms_terms(engines):
     p = prompt(700, seed=11)
     a = engines()
     store(a, "a", p, list(range(1, 7)))
-    q = p[:256] + prompt(444, seed=12)                  # shares chunk 0 only
+    q = p[:256] + prompt(444, seed=12)  # shares chunk 0 only
     store(a, "q", q, list(range(1, 7)))
     b = engines()
     assert lookup(b, "ssd-hit", p) == 640
     assert b.sched.hit_sources("ssd-hit", 640) == {"ssd": 640}
     b.sched.request_finished("ssd-hit")
-    assert lookup(b, "mixed", q) == 640                 # chunk 0 promoted to host DRAM, the rest on SSD
+    assert lookup(b, "mixed", q) == 640  # chunk 0 promoted to host DRAM, the rest on SSD
     assert b.sched.hit_sources("mixed", 640) == {"host": 256, "ssd": 384}
-    assert b.sched.hit_sources("mixed", 320) == {"host": 128, "ssd": 192}   # what the engine took
+    assert b.sched.hit_sources("mixed", 320) == {"host": 128, "ssd": 192}  # what the engine took
     assert b.sched.hit_sources("unknown", 128) == {}
     assert hit_source("host", "host") is CacheHitSource.HOST
     assert hit_source("ssd", "host") is CacheHitSource.DISK
@@ -319,7 +331,7 @@ def test_our_counters_reach_vllms_prometheus_metrics_with_its_engine_labels(engi
     first = a.sched.interval_counters()
     assert first["requests"] == 2 and first["tokens_hit_by_tier:host"] == 640
     assert first["decisions:load"] == 1 and first["decisions:miss"] == 1
-    assert a.sched.interval_counters() == {}             # deltas: nothing new since
+    assert a.sched.interval_counters() == {}  # deltas: nothing new since
     a.sched.reset()
     second = a.sched.interval_counters()
     assert second["resets:total"] == 1 and second["resets:host_objects_dropped"] > 0
@@ -332,8 +344,12 @@ def test_our_counters_reach_vllms_prometheus_metrics_with_its_engine_labels(engi
     value = registry.get_sample_value
     assert value("vllm:kvstore_hit_tokens_by_tier_total", {"model_name": "tiny", "engine": "1", "tier": "host"}) == 640
     assert value("vllm:kvstore_load_decisions_total", {"model_name": "tiny", "engine": "1", "outcome": "load"}) == 1
-    assert value("vllm:kvstore_tier_bytes_total",
-                 {"model_name": "tiny", "engine": "1", "tier": "ssd", "direction": "read"}) == 4096
+    assert (
+        value(
+            "vllm:kvstore_tier_bytes_total", {"model_name": "tiny", "engine": "1", "tier": "ssd", "direction": "read"}
+        )
+        == 4096
+    )
     assert value("vllm:kvstore_worker_loads_total", {"model_name": "tiny", "engine": "1"}) == 3
     assert value("vllm:kvstore_cache_resets_total", {"model_name": "tiny", "engine": "0", "what": "total"}) == 1
 

@@ -3,6 +3,7 @@ reads it; file mode, unlink on close, attach errors, and removal of stale pools.
 
 The worker process is real (``sys.executable``); it imports only ``tiers.host_shm``.
 """
+
 import asyncio
 import fcntl
 import os
@@ -53,8 +54,12 @@ def keys(n: int) -> list:
 
 
 def write_in_child(path: str, size: int, offset: int, data: np.ndarray) -> None:
-    subprocess.run([sys.executable, "-c", CHILD, str(ROOT_DIR), path, str(size), str(offset)],
-                   input=data.tobytes(), check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", CHILD, str(ROOT_DIR), path, str(size), str(offset)],
+        input=data.tobytes(),
+        check=True,
+        timeout=60,
+    )
 
 
 def shared_tier(pages: int = 8) -> HostTier:
@@ -73,6 +78,7 @@ def test_a_second_process_fills_a_slot_the_owner_commits_and_reads():
             assert await t.put_commit(h)
             out = np.zeros(len(obj), np.uint8)
             assert await t.read_into(b, out) == len(obj) and np.array_equal(out, obj)
+
     asyncio.run(story())
 
 

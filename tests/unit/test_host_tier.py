@@ -4,6 +4,7 @@ Objects are real (``kvstore.codec.encode_into``) with a geometry chosen so an ob
 ``n`` pages needs exactly ``n`` 4 KiB slot units.  The last test is a randomised concurrent
 simulation checked against a plain dict model.
 """
+
 import asyncio
 import random
 import sys
@@ -63,6 +64,7 @@ def present(t: HostTier, keys) -> list[bool]:
 
 # --- construction and placement -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("capacity", [0, -1, P - 1])
 def test_bad_capacity_is_a_config_error(capacity):
     with pytest.raises(ConfigError):
@@ -109,8 +111,8 @@ def test_objects_land_first_fit_and_reuse_freed_holes():
     a, b, c, d, e = CHAIN.keys(5)
     assert [put(t, a, 1), put(t, b, 2), put(t, c, 1)] == [0, P, 3 * P]
     assert t.delete_sync(b)
-    assert put(t, d, 1) == P                 # first hole fits
-    assert put(t, e, 2) == 4 * P             # the 1-page hole at 2P is skipped
+    assert put(t, d, 1) == P  # first hole fits
+    assert put(t, e, 2) == 4 * P  # the 1-page hole at 2P is skipped
     assert t.stats().bytes_used == 5 * P
     assert t.stats().objects == 4
 
@@ -168,19 +170,19 @@ def test_sizes_answer_every_key_under_one_lock_without_touching_lru():
     put(t, a, pages=1)
     put(t, b, pages=2, parent=a)
     put(t, d, pages=1)
-    pending = t.put_start_sync(e, len(make_obj(e, 1)))          # reserved, not committed
+    pending = t.put_start_sync(e, len(make_obj(e, 1)))  # reserved, not committed
     t.acquire(d)
-    t.delete_sync(d)                                            # doomed: still referenced
+    t.delete_sync(d)  # doomed: still referenced
     t._lock = lock = CountingLock()
     n_a, n_b = len(make_obj(a, 1)), len(make_obj(b, 2))
     assert t.sizes_sync([a, b, c, d, e, a]) == [n_a, n_b, None, None, None, n_a]
     assert lock.acquired == 1
-    assert t.sizes_sync([bytes(b), bytes(c)]) == [n_b, None]    # canonical bytes find it too
+    assert t.sizes_sync([bytes(b), bytes(c)]) == [n_b, None]  # canonical bytes find it too
     assert t.sizes_sync([]) == []
     assert asyncio.run(t.sizes([c, a])) == [None, n_a]
     assert lock.acquired == 4
     assert [t.size_of_sync(k) for k in (a, b, c, d, e)] == [n_a, n_b, None, None, None]
-    assert t.stats().hits == 0                                  # sizes are not reads
+    assert t.stats().hits == 0  # sizes are not reads
     t.put_commit_sync(pending, False)
     t.release(d)
     lru = tier(3)
@@ -192,6 +194,7 @@ def test_sizes_answer_every_key_under_one_lock_without_touching_lru():
 
 # --- eviction ---------------------------------------------------------------------------
 
+
 def test_lease_and_acquire_count_as_use():
     t = tier(3)
     a, b, c, d, e = CHAIN.keys(5, seed=11)
@@ -200,7 +203,7 @@ def test_lease_and_acquire_count_as_use():
     t.release_lease(t.lease(a, ttl=1).lease_id)
     t.acquire(b)
     t.release(b)
-    assert put(t, d) == 2 * P and put(t, e) == 0     # c, then a
+    assert put(t, d) == 2 * P and put(t, e) == 0  # c, then a
     assert present(t, [a, b, c]) == [False, True, False]
 
 
@@ -208,9 +211,9 @@ def test_lru_evicts_least_recently_used_first():
     t = tier(4)
     a, b, c, d, e, f = CHAIN.keys(6, seed=1)  # stored without parents: all leaves
     assert [put(t, k) for k in (a, b, c, d)] == [0, P, 2 * P, 3 * P]
-    t.read_into_sync(a, np.zeros(P, np.uint8))   # a becomes most recent
-    assert put(t, e) == P                         # evicts b
-    assert put(t, f) == 2 * P                     # evicts c
+    t.read_into_sync(a, np.zeros(P, np.uint8))  # a becomes most recent
+    assert put(t, e) == P  # evicts b
+    assert put(t, f) == 2 * P  # evicts c
     assert present(t, [a, b, c, d, e, f]) == [True, False, False, True, True, True]
     assert t.stats().evictions == 2
 
@@ -221,9 +224,9 @@ def test_chain_tails_are_evicted_before_their_parents():
     x, y, z, w = CHAIN.keys(4, seed=2)
     assert put(t, k0) == 0 and put(t, k1, parent=k0) == P and put(t, k2, parent=k1) == 2 * P
     assert put(t, x) == 3 * P
-    assert put(t, y) == 2 * P          # k0 and k1 are older but have children: k2 goes
-    assert put(t, z) == P              # now k1 is a tail and the oldest one
-    assert put(t, w) == 0              # then k0
+    assert put(t, y) == 2 * P  # k0 and k1 are older but have children: k2 goes
+    assert put(t, z) == P  # now k1 is a tail and the oldest one
+    assert put(t, w) == 0  # then k0
     assert present(t, [k0, k1, k2, x, y, z, w]) == [False, False, False, True, True, True, True]
 
 
@@ -233,8 +236,8 @@ def test_parent_is_evicted_only_when_no_tail_qualifies():
     (x,) = CHAIN.keys(1, seed=3)
     put(t, p)
     put(t, c, parent=p)
-    assert t.acquire(c) is not None       # the only tail is referenced
-    assert put(t, x) == 0                 # so the parent goes
+    assert t.acquire(c) is not None  # the only tail is referenced
+    assert put(t, x) == 0  # so the parent goes
     assert present(t, [p, c, x]) == [False, True, True]
     t.release(c)
 
@@ -244,7 +247,7 @@ def test_eviction_coalesces_until_a_multi_page_hole_exists():
     a, b, c, d, e = CHAIN.keys(5, seed=4)
     for k in (a, b, c, d):
         put(t, k)
-    assert put(t, e, pages=2) == 0        # evicts a, then b; their holes merge
+    assert put(t, e, pages=2) == 0  # evicts a, then b; their holes merge
     assert present(t, [a, b, c, d, e]) == [False, False, True, True, True]
     assert t.stats().evictions == 2
 
@@ -255,7 +258,7 @@ def test_eviction_skips_protected_slots_and_keeps_going():
     for k in (a, b, c, d):
         put(t, k)
     assert t.lease(b, ttl=60) is not None
-    assert put(t, e, pages=2) == 2 * P    # a's hole cannot grow past leased b: a, c, d go
+    assert put(t, e, pages=2) == 2 * P  # a's hole cannot grow past leased b: a, c, d go
     assert present(t, [a, b, c, d, e]) == [False, True, False, False, True]
     assert t.stats().evictions == 3
 
@@ -268,12 +271,12 @@ def test_put_start_returns_none_when_everything_is_protected():
         put(t, k)
     lease_a = t.lease(a, ttl=10)
     assert t.acquire(b) is not None
-    pending = t.put_start_sync(c, len(make_obj(c, 1)))    # incomplete: never evicted
+    pending = t.put_start_sync(c, len(make_obj(c, 1)))  # incomplete: never evicted
     t.lease(d, ttl=10)
     assert t.put_start_sync(e, P) is None
     assert t.stats().evictions == 0 and pending.token.state is SlotState.PENDING
     t.release_lease(lease_a.lease_id)
-    assert put(t, e) == 0                                   # now a may go
+    assert put(t, e) == 0  # now a may go
     assert present(t, [a, b, d, e]) == [False, True, True, True]
 
 
@@ -287,7 +290,7 @@ def test_lease_protects_only_until_it_expires():
     clock.now += 3
     assert t.renew_lease(lease.lease_id, ttl=5).expires_at == clock.now + 5
     clock.now += 4
-    assert put(t, b) is None              # renewed lease still valid
+    assert put(t, b) is None  # renewed lease still valid
     clock.now += 2
     with pytest.raises(LeaseError):
         t.check_lease(lease.lease_id)
@@ -322,6 +325,7 @@ def test_on_evict_sees_the_bytes_before_the_slot_is_freed():
 
 # --- references and deletion ------------------------------------------------------------
 
+
 def test_delete_while_referenced_hides_at_once_and_frees_at_last_release():
     t = tier(4)
     a, b, c = CHAIN.keys(3, seed=10)
@@ -331,9 +335,9 @@ def test_delete_while_referenced_hides_at_once_and_frees_at_last_release():
     assert not t.contains_sync(a) and t.lookup_sync([a]) == 0 and t.acquire(a) is None
     assert t.read_into_sync(a, np.zeros(2 * P, np.uint8)) is None
     assert t.allocator.free_bytes == 2 * P
-    assert t.put_start_sync(a, len(make_obj(a, 2))) is None      # old copy still referenced
+    assert t.put_start_sync(a, len(make_obj(a, 2))) is None  # old copy still referenced
     assert put(t, b, pages=2) == 2 * P
-    assert put(t, c, pages=2) == 2 * P                           # evicts b: a's slot stays taken
+    assert put(t, c, pages=2) == 2 * P  # evicts b: a's slot stays taken
     t.release(a)
     assert t.stats().bytes_used == 4 * P and bytes(v1) == make_obj(a, 2).tobytes()
     t.release(a)
@@ -367,6 +371,7 @@ def test_releasing_more_than_acquired_is_an_error():
 
 # --- two-phase puts ---------------------------------------------------------------------
 
+
 def test_incomplete_object_is_invisible_until_commit():
     t = tier()
     (a,) = CHAIN.keys(1)
@@ -376,7 +381,7 @@ def test_incomplete_object_is_invisible_until_commit():
     assert not t.contains_sync(a) and t.lookup_sync([a]) == 0 and t.size_of_sync(a) is None
     assert t.acquire(a) is None and t.lease(a, 1) is None
     assert t.read_into_sync(a, np.zeros(P, np.uint8)) is None
-    assert t.put_start_sync(a, len(obj)) is None       # concurrent second writer
+    assert t.put_start_sync(a, len(obj)) is None  # concurrent second writer
     assert t.put_commit_sync(h)
     assert t.size_of_sync(a) == len(obj)
     with pytest.raises(RuntimeError):
@@ -438,10 +443,12 @@ def test_async_protocol_through_put_bytes():
             assert await t.put_commit(h) and await t.delete(b)
         with pytest.raises(TierUnavailableError):
             await t.put_start(b, P)
+
     asyncio.run(story())
 
 
 # --- per-object overhead ----------------------------------------------------------------
+
 
 def test_index_overhead_per_object_is_small():
     per_object = host_index_overhead_bytes(5_000)
@@ -450,6 +457,7 @@ def test_index_overhead_per_object_is_small():
 
 
 # --- randomised concurrent simulation -----------------------------------------------------
+
 
 class Model:
     """What must hold, kept by the test threads: pins and leases they know they hold."""
@@ -469,8 +477,10 @@ class Model:
     def on_evict(self, key, view) -> None:
         with self.lock:
             if self.protected(key):
-                self.violations.append(f"evicted protected {key!r}: pins {self.pins.get(key)}, "
-                                       f"leases {[v for v in self.leases.values() if v[0] == key]}")
+                self.violations.append(
+                    f"evicted protected {key!r}: pins {self.pins.get(key)}, "
+                    f"leases {[v for v in self.leases.values() if v[0] == key]}"
+                )
             if not np.array_equal(np.frombuffer(view, np.uint8), OBJS[key]):
                 self.violations.append(f"evicted {key!r} with wrong bytes")
 
@@ -493,7 +503,7 @@ PARENT = {k: (SIM_KEYS[i - 1] if i else None) for i, k in enumerate(SIM_KEYS)}
 class Worker:
     def __init__(self, t: HostTier, model: Model, seed: int) -> None:
         self.t, self.m, self.rng = t, model, random.Random(seed)
-        self.views: list = []    # (key, view) acquired
+        self.views: list = []  # (key, view) acquired
         self.lease_ids: list[int] = []
         self.out = np.zeros(4 * P, np.uint8)
 
@@ -504,8 +514,12 @@ class Worker:
             self.m.violations.append(f"worker raised {err!r}")
 
     def _run(self, ops: int) -> None:
-        actions = [self.put] * 6 + [self.read] * 5 + [self.acquire, self.unpin, self.lease,
-                                                       self.unlease, self.lookup] * 2 + [self.delete]
+        actions = (
+            [self.put] * 6
+            + [self.read] * 5
+            + [self.acquire, self.unpin, self.lease, self.unlease, self.lookup] * 2
+            + [self.delete]
+        )
         for _ in range(ops):
             self.m.clock.tick()
             self.rng.choice(actions)(self.rng.choice(SIM_KEYS))

@@ -9,6 +9,7 @@ group's blocks outside its window.
 * A chunk whose sliding blocks were already let go (a long decode) is not saved: an object
   never has holes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,16 +32,19 @@ def compute(e: Engine, req_id: str, tokens, groups, seed: int) -> int:
     n = e.sched.matched_tokens(view, 0)
     e.sched.after_alloc(req_id, groups, n)
     bs = e.shape.block_size
-    todo = [b for g in groups for b in g[n // bs:] if b != NULL]
-    e.step(new=[(req_id, groups, n)], scheduled={req_id: len(tokens) - n},
-           compute=lambda: fill(e, todo, seed) if todo else None)
+    todo = [b for g in groups for b in g[n // bs :] if b != NULL]
+    e.step(
+        new=[(req_id, groups, n)],
+        scheduled={req_id: len(tokens) - n},
+        compute=lambda: fill(e, todo, seed) if todo else None,
+    )
     return n
 
 
 def test_each_layer_saves_and_loads_through_its_own_groups_blocks(tmp_path, dev):
     e = hybrid(tmp_path, dev)
     tokens = prompt(600, seed=1)
-    a = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]              # sliding group, full group
+    a = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]  # sliding group, full group
     assert compute(e, "a", tokens, a, seed=1) == 0
     e.settle()
     assert e.sched.stats.saves_committed == 2
@@ -48,9 +52,9 @@ def test_each_layer_saves_and_loads_through_its_own_groups_blocks(tmp_path, dev)
     b = [[NULL, NULL, 11, 12, 13], [14, 15, 16, 17, 18]]  # the sliding window holds the last 2 of 4
     assert compute(e, "b", tokens, b, seed=9) == 512
     assert not e.errors
-    assert torch.equal(e.buf[0, 11:13], e.buf[0, 3:5])    # layer 0 (sliding): its window only
-    assert torch.equal(e.buf[1, 14:18], e.buf[1, 6:10])   # layer 1 (full): every block
-    assert torch.equal(e.buf[:, NULL], before)            # the null block is never written
+    assert torch.equal(e.buf[0, 11:13], e.buf[0, 3:5])  # layer 0 (sliding): its window only
+    assert torch.equal(e.buf[1, 14:18], e.buf[1, 6:10])  # layer 1 (full): every block
+    assert torch.equal(e.buf[:, NULL], before)  # the null block is never written
     e.close()
 
 
@@ -58,9 +62,9 @@ def test_a_chunk_whose_sliding_blocks_are_gone_is_not_saved(tmp_path, dev):
     e = hybrid(tmp_path, dev)
     tokens = prompt(600, seed=2)
     e.sched.matched_tokens(RequestView("a", tokens), 0)
-    groups = [[NULL, NULL, 3, 4, 5], [6, 7, 8, 9, 10]]    # chunk 0's sliding blocks already freed
+    groups = [[NULL, NULL, 3, 4, 5], [6, 7, 8, 9, 10]]  # chunk 0's sliding blocks already freed
     e.sched.after_alloc("a", groups, 0)
     plan = e.step(new=[("a", groups, 0)], scheduled={"a": 600})
-    assert not plan.saves                                  # no object with holes, no orphans after it
+    assert not plan.saves  # no object with holes, no orphans after it
     assert e.sched.stats.failures.get("host:save:window") == 1
     e.close()

@@ -7,6 +7,7 @@ one vLLM setting, one byte of the weights or configs, or the hub revision must g
 namespace no other variant shares.  Hub revisions are resolved from HF cache trees built
 in ``tmp_path``.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,10 @@ COMMIT_B = "0123456789abcdef0123456789abcdef01234567"
 
 # ---- HF cache snapshots -----------------------------------------------------------------------
 
-def hub_tree(cache: Path, repo: str = "org/name", refs: dict[str, str] | None = None,
-             snapshots: dict[str, bytes] | None = None) -> Path:
+
+def hub_tree(
+    cache: Path, repo: str = "org/name", refs: dict[str, str] | None = None, snapshots: dict[str, bytes] | None = None
+) -> Path:
     """``cache/models--org--name/{refs/<ref>, snapshots/<commit>/{config.json, model.safetensors}}``."""
     base = cache / ("models--" + repo.replace("/", "--"))
     for ref, commit in (refs or {"main": COMMIT_A}).items():
@@ -43,26 +46,30 @@ def hub_tree(cache: Path, repo: str = "org/name", refs: dict[str, str] | None = 
     return base
 
 
-@pytest.mark.parametrize("path,commit", [
-    (f"/x/models--org--name/snapshots/{COMMIT_A}", COMMIT_A),
-    (f"/x/models--org--name/snapshots/{COMMIT_A}/", COMMIT_A),
-    (f"/x/models--org--name/snapshots/{COMMIT_A[:39]}", None),    # not a full commit
-    (f"/x/datasets--org--name/snapshots/{COMMIT_A}", None),
-    (f"/x/models--org--name/other/{COMMIT_A}", None),
-    ("/x/my-model", None),
-])
+@pytest.mark.parametrize(
+    "path,commit",
+    [
+        (f"/x/models--org--name/snapshots/{COMMIT_A}", COMMIT_A),
+        (f"/x/models--org--name/snapshots/{COMMIT_A}/", COMMIT_A),
+        (f"/x/models--org--name/snapshots/{COMMIT_A[:39]}", None),  # not a full commit
+        (f"/x/datasets--org--name/snapshots/{COMMIT_A}", None),
+        (f"/x/models--org--name/other/{COMMIT_A}", None),
+        ("/x/my-model", None),
+    ],
+)
 def test_snapshot_commit_of_a_path(path, commit):
     assert snapshot_commit(Path(path)) == commit
 
 
 def test_a_hub_id_resolves_refs_main_a_tag_or_a_commit(tmp_path):
-    base = hub_tree(tmp_path / "hub", refs={"main": COMMIT_A, "v1": COMMIT_B},
-                    snapshots={COMMIT_A: b"a", COMMIT_B: b"b"})
-    caches = [tmp_path / "empty", tmp_path / "hub"]           # the first holding the repo wins
+    base = hub_tree(
+        tmp_path / "hub", refs={"main": COMMIT_A, "v1": COMMIT_B}, snapshots={COMMIT_A: b"a", COMMIT_B: b"b"}
+    )
+    caches = [tmp_path / "empty", tmp_path / "hub"]  # the first holding the repo wins
     assert resolve_hub("org/name", None, caches) == (COMMIT_A, base / "snapshots" / COMMIT_A)
     assert resolve_hub("org/name", "v1", caches) == (COMMIT_B, base / "snapshots" / COMMIT_B)
     assert resolve_hub("org/name", COMMIT_B, caches) == (COMMIT_B, base / "snapshots" / COMMIT_B)
-    assert resolve_hub("org/name", "v2", caches) is None        # no such ref
+    assert resolve_hub("org/name", "v2", caches) is None  # no such ref
     assert resolve_hub("org/other", None, caches) is None
     assert resolve_hub("/abs/path", None, caches) is None
 
@@ -81,8 +88,10 @@ def test_a_hub_id_gets_the_cached_commit_and_the_snapshot_digest(tmp_path, monke
     assert rev == COMMIT_A and weights == digest_dir(base / "snapshots" / COMMIT_A)
     # vLLM's download_dir is searched first
     other = hub_tree(tmp_path / "dl", snapshots={COMMIT_A: b"other bytes"})
-    assert weights_identity("org/name", download_dir=str(tmp_path / "dl")) == \
-        (COMMIT_A, digest_dir(other / "snapshots" / COMMIT_A))
+    assert weights_identity("org/name", download_dir=str(tmp_path / "dl")) == (
+        COMMIT_A,
+        digest_dir(other / "snapshots" / COMMIT_A),
+    )
 
 
 def test_a_snapshot_path_gives_its_commit_and_still_its_full_digest(tmp_path, monkeypatch):
@@ -109,19 +118,23 @@ def test_a_model_nobody_can_read_here_shares_with_no_one_unless_a_revision_pins_
 
 # ---- canonical values -------------------------------------------------------------------------
 
+
 class Color:
     def __repr__(self) -> str:
         return "<Color object at 0x7f00deadbeef>"
 
 
-@pytest.mark.parametrize("value,expected", [
-    ({"b": 1, "a": [1.5, None, True]}, '{"a":[1.5,null,true],"b":1}'),
-    ((1, 2), "[1,2]"),
-    ({3, 1, 2}, "[1,2,3]"),
-    (Color(), '"<Color object>"'),                               # no memory address
-    (json.dumps, '"json.dumps"'),
-    (identity.enum.IntEnum("Mode", "NONE FP8")(2), '"Mode.FP8"'),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ({"b": 1, "a": [1.5, None, True]}, '{"a":[1.5,null,true],"b":1}'),
+        ((1, 2), "[1,2]"),
+        ({3, 1, 2}, "[1,2,3]"),
+        (Color(), '"<Color object>"'),  # no memory address
+        (json.dumps, '"json.dumps"'),
+        (identity.enum.IntEnum("Mode", "NONE FP8")(2), '"Mode.FP8"'),
+    ],
+)
 def test_canonical_json_is_deterministic(value, expected):
     assert canonical_json(value) == expected
 
@@ -132,6 +145,7 @@ def test_absent_settings_are_recorded_not_dropped():
 
 
 # ---- every engine input changes the namespace (real vLLM config objects) ------------------------
+
 
 @pytest.fixture(autouse=True)
 def sidecars(tmp_path, monkeypatch):
@@ -146,21 +160,34 @@ def vllm_cfg():
     return vllm.config
 
 
-def make_engine(vllm_cfg, model_dir: Path, *, model: dict | None = None, cache: dict | None = None,
-                attention: dict | None = None, load: dict | None = None, spec: dict | None = None,
-                layout: str | None = None, after=None):
+def make_engine(
+    vllm_cfg,
+    model_dir: Path,
+    *,
+    model: dict | None = None,
+    cache: dict | None = None,
+    attention: dict | None = None,
+    load: dict | None = None,
+    spec: dict | None = None,
+    layout: str | None = None,
+    after=None,
+):
     """A real ``VllmConfig`` and ``KVCacheConfig`` for ``model_dir`` (4 layers, 2 KV heads x 64)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     mc = vllm_cfg.ModelConfig(model=str(model_dir), skip_tokenizer_init=True, **(model or {}))
-    vc = vllm_cfg.VllmConfig(model_config=mc, cache_config=vllm_cfg.CacheConfig(block_size=128, **(cache or {})),
-                             attention_config=vllm_cfg.AttentionConfig(**(attention or {})),
-                             load_config=vllm_cfg.LoadConfig(**(load or {})))
+    vc = vllm_cfg.VllmConfig(
+        model_config=mc,
+        cache_config=vllm_cfg.CacheConfig(block_size=128, **(cache or {})),
+        attention_config=vllm_cfg.AttentionConfig(**(attention or {})),
+        load_config=vllm_cfg.LoadConfig(**(load or {})),
+    )
     page = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, **(spec or {}))
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    kv = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, page)],
-                       kv_cache_layout=layout)
+    kv = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, page)], kv_cache_layout=layout
+    )
     if after is not None:
         after(vc, kv)
     return vc, kv
@@ -173,18 +200,24 @@ def overrides(**kw) -> dict:
 # field -> (how the engine is changed, the engine_settings key that must change)
 SETTING_CHANGES = {
     "quantization": ({"after": lambda vc, kv: setattr(vc.model_config, "quantization", "fp8")}, "quantization"),
-    "quantization_config": ({"after": lambda vc, kv: setattr(vc.model_config.hf_config, "quantization_config",
-                                                             {"quant_method": "fp8", "activation_scheme": "static"})},
-                            "quantization_config"),
+    "quantization_config": (
+        {
+            "after": lambda vc, kv: setattr(
+                vc.model_config.hf_config, "quantization_config", {"quant_method": "fp8", "activation_scheme": "static"}
+            )
+        },
+        "quantization_config",
+    ),
     "model_dtype": ({"model": {"dtype": "float32"}}, "model_dtype"),
     "kv_cache_dtype": ({"cache": {"cache_dtype": "fp8"}}, "kv_cache_dtype"),
-    "kv_scales": ({"after": lambda vc, kv: setattr(vc.cache_config, "calculate_kv_scales", True)},
-                  "calculate_kv_scales"),
+    "kv_scales": (
+        {"after": lambda vc, kv: setattr(vc.cache_config, "calculate_kv_scales", True)},
+        "calculate_kv_scales",
+    ),
     "kv_dtype_skip_layers": ({"cache": {"kv_cache_dtype_skip_layers": ["0"]}}, "kv_cache_dtype_skip_layers"),
     "rope_scaling": (overrides(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
     "rope_theta": (overrides(rope_theta=500000.0), "rope_theta"),
-    "rope_parameters": (overrides(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
-                        "rope_parameters"),
+    "rope_parameters": (overrides(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), "rope_parameters"),
     "sliding_window": (overrides(sliding_window=64), "sliding_window"),
     "disable_sliding_window": ({"model": {"disable_sliding_window": True}}, "disable_sliding_window"),
     "attention_backend": ({"attention": {"backend": "CPU_ATTN"}}, "attention_backend"),
@@ -207,7 +240,7 @@ NOT_VARIED = {
     "attention_backend_per_kind": "changes with the backend map, recorded like attention_backend",
     "versions": "needs another vLLM or torch install",
     "kv_cache_groups": "set only for hybrid models (several KV cache groups); the Gemma-3-like engine "
-                       "test (tests/integration/test_hybrid_engine.py) runs one",
+    "test (tests/integration/test_hybrid_engine.py) runs one",
 }
 
 
@@ -273,7 +306,8 @@ def edit_middle(path: Path) -> None:
 FILE_CHANGES = {
     "weight_bytes": lambda d: edit_middle(d / "model.safetensors"),
     "config_bytes": lambda d: (d / "generation_config.json").write_text(
-        json.dumps({**json.loads((d / "generation_config.json").read_text()), "kvstore": 1})),
+        json.dumps({**json.loads((d / "generation_config.json").read_text()), "kvstore": 1})
+    ),
     "added_file": lambda d: (d / "special_tokens_map.json").write_text("{}"),
 }
 
@@ -295,7 +329,7 @@ def test_the_revision_changes_the_namespace(vllm_cfg, tiny_model, tmp_path):
     assert pinned.revision == COMMIT_B and pinned.weights == base.weights
     assert pinned.namespace() != base.namespace()
     snaps = {}
-    for commit in (COMMIT_A, COMMIT_B):                        # one checkpoint, two hub commits
+    for commit in (COMMIT_A, COMMIT_B):  # one checkpoint, two hub commits
         snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / commit
         shutil.copytree(tiny_model, snap)
         snaps[commit] = identity.weights_identity(str(snap))

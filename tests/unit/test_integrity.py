@@ -1,4 +1,5 @@
 """Authenticated objects (kvstore.integrity): MACs, tenant keys, rotation and the keys CLI."""
+
 import json
 import os
 import stat
@@ -30,7 +31,7 @@ def test_a_sealed_object_verifies_and_keeps_its_checksum():
     ring = integrity.new_deployment().keyring("team-a")
     buf = sealed(ring)
     assert integrity.check(buf, ring) == 1
-    header = codec.verify(buf, expected_key=KEY)       # still a valid object: xxh3 untouched
+    header = codec.verify(buf, expected_key=KEY)  # still a valid object: xxh3 untouched
     assert header.key_id == 1 and header.mac != bytes(16)
 
 
@@ -42,7 +43,7 @@ def test_a_tenants_key_never_verifies_another_tenants_object():
         integrity.check(sealed(b), a)
     with pytest.raises(ForgedObjectError, match="MAC mismatch"):
         integrity.check(sealed(a), b)
-    other = integrity.new_deployment().keyring("a")           # another deployment's tenant a
+    other = integrity.new_deployment().keyring("a")  # another deployment's tenant a
     with pytest.raises(ForgedObjectError):
         integrity.check(sealed(other), a)
 
@@ -54,9 +55,9 @@ def test_an_unsealed_or_rewritten_object_with_a_valid_checksum_is_refused():
     buf = sealed(ring)
     header = codec.decode_header(buf)
     forged = bytearray(buf)
-    forged[codec.HEADER_SIZE + 5] ^= 0xFF                          # a payload byte changed...
-    codec.encode_into(forged, KEY, GEOMETRY)                       # ...with a valid checksum again
-    codec.set_mac(forged, header.key_id, header.mac)               # and the old MAC copied over
+    forged[codec.HEADER_SIZE + 5] ^= 0xFF  # a payload byte changed...
+    codec.encode_into(forged, KEY, GEOMETRY)  # ...with a valid checksum again
+    codec.set_mac(forged, header.key_id, header.mac)  # and the old MAC copied over
     codec.verify(forged, expected_key=KEY)
     with pytest.raises(ForgedObjectError, match="MAC mismatch"):
         integrity.check(forged, ring)
@@ -68,6 +69,7 @@ def test_the_mac_binds_the_key_and_header_fields(field):
     buf = sealed(ring)
     h = codec.decode_header(buf)
     import dataclasses
+
     if field == "chunk_hash":
         new = dataclasses.replace(h, key=ObjectKey(KEY.namespace, ChunkHash(bytes(32)), "r0"))
     elif field == "tag":
@@ -76,7 +78,7 @@ def test_the_mac_binds_the_key_and_header_fields(field):
         new = dataclasses.replace(h, parent=ChunkHash(b"\x07" * 32))
     else:
         new = dataclasses.replace(h, generated=0, geometry=dataclasses.replace(h.geometry, num_tokens=5))
-    buf[:codec.HEADER_SIZE] = codec.pack_header(new)
+    buf[: codec.HEADER_SIZE] = codec.pack_header(new)
     codec.verify(buf)
     with pytest.raises(ForgedObjectError):
         integrity.check(buf, ring)
@@ -102,7 +104,7 @@ def test_rotation_keeps_old_objects_readable_until_their_key_is_retired(tmp_path
     first = sealed(old)
     assert keys_cli.rotate(path) == 2
     ring = integrity.read_file(path).keyring("a")
-    assert ring.current == 2 and integrity.check(first, ring) == 1    # old id still reads
+    assert ring.current == 2 and integrity.check(first, ring) == 1  # old id still reads
     second = sealed(ring, seed=1)
     assert codec.decode_header(second).key_id == 2
     keys_cli.retire(path, 1)
@@ -140,7 +142,7 @@ def test_keys_come_from_a_file_the_environment_or_a_default_file(tmp_path, monke
     first = integrity.load_keys(None, env={})
     made = tmp_path / "state" / "keys.json"
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o600
-    assert integrity.load_keys(None, env={}).keyring().keys == first.keyring().keys   # kept
+    assert integrity.load_keys(None, env={}).keyring().keys == first.keyring().keys  # kept
     text = made.read_text()
     with caplog.at_level("WARNING"):
         from_env = integrity.load_keys(None, env={"KVSTORE_KEYS": text})
@@ -165,5 +167,6 @@ def test_the_connector_reads_its_keys_file_and_keys_only_the_tiers_it_writes_its
     assert keys_of(ConnectorConfig.from_extra_config({"store_target": "h:1"}, env={})) is None  # the store seals
     assert "a.keys" in repr(cfg) and want.keys[1].hex() not in repr(cfg)
     with pytest.raises(ConfigError, match="keys file"):
-        keys_of(ConnectorConfig.from_extra_config({"ssd_dir": str(tmp_path), "keys_file": str(tmp_path / "no")},
-                                                  env={}))
+        keys_of(
+            ConnectorConfig.from_extra_config({"ssd_dir": str(tmp_path), "keys_file": str(tmp_path / "no")}, env={})
+        )

@@ -7,6 +7,7 @@ tail from the host pool, a damaged SSD object is dropped as corrupt, a delete re
 rest; a new store on the same directory (a restart) knows what survived and announces it
 once a lookup describes it again.
 """
+
 from __future__ import annotations
 
 import msgspec
@@ -86,7 +87,8 @@ async def test_store_eviction_corruption_and_delete_in_order(tmp_path):
         events = rec.take()
         assert [(e.kind, e.medium.medium, e.block_hash, e.reason) for e in events][:2] == [
             (Kind.REMOVED, CPU, kvwire.wire_hash(hashes[3]), "evicted"),
-            (Kind.STORED, CPU, kvwire.wire_hash(hashes[4]), None)]
+            (Kind.STORED, CPU, kvwire.wire_hash(hashes[4]), None),
+        ]
         removed = wire(events)[0]
         assert isinstance(removed, BlockRemoved) and removed.block_hashes == [kvwire.wire_hash(hashes[3])]
 
@@ -112,16 +114,16 @@ async def test_restart_knows_survivors_and_announces_them_once_described(tmp_pat
     rec = EventRecorder(MEDIA)
     rec.attach([host, ssd])
     rec.clear([""])
-    assert [e.kind for e in rec.take()] == [Kind.CLEARED]           # a new epoch starts clean
+    assert [e.kind for e in rec.take()] == [Kind.CLEARED]  # a new epoch starts clean
     assert rec.holdings() == {"ssd": 3} and rec.counts["undescribed"] == 3
-    rec.describe(keys[1], hashes[0], tokens[1].tolist())             # a lookup found it: now we can say it
+    rec.describe(keys[1], hashes[0], tokens[1].tolist())  # a lookup found it: now we can say it
     (event,) = wire(rec.take())
     assert event.medium == STORAGE and event.block_hashes == [kvwire.wire_hash(hashes[1])]
     assert event.token_ids == tokens[1].tolist()
     async with TieredStore(host, [ssd]) as store:
-        assert await store.promote(keys[1]) == "ssd"                 # into host DRAM: announced there too
+        assert await store.promote(keys[1]) == "ssd"  # into host DRAM: announced there too
         assert [(e.kind, e.medium.medium) for e in rec.take()] == [(Kind.STORED, CPU)]
-        assert await store.delete(keys[2])                           # never announced: nothing to retract
+        assert await store.delete(keys[2])  # never announced: nothing to retract
         assert rec.take() == []
     assert rec.counts["undescribed"] == 1
 
@@ -131,7 +133,7 @@ def test_removal_of_a_block_never_announced_is_silent():
     rec = EventRecorder(MEDIA)
     rec.stored("host", keys[0])
     rec.removed("host", keys[0], Removal.EVICTED)
-    rec.stored("nowhere", keys[0])    # a tier not followed
+    rec.stored("nowhere", keys[0])  # a tier not followed
     assert rec.take() == [] and rec.counts["undescribed"] == 0
 
 
@@ -154,13 +156,16 @@ def test_a_key_of_no_stream_is_never_published(stream_of, published):
     assert len(rec.take()) == published
 
 
-@pytest.mark.parametrize("flags, error", [
-    ({"kv_events": "tcp://*:5557"}, "reachable beyond this host"),          # ZMQ authenticates nobody
-    ({"kv_events": "tcp://0.0.0.0:5557"}, "reachable beyond this host"),
-    ({"kv_events": "udp://x:1"}, "expected tcp://HOST:PORT or ipc://PATH"),
-    ({"kv_events_replay": "ipc:///tmp/r"}, "kv_events_replay needs kv_events"),
-    ({"kv_events": "ipc:///tmp/e", "kv_events_buffer": "0"}, "kv_events_buffer must be positive"),
-])
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        ({"kv_events": "tcp://*:5557"}, "reachable beyond this host"),  # ZMQ authenticates nobody
+        ({"kv_events": "tcp://0.0.0.0:5557"}, "reachable beyond this host"),
+        ({"kv_events": "udp://x:1"}, "expected tcp://HOST:PORT or ipc://PATH"),
+        ({"kv_events_replay": "ipc:///tmp/r"}, "kv_events_replay needs kv_events"),
+        ({"kv_events": "ipc:///tmp/e", "kv_events_buffer": "0"}, "kv_events_buffer must be positive"),
+    ],
+)
 def test_event_endpoints_are_checked(flags, error):
     from kvstore.errors import ConfigError
     from kvstore.server.config import ServerConfig
@@ -179,7 +184,9 @@ def test_several_tenants_never_share_a_stream():
         stream_specs("ipc:///run/ev", None, "", ["a", "b"])
     specs = stream_specs("ipc:///run/{tenant}.ev", "ipc:///run/{tenant}.rp", "kv@{tenant}", ["a", "b"])
     assert {t: (s.endpoint, s.replay, s.topic) for t, s in specs.items()} == {
-        "a": ("ipc:///run/a.ev", "ipc:///run/a.rp", "kv@a"), "b": ("ipc:///run/b.ev", "ipc:///run/b.rp", "kv@b")}
+        "a": ("ipc:///run/a.ev", "ipc:///run/a.rp", "kv@a"),
+        "b": ("ipc:///run/b.ev", "ipc:///run/b.rp", "kv@b"),
+    }
     assert stream_specs("tcp://127.0.0.1:5557", None, "t", ["only"])["only"].endpoint == "tcp://127.0.0.1:5557"
 
 
@@ -191,30 +198,31 @@ def test_each_stream_holds_descriptions_within_its_budget():
     tokens, _, keys = CHAIN.links(8)
     other = CHAIN.keys(4, seed=1)
     one = ENTRY_COST + 4 * 16
-    stream_of = lambda key: "b" if key in keys else "a"            # noqa: E731
+    stream_of = lambda key: "b" if key in keys else "a"  # noqa: E731
     budget = {"b": (3 * one, 100), "a": (100 * one, 2)}
     rec = EventRecorder(MEDIA, stream_of=stream_of, budget=budget.__getitem__)
     for i in range(3):
-        rec.stored("host", keys[i])                                # held: not spare
+        rec.stored("host", keys[i])  # held: not spare
         rec.describe(keys[i], None, tokens[i].tolist())
     with pytest.raises(DescriptionRefused) as refused:
         rec.describe(keys[3], None, tokens[3].tolist())
     assert refused.value.what == "described_bytes" and rec.held_bytes["b"] == 3 * one
-    rec.describe(other[0], None, tokens[0].tolist())                # a's spare ones: 2 entries
+    rec.describe(other[0], None, tokens[0].tolist())  # a's spare ones: 2 entries
     rec.describe(other[1], None, tokens[1].tolist())
-    rec.describe(other[2], None, tokens[2].tolist())                # pushes out a's oldest spare
+    rec.describe(other[2], None, tokens[2].tolist())  # pushes out a's oldest spare
     assert rec.description(other[0]) is None and rec.description(other[2]) is not None
     rec.stored("host", other[1])
     rec.stored("host", other[2])
-    with pytest.raises(DescriptionRefused) as refused:              # none spare left: refused
+    with pytest.raises(DescriptionRefused) as refused:  # none spare left: refused
         rec.describe(other[3], None, tokens[3].tolist())
     assert refused.value.what == "described" and rec.held["a"] == 2
-    rec.removed("host", keys[0], Removal.DELETED)                   # b's description goes spare...
-    rec.describe(keys[3], None, tokens[3].tolist())                 # ...and makes room when needed
+    rec.removed("host", keys[0], Removal.DELETED)  # b's description goes spare...
+    rec.describe(keys[3], None, tokens[3].tolist())  # ...and makes room when needed
     assert rec.held["b"] == 3 and rec.description(keys[0]) is None
 
 
 # --- the positional layout, for decoders written before vLLM's maps --------------------------
+
 
 class _OldStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     """A decoder of the positional era (llm-d-kv-cache up to v0.8.1 reads these fields)."""
@@ -243,10 +251,13 @@ class _OldBatch(msgspec.Struct, array_like=True):
 
 
 def test_the_array_layout_is_read_by_a_positional_decoder_and_the_map_layout_is_not():
-    events = [KVEvent(Kind.STORED, block_hash=9, parent_hash=4, tokens=np.array([5, 6, 7]),
-                      medium=Medium(STORAGE, LOCAL, "ssd")),
-              KVEvent(Kind.REMOVED, block_hash=9, medium=Medium(CPU), reason="evicted"),
-              KVEvent(Kind.CLEARED)]
+    events = [
+        KVEvent(
+            Kind.STORED, block_hash=9, parent_hash=4, tokens=np.array([5, 6, 7]), medium=Medium(STORAGE, LOCAL, "ssd")
+        ),
+        KVEvent(Kind.REMOVED, block_hash=9, medium=Medium(CPU), reason="evicted"),
+        KVEvent(Kind.CLEARED),
+    ]
     old = msgspec.msgpack.Decoder(type=_OldBatch)
     batch = old.decode(kvwire.encode_batch(events, 2.0, epoch=3, layout=kvwire.EventLayout.ARRAY))
     assert batch.events == [_OldStored([9], 4, [5, 6, 7], 3, None, STORAGE), _OldRemoved([9], CPU), _OldCleared()]

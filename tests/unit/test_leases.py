@@ -1,5 +1,6 @@
 """The store process's bookkeeping alone (``kvstore.server.leases``): ``PutTable`` and
 ``LeaseBook`` as plain tables over plain numbers for time (no tiers, no clock to fake)."""
+
 import pytest
 
 from kvstore.errors import LeaseError
@@ -16,23 +17,23 @@ def handle(key=A) -> PutHandle:
 
 # --- PutTable -----------------------------------------------------------------------------------
 
+
 def test_an_expired_reservation_of_a_session_is_fenced_until_its_commit_or_its_sessions_end():
     table = PutTable()
     by_commit = table.add("a", A, A, handle(), 10.0, session=7)
     by_end = table.add("a", B, B, handle(B), 10.0, session=7)
     other = table.add("a", C, C, handle(C), 10.0, session=8)
     no_session = table.add("a", C, C, handle(C), 10.0)
-    assert table.claim_expired(now=10.0) == [no_session]     # freed at once: nobody maps its slot
+    assert table.claim_expired(now=10.0) == [no_session]  # freed at once: nobody maps its slot
     assert (len(table), table.fenced, table.of("a"), table.of("b")) == (3, 3, 3, 0)
     with pytest.raises(LeaseError):
-        table.claim(by_commit.put_id, "b", now=11.0)           # another tenant's: unknown, still fenced
+        table.claim(by_commit.put_id, "b", now=11.0)  # another tenant's: unknown, still fenced
     with pytest.raises(ExpiredPutError) as info:
-        table.claim(by_commit.put_id, "a", now=11.0)           # its commit: now it may be freed
+        table.claim(by_commit.put_id, "a", now=11.0)  # its commit: now it may be freed
     assert info.value.pending is by_commit and info.value.fenced
-    assert table.claim_session(7) == [by_end]                  # the session ended
+    assert table.claim_session(7) == [by_end]  # the session ended
     assert table.claim_session(7) == [] and table.fenced == 1
     assert table.claim_all() == [other] and len(table) == 0
-
 
 
 def test_put_ids_are_odd_distinct_and_bound_to_their_reservation():
@@ -43,11 +44,14 @@ def test_put_ids_are_odd_distinct_and_bound_to_their_reservation():
     assert (puts[0].tenant, puts[0].client_key, puts[0].key) == ("a", A, B)
 
 
-@pytest.mark.parametrize("tenant,put_id,expires,why", [
-    ("b", None, 10.0, "another tenant's id is unknown"),
-    ("a", 12345, 10.0, "a made-up id is unknown"),
-    ("a", None, None, "a stream's reservation has no PutCommit"),
-])
+@pytest.mark.parametrize(
+    "tenant,put_id,expires,why",
+    [
+        ("b", None, 10.0, "another tenant's id is unknown"),
+        ("a", 12345, 10.0, "a made-up id is unknown"),
+        ("a", None, None, "a stream's reservation has no PutCommit"),
+    ],
+)
 def test_claim_refuses_without_taking_the_reservation(tenant, put_id, expires, why):
     table = PutTable()
     pending = table.add("a", A, A, handle(), expires)
@@ -94,6 +98,7 @@ def test_claim_all_leaves_the_streams_to_their_handlers():
 
 
 # --- LeaseBook --------------------------------------------------------------------------------
+
 
 def test_a_lease_is_owned_by_the_tenant_it_was_granted_to():
     book = LeaseBook()

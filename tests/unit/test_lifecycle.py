@@ -6,6 +6,7 @@ anything off the table raises.  A cancelled or failed ticket is released only af
 copies it started have finished, and a lease running out (which protects the object in its
 tier) never stands in for that buffer protection.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,25 +47,44 @@ SAVE_PATH = [S.GATHER_ISSUED, S.SNAPSHOT_DONE, S.STORED, S.PERSISTED, S.RELEASED
 LEGAL = [
     *zip(LOAD_PATH, LOAD_PATH[1:]),
     *((s, abort) for s in LOAD_PATH[:4] for abort in (L.FAILED, L.CANCELLED)),
-    (L.FAILED, L.RELEASED), (L.CANCELLED, L.RELEASED),
+    (L.FAILED, L.RELEASED),
+    (L.CANCELLED, L.RELEASED),
     *zip(SAVE_PATH, SAVE_PATH[1:]),
     (S.PERSISTED, S.PERSISTED),  # persisted to one more tier
-    (S.SNAPSHOT_DONE, S.RELEASED), (S.STORED, S.RELEASED),
+    (S.SNAPSHOT_DONE, S.RELEASED),
+    (S.STORED, S.RELEASED),
     *((s, abort) for s in SAVE_PATH[:2] for abort in (S.FAILED, S.CANCELLED)),
-    (S.FAILED, S.RELEASED), (S.CANCELLED, S.RELEASED),
+    (S.FAILED, S.RELEASED),
+    (S.CANCELLED, S.RELEASED),
 ]
 
 ILLEGAL = [
-    (L.LOOKED_UP, L.IN_BUFFER), (L.LOOKED_UP, L.ON_DEVICE), (L.LOOKED_UP, L.CONSUMABLE),
-    (L.LOOKED_UP, L.RELEASED), (L.READABLE, L.ON_DEVICE), (L.IN_BUFFER, L.CONSUMABLE),
-    (L.IN_BUFFER, L.READABLE), (L.ON_DEVICE, L.IN_BUFFER), (L.CONSUMABLE, L.ON_DEVICE),
-    (L.CONSUMABLE, L.FAILED), (L.CONSUMABLE, L.CANCELLED), (L.READABLE, L.READABLE),
-    (L.FAILED, L.CANCELLED), (L.CANCELLED, L.FAILED), (L.FAILED, L.READABLE),
+    (L.LOOKED_UP, L.IN_BUFFER),
+    (L.LOOKED_UP, L.ON_DEVICE),
+    (L.LOOKED_UP, L.CONSUMABLE),
+    (L.LOOKED_UP, L.RELEASED),
+    (L.READABLE, L.ON_DEVICE),
+    (L.IN_BUFFER, L.CONSUMABLE),
+    (L.IN_BUFFER, L.READABLE),
+    (L.ON_DEVICE, L.IN_BUFFER),
+    (L.CONSUMABLE, L.ON_DEVICE),
+    (L.CONSUMABLE, L.FAILED),
+    (L.CONSUMABLE, L.CANCELLED),
+    (L.READABLE, L.READABLE),
+    (L.FAILED, L.CANCELLED),
+    (L.CANCELLED, L.FAILED),
+    (L.FAILED, L.READABLE),
     (L.CANCELLED, L.CONSUMABLE),
     *((L.RELEASED, s) for s in LoadState),
-    (S.GATHER_ISSUED, S.STORED), (S.GATHER_ISSUED, S.RELEASED), (S.SNAPSHOT_DONE, S.PERSISTED),
-    (S.STORED, S.FAILED), (S.STORED, S.CANCELLED), (S.PERSISTED, S.FAILED),
-    (S.PERSISTED, S.STORED), (S.FAILED, S.STORED), (S.CANCELLED, S.SNAPSHOT_DONE),
+    (S.GATHER_ISSUED, S.STORED),
+    (S.GATHER_ISSUED, S.RELEASED),
+    (S.SNAPSHOT_DONE, S.PERSISTED),
+    (S.STORED, S.FAILED),
+    (S.STORED, S.CANCELLED),
+    (S.PERSISTED, S.FAILED),
+    (S.PERSISTED, S.STORED),
+    (S.FAILED, S.STORED),
+    (S.CANCELLED, S.SNAPSHOT_DONE),
     *((S.RELEASED, s) for s in SaveState),
 ]
 
@@ -132,8 +152,9 @@ def test_a_stored_save_cannot_fail_any_more():
     assert ticket.state is S.STORED and ticket.error is None
 
 
-@pytest.mark.parametrize("path", [LOAD_PATH[:1], LOAD_PATH[:3], SAVE_PATH[:1]],
-                         ids=["looked_up", "in_buffer", "gather_issued"])
+@pytest.mark.parametrize(
+    "path", [LOAD_PATH[:1], LOAD_PATH[:3], SAVE_PATH[:1]], ids=["looked_up", "in_buffer", "gather_issued"]
+)
 def test_releasing_an_unfinished_ticket_raises(path):
     ticket = ticket_at(path)
     with pytest.raises(LifecycleError):
@@ -158,6 +179,7 @@ def test_a_released_ticket_cannot_be_failed_or_cancelled():
 
 
 # ---- cancellation drains before release ---------------------------------------------------
+
 
 def test_a_cancelled_ticket_is_released_only_after_its_copy_ends():
     released = []
@@ -212,6 +234,7 @@ def test_no_copy_begins_on_a_released_ticket():
 
 # ---- timestamps ----------------------------------------------------------------------------
 
+
 def test_each_transition_is_timestamped_on_the_clock():
     clock = FakeClock(1000.0)
     ticket = load_ticket("t", clock=clock)
@@ -222,11 +245,19 @@ def test_each_transition_is_timestamped_on_the_clock():
     clock.advance(4.0)
     ticket.release()
     assert ticket.history == [
-        (L.LOOKED_UP, 1000.0), (L.READABLE, 1000.5), (L.IN_BUFFER, 1002.5),
-        (L.ON_DEVICE, 1002.75), (L.CONSUMABLE, 1003.75), (L.RELEASED, 1007.75),
+        (L.LOOKED_UP, 1000.0),
+        (L.READABLE, 1000.5),
+        (L.IN_BUFFER, 1002.5),
+        (L.ON_DEVICE, 1002.75),
+        (L.CONSUMABLE, 1003.75),
+        (L.RELEASED, 1007.75),
     ]
     assert ticket.durations() == {
-        "READABLE": 0.5, "IN_BUFFER": 2.0, "ON_DEVICE": 0.25, "CONSUMABLE": 1.0, "RELEASED": 4.0,
+        "READABLE": 0.5,
+        "IN_BUFFER": 2.0,
+        "ON_DEVICE": 0.25,
+        "CONSUMABLE": 1.0,
+        "RELEASED": 4.0,
     }
 
 
@@ -311,7 +342,7 @@ def test_the_expiry_heap_is_bounded_by_live_leases_however_often_they_are_renewe
     leases.grant(KEY_B, ttl=1.0)
     assert leases.heap_size <= 2 * len(leases) + 64
     clock.advance(2.0)
-    assert leases.held(KEY_A) and not leases.held(KEY_B)     # expiries still right after compaction
+    assert leases.held(KEY_A) and not leases.held(KEY_B)  # expiries still right after compaction
     clock.advance(4.0)
     assert not leases.held(KEY_A) and len(leases) == 0
 
@@ -373,7 +404,7 @@ def test_a_ticket_whose_lease_expired_mid_copy_fails_but_keeps_its_buffer_until_
     lease = leases.grant(b"ns.hash.r0", ttl=2.0)
     ticket.advance(L.READABLE)
     ticket.begin_copy()  # tier → staging buffer read in flight
-    clock.advance(5.0)   # the copy is slow; the lease runs out underneath it
+    clock.advance(5.0)  # the copy is slow; the lease runs out underneath it
     with pytest.raises(LeaseError):
         leases.check(lease.lease_id)  # the re-check at completion fails ...
     ticket.fail("lease expired")

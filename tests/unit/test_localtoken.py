@@ -1,4 +1,5 @@
 """The default token's file (``kvstore.localtoken``) and the tenants' ``uid``/``gid`` keys."""
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ def test_one_token_is_made_once_even_by_servers_starting_together(tmp_path):
         made = set(pool.map(lambda _: ensure_token(path), range(32)))
     assert len(made) == 1 and local_token(path) in made and len(made.pop()) == 64
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
-    assert [p.name for p in path.parent.iterdir()] == ["token"]      # no temp file left behind
+    assert [p.name for p in path.parent.iterdir()] == ["token"]  # no temp file left behind
 
 
 def test_an_empty_token_file_is_refused_without_guessing(tmp_path):
@@ -45,7 +46,9 @@ def test_a_tenant_uid_must_be_a_number(value):
 
 
 def test_a_tenant_uid_and_gid_are_kept():
-    doc = {"tokens": [{"token": "t", "tenant": "a", "permissions": ["read"]}],
-           "tenants": {"a": {"uid": 1001, "gid": 1002, "leases": 8}}}
+    doc = {
+        "tokens": [{"token": "t", "tenant": "a", "permissions": ["read"]}],
+        "tenants": {"a": {"uid": 1001, "gid": 1002, "leases": 8}},
+    }
     limits = TokenTable.from_document(doc).limits["a"]
     assert (limits.uid, limits.gid, limits.leases) == (1001, 1002, 8)

@@ -1,6 +1,7 @@
 """The connector's store (``connector.lower``): its tiers opened from the connector config
 through the registry, ``lower_tiers_required``, and the core's events as the connector's
 failure and byte counters.  The write-down itself is ``tests/unit/test_writedown.py``."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,16 +32,24 @@ class Counts:
 
 
 def test_specs_follow_the_config_host_pool_first(tmp_path):
-    cfg = config(ssd_dir=str(tmp_path / "ssd"), store_target="127.0.0.1:7000", store_token="t",
-                 redis_url="redis://127.0.0.1:6390/0")
+    cfg = config(
+        ssd_dir=str(tmp_path / "ssd"),
+        store_target="127.0.0.1:7000",
+        store_token="t",
+        redis_url="redis://127.0.0.1:6390/0",
+    )
     specs = tier_specs(cfg)
-    assert [s for s, _ in specs] == ["host:", f"ssd:{tmp_path / 'ssd'}", "kvstore://127.0.0.1:7000",
-                                     "redis://127.0.0.1:6390/0"]
+    assert [s for s, _ in specs] == [
+        "host:",
+        f"ssd:{tmp_path / 'ssd'}",
+        "kvstore://127.0.0.1:7000",
+        "redis://127.0.0.1:6390/0",
+    ]
     assert specs[0][1] == {"capacity": 1 << 20, "retention": RetentionPolicy.REUSE, "shared": True, "pin": False}
     assert tier_specs(config(host_retention="adaptive"))[0][1]["retention"] is RetentionPolicy.ADAPTIVE
     assert specs[2][1]["token"] == "t" and specs[2][1]["transport"] == cfg.store_transport
-    assert specs[2][1]["lease_ttl_s"] == cfg.lease_ttl == 30.0        # one default, and it is read
-    assert lower_tier_specs(cfg) == specs[1:]                       # the tiers below the host pool
+    assert specs[2][1]["lease_ttl_s"] == cfg.lease_ttl == 30.0  # one default, and it is read
+    assert lower_tier_specs(cfg) == specs[1:]  # the tiers below the host pool
     assert lower_tier_specs(config()) == []
     assert tier_specs(config(store_target="h:1", lease_ttl="2.5"))[1][1]["lease_ttl_s"] == 2.5
 
@@ -61,8 +70,7 @@ async def test_unreachable_store_process_fails_start_or_is_left_out(tmp_path):
 
 async def test_unreachable_redis_is_left_out_when_not_required():
     counts = Counts()
-    store = await counts.open(config(redis_url=f"redis://127.0.0.1:{free_port()}/0",
-                                     lower_tiers_required="false"))
+    store = await counts.open(config(redis_url=f"redis://127.0.0.1:{free_port()}/0", lower_tiers_required="false"))
     try:
         assert [t.name for t in store.tiers] == ["host"] and counts.failures == [("redis", "open")]
     finally:

@@ -1,4 +1,5 @@
 """The main job's options for the docker-compose engine (no engine runs here)."""
+
 import pytest
 
 from harness import kit

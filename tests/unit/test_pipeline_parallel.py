@@ -8,6 +8,7 @@ its rank's KV heads), all attached to one shared pool.
 * The object is sealed by the scheduler once every stage (and rank) reported its part.
 * A failed copy in one stage fails the load for every stage: vLLM recomputes those blocks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,8 +25,7 @@ from kvstore.errors import ConfigError
 from tests.kits.halves import KVShape, prompt
 from tests.unit.test_tensor_parallel import BLOCKS, TOKENS, TPEngine, one_failing_worker_fails_the_load
 
-SHAPE = KVShape("vllm-cpu", layers=4, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False,
-                dtype=torch.float32)
+SHAPE = KVShape("vllm-cpu", layers=4, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False, dtype=torch.float32)
 
 
 class PPEngine(TPEngine):
@@ -36,17 +36,19 @@ class PPEngine(TPEngine):
         cfg = ConnectorConfig.from_extra_config({"host_capacity": "32MiB", "ssd_dir": str(tmp_path / "ssd")}, env={})
         self.full = SHAPE.buffer("cpu")
         identity = dataclasses.replace(SHAPE.identity, num_layers=SHAPE.layers, num_kv_heads=SHAPE.heads)
-        self.sched = SchedulerHalf(cfg, identity, SHAPE.page_bytes, SHAPE.block_size, workers=stages * ranks,
-                                   parts=stages * ranks > 1)
+        self.sched = SchedulerHalf(
+            cfg, identity, SHAPE.page_bytes, SHAPE.block_size, workers=stages * ranks, parts=stages * ranks > 1
+        )
         self.bufs, self.workers, self.where = [], [], []
         self.saved = [0] * (stages * ranks)  # bytes each worker's gathers wrote (TPEngine.step counts them)
         per, h = SHAPE.layers // stages, SHAPE.heads // ranks
         for s in range(stages):
             for r in range(ranks):
-                buf = self.full[s * per:(s + 1) * per, :, r * h:(r + 1) * h].clone()
+                buf = self.full[s * per : (s + 1) * per, :, r * h : (r + 1) * h].clone()
                 kv = {f"layers.{s * per + i}": buf[i] for i in range(per)}
-                shard = Shard(0 if ranks > 1 else None, r, ranks, first_layer=s * per,
-                              layers=SHAPE.layers if stages > 1 else 0)
+                shard = Shard(
+                    0 if ranks > 1 else None, r, ranks, first_layer=s * per, layers=SHAPE.layers if stages > 1 else 0
+                )
                 worker = WorkerHalf((devices or {}).get(len(self.workers)) or HostDevice(), True)
                 worker.register(PagedKV(kv, list(kv), SHAPE.blocks, shard))
                 self.bufs.append(buf)
@@ -77,16 +79,16 @@ def test_pp2_saves_whole_objects_that_pp1_loads_and_the_reverse(tmp_path):
     saved = two.full.clone()
     two.close()
 
-    one = PPEngine(tmp_path, 1)                                 # a new process, one stage, same SSD
+    one = PPEngine(tmp_path, 1)  # a new process, one stage, same SSD
     assert one.request("b", tokens, [8, 9, 10, 11, 12]) == 512
     assert not one.errors
-    assert torch.equal(one.bufs[0][:, 8:12], saved[:, 0:4])     # every layer, in layer order
+    assert torch.equal(one.bufs[0][:, 8:12], saved[:, 0:4])  # every layer, in layer order
     one.request("c", prompt(TOKENS, seed=2), [5, 6, 7, 13, 14], seed=3)
     one.step()
     other = one.full.clone()
     one.close()
 
-    again = PPEngine(tmp_path, 2)                               # and PP=2 loads what PP=1 saved
+    again = PPEngine(tmp_path, 2)  # and PP=2 loads what PP=1 saved
     assert again.request("d", prompt(TOKENS, seed=2), [0, 1, 2, 3, 4]) == 512
     assert not again.errors
     assert torch.equal(again.bufs[0][:, 0:4], other[0:2, [5, 6, 7, 13]])  # stage 0: layers 0-1
@@ -97,7 +99,7 @@ def test_pp2_saves_whole_objects_that_pp1_loads_and_the_reverse(tmp_path):
 def test_pp2_tp2_commits_an_object_only_when_every_stage_and_rank_reported(tmp_path):
     tokens = prompt(TOKENS, seed=4)
     e = PPEngine(tmp_path, 2, ranks=2)
-    e.request("a", tokens, BLOCKS, seed=5, deliver={0, 1, 2})   # stage 1, rank 1 reports late
+    e.request("a", tokens, BLOCKS, seed=5, deliver={0, 1, 2})  # stage 1, rank 1 reports late
     assert e.sched.stats.saves_committed == 0
     assert e.sched.matched_tokens(RequestView("probe", tokens), 0) is None  # being written: wait
     e.step(deliver={3})
@@ -105,15 +107,16 @@ def test_pp2_tp2_commits_an_object_only_when_every_stage_and_rank_reported(tmp_p
     saved = e.full.clone()
     e.close()
 
-    one = PPEngine(tmp_path, 1)                                 # one worker holds it all
+    one = PPEngine(tmp_path, 1)  # one worker holds it all
     assert one.request("b", tokens, [8, 9, 10, 11, 12]) == 512
     assert torch.equal(one.bufs[0][:, 8:12], saved[:, 0:4])
     one.close()
 
 
 def test_a_copy_failure_in_one_stage_fails_the_load_for_every_stage(tmp_path):
-    one_failing_worker_fails_the_load(tmp_path, lambda **kw: PPEngine(tmp_path, 2, **kw),
-                                      make_device("faulty:fail_every=1"))  # worker 1: stage 1
+    one_failing_worker_fails_the_load(
+        tmp_path, lambda **kw: PPEngine(tmp_path, 2, **kw), make_device("faulty:fail_every=1")
+    )  # worker 1: stage 1
 
 
 def test_a_stage_whose_layers_overrun_the_model_is_refused():
@@ -126,7 +129,7 @@ def test_a_stage_finds_its_place_in_the_object_from_its_layer_names():
     from connector.vllm import stage_layers
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(6, 12)]
-    assert stage_layers(names, 12, 1, 2) == 6                   # vLLM's split: layers 6..11
+    assert stage_layers(names, 12, 1, 2) == 6  # vLLM's split: layers 6..11
     assert stage_layers([f"model.layers.{i}.self_attn.attn" for i in range(6)], 12, 0, 2) == 0
     with pytest.raises(ConfigError, match="only models whose every layer is attention"):
         stage_layers([n for n in names if ".7." not in n], 12, 1, 2)  # a hybrid: layer 7 keeps no KV

@@ -1,5 +1,6 @@
 """The load-or-recompute cost model (``kvstore.policy``): depth-dependent recompute fitted
 from steps, rates that react to one slow transfer, partial plans, probes of stale tiers."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,8 +41,8 @@ def test_recompute_cost_is_fitted_from_steps_and_grows_with_depth():
         for done, n in steps:
             cost.observe_step([(done, n)], true_step_seconds(done, n))
     shallow, deep = cost.recompute_seconds(256, 0), cost.recompute_seconds(256, 1792)
-    assert deep > shallow * 1.2                              # a deep chunk costs more
-    for start in (0, 768, 1792):                             # and the marginal cost is learned
+    assert deep > shallow * 1.2  # a deep chunk costs more
+    for start in (0, 768, 1792):  # and the marginal cost is learned
         truth = true_step_seconds(start, 256) - 0.003
         assert cost.recompute_seconds(256, start) == pytest.approx(truth, rel=0.1)
     assert 0 <= cost.snapshot()["step_overhead_s"] <= 0.003  # shrunk towards 0 on purpose
@@ -65,8 +66,8 @@ def test_the_prior_holds_until_steps_say_otherwise():
 
 def test_one_slow_transfer_moves_the_rate_by_its_seconds():
     r = Rate(1e9)
-    r.observe(10 * MiB, 10 * MiB / 1e7)       # one transfer 100x slower
-    assert r.value < 4e7                       # an average of rates would still say ~7e8
+    r.observe(10 * MiB, 10 * MiB / 1e7)  # one transfer 100x slower
+    assert r.value < 4e7  # an average of rates would still say ~7e8
     r.observe(10 * MiB, 10 * MiB / 1e9, replace=True)
     assert r.value == pytest.approx(1e9)
 
@@ -85,16 +86,16 @@ def test_plan_loads_the_fast_prefix_and_recomputes_a_slow_tail():
 def test_a_stale_slow_tier_is_probed_once_per_period_and_a_fresh_reading_replaces_it():
     clock = Clock()
     cost = CostModel(prefill_tokens_per_s=10000, explore_after_s=30, clock=clock)
-    cost.observe_transfer("redis", 10 * MiB, 10 * MiB / 1e7)   # slow now
+    cost.observe_transfer("redis", 10 * MiB, 10 * MiB / 1e7)  # slow now
     d = cost.plan(spans("redis", "redis"))
-    assert d.outcome == "recompute" and d.probe is None        # just measured: no probe
+    assert d.outcome == "recompute" and d.probe is None  # just measured: no probe
     clock.now += 31
     d = cost.plan(spans("redis", "redis"))
-    assert d.outcome == "recompute" and d.probe == "redis"     # stale: read one in the background
-    assert cost.plan(spans("redis", "redis")).probe is None    # once per period
+    assert d.outcome == "recompute" and d.probe == "redis"  # stale: read one in the background
+    assert cost.plan(spans("redis", "redis")).probe is None  # once per period
     clock.now += 31
-    assert cost.plan(spans("redis", "redis")).probe is None    # and never two at a time
-    cost.observe_transfer("redis", MiB, MiB / 2e9)             # the probe finds it recovered
+    assert cost.plan(spans("redis", "redis")).probe is None  # and never two at a time
+    cost.observe_transfer("redis", MiB, MiB / 2e9)  # the probe finds it recovered
     cost.probe_done("redis")
     assert cost.plan(spans("redis", "redis")).outcome == "load"
 

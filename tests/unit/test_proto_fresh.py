@@ -1,5 +1,6 @@
 """The committed gRPC code matches ``proto/`` (``make proto`` regenerates it), and the server's
 hand-written frame codec (``kvstore.server.wire``) matches protobuf byte for byte."""
+
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,13 @@ def test_generated_code_is_fresh(tmp_path):
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.binary(max_size=3000), offset=st.integers(0, 2**64 - 1),
-       total=st.integers(0, 2**64 - 1), found=st.booleans(), tier=st.sampled_from([0, 1, 2, 3]))
+@given(
+    data=st.binary(max_size=3000),
+    offset=st.integers(0, 2**64 - 1),
+    total=st.integers(0, 2**64 - 1),
+    found=st.booleans(),
+    tier=st.sampled_from([0, 1, 2, 3]),
+)
 def test_out_frame_encodes_like_protobuf(data, offset, total, found, tier):
     raw = encode_get_frame(OutFrame(memoryview(data), offset, found, total, tier))
     expected = pb.GetFrame(found=found, total_length=total, offset=offset, data=data, tier=tier)
@@ -48,7 +54,7 @@ def test_start_frame_and_odd_frames():
     start = pb.PutStartRequest(namespace=b"n" * 32, chunk_hash=b"h" * 32, tag="r0", size=1000)
     frame = decode_put_frame(pb.PutFrame(start=start).SerializeToString())
     assert frame.start == start and frame.data is None
-    assert decode_put_frame(b"") == InFrame()                      # neither start nor data
+    assert decode_put_frame(b"") == InFrame()  # neither start nor data
     # data repeated: protobuf keeps the last one; so does the slow path
     twice = pb.PutFrame(data=b"aa").SerializeToString() + pb.PutFrame(data=b"bbb").SerializeToString()
     assert bytes(decode_put_frame(twice).data) == b"bbb"

@@ -1,5 +1,6 @@
 """RedisConfig.from_url: schemes, credentials, options, and clear errors for bad input;
 the Redis manifest codec; the tier's refusal of objects above max_object_bytes."""
+
 from __future__ import annotations
 
 import struct
@@ -19,15 +20,18 @@ NS = Identity("m", "r", "bf16", "x", 1, 1, 1).namespace()
 KEY = object_keys(NS, chunk_hashes(NS, np.arange(16), 16))[0]
 
 
-@pytest.mark.parametrize("url, host, port, db, tls, cluster", [
-    ("redis://127.0.0.1", "127.0.0.1", 6379, 0, False, False),
-    ("redis://cache.internal:7001/3", "cache.internal", 7001, 3, False, False),
-    ("rediss://cache:6380", "cache", 6380, 0, True, False),
-    ("redis+cluster://10.0.0.5:7000", "10.0.0.5", 7000, 0, False, True),
-    ("rediss+cluster://node1:7000/", "node1", 7000, 0, True, True),
-    ("redis://node1:7000?cluster=true", "node1", 7000, 0, False, True),
-    ("REDIS://[::1]:6390", "::1", 6390, 0, False, False),
-])
+@pytest.mark.parametrize(
+    "url, host, port, db, tls, cluster",
+    [
+        ("redis://127.0.0.1", "127.0.0.1", 6379, 0, False, False),
+        ("redis://cache.internal:7001/3", "cache.internal", 7001, 3, False, False),
+        ("rediss://cache:6380", "cache", 6380, 0, True, False),
+        ("redis+cluster://10.0.0.5:7000", "10.0.0.5", 7000, 0, False, True),
+        ("rediss+cluster://node1:7000/", "node1", 7000, 0, True, True),
+        ("redis://node1:7000?cluster=true", "node1", 7000, 0, False, True),
+        ("REDIS://[::1]:6390", "::1", 6390, 0, False, False),
+    ],
+)
 def test_schemes_hosts_ports(url, host, port, db, tls, cluster):
     cfg = RedisConfig.from_url(url)
     assert (cfg.host, cfg.port, cfg.db, cfg.tls, cfg.cluster) == (host, port, db, tls, cluster)
@@ -39,9 +43,16 @@ def test_options_from_query_and_keywords_keywords_win():
     cfg = RedisConfig.from_url(
         "redis://h:1/0?key_prefix=tenant-a:&ttl_s=90&part_size=2MiB&pool_size=4&max_inflight_parts=3"
         "&connect_timeout_s=0.5&op_timeout_s=1.5&retry_s=0.25&orphan_ttl_s=30&max_object_bytes=64MiB",
-        pool_size=9, ttl_s="120")
-    assert (cfg.key_prefix, cfg.ttl_s, cfg.part_size, cfg.pool_size, cfg.max_inflight_parts) == \
-        ("tenant-a:", 120.0, 2 << 20, 9, 3)
+        pool_size=9,
+        ttl_s="120",
+    )
+    assert (cfg.key_prefix, cfg.ttl_s, cfg.part_size, cfg.pool_size, cfg.max_inflight_parts) == (
+        "tenant-a:",
+        120.0,
+        2 << 20,
+        9,
+        3,
+    )
     assert (cfg.connect_timeout_s, cfg.op_timeout_s, cfg.retry_s, cfg.orphan_ttl_s) == (0.5, 1.5, 0.25, 30.0)
     assert cfg.max_object_bytes == 64 << 20
 
@@ -59,40 +70,43 @@ def test_credentials_from_url_or_options_and_never_shown():
     assert "hunter2" not in repr(opts) and "bob" in repr(opts)
 
 
-@pytest.mark.parametrize("url, options, message", [
-    ("", {}, "non-empty"),
-    ("http://h:6379", {}, "unknown redis URL scheme 'http'"),
-    ("h:6379", {}, "unknown redis URL scheme"),
-    ("redis://", {}, "has no host"),
-    ("redis://:pw@:6379", {}, "has no host"),
-    ("redis://h:notaport", {}, "malformed redis URL"),
-    ("redis://h:70000", {}, "malformed redis URL"),
-    ("redis://h:0", {}, "port 0"),
-    ("redis://h/zero", {}, "database number"),
-    ("redis://h#frag", {}, "fragment"),
-    ("redis://h?ttl=5", {}, "unknown redis option(s) ttl"),
-    ("redis://h", {"poolsize": 3}, "unknown redis option(s) poolsize"),
-    ("redis://h?pool_size=2&pool_size=3", {}, "repeats option(s) pool_size"),
-    ("redis://h?key_prefix=my%20app:", {}, "must be printable ASCII without spaces"),
-    ("redis://h", {"key_prefix": "tab\there"}, "without spaces"),
-    ("redis://h", {"key_prefix": "x" * 65}, "1-64 characters"),
-    ("redis://h", {"key_prefix": "{tag}"}, "hash tags"),
-    ("redis://h", {"part_size": "1GiB"}, "part_size 1073741824 is outside"),
-    ("redis://h", {"part_size": 100}, "part_size 100 is outside"),
-    ("redis://h", {"part_size": "lots"}, "part_size: cannot parse size 'lots'"),
-    ("redis://h", {"pool_size": 0}, "pool_size must be positive"),
-    ("redis://h", {"pool_size": "many"}, "pool_size: expected an integer"),
-    ("redis://h", {"max_inflight_parts": -1}, "max_inflight_parts must be positive"),
-    ("redis://h", {"ttl_s": -5}, "ttl_s must be 0"),
-    ("redis://h", {"op_timeout_s": "soon"}, "op_timeout_s: expected a number of seconds, got 'soon'"),
-    ("redis://h", {"connect_timeout_s": 0}, "connect_timeout_s must be positive"),
-    ("redis://h", {"retry_s": "inf"}, "retry_s: expected a finite number of seconds, got 'inf'"),
-    ("redis://h", {"cluster": "maybe"}, "cluster: expected true or false"),
-    ("redis+cluster://h", {"cluster": False}, "cluster URL but the options say cluster=false"),
-    ("redis+cluster://h/2", {}, "only database 0"),
-    ("redis://h", {"tls_ca": "/ca.pem"}, "not a TLS URL; use rediss://"),
-    ("rediss://h", {"tls_cert": "/c.pem"}, "tls_cert and tls_key must be given together"),
-])
+@pytest.mark.parametrize(
+    "url, options, message",
+    [
+        ("", {}, "non-empty"),
+        ("http://h:6379", {}, "unknown redis URL scheme 'http'"),
+        ("h:6379", {}, "unknown redis URL scheme"),
+        ("redis://", {}, "has no host"),
+        ("redis://:pw@:6379", {}, "has no host"),
+        ("redis://h:notaport", {}, "malformed redis URL"),
+        ("redis://h:70000", {}, "malformed redis URL"),
+        ("redis://h:0", {}, "port 0"),
+        ("redis://h/zero", {}, "database number"),
+        ("redis://h#frag", {}, "fragment"),
+        ("redis://h?ttl=5", {}, "unknown redis option(s) ttl"),
+        ("redis://h", {"poolsize": 3}, "unknown redis option(s) poolsize"),
+        ("redis://h?pool_size=2&pool_size=3", {}, "repeats option(s) pool_size"),
+        ("redis://h?key_prefix=my%20app:", {}, "must be printable ASCII without spaces"),
+        ("redis://h", {"key_prefix": "tab\there"}, "without spaces"),
+        ("redis://h", {"key_prefix": "x" * 65}, "1-64 characters"),
+        ("redis://h", {"key_prefix": "{tag}"}, "hash tags"),
+        ("redis://h", {"part_size": "1GiB"}, "part_size 1073741824 is outside"),
+        ("redis://h", {"part_size": 100}, "part_size 100 is outside"),
+        ("redis://h", {"part_size": "lots"}, "part_size: cannot parse size 'lots'"),
+        ("redis://h", {"pool_size": 0}, "pool_size must be positive"),
+        ("redis://h", {"pool_size": "many"}, "pool_size: expected an integer"),
+        ("redis://h", {"max_inflight_parts": -1}, "max_inflight_parts must be positive"),
+        ("redis://h", {"ttl_s": -5}, "ttl_s must be 0"),
+        ("redis://h", {"op_timeout_s": "soon"}, "op_timeout_s: expected a number of seconds, got 'soon'"),
+        ("redis://h", {"connect_timeout_s": 0}, "connect_timeout_s must be positive"),
+        ("redis://h", {"retry_s": "inf"}, "retry_s: expected a finite number of seconds, got 'inf'"),
+        ("redis://h", {"cluster": "maybe"}, "cluster: expected true or false"),
+        ("redis+cluster://h", {"cluster": False}, "cluster URL but the options say cluster=false"),
+        ("redis+cluster://h/2", {}, "only database 0"),
+        ("redis://h", {"tls_ca": "/ca.pem"}, "not a TLS URL; use rediss://"),
+        ("rediss://h", {"tls_cert": "/c.pem"}, "tls_cert and tls_key must be given together"),
+    ],
+)
 def test_bad_input_is_a_clear_config_error(url, options, message):
     with pytest.raises(ConfigError) as err:
         RedisConfig.from_url(url, **options)
@@ -147,7 +161,7 @@ def test_damaged_manifest_is_rejected(damage):
         struct.pack_into("<I", raw, 20, 5)  # part count disagrees with the sizes
         raw = _resealed(raw)
     elif damage == "flags":
-        struct.pack_into("<H", raw, 6, 2)   # a flag this reader does not know
+        struct.pack_into("<H", raw, 6, 2)  # a flag this reader does not know
         raw = _resealed(raw)
     else:
         struct.pack_into("<H", raw, 6, INLINE)  # inline, but 10 000 bytes in parts of 4096

@@ -6,6 +6,7 @@ reads back as the field's default, and every declared metric is a row of the met
 The README stays a front page (under 250 lines) that links the reference.  The checks are
 first shown to fail on altered pages.
 Cost: about a second (no engine, no server: the store's collector is built, not served)."""
+
 from __future__ import annotations
 
 import re
@@ -35,6 +36,7 @@ def page(name: str) -> str:
 
 # --- the checks can fail ------------------------------------------------------------------------
 
+
 def test_a_stale_page_is_found(tmp_path):
     for name in docgen.TABLES:
         (tmp_path / f"{name}.md").write_text(page(name).replace("| `lease_ttl` | `30` |", "| `lease_ttl` | `60` |"))
@@ -56,6 +58,7 @@ def test_a_missing_row_is_found():
 
 
 # --- the repository -----------------------------------------------------------------------------
+
 
 def test_the_reference_pages_are_fresh():
     stale = [str(path.relative_to(ROOT)) for path, (now, fresh) in docgen.rendered().items() if now != fresh]
@@ -87,8 +90,9 @@ def test_every_documented_default_reads_back_as_the_default(name, cls):
 
 
 def test_every_metric_is_documented_once():
-    declared = [docgen.exposed_name(name, kind) for name, kind, _, _ in
-                docgen.connector_metrics() + docgen.store_metrics()]
+    declared = [
+        docgen.exposed_name(name, kind) for name, kind, _, _ in docgen.connector_metrics() + docgen.store_metrics()
+    ]
     assert len(declared) >= 40
     assert sorted(first_column(page("metrics"))) == sorted(declared)
 

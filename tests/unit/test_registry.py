@@ -1,6 +1,7 @@
 """Tiers by spec (``kvstore.store.registry``): every spec kind opened for real, bad specs
 and options refused with a ``ConfigError`` naming the spec before anything is opened, and
 ``open_tiers`` leaving out unreachable tiers only when they are not required."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,47 +15,60 @@ from tiers.host import HostTier
 from tiers.ssd import SSDTier
 
 
-@pytest.mark.parametrize("spec,kind,target", [
-    ("host:", "host", ""),
-    ("ssd:/var/lib/kv", "ssd", "/var/lib/kv"),
-    ("ssd:rel/dir:with:colons", "ssd", "rel/dir:with:colons"),
-    ("redis://cache:6379/2?key_prefix=a", "redis", "redis://cache:6379/2?key_prefix=a"),
-    ("rediss://cache:6380", "redis", "rediss://cache:6380"),
-    ("redis+cluster://n1:7000", "redis", "redis+cluster://n1:7000"),
-    ("REDISS+CLUSTER://n1:7000", "redis", "REDISS+CLUSTER://n1:7000"),
-    ("kvstore://127.0.0.1:50051", "remote", "127.0.0.1:50051"),
-    ("kvstore://[::1]:50051", "remote", "[::1]:50051"),
-])
+@pytest.mark.parametrize(
+    "spec,kind,target",
+    [
+        ("host:", "host", ""),
+        ("ssd:/var/lib/kv", "ssd", "/var/lib/kv"),
+        ("ssd:rel/dir:with:colons", "ssd", "rel/dir:with:colons"),
+        ("redis://cache:6379/2?key_prefix=a", "redis", "redis://cache:6379/2?key_prefix=a"),
+        ("rediss://cache:6380", "redis", "rediss://cache:6380"),
+        ("redis+cluster://n1:7000", "redis", "redis+cluster://n1:7000"),
+        ("REDISS+CLUSTER://n1:7000", "redis", "REDISS+CLUSTER://n1:7000"),
+        ("kvstore://127.0.0.1:50051", "remote", "127.0.0.1:50051"),
+        ("kvstore://[::1]:50051", "remote", "[::1]:50051"),
+    ],
+)
 def test_specs_parse_to_their_kind(spec, kind, target):
     parsed = parse_spec(spec)
     assert (parsed.kind, parsed.target) == (kind, target)
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("", "non-empty string"),
-    ("host:4GiB", "'host:4GiB': host: takes no argument"),
-    ("ssd:", "'ssd:': ssd: needs a directory"),
-    ("s3:bucket", "unknown tier spec 's3:bucket'"),
-    ("/var/lib/kv", "unknown tier spec '/var/lib/kv'"),
-    ("http://cache:6379", "unknown redis URL scheme 'http'"),
-    ("http://u:secret@cache:6379", "'http://u:***@cache:6379'"),
-    ("kvstore://nohost", "'kvstore://nohost': expected kvstore://HOST:PORT"),
-    ("kvstore://h:1/path", "expected kvstore://HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("", "non-empty string"),
+        ("host:4GiB", "'host:4GiB': host: takes no argument"),
+        ("ssd:", "'ssd:': ssd: needs a directory"),
+        ("s3:bucket", "unknown tier spec 's3:bucket'"),
+        ("/var/lib/kv", "unknown tier spec '/var/lib/kv'"),
+        ("http://cache:6379", "unknown redis URL scheme 'http'"),
+        ("http://u:secret@cache:6379", "'http://u:***@cache:6379'"),
+        ("kvstore://nohost", "'kvstore://nohost': expected kvstore://HOST:PORT"),
+        ("kvstore://h:1/path", "expected kvstore://HOST:PORT"),
+    ],
+)
 def test_bad_specs_name_the_spec(spec, needle):
     with pytest.raises(ConfigError) as info:
         parse_spec(spec)
     assert needle in str(info.value) and "secret" not in str(info.value)
 
 
-@pytest.mark.parametrize("spec,options,needle", [
-    ("host:", {}, "'host:' needs a capacity= option"),
-    ("host:", {"capacity": "lots"}, "tier spec 'host:': capacity: cannot parse size 'lots'"),
-    ("host:", {"capacity": 1 << 20, "colour": "red"}, "'host:': unknown option(s) colour"),
-    ("ssd:/tmp/x", {"capacity": 1 << 20, "fsync": True, "sync": 1}, "'ssd:/tmp/x': unknown option(s) sync"),
-    ("kvstore://127.0.0.1:1", {"tokn": "t"}, "'kvstore://127.0.0.1:1': unknown option(s) tokn"),
-    ("redis://u:secret@127.0.0.1:1/0", {"bogus": 1}, "unknown redis option(s) bogus in redis://u:***@127.0.0.1:1/0"),
-])
+@pytest.mark.parametrize(
+    "spec,options,needle",
+    [
+        ("host:", {}, "'host:' needs a capacity= option"),
+        ("host:", {"capacity": "lots"}, "tier spec 'host:': capacity: cannot parse size 'lots'"),
+        ("host:", {"capacity": 1 << 20, "colour": "red"}, "'host:': unknown option(s) colour"),
+        ("ssd:/tmp/x", {"capacity": 1 << 20, "fsync": True, "sync": 1}, "'ssd:/tmp/x': unknown option(s) sync"),
+        ("kvstore://127.0.0.1:1", {"tokn": "t"}, "'kvstore://127.0.0.1:1': unknown option(s) tokn"),
+        (
+            "redis://u:secret@127.0.0.1:1/0",
+            {"bogus": 1},
+            "unknown redis option(s) bogus in redis://u:***@127.0.0.1:1/0",
+        ),
+    ],
+)
 def test_bad_options_name_the_spec_and_are_found_without_io(spec, options, needle):
     with pytest.raises(ConfigError) as info:
         resolve(spec, **options)
@@ -106,9 +120,11 @@ async def test_open_tiers_checks_every_spec_before_opening_any(tmp_path):
 
 
 async def test_open_tiers_leaves_out_unreachable_tiers_only_when_not_required(tmp_path):
-    specs = [("host:", {"capacity": 1 << 20, "pin": False}),
-             (f"ssd:{tmp_path / 'ssd'}", {"capacity": 1 << 20}),
-             (f"redis://127.0.0.1:{free_port()}/0", {"connect_timeout_s": 0.5})]
+    specs = [
+        ("host:", {"capacity": 1 << 20, "pin": False}),
+        (f"ssd:{tmp_path / 'ssd'}", {"capacity": 1 << 20}),
+        (f"redis://127.0.0.1:{free_port()}/0", {"connect_timeout_s": 0.5}),
+    ]
     with pytest.raises(TierUnavailableError):
         await open_tiers(specs)
     left_out = []
@@ -125,8 +141,10 @@ async def test_a_failed_open_closes_the_tiers_already_open(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(ConfigError, match="is not usable"):  # always fatal, even if not required
-        await open_tiers([(f"ssd:{ssd_dir}", {"capacity": 1 << 20}),
-                          (f"ssd:{blocker / 'ssd'}", {"capacity": 1 << 20})], required=False)
+        await open_tiers(
+            [(f"ssd:{ssd_dir}", {"capacity": 1 << 20}), (f"ssd:{blocker / 'ssd'}", {"capacity": 1 << 20})],
+            required=False,
+        )
     again = await open_tier(f"ssd:{ssd_dir}", capacity=1 << 20)  # its lock was released
     await again.aclose()
 
@@ -136,12 +154,16 @@ def test_tier_specs_is_the_one_builder_of_a_stores_specs(tmp_path):
     order, a lower tier without a spec left out; every spec it builds resolves."""
     bare = StoreConfig(host_capacity=1 << 20, ssd_dir=None, host_retention=RetentionPolicy.LRU)
     assert tier_specs(bare, lower=[(None, {}), ("", {})]) == [
-        ("host:", {"capacity": 1 << 20, "retention": RetentionPolicy.LRU})]
+        ("host:", {"capacity": 1 << 20, "retention": RetentionPolicy.LRU})
+    ]
     cfg = StoreConfig(host_capacity=1 << 20, ssd_dir=tmp_path / "ssd", ssd_capacity=2 << 20)
-    specs = tier_specs(cfg, host={"pin": False}, ssd={"fsync": False},
-                       lower=[("redis://127.0.0.1:1/0", {}), (None, {"x": 1})])
-    assert specs == [("host:", {"capacity": 1 << 20, "retention": RetentionPolicy.REUSE, "pin": False}),
-                     (f"ssd:{tmp_path / 'ssd'}", {"capacity": 2 << 20, "fsync": False}),
-                     ("redis://127.0.0.1:1/0", {})]
+    specs = tier_specs(
+        cfg, host={"pin": False}, ssd={"fsync": False}, lower=[("redis://127.0.0.1:1/0", {}), (None, {"x": 1})]
+    )
+    assert specs == [
+        ("host:", {"capacity": 1 << 20, "retention": RetentionPolicy.REUSE, "pin": False}),
+        (f"ssd:{tmp_path / 'ssd'}", {"capacity": 2 << 20, "fsync": False}),
+        ("redis://127.0.0.1:1/0", {}),
+    ]
     for spec, options in specs:
         resolve(spec, **options)

@@ -4,6 +4,7 @@ calls it): nothing goes before the delay, a call's worth goes at once, batches n
 the limit, ``flush`` waits for what is in flight, and a release that fails is left to the
 server's reaper.  Also ``LeaseWindow``'s deadline, as a table.
 """
+
 import asyncio
 import heapq
 import itertools
@@ -110,7 +111,7 @@ async def test_releases_wait_for_the_delay_then_go_as_one_call(timers, server):
         queue.add(lease_id)
     timers.advance(DELAY - 0.001)
     await spin()
-    assert (server.calls, server.held, len(queue)) == ([], 4, 4)        # queued: still pinned
+    assert (server.calls, server.held, len(queue)) == ([], 4, 4)  # queued: still pinned
     timers.advance(0.001)
     await spin()
     assert server.calls == [ids] and server.answers == [[True] * 4]
@@ -123,8 +124,8 @@ async def test_a_calls_worth_goes_at_once_and_the_rest_waits(timers, server):
     for lease_id in ids:
         queue.add(lease_id)
     await spin()
-    assert server.calls == [ids[:3]] and server.held == 1               # no delay for a full call
-    assert timers.armed == 1                                            # the fourth waits
+    assert server.calls == [ids[:3]] and server.held == 1  # no delay for a full call
+    assert timers.armed == 1  # the fourth waits
     timers.advance(DELAY)
     await spin()
     assert server.calls == [ids[:3], ids[3:]] and server.held == 0
@@ -136,7 +137,7 @@ async def test_batches_never_exceed_the_limit_read_at_send_time(timers, server):
     queue = ReleaseQueue(server.send, lambda: limit[0], DELAY, timers)
     for lease_id in ids:
         queue.add(lease_id)
-    limit[0] = 3                                                        # a smaller server, say
+    limit[0] = 3  # a smaller server, say
     await queue.flush()
     assert server.calls == [ids[:3], ids[3:6], ids[6:]] and server.held == 0
 
@@ -147,11 +148,11 @@ async def test_flush_sends_at_once_cancels_the_timer_and_waits_for_the_answers(t
     queue.add(ids[0])
     assert timers.armed == 1
     await queue.flush()
-    assert server.answers == [[True]] and timers.armed == 0             # answered before flush returned
+    assert server.answers == [[True]] and timers.armed == 0  # answered before flush returned
     timers.advance(DELAY)
     await spin()
-    assert server.calls == [[ids[0]]]                                   # no second, empty call
-    queue.add(ids[1])                                                   # a new batch, a new timer
+    assert server.calls == [[ids[0]]]  # no second, empty call
+    queue.add(ids[1])  # a new batch, a new timer
     timers.advance(DELAY)
     await spin()
     assert server.calls == [[ids[0]], [ids[1]]] and server.held == 0
@@ -166,7 +167,7 @@ async def test_flush_waits_for_a_send_already_in_flight(timers, server):
         return await server.send(ids)
 
     queue = ReleaseQueue(slow_send, lambda: 1, DELAY, timers)
-    queue.add(lease_id)                                                 # a call's worth: in flight
+    queue.add(lease_id)  # a call's worth: in flight
     flushing = asyncio.ensure_future(queue.flush())
     await spin()
     assert not flushing.done() and server.held == 1
@@ -183,30 +184,34 @@ async def test_a_failed_release_is_dropped_and_the_servers_reaper_takes_the_leas
     caplog.set_level(logging.DEBUG, "kvstore.client.store_client")
     for lease_id in ids[:2]:
         queue.add(lease_id)
-    await queue.flush()                                                 # no error reaches the reader
+    await queue.flush()  # no error reaches the reader
     assert len(server.calls) == 1 and server.held == 3 and len(queue) == 0
     assert "releasing 2 leases failed (they expire)" in caplog.text
     server.down = False
-    queue.add(ids[2])                                                   # the queue goes on
+    queue.add(ids[2])  # the queue goes on
     timers.advance(DELAY)
     await spin()
     assert server.answers == [[True]] and server.held == 2
     timers.advance(LEASE_TTL)
     server.store.reap()
-    assert server.held == 0 and gauges(server.store)["refs"] == 0       # the pins went with them
+    assert server.held == 0 and gauges(server.store)["refs"] == 0  # the pins went with them
 
 
 # --- LeaseWindow ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("start,ttl,now,holds", [
-    (10.0, 1.0, 10.0, True),
-    (10.0, 1.0, 10.948, True),     # 1 s less 5 %, less 1 ms: the window ends at 10.949
-    (10.0, 1.0, 10.949, False),
-    (10.0, 1.0, 10.999, False),    # inside the server's TTL, outside the client's window
-    (10.0, 0.002, 10.0008, True),  # a 2 ms lease: a 0.9 ms window
-    (10.0, 0.002, 10.0009, False),
-    (10.0, 0.0, 10.0, False),
-])
+
+@pytest.mark.parametrize(
+    "start,ttl,now,holds",
+    [
+        (10.0, 1.0, 10.0, True),
+        (10.0, 1.0, 10.948, True),  # 1 s less 5 %, less 1 ms: the window ends at 10.949
+        (10.0, 1.0, 10.949, False),
+        (10.0, 1.0, 10.999, False),  # inside the server's TTL, outside the client's window
+        (10.0, 0.002, 10.0008, True),  # a 2 ms lease: a 0.9 ms window
+        (10.0, 0.002, 10.0009, False),
+        (10.0, 0.0, 10.0, False),
+    ],
+)
 def test_a_lease_window_ends_a_margin_before_the_ttl(start, ttl, now, holds):
     assert LeaseWindow(7, start, ttl).holds(now) is holds
 

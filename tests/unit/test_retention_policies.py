@@ -6,6 +6,7 @@ their children and a leased, acquired or pinned object is never evicted; the pol
 changes which objects stay, never the bytes a held object returns; the ``host_retention``
 setting reaches the tier the embedded store opens, and a bad name is a ``ConfigError``
 naming it.  About 2 s."""
+
 import asyncio
 
 import numpy as np
@@ -54,9 +55,9 @@ def test_parents_outlive_their_children(policy):
     put(t, k2, parent=k1)
     x, y, z = CHAIN.keys(3, seed=34)
     put(t, x)
-    put(t, y)                          # k2 goes: k0 and k1 are older, but have a child
+    put(t, y)  # k2 goes: k0 and k1 are older, but have a child
     assert present(t, [k0, k1, k2]) == [True, True, False]
-    put(t, z)                          # then k1, a tail now, never k0 before it
+    put(t, z)  # then k1, a tail now, never k0 before it
     assert present(t, [k0, k1, k2, x, y, z]) == [True, False, False, True, True, True]
 
 
@@ -66,7 +67,7 @@ def test_a_leased_acquired_or_pinned_object_is_never_evicted(policy):
     t = tier(4, clock=clock, retention=policy)
     a, b, c, d = CHAIN.keys(4, seed=35)
     for k in (a, b, c, d):
-        put(t, k)                      # a, b, c first in either policy's order
+        put(t, k)  # a, b, c first in either policy's order
     lease = t.lease(a, ttl=60)
     view = t.acquire(b)
     assert lease is not None and view is not None
@@ -80,7 +81,7 @@ def test_a_leased_acquired_or_pinned_object_is_never_evicted(policy):
     t.release(b)
     t.release(c)
     t.release_lease(lease.lease_id)
-    for k in more[2:5]:                 # now a, b, c may go, and do
+    for k in more[2:5]:  # now a, b, c may go, and do
         assert put(t, k) is not None
     assert present(t, [a, b, c]) == [False, False, False]
 
@@ -96,9 +97,9 @@ def test_reused_objects_no_longer_used_age_out_only_under_adaptive(policy):
     put(t, a)
     put(t, b)
     _reuse(t, clock, a)
-    _reuse(t, clock, b)                 # a, b: reused, and never used again below
+    _reuse(t, clock, b)  # a, b: reused, and never used again below
     x1, x2, x3 = CHAIN.keys(3, seed=38)
-    for k in (x1, x2, x3, x1, x2):      # x1, then x2, evicted as used once, come back
+    for k in (x1, x2, x3, x1, x2):  # x1, then x2, evicted as used once, come back
         clock.now += 1
         put(t, k)
     assert present(t, [a, b, x1, x2]) == [policy == "reuse", True, True, True]

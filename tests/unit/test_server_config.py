@@ -1,5 +1,6 @@
 """ServerConfig: precedence flags > KVSTORE_SERVE_* > YAML file > defaults, conversions, and
 bad values that must name the key and where it came from."""
+
 from pathlib import Path
 
 import pytest
@@ -22,19 +23,20 @@ def test_defaults():
 
 def test_precedence_flags_over_env_over_file(tmp_path):
     conf = tmp_path / "serve.yaml"
-    conf.write_text("host-capacity: 2GiB\nssd_capacity: 3GiB\nlease_ttl: 7\nlisten: 0.0.0.0:1\n"
-                    "max_keys_per_call: 10\ninsecure: true\n")
-    env = {"KVSTORE_SERVE_SSD_CAPACITY": "4GiB", "KVSTORE_SERVE_LEASE_TTL": "8",
-           "KVSTORE_SERVE_CONFIG": str(conf)}
+    conf.write_text(
+        "host-capacity: 2GiB\nssd_capacity: 3GiB\nlease_ttl: 7\nlisten: 0.0.0.0:1\n"
+        "max_keys_per_call: 10\ninsecure: true\n"
+    )
+    env = {"KVSTORE_SERVE_SSD_CAPACITY": "4GiB", "KVSTORE_SERVE_LEASE_TTL": "8", "KVSTORE_SERVE_CONFIG": str(conf)}
     flags = {"lease_ttl": "9", "ssd_dir": str(tmp_path), "redis": None}
     cfg = ServerConfig.from_sources(flags, env=env)
-    assert cfg.host_capacity == 2 * GiB      # file only
-    assert cfg.ssd_capacity == 4 * GiB       # env beats file
-    assert cfg.lease_ttl == 9.0              # flag beats env and file
+    assert cfg.host_capacity == 2 * GiB  # file only
+    assert cfg.ssd_capacity == 4 * GiB  # env beats file
+    assert cfg.lease_ttl == 9.0  # flag beats env and file
     assert cfg.listen == "0.0.0.0:1"
     assert cfg.max_keys_per_call == 10
     assert cfg.ssd_dir == Path(tmp_path)
-    assert cfg.redis is None                 # a flag left out (None) does not override
+    assert cfg.redis is None  # a flag left out (None) does not override
 
 
 def test_config_flag_beats_env_config(tmp_path):
@@ -46,48 +48,58 @@ def test_config_flag_beats_env_config(tmp_path):
 
 
 def test_env_conversions():
-    env = {"KVSTORE_SERVE_METRICS_PORT": "0", "KVSTORE_SERVE_WRITE_POLICY": "host_only",
-           "KVSTORE_SERVE_PUT_TTL": "2.5", "KVSTORE_SERVE_MAX_OBJECT_BYTES": "1MiB"}
+    env = {
+        "KVSTORE_SERVE_METRICS_PORT": "0",
+        "KVSTORE_SERVE_WRITE_POLICY": "host_only",
+        "KVSTORE_SERVE_PUT_TTL": "2.5",
+        "KVSTORE_SERVE_MAX_OBJECT_BYTES": "1MiB",
+    }
     cfg = ServerConfig.from_sources({}, env=env)
     assert cfg.metrics_port == 0 and cfg.write_policy is WritePolicy.HOST_ONLY
     assert cfg.put_ttl_s == 2.5 and cfg.max_object_bytes == MiB
 
 
-@pytest.mark.parametrize("flags,env,needle", [
-    ({"host_capacity": "lots"}, {}, "--host-capacity: cannot parse size 'lots'"),
-    ({}, {"KVSTORE_SERVE_SSD_CAPACITY": "-3"}, "KVSTORE_SERVE_SSD_CAPACITY"),
-    ({"lease_ttl": "soon"}, {}, "--lease-ttl: expected a number of seconds, got 'soon'"),
-    ({"lease_ttl": "0"}, {}, "lease_ttl must be a positive number"),
-    ({"lease_ttl": "60", "max_lease_ttl": "30"}, {}, "max_lease_ttl (30.0) is below lease_ttl (60.0)"),
-    ({"metrics_port": "http"}, {}, "--metrics-port: expected an integer, got 'http'"),
-    ({"metrics_port": "70000"}, {}, "metrics_port must lie in [0, 65535]"),
-    ({"listen": "localhost"}, {}, "listen address 'localhost' must be HOST:PORT"),
-    ({"listen": "h:99999"}, {}, "must be HOST:PORT with a port in [0, 65535]"),
-    ({"tls_cert": "c.pem"}, {}, "tls_cert and tls_key must be given together"),
-    ({"tls_client_ca": "ca.pem"}, {}, "tls_client_ca needs tls_cert"),
-    ({"frame_bytes": "8MiB"}, {}, "max_message_bytes (8388608) must be at least frame_bytes + 64 KiB"),
-    ({"max_object_bytes": "100"}, {}, "max_object_bytes must hold at least a 256-byte header"),
-    ({"max_keys_per_call": "0"}, {}, "max_keys_per_call must be positive"),
-    ({"max_unauthenticated_per_peer": "0"}, {}, "max_unauthenticated_per_peer must be positive"),
-    ({}, {"KVSTORE_SERVE_MAX_UNAUTHENTICATED": "-1"}, "max_unauthenticated must be positive"),
-    ({"request_timeout": "0"}, {}, "request_timeout must be a positive number"),
-    ({}, {"KVSTORE_SERVE_HELLO_TIMEOUT": "0"}, "hello_timeout must be a positive number"),
-    ({"bogus": "1"}, {}, "command line: unknown key 'bogus'"),
-    ({}, {"KVSTORE_SERVE_WRITE_POLICY": "maybe"}, "KVSTORE_SERVE_WRITE_POLICY: 'maybe' is not one of"),
-    ({"write_policy": "write_back"}, {}, "write_back: the store process writes through or not at all"),
-])
+@pytest.mark.parametrize(
+    "flags,env,needle",
+    [
+        ({"host_capacity": "lots"}, {}, "--host-capacity: cannot parse size 'lots'"),
+        ({}, {"KVSTORE_SERVE_SSD_CAPACITY": "-3"}, "KVSTORE_SERVE_SSD_CAPACITY"),
+        ({"lease_ttl": "soon"}, {}, "--lease-ttl: expected a number of seconds, got 'soon'"),
+        ({"lease_ttl": "0"}, {}, "lease_ttl must be a positive number"),
+        ({"lease_ttl": "60", "max_lease_ttl": "30"}, {}, "max_lease_ttl (30.0) is below lease_ttl (60.0)"),
+        ({"metrics_port": "http"}, {}, "--metrics-port: expected an integer, got 'http'"),
+        ({"metrics_port": "70000"}, {}, "metrics_port must lie in [0, 65535]"),
+        ({"listen": "localhost"}, {}, "listen address 'localhost' must be HOST:PORT"),
+        ({"listen": "h:99999"}, {}, "must be HOST:PORT with a port in [0, 65535]"),
+        ({"tls_cert": "c.pem"}, {}, "tls_cert and tls_key must be given together"),
+        ({"tls_client_ca": "ca.pem"}, {}, "tls_client_ca needs tls_cert"),
+        ({"frame_bytes": "8MiB"}, {}, "max_message_bytes (8388608) must be at least frame_bytes + 64 KiB"),
+        ({"max_object_bytes": "100"}, {}, "max_object_bytes must hold at least a 256-byte header"),
+        ({"max_keys_per_call": "0"}, {}, "max_keys_per_call must be positive"),
+        ({"max_unauthenticated_per_peer": "0"}, {}, "max_unauthenticated_per_peer must be positive"),
+        ({}, {"KVSTORE_SERVE_MAX_UNAUTHENTICATED": "-1"}, "max_unauthenticated must be positive"),
+        ({"request_timeout": "0"}, {}, "request_timeout must be a positive number"),
+        ({}, {"KVSTORE_SERVE_HELLO_TIMEOUT": "0"}, "hello_timeout must be a positive number"),
+        ({"bogus": "1"}, {}, "command line: unknown key 'bogus'"),
+        ({}, {"KVSTORE_SERVE_WRITE_POLICY": "maybe"}, "KVSTORE_SERVE_WRITE_POLICY: 'maybe' is not one of"),
+        ({"write_policy": "write_back"}, {}, "write_back: the store process writes through or not at all"),
+    ],
+)
 def test_bad_values_are_named(flags, env, needle):
     with pytest.raises(ConfigError) as info:
         ServerConfig.from_sources(flags, env=env)
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("host_capacity: 1GiB\nhost_capacty: 2GiB\n", "unknown key 'host_capacty'"),
-    ("- a\n", "expected a mapping of settings, got list"),
-    ("listen: [1, 2\n", "is not valid YAML"),
-    ("listen: 5\n", "expected a string, got 5"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("host_capacity: 1GiB\nhost_capacty: 2GiB\n", "unknown key 'host_capacty'"),
+        ("- a\n", "expected a mapping of settings, got list"),
+        ("listen: [1, 2\n", "is not valid YAML"),
+        ("listen: 5\n", "expected a string, got 5"),
+    ],
+)
 def test_bad_files_are_named(tmp_path, text, needle):
     conf = tmp_path / "serve.yaml"
     conf.write_text(text)
@@ -107,12 +119,15 @@ def test_empty_file_is_all_defaults(tmp_path):
     assert ServerConfig.from_sources({"config": str(conf)}, env={}) == ServerConfig()
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("127.0.0.1:0", ("127.0.0.1", 0)),
-    ("0.0.0.0:50051", ("0.0.0.0", 50051)),
-    ("[::1]:7", ("[::1]", 7)),
-    ("store.local:65535", ("store.local", 65535)),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("127.0.0.1:0", ("127.0.0.1", 0)),
+        ("0.0.0.0:50051", ("0.0.0.0", 50051)),
+        ("[::1]:7", ("[::1]", 7)),
+        ("store.local:65535", ("store.local", 65535)),
+    ],
+)
 def test_split_listen(text, expected):
     assert split_listen(text) == expected
 
@@ -125,23 +140,32 @@ def test_split_listen_rejects(bad):
 
 def test_yaml_values_of_every_type(tmp_path):
     conf = tmp_path / "serve.yaml"
-    conf.write_text("host-capacity: 2GiB\nssd_dir: null\nlease_ttl: 12\nput_ttl: 1.5\nmetrics_port: 0\n"
-                    "write_policy: host_only\nredis: ''\nready_file: ready.txt\nmax_object_bytes: 1048576\n")
+    conf.write_text(
+        "host-capacity: 2GiB\nssd_dir: null\nlease_ttl: 12\nput_ttl: 1.5\nmetrics_port: 0\n"
+        "write_policy: host_only\nredis: ''\nready_file: ready.txt\nmax_object_bytes: 1048576\n"
+    )
     cfg = ServerConfig.from_sources({"config": str(conf)}, env={})
     assert (cfg.host_capacity, cfg.ssd_dir, cfg.lease_ttl) == (2 * GiB, None, 12.0)
     assert (cfg.put_ttl, cfg.metrics_port) == (1.5, 0)
-    assert (cfg.write_policy, cfg.redis, cfg.ready_file, cfg.max_object_bytes) == \
-        (WritePolicy.HOST_ONLY, None, Path("ready.txt"), MiB)
+    assert (cfg.write_policy, cfg.redis, cfg.ready_file, cfg.max_object_bytes) == (
+        WritePolicy.HOST_ONLY,
+        None,
+        Path("ready.txt"),
+        MiB,
+    )
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("lease_ttl: soon\n", ": lease_ttl: expected a number of seconds, got 'soon'"),
-    ("metrics_port: 1.5\n", ": metrics_port: expected an integer, got 1.5"),
-    ("write_policy: sometimes\n", ": write_policy: 'sometimes' is not one of write_through"),
-    ("ssd_dir: [a]\n", ": ssd_dir: expected a path, got ['a']"),
-    ("lease_ttl: 9\nlease-ttl: 8\n", "'lease-ttl' repeats the setting 'lease_ttl'"),
-    ("lease_ttl: 400\n", "max_lease_ttl (300.0) is below lease_ttl (400.0) (from "),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("lease_ttl: soon\n", ": lease_ttl: expected a number of seconds, got 'soon'"),
+        ("metrics_port: 1.5\n", ": metrics_port: expected an integer, got 1.5"),
+        ("write_policy: sometimes\n", ": write_policy: 'sometimes' is not one of write_through"),
+        ("ssd_dir: [a]\n", ": ssd_dir: expected a path, got ['a']"),
+        ("lease_ttl: 9\nlease-ttl: 8\n", "'lease-ttl' repeats the setting 'lease_ttl'"),
+        ("lease_ttl: 400\n", "max_lease_ttl (300.0) is below lease_ttl (400.0) (from "),
+    ],
+)
 def test_bad_yaml_values_name_the_file_and_key(tmp_path, text, needle):
     conf = tmp_path / "serve.yaml"
     conf.write_text(text)
@@ -212,8 +236,14 @@ def test_serve_flags_are_the_settings():
 
 def test_bounds_of_what_clients_hold_have_defaults_and_come_from_every_source():
     cfg = ServerConfig.from_sources({}, env={})
-    assert (cfg.request_timeout, cfg.hello_timeout, cfg.max_unauthenticated_per_peer,
-            cfg.max_unauthenticated) == (2.0, 2.0, 16, 1024)
-    cfg = ServerConfig.from_sources({"request_timeout": "0.5"}, env={"KVSTORE_SERVE_HELLO_TIMEOUT": "3",
-                                                                    "KVSTORE_SERVE_MAX_UNAUTHENTICATED_PER_PEER": "4"})
+    assert (cfg.request_timeout, cfg.hello_timeout, cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated) == (
+        2.0,
+        2.0,
+        16,
+        1024,
+    )
+    cfg = ServerConfig.from_sources(
+        {"request_timeout": "0.5"},
+        env={"KVSTORE_SERVE_HELLO_TIMEOUT": "3", "KVSTORE_SERVE_MAX_UNAUTHENTICATED_PER_PEER": "4"},
+    )
     assert (cfg.request_timeout, cfg.hello_timeout, cfg.max_unauthenticated_per_peer) == (0.5, 3.0, 4)

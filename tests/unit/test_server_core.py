@@ -4,6 +4,7 @@ lookups and promotions, on a 4-slot shared pool and a fake clock (no gRPC, no sl
 Every object takes exactly one slot, so "the pool is full" and "a slot came back" are exact
 byte counts.  Keys are the client's; the store holds them tenant-scoped (``scoped``).
 """
+
 import asyncio
 
 import numpy as np
@@ -43,10 +44,11 @@ async def visible(store, ks, tenant="a") -> list[bool]:
 
 
 def slot_bytes(host, granted) -> bytes:
-    return bytes(host.array[granted.offset:granted.offset + granted.length])
+    return bytes(host.array[granted.offset : granted.offset + granted.length])
 
 
 # --- a lease pins its slot ------------------------------------------------------------------
+
 
 async def test_delete_hides_a_leased_object_but_its_bytes_stay_until_the_release(pool):
     store, host = pool
@@ -60,16 +62,22 @@ async def test_delete_hides_a_leased_object_but_its_bytes_stay_until_the_release
         assert await store.lease(scoped(key), "a", LEASE_TTL) is not None
 
     assert await store.delete(scoped(a)) is True
-    assert await store.lookup([scoped(a)]) == ([], [])                 # hidden at once
-    assert await store.lease(scoped(a), "a", LEASE_TTL) is None   # new reads miss
-    assert gauges(store) | {"leases": 0} == {"leases": 0, "puts": 0, "bytes": 4 * SLOT, "refs": 4,
-                                             "doomed": 1, "objects": 3}
-    assert await put(store, e) is PutResult.NO_ROOM                    # its room stays taken
-    assert slot_bytes(host, granted) == before                         # its bytes stay put
+    assert await store.lookup([scoped(a)]) == ([], [])  # hidden at once
+    assert await store.lease(scoped(a), "a", LEASE_TTL) is None  # new reads miss
+    assert gauges(store) | {"leases": 0} == {
+        "leases": 0,
+        "puts": 0,
+        "bytes": 4 * SLOT,
+        "refs": 4,
+        "doomed": 1,
+        "objects": 3,
+    }
+    assert await put(store, e) is PutResult.NO_ROOM  # its room stays taken
+    assert slot_bytes(host, granted) == before  # its bytes stay put
 
-    assert store.release_leases([granted.lease_id], "a") == [False]    # deleted: not vouched for
+    assert store.release_leases([granted.lease_id], "a") == [False]  # deleted: not vouched for
     assert gauges(store)["doomed"] == 0 and gauges(store)["bytes"] == 3 * SLOT
-    assert await put(store, e) is PutResult.STORED                     # fits exactly now
+    assert await put(store, e) is PutResult.STORED  # fits exactly now
 
 
 async def test_a_lease_keeps_its_object_from_eviction(pool):
@@ -93,7 +101,7 @@ async def test_a_pool_of_leased_objects_refuses_puts_until_one_is_released(pool)
         leases.append((await store.lease(scoped(key), "a", LEASE_TTL)).lease_id)
     assert await put(store, extra) is PutResult.NO_ROOM
     assert store.release_leases(leases[:1], "a") == [True]
-    assert await put(store, extra) is PutResult.STORED                 # the released one went
+    assert await put(store, extra) is PutResult.STORED  # the released one went
     assert await visible(store, leased) == [False, True, True, True]
 
 
@@ -112,6 +120,7 @@ async def test_a_stream_read_holds_a_reference_not_a_lease(pool):
 
 # --- renewal, expiry and the reaper ---------------------------------------------------------
 
+
 async def test_a_renewal_outlives_the_first_ttl_and_an_unrenewed_lease_expires(pool, clock):
     store, _ = pool
     a, b = keys(2)
@@ -123,7 +132,7 @@ async def test_a_renewal_outlives_the_first_ttl_and_an_unrenewed_lease_expires(p
         clock.advance(LEASE_TTL / 2)
         assert store.renew_lease(renewed, "a", LEASE_TTL) == LEASE_TTL
     store.reap()
-    assert gauges(store)["leases"] == 1                                 # the plain one was reaped
+    assert gauges(store)["leases"] == 1  # the plain one was reaped
     assert store.release_leases([renewed, plain], "a") == [True, False]
     with pytest.raises(LeaseError):
         store.renew_lease(plain, "a", LEASE_TTL)
@@ -135,16 +144,15 @@ async def test_an_expired_lease_still_pins_until_reaped_then_the_memory_comes_ba
     for key in held:
         assert await put(store, key) is PutResult.STORED
         assert await store.lease(scoped(key), "a", LEASE_TTL) is not None
-    assert await store.delete(scoped(held[0]))                          # doomed, still pinned
+    assert await store.delete(scoped(held[0]))  # doomed, still pinned
     clock.advance(LEASE_TTL - 0.001)
     store.reap()
-    assert gauges(store)["leases"] == 4                                 # not yet
+    assert gauges(store)["leases"] == 4  # not yet
     clock.advance(0.001)
-    assert await put(store, extra) is PutResult.NO_ROOM                 # expired, but pinned
+    assert await put(store, extra) is PutResult.NO_ROOM  # expired, but pinned
     store.reap()
-    assert gauges(store) == {"leases": 0, "puts": 0, "bytes": 3 * SLOT, "refs": 0, "doomed": 0,
-                             "objects": 3}
-    assert store.snapshot().leases_expired == 3   # the deleted object's lease ended with it
+    assert gauges(store) == {"leases": 0, "puts": 0, "bytes": 3 * SLOT, "refs": 0, "doomed": 0, "objects": 3}
+    assert store.snapshot().leases_expired == 3  # the deleted object's lease ended with it
     assert await put(store, extra) is PutResult.STORED
 
 
@@ -156,7 +164,7 @@ async def test_renewing_an_expired_lease_fails_and_drops_its_pin_at_once(pool, c
     clock.advance(LEASE_TTL)
     with pytest.raises(LeaseError):
         store.renew_lease(lease, "a", LEASE_TTL)
-    assert (gauges(store)["leases"], gauges(store)["refs"]) == (0, 0)   # no reaper pass needed
+    assert (gauges(store)["leases"], gauges(store)["refs"]) == (0, 0)  # no reaper pass needed
     assert store.release_leases([lease], "a") == [False]
 
 
@@ -183,6 +191,7 @@ async def test_stats_doc_reaps_first(pool, clock):
 
 
 # --- releases in batches, and tenants ---------------------------------------------------------
+
 
 async def test_one_release_call_answers_validity_per_lease(pool, clock):
     """Valid, expired, deleted, already released, unknown and another tenant's, in one call."""
@@ -216,8 +225,8 @@ async def test_a_tenant_cannot_renew_or_release_another_tenants_lease(pool, cloc
     with pytest.raises(LeaseError):
         store.renew_lease(lease, "b", 100.0)
     assert store.release_leases([lease], "b") == [False]
-    assert gauges(store)["leases"] == 1                                 # untouched by b
-    clock.advance(LEASE_TTL)                                            # b's renewal did not count
+    assert gauges(store)["leases"] == 1  # untouched by b
+    clock.advance(LEASE_TTL)  # b's renewal did not count
     store.reap()
     assert gauges(store)["leases"] == 0 and store.release_leases([lease], "a") == [False]
 
@@ -229,12 +238,12 @@ async def test_tenants_see_only_their_own_objects(pool):
     store, _ = pool
     (key,) = keys(1)
     scope, perms = Scoper(), frozenset(Permission)
-    raw = (bytes(key.namespace), bytes(key.chunk_hash), key.tag)       # what each client sends
+    raw = (bytes(key.namespace), bytes(key.chunk_hash), key.tag)  # what each client sends
     client_a, as_a = scope.keys(Principal("a", perms), *raw)
     client_b, as_b = scope.keys(Principal("b", perms), *raw)
     assert client_a == client_b == key and as_a != as_b
     assert await put(store, key, tenant="a", seed=1) is PutResult.STORED
-    assert await store.lookup([as_a]) == (["host"], [SLOT])             # a finds it its own way
+    assert await store.lookup([as_a]) == (["host"], [SLOT])  # a finds it its own way
     assert await store.lease(as_b, "b", LEASE_TTL) is None
     assert await store.lookup([as_b]) == ([], [])
     assert await put(store, key, tenant="b", seed=2) is PutResult.STORED  # a separate object
@@ -242,6 +251,7 @@ async def test_tenants_see_only_their_own_objects(pool):
 
 
 # --- lookups and promotions -------------------------------------------------------------------
+
 
 async def test_lookup_answers_the_contiguous_prefix_with_tiers_and_sizes(ssd_pool):
     store, _, ssd = ssd_pool
@@ -253,7 +263,7 @@ async def test_lookup_answers_the_contiguous_prefix_with_tiers_and_sizes(ssd_poo
     await put_lower(ssd, ks[4], sizes[4])
     want = (["host", "host", "ssd", "host", "ssd"], sizes)
     assert await store.lookup([scoped(k) for k in ks]) == want
-    assert await store.lookup([bytes(scoped(k)) for k in ks]) == want   # the servicer's raw bytes
+    assert await store.lookup([bytes(scoped(k)) for k in ks]) == want  # the servicer's raw bytes
     assert await store.delete(scoped(ks[1]))
     assert await store.lookup([scoped(k) for k in ks]) == (["host"], [300])
     c = store.metrics.counters

@@ -4,6 +4,7 @@ expires after ``put_ttl`` and its slot comes back; a commit after that fails cle
 commit whose bytes are not the announced object is refused and frees the slot; a stream's
 reservation is never reaped; a put id is bound to its tenant; write-through lands in SSD.
 """
+
 import asyncio
 
 import numpy as np
@@ -42,11 +43,11 @@ async def test_an_uncommitted_put_start_expires_after_put_ttl_and_its_room_comes
     assert await reserve(store, other, 2 * SLOT) is PutResult.NO_ROOM  # the room is held
     clock.advance(PUT_TTL - 0.001)
     store.reap()
-    assert gauges(store)["puts"] == 1                                   # not yet
+    assert gauges(store)["puts"] == 1  # not yet
     clock.advance(0.001)
     store.reap()
     assert gauges(store) == EMPTY and store.metrics.counters.puts_reaped == 1
-    with pytest.raises(LeaseError) as info:                             # gone: NOT_FOUND
+    with pytest.raises(LeaseError) as info:  # gone: NOT_FOUND
         store.puts.claim(pending.put_id, "a")
     assert not isinstance(info.value, ExpiredPutError)
     assert await put(store, other, 2 * SLOT) is PutResult.STORED
@@ -55,12 +56,12 @@ async def test_an_uncommitted_put_start_expires_after_put_ttl_and_its_room_comes
 async def test_a_commit_after_expiry_fails_cleanly_even_before_the_reaper(store, clock):
     (key,) = keys(1)
     pending = await reserve(store, key)
-    pending.handle.buffer[:] = sealed(key)                              # written in time...
-    clock.advance(PUT_TTL)                                              # ...committed too late
+    pending.handle.buffer[:] = sealed(key)  # written in time...
+    clock.advance(PUT_TTL)  # ...committed too late
     with pytest.raises(ExpiredPutError):
         store.puts.claim(pending.put_id, "a")
     assert gauges(store) == EMPTY and store.metrics.counters.puts_reaped == 1
-    with pytest.raises(LeaseError):                                     # a retry: unknown now
+    with pytest.raises(LeaseError):  # a retry: unknown now
         store.puts.claim(pending.put_id, "a")
     assert await store.lookup([scoped(key)]) == ([], [])
     assert await put(store, key) is PutResult.STORED
@@ -76,7 +77,7 @@ async def test_a_commit_in_time_publishes_under_the_scoped_key(store, clock):
     assert await store.lookup([scoped(key)]) == (["host"], [1000])
     view, _ = await store.acquire(scoped(key))
     assert bytes(view[256:]) == bytes(sealed(key, 1000, seed=5)[256:])  # payload as sent
-    assert bytes(view) == bytes(sealed(scoped(key), 1000, seed=5))       # header rekeyed
+    assert bytes(view) == bytes(sealed(scoped(key), 1000, seed=5))  # header rekeyed
     store.release(scoped(key), len(view))
     assert store.metrics.counters.puts == {("shm", "stored"): 1}
 
@@ -91,8 +92,7 @@ BAD_OBJECTS = {  # what the client wrote into a reservation for `key` of `size` 
     "payload bit flipped": _flip_payload,
     "another key's object": lambda key, size: sealed(keys(2, seed=9)[1], size),
     "sealed for the scoped key": lambda key, size: sealed(scoped(key), size),
-    "header says another length": lambda key, size: np.concatenate(
-        [sealed(key, size - 100), np.zeros(100, np.uint8)]),
+    "header says another length": lambda key, size: np.concatenate([sealed(key, size - 100), np.zeros(100, np.uint8)]),
     "never written": lambda key, size: np.zeros(size, np.uint8),
 }
 
@@ -110,7 +110,7 @@ async def test_a_commit_of_the_wrong_bytes_is_refused_and_frees_the_slot(store, 
     assert gauges(store) == EMPTY
     assert store.metrics.counters.failures == {"bad_object": 1}
     assert await store.lookup([scoped(key)]) == ([], [])
-    assert await put(store, key, 2000) is PutResult.STORED              # the key is free again
+    assert await put(store, key, 2000) is PutResult.STORED  # the key is free again
 
 
 async def test_a_streams_reservation_is_never_reaped_and_cannot_be_claimed(store, clock):
@@ -118,10 +118,10 @@ async def test_a_streams_reservation_is_never_reaped_and_cannot_be_claimed(store
     pending = await reserve(store, key, streamed=True)
     clock.advance(100 * PUT_TTL)
     store.reap()
-    assert gauges(store)["puts"] == 1                                   # its handler owns it
-    with pytest.raises(LeaseError):                                     # no PutCommit for it
+    assert gauges(store)["puts"] == 1  # its handler owns it
+    with pytest.raises(LeaseError):  # no PutCommit for it
         store.puts.claim(pending.put_id, "a")
-    store.puts.abort(pending)                                           # the handler's exit
+    store.puts.abort(pending)  # the handler's exit
     assert gauges(store) == EMPTY
 
 
@@ -130,7 +130,7 @@ async def test_a_put_id_is_bound_to_its_tenant(store):
     pending = await reserve(store, key, tenant="a")
     with pytest.raises(LeaseError):
         store.puts.claim(pending.put_id, "b")
-    assert gauges(store)["puts"] == 1                                   # b's try took nothing
+    assert gauges(store)["puts"] == 1  # b's try took nothing
     pending.handle.buffer[:] = sealed(key)
     assert await store.puts.finish(store.puts.claim(pending.put_id, "a"), "shm") is PutResult.STORED
 
@@ -149,9 +149,9 @@ async def test_reserve_answers_exists_and_refuses_impossible_sizes(store):
     assert await put(store, key) is PutResult.STORED
     assert await reserve(store, key) is PutResult.EXISTS
     with pytest.raises(ConfigError):
-        await reserve(store, keys(2)[1], 255)                           # smaller than a header
+        await reserve(store, keys(2)[1], 255)  # smaller than a header
     with pytest.raises(CapacityError):
-        await reserve(store, keys(2)[1], 5 * SLOT)                      # larger than the pool
+        await reserve(store, keys(2)[1], 5 * SLOT)  # larger than the pool
     assert gauges(store)["puts"] == 0
 
 

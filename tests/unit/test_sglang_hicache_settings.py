@@ -5,6 +5,7 @@ config, engine-only and unknown keys are refused by name, a config without a low
 refused, and that namespaces separate scopes, TP ranks (except MLA KV) and models while SGLang's
 hex keys are the objects' chunk hashes as they are.  Cost: under a second.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,13 @@ from adapters.sglang_hicache.settings import parse_settings
 from kvstore.errors import ConfigError
 from kvstore.keys import ROOT
 
-SGLANG = {"backend_name": "kvstore", "module_path": "adapters.sglang_hicache.backend",
-          "class_name": "KVStoreHiCache", "interface_v1": 1, "prefetch_threshold": 256}
+SGLANG = {
+    "backend_name": "kvstore",
+    "module_path": "adapters.sglang_hicache.backend",
+    "class_name": "KVStoreHiCache",
+    "interface_v1": 1,
+    "prefetch_threshold": 256,
+}
 
 
 def test_sglang_keys_pass_and_tier_keys_parse(tmp_path):
@@ -26,13 +32,16 @@ def test_sglang_keys_pass_and_tier_keys_parse(tmp_path):
     assert (s.scope, s.model) == ("team-a", "")
 
 
-@pytest.mark.parametrize(("extra", "words"), [
-    ({"ssd_dir": "/tmp", "chunk_size": 256}, ["'chunk_size'", "engine side"]),
-    ({"ssd_dir": "/tmp", "bogus": 1}, ["hicache_storage_backend_extra_config", "'bogus'"]),
-    ({"ssd_dir": "/tmp", "scope": 3}, ["scope must be a string"]),
-    ({"host_capacity": "16MiB"}, ["needs a tier below host memory"]),
-    ({"store_target": "no-port"}, ["store_target", "HOST:PORT"]),
-])
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"ssd_dir": "/tmp", "chunk_size": 256}, ["'chunk_size'", "engine side"]),
+        ({"ssd_dir": "/tmp", "bogus": 1}, ["hicache_storage_backend_extra_config", "'bogus'"]),
+        ({"ssd_dir": "/tmp", "scope": 3}, ["scope must be a string"]),
+        ({"host_capacity": "16MiB"}, ["needs a tier below host memory"]),
+        ({"store_target": "no-port"}, ["store_target", "HOST:PORT"]),
+    ],
+)
 def test_bad_configs_are_refused_by_name(extra, words):
     with pytest.raises(ConfigError) as err:
         parse_settings({**SGLANG, **extra}, env={})
@@ -46,10 +55,10 @@ def test_namespaces_separate_scopes_ranks_and_models():
     assert backend_namespaces("m", "t", Shard(tp_rank=0, tp_size=2)).rank != base.rank
     assert backend_namespaces("other", "", Shard(tp_rank=0, tp_size=2)).rank != base.rank
     assert backend_namespaces("m", "", Shard(tp_rank=1, tp_size=2)).rank != base.rank
-    assert base.of_pool("kv") == base.rank   # MHA: KV pages are per TP rank
+    assert base.of_pool("kv") == base.rank  # MHA: KV pages are per TP rank
     mla = [backend_namespaces("m", "", Shard(tp_rank=r, tp_size=2, is_mla=True)) for r in (0, 1)]
-    assert mla[0].of_pool("kv") == mla[1].of_pool("kv")          # MLA KV: one copy for every rank
-    assert mla[0].of_pool("mamba") != mla[1].of_pool("mamba")    # Mamba states stay per rank
+    assert mla[0].of_pool("kv") == mla[1].of_pool("kv")  # MLA KV: one copy for every rank
+    assert mla[0].of_pool("mamba") != mla[1].of_pool("mamba")  # Mamba states stay per rank
 
 
 def test_keys_are_sglang_hashes_and_parents_chain():

@@ -1,5 +1,6 @@
 """SSD tier eviction against real files in tmp_path: chain tails before parents, LRU
 first, and never an object being read (reads held inside their worker thread)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,7 @@ async def test_eviction_takes_lru_chain_tails_before_parents(tmp_path):
     await store(tier, [b0])
     assert await evicted_by(tier, c0) == {a2}  # LRU is a0, but a2 is the oldest tail
     assert await evicted_by(tier, d0) == {a1}  # a1 became a tail, older than b0
-    assert await read(tier, b0) is not None    # b0 is now most recently used
+    assert await read(tier, b0) is not None  # b0 is now most recently used
     assert await evicted_by(tier, e0) == {a0}
     assert await evicted_by(tier, a0) == {c0}
     st = tier.stats()
@@ -68,7 +69,7 @@ async def test_an_object_being_read_is_not_evicted(tmp_path, held_reads):
     await store(tier, [x0, y0])
     reading = await start_read(tier, x0, started)
     assert await evicted_by(tier, z0) == {y0}  # x0 is LRU but pinned by the reader
-    handle = await tier.put_start(w0, SIZE)    # x0 pinned, z0 evictable: evicts z0
+    handle = await tier.put_start(w0, SIZE)  # x0 pinned, z0 evictable: evicts z0
     assert handle is not None and not await tier.contains(z0)
     assert await tier.put_start(CHAIN.keys(1, seed=9)[0], SIZE) is None  # only x0 left, pinned
     release.set()

@@ -2,6 +2,7 @@
 only.  Issue 23: with 80,000 small objects of tenant b, each of a's write-throughs summed and
 scanned all of them on the store's event loop.  Here b's entries count every time anything
 looks at them, and a's reservations, evictions and reads must not."""
+
 from __future__ import annotations
 
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
@@ -29,22 +30,21 @@ def key(tenant: str, i: int) -> ObjectKey:
 
 def test_a_reservation_never_looks_at_another_partitions_objects():
     b_objects, size = 80_000, 64
-    index = Index(10 << 20, partition=lambda k: bytes(k[:1]).decode(),
-                  quotas={"a": 64 * 1024, "b": b_objects * size})
+    index = Index(10 << 20, partition=lambda k: bytes(k[:1]).decode(), quotas={"a": 64 * 1024, "b": b_objects * size})
     for i in range(b_objects):
         index.add(key("b", i), Watched(size, None, i))
-    for i in range(16):                                   # a's partition, full
+    for i in range(16):  # a's partition, full
         index.add(key("a", i), Entry(4096, key("a", i - 1) if i else None, i))
     index.begin_read(key("a", 15))
     Watched.looks = 0
-    for i in range(16, 48):                               # a's write-throughs: each evicts a's own
+    for i in range(16, 48):  # a's write-throughs: each evicts a's own
         victims = index.reserve(4096, key("a", i))
         assert victims and all(k[:1] == b"a" for k, _ in victims)
         index.add(key("a", i), Entry(4096, None, i))
         index.release(4096, key("a", i))
-    assert index.reserve(64 * 1024, key("a", 99)) is None   # a's pinned object: no room, nothing evicted
+    assert index.reserve(64 * 1024, key("a", 99)) is None  # a's pinned object: no room, nothing evicted
     index.end_read(key("a", 15))
-    assert Watched.looks == 0                              # b's 80,000 objects were never looked at
+    assert Watched.looks == 0  # b's 80,000 objects were never looked at
     assert index.objects_by["b"] == b_objects and index.used_by["a"] == 64 * 1024
 
 
@@ -55,11 +55,11 @@ def test_reading_pins_count_as_unevictable_bytes_until_the_last_reader_ends():
     index.begin_read(key("a", 0))
     index.begin_read(key("a", 1))
     index.begin_read(key("a", 1))
-    assert index.reserve(4096, key("a", 2)) is None       # both pinned
+    assert index.reserve(4096, key("a", 2)) is None  # both pinned
     index.end_read(key("a", 1))
-    assert index.reserve(4096, key("a", 2)) is None       # one reader of it remains
+    assert index.reserve(4096, key("a", 2)) is None  # one reader of it remains
     index.end_read(key("a", 1))
     assert [k for k, _ in index.reserve(4096, key("a", 2))] == [key("a", 1)]
-    index.remove(key("a", 0))                              # removed while read: no longer counted
+    index.remove(key("a", 0))  # removed while read: no longer counted
     index.end_read(key("a", 0))
     assert index.reading_by["a"] == 0 and index.used_by["a"] == 0

@@ -1,6 +1,7 @@
 """SSD tier under tenants, against real files in tmp_path: modes 0600/0700, a rebuild that
 never follows a symlink, and partitions (one per tenant) whose quotas are each tenant's
 limit and guaranteed share."""
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,7 @@ async def test_the_rebuild_never_follows_a_symlinked_tmp_or_shard(tmp_path):
     await tier.aclose()
     os.rmdir(root / "tmp")
     os.symlink(precious, root / "tmp")
-    os.symlink(precious, root / "zz")                       # a "shard" that is a link
+    os.symlink(precious, root / "zz")  # a "shard" that is a link
     shard = kv_files(root)[0].parent
     os.symlink(precious / "b.kv", shard / ("x" * 8 + ".kv"))  # an "object" that is a link
     tier = SSDTier(root, 1 << 20)
@@ -90,7 +91,7 @@ async def test_a_tenants_flood_never_evicts_another_tenants_objects(tmp_path):
     for key in mine:
         assert await put(tier, key) is PutResult.STORED
     for key in scoped("b", 30, seed=11):
-        assert await put(tier, key) is PutResult.STORED       # b evicts only its own
+        assert await put(tier, key) is PutResult.STORED  # b evicts only its own
     assert all([await tier.contains(k) for k in mine])
     assert tier.partition_stats("a") == {"objects": 4, "bytes_used": 4 * SIZE, "capacity_bytes": 4 * SIZE}
     assert tier.partition_stats("b")["bytes_used"] == 4 * SIZE
@@ -102,10 +103,10 @@ async def test_quota_limits_and_keys_of_no_tenant(tmp_path):
     big = scoped("a", 1, seed=12)[0]
     with pytest.raises(CapacityError, match="quota"):
         await tier.put_start(big, 3 * SIZE)
-    assert await tier.put_start(scoped("zz", 1, seed=13)[0], SIZE) is None   # no partition: no room
+    assert await tier.put_start(scoped("zz", 1, seed=13)[0], SIZE) is None  # no partition: no room
     for key in scoped("a", 3, seed=14):
         assert await put(tier, key) is PutResult.STORED
-    assert tier.partition_stats("a")["objects"] == 2                       # its quota held
+    assert tier.partition_stats("a")["objects"] == 2  # its quota held
     await tier.aclose()
 
 
@@ -120,9 +121,9 @@ async def test_orphans_go_first_and_a_smaller_quota_is_trimmed_at_start(tmp_path
     MARKS[tenant_mark("c")] = "c"
     try:
         for key in scoped("c", 4, seed=17):
-            assert await put(tier, key) is PutResult.STORED                # room made from orphans
+            assert await put(tier, key) is PutResult.STORED  # room made from orphans
         assert tier.partition_stats("c")["objects"] == 4 and tier.partition_stats("a")["objects"] == 2
-        assert tier.stats().objects == 8 and tier.stats().evictions == 2 + 2   # 2 trimmed, 2 orphans
+        assert tier.stats().objects == 8 and tier.stats().evictions == 2 + 2  # 2 trimmed, 2 orphans
     finally:
         del MARKS[tenant_mark("c")]
     await tier.aclose()

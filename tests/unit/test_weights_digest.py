@@ -6,6 +6,7 @@ must get another namespace; an engine restarted on the same files must not rehas
 ``COUNTERS`` (bytes and files this process hashed) is the observable that tells a sidecar
 hit from a rehash.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ from kvstore.weights import COUNTERS, PIECE_BYTES, digest_dir, model_files
 
 MiB = 1 << 20
 WEIGHTS = "model.safetensors"
-SIZES = {"config.json": 700, WEIGHTS: 3 * MiB + 5, "tokenizer.json": 4000,
-         "generation_config.json": 120}
+SIZES = {"config.json": 700, WEIGHTS: 3 * MiB + 5, "tokenizer.json": 4000, "generation_config.json": 120}
 
 
 def write_model(root: Path, seed: int = 0) -> Path:
@@ -79,9 +79,18 @@ def total_bytes(root: Path) -> int:
 
 # ---- what is covered --------------------------------------------------------------------------
 
+
 def test_the_covered_files_are_configs_code_weights_and_tokenizers_at_the_top_level(model):
-    extra = ["modeling_custom.py", "tokenizer.model", "merges.txt", "pytorch_model.bin",
-             "consolidated.pth", "model.gguf", "vocab.tiktoken", "weights.pt"]
+    extra = [
+        "modeling_custom.py",
+        "tokenizer.model",
+        "merges.txt",
+        "pytorch_model.bin",
+        "consolidated.pth",
+        "model.gguf",
+        "vocab.tiktoken",
+        "weights.pt",
+    ]
     for name in extra:
         (model / name).write_bytes(b"x")
     for name in ("README.md", "logo.png", ".gitattributes"):
@@ -91,10 +100,17 @@ def test_the_covered_files_are_configs_code_weights_and_tokenizers_at_the_top_le
     assert [p.name for p in model_files(model)] == sorted([*SIZES, *extra])
 
 
-@pytest.mark.parametrize("name,offset", [
-    (WEIGHTS, 0), (WEIGHTS, SIZES[WEIGHTS] // 2), (WEIGHTS, SIZES[WEIGHTS] - 1),
-    ("config.json", 350), ("generation_config.json", 0), ("tokenizer.json", 3999),
-])
+@pytest.mark.parametrize(
+    "name,offset",
+    [
+        (WEIGHTS, 0),
+        (WEIGHTS, SIZES[WEIGHTS] // 2),
+        (WEIGHTS, SIZES[WEIGHTS] - 1),
+        ("config.json", 350),
+        ("generation_config.json", 0),
+        ("tokenizer.json", 3999),
+    ],
+)
 def test_one_byte_anywhere_in_a_covered_file_changes_the_digest(model, cache, name, offset):
     """Same size, same inode, mtime forged back: the sidecar must not be trusted (ctime)."""
     first, hashed, _ = digest(model, cache)
@@ -102,7 +118,7 @@ def test_one_byte_anywhere_in_a_covered_file_changes_the_digest(model, cache, na
     edit_in_place(model / name, offset, keep_mtime=True)
     second, hashed, files = digest(model, cache)
     assert second != first
-    assert (hashed, files) == (SIZES[name], 1)        # only the edited file was rehashed
+    assert (hashed, files) == (SIZES[name], 1)  # only the edited file was rehashed
 
 
 def test_files_left_out_do_not_change_the_digest(model, cache):
@@ -153,6 +169,7 @@ def test_pieces_and_threads_do_not_change_the_digest_but_every_piece_counts(tmp_
 
 # ---- the sidecar ------------------------------------------------------------------------------
 
+
 def test_a_second_call_reads_the_sidecar_and_hashes_nothing(model, cache):
     first, hashed, files = digest(model, cache)
     assert (hashed, files) == (total_bytes(model), len(SIZES))
@@ -164,13 +181,16 @@ def test_a_second_call_reads_the_sidecar_and_hashes_nothing(model, cache):
 def test_a_corrupt_sidecar_is_ignored_and_rewritten(model, cache):
     first = digest(model, cache)[0]
     (sidecar,) = cache.glob("*.json")
-    for garbage in (b"{not json", json.dumps({"format": "other"}).encode(),
-                    json.dumps({"format": weights.DIGEST_FORMAT, "files": [{"key": [1]}]}).encode(),
-                    b"\xff\xfe"):
+    for garbage in (
+        b"{not json",
+        json.dumps({"format": "other"}).encode(),
+        json.dumps({"format": weights.DIGEST_FORMAT, "files": [{"key": [1]}]}).encode(),
+        b"\xff\xfe",
+    ):
         sidecar.write_bytes(garbage)
         again, hashed, _ = digest(model, cache)
         assert again == first and hashed == total_bytes(model)
-    assert digest(model, cache)[1:] == (0, 0)             # rewritten whole
+    assert digest(model, cache)[1:] == (0, 0)  # rewritten whole
 
 
 def test_a_forged_sidecar_entry_for_other_stamps_is_not_trusted(model, cache):
@@ -179,7 +199,7 @@ def test_a_forged_sidecar_entry_for_other_stamps_is_not_trusted(model, cache):
     (sidecar,) = cache.glob("*.json")
     doc = json.loads(sidecar.read_text())
     for entry in doc["files"]:
-        entry["key"][5] += 1                               # ctime_ns
+        entry["key"][5] += 1  # ctime_ns
         entry["digest"] = "0" * 32
     sidecar.write_text(json.dumps(doc))
     assert digest(model, cache)[:2] == (first, total_bytes(model))
@@ -212,8 +232,10 @@ def test_the_cache_location_follows_the_environment(monkeypatch, tmp_path):
 
 # ---- across processes -------------------------------------------------------------------------
 
-_CHILD = ("import sys; from kvstore.weights import digest_dir; "
-          "print(hash('kvstore-seed-probe')); print(digest_dir(sys.argv[1], cache_dir=sys.argv[2]))")
+_CHILD = (
+    "import sys; from kvstore.weights import digest_dir; "
+    "print(hash('kvstore-seed-probe')); print(digest_dir(sys.argv[1], cache_dir=sys.argv[2]))"
+)
 
 
 def test_the_same_files_give_the_same_digest_in_other_processes(model, tmp_path):
@@ -221,8 +243,15 @@ def test_the_same_files_give_the_same_digest_in_other_processes(model, tmp_path)
     outs = []
     for seed in ("1", "777"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(tmp_path / f"c{seed}")],
-                              env=env, cwd=root, capture_output=True, text=True, timeout=120, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(model), str(tmp_path / f"c{seed}")],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         outs.append(proc.stdout.split())
     assert outs[0][0] != outs[1][0], "the children must run with different str hash seeds"
     assert outs[0][1] == outs[1][1] == digest_dir(model, cache_dir=tmp_path / "parent")

@@ -1,6 +1,7 @@
 """Every encoder of ``kvstore.wire`` is read back by its decoder (and the hand-made protobuf
 varints by protobuf's own): ``proto`` and ``shm`` here; ``data`` in test_datawire.py and
 ``kv`` in test_kv_events.py (decoded with vLLM's own structs).  Cost: well under a second."""
+
 from __future__ import annotations
 
 import os
@@ -34,23 +35,25 @@ def test_a_truncated_or_overlong_varint_raises_the_callers_error():
 def test_a_gate_hello_reads_back():
     ticket = os.urandom(TICKET_SIZE)
     hello = shm.encode_hello(ticket, "tok-é")
-    assert shm.decode_hello(hello[:HELLO.size]) == (ticket, len("tok-é".encode()))
-    assert hello[HELLO.size:] == "tok-é".encode()
+    assert shm.decode_hello(hello[: HELLO.size]) == (ticket, len("tok-é".encode()))
+    assert hello[HELLO.size :] == "tok-é".encode()
     with pytest.raises(shm.ShmWireError, match="magic"):
-        shm.decode_hello(b"XXXX" + hello[4:HELLO.size])
+        shm.decode_hello(b"XXXX" + hello[4 : HELLO.size])
 
 
-@pytest.mark.parametrize("code,writable,session,size,message", [
-    (0, True, 7, 1 << 30, ""), (7, False, 0, 0, "uid 65534 may not map this store's memory")])
+@pytest.mark.parametrize(
+    "code,writable,session,size,message",
+    [(0, True, 7, 1 << 30, ""), (7, False, 0, 0, "uid 65534 may not map this store's memory")],
+)
 def test_a_gate_reply_reads_back(code, writable, session, size, message):
     raw = shm.encode_reply(code, writable, session, size, message)
-    reply = shm.decode_reply(raw[:shm.REPLY.size])
+    reply = shm.decode_reply(raw[: shm.REPLY.size])
     assert (reply.code, reply.writable, reply.session, reply.pool_size) == (code, writable, session, size)
-    assert raw[shm.REPLY.size:shm.REPLY.size + reply.message_len].decode() == message
+    assert raw[shm.REPLY.size : shm.REPLY.size + reply.message_len].decode() == message
 
 
 def test_a_malformed_gate_reply_is_refused():
     raw = bytearray(shm.encode_reply(0, True, 1, 4096))
     raw[1] = 2  # writable must be 0 or 1
     with pytest.raises(shm.ShmWireError, match="malformed"):
-        shm.decode_reply(bytes(raw[:shm.REPLY.size]))
+        shm.decode_reply(bytes(raw[: shm.REPLY.size]))

@@ -1,6 +1,7 @@
 """``WorkerHalf`` end to end under CUDA's stream semantics on the CPU (``emulated-cuda``),
 on a flash-attention HND paged KV: the stories of ``tests/kits/worker_stories.py``, which
 tests/gpu/test_worker_cuda.py runs on a real GPU."""
+
 from __future__ import annotations
 
 from connector.emulated_cuda import EmulatedCudaDevice

@@ -1,6 +1,7 @@
 """The one write-down path (``kvstore.store.writedown``) on a real host pool and real SSD
 directories: write-through and write-back, the in-flight bound, the bounded queue (a full
 queue drops, counted, and leaks no host reference), failing tiers, deletes and close."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,9 @@ class Recorder(StoreObserver):
 class Rig:
     """A host pool of ``pages`` 4 KiB units over SSD directories, and its write-down."""
 
-    def __init__(self, tmp_path, policy: str, pages: int = 16, ssds: int = 1, ssd_capacity: int = 1 << 20,
-                 **kw) -> None:
+    def __init__(
+        self, tmp_path, policy: str, pages: int = 16, ssds: int = 1, ssd_capacity: int = 1 << 20, **kw
+    ) -> None:
         self.host = HostTier(pages * P, pin=False)
         self.ssds = [SSDTier(tmp_path / f"ssd{i}", ssd_capacity, name=f"ssd{i}") for i in range(ssds)]
         self.counters, self.observer = StoreCounters(), Recorder()
@@ -131,8 +133,8 @@ async def test_submit_waits_a_bounded_time_for_room_instead_of_dropping(rigs):
         handle = r.host.put_start_sync(k, len(obj))
         handle.buffer[:] = obj
         assert r.host.put_commit_sync(handle)
-    assert await r.writer.submit(ks[2], None, wait_s=0) is Offer.DROPPED     # no wait: dropped
-    assert await r.writer.submit(ks[3], None, wait_s=10) is Offer.QUEUED     # waited for room
+    assert await r.writer.submit(ks[2], None, wait_s=0) is Offer.DROPPED  # no wait: dropped
+    assert await r.writer.submit(ks[3], None, wait_s=10) is Offer.QUEUED  # waited for room
     assert await r.writer.drain(5)
     assert await r.on_ssd(ks) == [True, True, False, True] and r.refs() == 0
 

@@ -179,6 +179,13 @@ class ConnectorConfig(LeaseSettings, TierSettings):
         "or Redis with AES-256-GCM under the tenant's key (docs/integrity.md); "
         "the store process encrypts per its tenants' `encrypt` setting",
     )
+    mac_objects: bool = setting(
+        True,
+        "seal every object this connector writes to its own SSD directory with a keyed MAC and "
+        "check it on every read (docs/integrity.md); false only for a private, single-tenant SSD "
+        "directory (refused with `redis_url` or `encrypt_at_rest`), e.g. to measure the MAC's cost "
+        "(`kvstore bench mac`)",
+    )
     kv_events_encoding: EventLayout = setting(
         EventLayout.MAP,
         "how the connector's KV events are encoded in "
@@ -204,6 +211,11 @@ class ConnectorConfig(LeaseSettings, TierSettings):
             raise ConfigError("store_token and store_token_file: give the token one way")
         if (self.store_tls_cert is None) != (self.store_tls_key is None):
             raise ConfigError("store_tls_cert and store_tls_key go together (a client certificate and its key)")
+        if not self.mac_objects and (self.redis_url or self.encrypt_at_rest):
+            raise ConfigError(
+                "mac_objects: false is only for a private SSD directory: objects in a shared Redis "
+                "(redis_url) or encrypted at rest (encrypt_at_rest) are always sealed"
+            )
 
     def __repr__(self) -> str:
         """Every setting, secrets redacted: the token (``***``) and a Redis URL's password."""

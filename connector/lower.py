@@ -112,8 +112,9 @@ async def open_store(
 
 def keys_of(cfg: ConnectorConfig):
     """The MAC keys of the engine's own lower tiers (module docstring): a function of the
-    key giving the engine's tenant's ``Keyring``, or None (no SSD directory nor Redis)."""
-    if cfg.ssd_dir is None and not cfg.redis_url:
+    key giving the engine's tenant's ``Keyring``, or None (no SSD directory nor Redis, or
+    ``mac_objects`` off for a private SSD directory)."""
+    if not cfg.mac_objects or (cfg.ssd_dir is None and not cfg.redis_url):
         return None
     ring = integrity.load_keys(cfg.keys_file).keyring().encrypting(cfg.encrypt_at_rest)
     return lambda _key: ring

@@ -225,7 +225,9 @@ def test_every_documented_connector_key_is_read():
         env={},
     )
     defaults = ConnectorConfig()
-    assert all(getattr(cfg, k) != getattr(defaults, k) for k in keys - {"store_token_file", "keys_file"})
+    assert all(getattr(cfg, k) != getattr(defaults, k) for k in keys - {"store_token_file", "keys_file", "mac_objects"})
+    # mac_objects off is refused beside redis_url and encrypt_at_rest (tests/unit/test_lower.py)
+    assert ConnectorConfig.from_extra_config({"mac_objects": "false"}, env={}).mac_objects != defaults.mac_objects
     from_file = ConnectorConfig.from_extra_config({"store_token_file": "/run/t"}, env={})
     assert from_file.store_token_file != defaults.store_token_file
 

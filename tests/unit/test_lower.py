@@ -9,11 +9,13 @@ from test_host_tier import make_obj  # noqa: E402 - shared object maker
 
 from connector.config import ConnectorConfig
 from connector.lower import lower_tier_specs, open_store, tier_specs
+from kvstore import codec
 from kvstore.config import RetentionPolicy
-from kvstore.errors import TierUnavailableError
+from kvstore.errors import ConfigError, TierUnavailableError
 from kvstore.store.writedown import Offer
 from kvstore.testing.redis_proc import free_port
 from tests.kits.chain import keys_of, namespace
+from tiers.ssd_files import scan_objects
 
 NS = namespace("lower")
 
@@ -99,3 +101,28 @@ async def test_write_down_results_become_connector_counters(tmp_path):
         assert counts.failures[-1] == ("ssd", "lookup:TierUnavailableError")
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("mac", [True, False])
+async def test_mac_objects_decides_whether_ssd_objects_are_sealed(tmp_path, mac):
+    """``mac_objects`` on (the default): what the connector writes to its SSD directory
+    carries a key id and a MAC; off (a private directory, ``kvstore bench mac``'s limit):
+    unsealed, and still read back.  Off is refused beside a shared Redis or encryption."""
+    cfg = config(ssd_dir=str(tmp_path / "ssd"), mac_objects=str(mac).lower())
+    store = await Counts().open(cfg)
+    (k,) = keys_of(NS, 1)
+    obj = make_obj(k, 1)
+    try:
+        assert (await store.put(k, memoryview(obj))).name == "STORED"
+        assert await store.drain(5)
+        (path,) = scan_objects(tmp_path / "ssd")
+        assert (codec.decode_header(path.read_bytes()).key_id != 0) is mac
+        store.host.delete_sync(k)
+        buf = memoryview(bytearray(len(obj)))
+        got = await store.read_into(k, buf)
+        assert got is not None and bytes(buf[codec.HEADER_SIZE :]) == obj[codec.HEADER_SIZE :].tobytes()
+    finally:
+        await store.aclose()
+    for other in ({"redis_url": "redis://127.0.0.1:1"}, {"encrypt_at_rest": "true"}):
+        with pytest.raises(ConfigError, match="mac_objects: false is only for a private SSD directory"):
+            config(ssd_dir=str(tmp_path / "ssd"), mac_objects="false", **other)

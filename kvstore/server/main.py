@@ -56,7 +56,8 @@ from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, sp
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer
 from kvstore.server.dataserver import describe as describe_data
-from kvstore.server.metrics import ServerMetrics, start_http
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.metricshttp import start_http
 from kvstore.server.observing import start_trace, trace_tiers
 from kvstore.server.peers import PreAuth
 from kvstore.server.process import harden_process, tune_malloc

@@ -6,7 +6,8 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
   (``kvstore.client.rpc.Rpc``: the gRPC channel and stubs, the metadata, what ``Hello``
   said), ``planes`` (``kvstore.client.planes.Planes``: the shared-memory session and the
   TCP data channel), ``reader`` (``kvstore.client.leases.LeasedReader``: same-host reads
-  under a lease, their release queue) and ``writer`` (``kvstore.client.put.Writer``).  The
+  under a lease, their release queue), ``fetcher`` (``kvstore.client.get.Fetcher``: every
+  read, checked and rekeyed) and ``writer`` (``kvstore.client.put.Writer``).  The
   client owns the counters and the copy threads and passes them, and ``rpc`` and
   ``planes``, to the others by reference; it checks and rekeys what any plane read.
 * ``connect`` calls ``Hello`` and picks the data plane (``kvstore.client.planes``): shared
@@ -40,22 +41,21 @@ Runs in the engine's processes.  The contract (proto/kvstore/v1/kvstore.proto, d
 
 One client belongs to one event loop.
 """
+
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import suppress
 
 import grpc
 import grpc.aio
-import numpy as np
-import xxhash
 
-from kvstore import codec
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.client.dataplane import Copier, check_object, decode_get_frame, lookup_requests
+from kvstore.client.dataplane import Copier, lookup_requests
+from kvstore.client.get import Fetcher
 from kvstore.client.info import (
     TIER_NAMES,
     ClientCounters,
@@ -67,13 +67,12 @@ from kvstore.client.info import (
     open_channel,
 )
 from kvstore.client.leases import RELEASE_DELAY_S, LeasedReader
-from kvstore.client.planes import CODES, Planes
+from kvstore.client.planes import Planes
 from kvstore.client.put import Writer
 from kvstore.client.rpc import Rpc
-from kvstore.errors import ConfigError, ObjectFormatError, TierError
-from kvstore.keys import ROOT, ChunkHash, Namespace, ObjectKey
+from kvstore.errors import ConfigError, TierError
+from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from kvstore.localtoken import local_token
-from kvstore.wire import data as wire
 from tiers.base import PutResult
 
 log = logging.getLogger("kvstore.client.store_client")
@@ -82,27 +81,53 @@ Code = grpc.StatusCode
 
 class StoreClient:
     """A connection to one store process (see the module docstring).  Owns its collaborators
-    (``rpc``, ``planes``, ``reader``, ``writer``), the ``counters`` and the copy threads, and
-    caches the namespaces scoped to the token's tenant."""
+    (``rpc``, ``planes``, ``reader``, ``fetcher``, ``writer``), the ``counters`` and the copy
+    threads."""
 
-    def __init__(self, channel: grpc.aio.Channel, target: str, token: str | None, timeout_s: float,
-                 transport: Transport, after_copy: Callable[[], Awaitable[object]] | None = None,
-                 release_delay_s: float = RELEASE_DELAY_S, lease_ttl_s: float | None = None,
-                 *, tls: ssl.SSLContext | None = None, server_name: str | None = None) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        target: str,
+        token: str | None,
+        timeout_s: float,
+        transport: Transport,
+        after_copy: Callable[[], Awaitable[object]] | None = None,
+        release_delay_s: float = RELEASE_DELAY_S,
+        lease_ttl_s: float | None = None,
+        *,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.transport = transport
         self.counters = ClientCounters()
         self.rpc = Rpc(channel, target, token, timeout_s, self.counters)
-        self.planes = Planes(target, transport, timeout_s, token, tls, server_name,
-                             ticket=self.rpc.ticket, status_error=self.rpc.status_error)
+        self.planes = Planes(
+            target,
+            transport,
+            timeout_s,
+            token,
+            tls,
+            server_name,
+            ticket=self.rpc.ticket,
+            status_error=self.rpc.status_error,
+        )
         self._copier = Copier()
         # Leases asked for on Get: 0 lets the server choose (its lease_ttl, capped at max_lease_ttl).
         lease_ms = 0 if lease_ttl_s is None else max(1, round(lease_ttl_s * 1000))
-        self.reader = LeasedReader(self.rpc, self.planes, self.counters, self._copier, lease_ms,
-                                   release_delay_s, after_copy)
+        self.reader = LeasedReader(
+            self.rpc, self.planes, self.counters, self._copier, lease_ms, release_delay_s, after_copy
+        )
         self.writer = Writer(self.rpc, self.planes, self.counters, self._copier, self._segment_changed)
-        self._scoped: dict[bytes, Namespace] = {}
+        self.fetcher = Fetcher(
+            self.rpc,
+            self.planes,
+            self.counters,
+            self.reader,
+            self._segment_changed,
+            functools.partial(self.delete, quiet=True),
+        )
 
     # --- what the collaborators own --------------------------------------------------
 
@@ -137,12 +162,21 @@ class StoreClient:
     # --- lifecycle -------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, target: str, *, token: str | None = None, tls_ca: str | None = None,
-                      tls_cert: str | None = None, tls_key: str | None = None,
-                      tls_server_name: str | None = None, transport: Transport | str = "auto",
-                      timeout_s: float = 2.0, release_delay_s: float = RELEASE_DELAY_S,
-                      lease_ttl_s: float | None = None,
-                      _after_copy: Callable[[], Awaitable[object]] | None = None) -> StoreClient:
+    async def connect(
+        cls,
+        target: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        transport: Transport | str = "auto",
+        timeout_s: float = 2.0,
+        release_delay_s: float = RELEASE_DELAY_S,
+        lease_ttl_s: float | None = None,
+        _after_copy: Callable[[], Awaitable[object]] | None = None,
+    ) -> StoreClient:
         """Open a channel, ``Hello`` (waiting up to ``timeout_s`` for the server), choose
         the data plane.  ``TierUnavailableError`` when the store cannot be reached.
         ``release_delay_s``: how long finished reads' lease releases wait to be batched.
@@ -157,12 +191,22 @@ class StoreClient:
             raise ConfigError(f"lease_ttl_s must be a positive number of seconds, got {lease_ttl_s}")
         if not target or ":" not in target:
             raise ConfigError(f"store target must be HOST:PORT, got {target!r}")
-        if not token:   # none given: the store's default token of this user, if any (kvstore.localtoken)
+        if not token:  # none given: the store's default token of this user, if any (kvstore.localtoken)
             token = local_token()
         channel = open_channel(target, tls_ca, tls_cert, tls_key, tls_server_name)
         tls = data_tls(tls_ca, tls_cert, tls_key)
-        client = cls(channel, target, token, timeout_s, mode, _after_copy, release_delay_s, lease_ttl_s,
-                     tls=tls, server_name=tls_server_name)
+        client = cls(
+            channel,
+            target,
+            token,
+            timeout_s,
+            mode,
+            _after_copy,
+            release_delay_s,
+            lease_ttl_s,
+            tls=tls,
+            server_name=tls_server_name,
+        )
         try:
             await client.refresh(wait_for_ready=True)
         except BaseException:
@@ -202,8 +246,10 @@ class StoreClient:
             resp = await self.rpc.unary("Lookup", request, call=self.rpc.lookup_call)
             codes, found, hits = resp.tiers[:], resp.sizes[:], resp.hits  # [:]: lists, fastest
             if not hits <= asked or len(codes) != hits or len(found) != hits:
-                raise TierError(f"store {self.target}: malformed Lookup reply ({hits} hits for "
-                                f"{asked} keys, {len(codes)} tiers, {len(found)} sizes)")
+                raise TierError(
+                    f"store {self.target}: malformed Lookup reply ({hits} hits for "
+                    f"{asked} keys, {len(codes)} tiers, {len(found)} sizes)"
+                )
             if hits and codes.count(codes[0]) == hits:  # the usual answer: one tier
                 tiers += [TIER_NAMES.get(codes[0], "unknown")] * hits
             else:
@@ -220,89 +266,9 @@ class StoreClient:
     # --- reads -------------------------------------------------------------------------
 
     async def read_into(self, key: ObjectKey, buf) -> int | None:
-        """Copy the verified object into ``buf`` (rekeyed to ``key``); its length or None."""
-        dst = _writable(buf)
-        self.counters.gets += 1
-        if self.planes.segment is not None:
-            n = await self._get_shm(key, dst)
-        elif self.planes.data is not None:
-            n = await self._get_tcp(key, dst)
-        else:
-            n = await self._get_streamed(key, dst)
-        if n is None:
-            self.counters.misses += 1
-        else:
-            codec.rekey(memoryview(dst)[:n], key, clear_mac=True)
-            self.counters.hits += 1
-            self.counters.bytes_read += n
-        return n
-
-    async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
-        """A leased read out of the pool (``LeasedReader.get``), checked here."""
-        got = await self.reader.get(key, dst)
-        return None if got is None else await self._checked(key, dst, *got, retry, shm=True)
-
-    async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:
-        """One round trip on the data channel; the bytes land in ``dst``."""
-        data = self.planes.data
-        assert data is not None
-        reply = await self.planes.data_request("data get", data.get(
-            wire.encode_request(wire.Op.GET, key), memoryview(dst), self.rpc.deadline(len(dst))))
-        if reply.code:
-            raise self.rpc.status_error("data get", CODES.get(reply.code, Code.UNKNOWN), reply.message)
-        if not reply.flag:
-            return None
-        return await self._checked(key, dst, reply.length, reply.digest, False, shm=False)
-
-    async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
-        req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.reader.lease_ms)
-        call = self.rpc.get_stream(req, timeout=self.rpc.deadline(len(dst)), metadata=self.rpc.metadata)
-        view = memoryview(dst)
-        try:
-            first = await self._read_frame(call)
-            if first is None or not first.found:
-                return None
-            total, got, hasher = first.total_length, 0, xxhash.xxh3_128()
-            if total > len(dst):
-                raise ConfigError(f"read buffer of {len(dst)} bytes cannot hold {total}")
-            frame = first
-            while frame is not None:
-                end = got + len(frame.data)
-                if frame.offset != got or end > total:
-                    break  # out of order or too long: damaged, checked below
-                view[got:end] = frame.data
-                if end > codec.HEADER_SIZE:
-                    hasher.update(view[max(got, codec.HEADER_SIZE):end])
-                got = end
-                frame = await self._read_frame(call)
-        finally:
-            if not call.done():
-                call.cancel()
-        return await self._checked(key, dst, total, hasher.digest() if got == total else b"", False, shm=False)
-
-    async def _read_frame(self, call):
-        try:
-            raw = await call.read()
-        except grpc.aio.AioRpcError as err:
-            raise self.rpc.error("GetStream", err) from err
-        return None if raw is grpc.aio.EOF else decode_get_frame(raw)
-
-    async def _checked(self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes, retry: bool,
-                       *, shm: bool) -> int | None:
-        """``n`` when the copy is the object (scoped key, checksum); else None, after
-        deleting the damaged object, or a retry when the server changed its segment."""
-        try:
-            check_object(memoryview(dst)[:n], self._scoped_key(key), digest)
-            return n
-        except ObjectFormatError as err:
-            if shm and retry and await self._segment_changed():
-                return await self._get_shm(key, dst, retry=False) if self.planes.segment is not None \
-                    else await self._get_streamed(key, dst)
-            self.counters.corrupt += 1
-            log.warning("kvstore: damaged object %r from store %s (%s): deleting it", key, self.target, err)
-            with suppress(TierError):  # best effort: it is a miss either way
-                await self.delete(key, quiet=True)
-            return None
+        """Copy the verified object into ``buf`` (rekeyed to ``key``); its length or None
+        (``Fetcher.read_into``)."""
+        return await self.fetcher.read_into(key, buf)
 
     async def _segment_changed(self) -> bool:
         before = self.planes.segment_id
@@ -315,13 +281,11 @@ class StoreClient:
 
     # --- writes (``Writer``) -------------------------------------------------------------
 
-    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None,
-                  *, retry: bool = True) -> PutResult:
+    async def put(self, key: ObjectKey, obj, parent_hash: ChunkHash | None = None, *, retry: bool = True) -> PutResult:
         """Publish a complete object (``Writer.put``)."""
         return await self.writer.put(key, obj, parent_hash, retry=retry)
 
-    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None
-                      ) -> Reservation | PutResult:
+    async def reserve(self, key: ObjectKey, size: int, parent_hash: ChunkHash | None = None) -> Reservation | PutResult:
         """``PutStart``: a region of the segment, or the final outcome (``Writer.reserve``)."""
         return await self.writer.reserve(key, size, parent_hash)
 
@@ -329,8 +293,9 @@ class StoreClient:
         """``PutCommit``, or abort when not ``ok`` (``Writer.commit``)."""
         return await self.writer.commit(res, ok)
 
-    async def put_parts(self, key: ObjectKey, parts: Sequence[memoryview], size: int,
-                        parent_hash: ChunkHash | None = None) -> PutResult:
+    async def put_parts(
+        self, key: ObjectKey, parts: Sequence[memoryview], size: int, parent_hash: ChunkHash | None = None
+    ) -> PutResult:
         """Send ``parts`` (``size`` bytes in all) as one object (``Writer.put_parts``)."""
         return await self.writer.put_parts(key, parts, size, parent_hash)
 
@@ -353,8 +318,9 @@ class StoreClient:
         """Whether the store publishes KV events (``Hello``): then it wants ``describe``."""
         return self.info is not None and self.info.kv_events
 
-    async def describe(self, key: ObjectKey, parent_hash: ChunkHash | None, tokens: Sequence[int],
-                       lora: str | None = None) -> bool:
+    async def describe(
+        self, key: ObjectKey, parent_hash: ChunkHash | None, tokens: Sequence[int], lora: str | None = None
+    ) -> bool:
         """Tell the store the tokens of ``key`` (for its KV events); False when it publishes
         none (then nothing is sent)."""
         if not self.rpc.server.kv_events:
@@ -373,24 +339,6 @@ class StoreClient:
         except ValueError as err:
             raise TierError(f"store {self.target}: Stats returned invalid JSON: {err}") from err
         return {"server": doc, "server_counters": dict(resp.counters), "client": self.counters.as_dict()}
-
-    # --- plumbing ----------------------------------------------------------------------
-
-    def _scoped_key(self, key: ObjectKey) -> ObjectKey:
-        ns = key[:32]
-        scoped = self._scoped.get(ns)
-        if scoped is None:
-            if len(self._scoped) > 4096:
-                self._scoped.clear()
-            scoped = self._scoped[ns] = Namespace(ns).scoped(self.rpc.server.tenant)
-        return ObjectKey(scoped, ChunkHash(key[32:64]), key.tag)
-
-
-def _writable(buf) -> np.ndarray:
-    view = memoryview(buf)
-    if view.readonly:
-        raise ConfigError("read_into needs a writable buffer")
-    return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view, np.uint8)
 
 
 __all__ = ["RemoteLookup", "StoreClient", "Transport"]

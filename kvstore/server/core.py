@@ -27,17 +27,19 @@ this module never sees protobufs or tokens.
   data channel's single-use tickets (``kvstore.server.tickets``).
 * A reaper task aborts expired reservations, forgets expired leases (and their pins) and
   data tickets, so memory comes back even when no client asks.
+* ``snapshot``, ``tenant_doc``, ``stats_doc`` (``kvstore.server.storestats``): the gauges of
+  ``/metrics`` and the ``Stats`` document.
 * ``aclose``: abort uncommitted puts, finish promotions and write-throughs, release leases
   and pins, close the tiers (the shm file is unlinked).
 * ``events`` (``--kv-events``): the tiers' residency and the clients' descriptions as KV
   events per tenant (``kvstore.store.kvevents``; published by ``kvstore.server.kvpublish``);
   the host pool is ``CPU`` (ownership ``kvstore``), SSD and Redis ``STORAGE``.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,11 +51,11 @@ from kvstore.keys import ChunkHash, ObjectKey
 from kvstore.server.config import ServerConfig
 from kvstore.server.kvpublish import EventPublisher, start_publisher
 from kvstore.server.leases import LeaseBook
-from kvstore.server.metrics import ServerMetrics, ServerObserver, Snapshot
-from kvstore.server.redis_tenants import open_tenant_redis, redis_specs, tenant_evictions
+from kvstore.server.metrics import ServerMetrics, ServerObserver
+from kvstore.server.redis_tenants import open_tenant_redis, redis_specs
 from kvstore.server.reservations import PutPath
-from kvstore.server.statsdoc import dumpable
-from kvstore.server.tenants import COUNTED, Tenants
+from kvstore.server.storestats import StoreStats
+from kvstore.server.tenants import Tenants
 from kvstore.server.tickets import DEFAULT_LIMIT as DEFAULT_TICKETS
 from kvstore.server.tickets import TicketBook
 from kvstore.store.kvevents import DescriptionRefused, EventRecorder
@@ -65,8 +67,11 @@ from tiers.base import Tier
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.server.servicer")
-MEDIA = {"host": Medium(CPU, LOCAL, "kvstore"), "ssd": Medium(STORAGE, LOCAL, "ssd"),
-         "redis": Medium(STORAGE, REMOTE, "redis")}
+MEDIA = {
+    "host": Medium(CPU, LOCAL, "kvstore"),
+    "ssd": Medium(STORAGE, LOCAL, "ssd"),
+    "redis": Medium(STORAGE, REMOTE, "redis"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +85,32 @@ class Granted:
     tier: str
 
 
-class ServerStore:
+class ServerStore(StoreStats):
     """Tiers and bookkeeping of one store process (see the module docstring)."""
 
-    def __init__(self, host: HostTier, lower: Sequence[Tier], cfg: ServerConfig,
-                 metrics: ServerMetrics, tenants: Tenants | None = None,
-                 clock: Callable[[], float] = time.monotonic, keys: KeySource | None = None,
-                 events: EventRecorder | None = None, publisher: EventPublisher | None = None) -> None:
+    def __init__(
+        self,
+        host: HostTier,
+        lower: Sequence[Tier],
+        cfg: ServerConfig,
+        metrics: ServerMetrics,
+        tenants: Tenants | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        keys: KeySource | None = None,
+        events: EventRecorder | None = None,
+        publisher: EventPublisher | None = None,
+    ) -> None:
         """``events``: the recorder of KV events (``cfg.kv_events``) and ``publisher`` the one
         that serves them, started; this store closes it after its own tiers."""
         self.tenants = tenants if tenants is not None else Tenants({}, {}, None)
-        self.core = TieredStore(host, lower, cfg.write_policy, observer=ServerObserver(metrics),
-                                verify_writes=True, keys=self._keys_of(keys))
+        self.core = TieredStore(
+            host,
+            lower,
+            cfg.write_policy,
+            observer=ServerObserver(metrics),
+            verify_writes=True,
+            keys=self._keys_of(keys),
+        )
         self.host, self.lower = host, self.core.lower
         self.cfg = cfg
         self.metrics = metrics
@@ -123,15 +142,19 @@ class ServerStore:
                 on = tenant in limits and limits[tenant].encrypt
                 ring = rings[tenant] = keys.keyring(tenant).encrypting(on)
             return ring
+
         return ring_of
 
     @classmethod
     async def open(cls, cfg: ServerConfig, metrics: ServerMetrics, tenants: Tenants) -> ServerStore:
         """Create the tenants' host pools and open the lower tiers; start the reaper.  Every
         spec is checked before anything is opened (a bad URL fails first)."""
-        specs = tier_specs(cfg, host={"pin": False, "pools": tenants.host_bytes, "pool_of": tenants.tenant_of},
-                           ssd={"quotas": tenants.ssd_bytes, "partition": tenants.tenant_of},
-                           lower=redis_specs(cfg.redis, tenants.limits))  # per tenant: docs/redis-tenants.md
+        specs = tier_specs(
+            cfg,
+            host={"pin": False, "pools": tenants.host_bytes, "pool_of": tenants.tenant_of},
+            ssd={"quotas": tenants.ssd_bytes, "partition": tenants.tenant_of},
+            lower=redis_specs(cfg.redis, tenants.limits),
+        )  # per tenant: docs/redis-tenants.md
         keys = load_keys(cfg.keys_file)  # before opening: a bad keys file fails first
         tiers = await open_tiers(specs)
         events = publisher = None
@@ -282,8 +305,7 @@ class ServerStore:
         so neither can bring it back)."""
         return await self.core.delete(key)
 
-    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int], lora: str,
-                 tenant: str) -> bool:
+    def describe(self, key: ObjectKey, parent: ChunkHash | None, tokens: Sequence[int], lora: str, tenant: str) -> bool:
         """A client's description of ``key`` (its tokens) for the KV events; False when the
         store publishes none.  Beyond ``tenant``'s description quota: ``CapacityError``,
         counted as its ``described_bytes`` or ``described`` refusal."""
@@ -310,74 +332,6 @@ class ServerStore:
         for key in self.leases.sweep(self._clock()):
             self._unpin(key)
         self.host.stats()  # sweeps the host's lease table (counts expiries)
-
-    def snapshot(self) -> Snapshot:
-        """Gauges for ``/metrics`` and ``Stats`` (thread-safe: tier stats lock themselves).
-        Leases held are those handed to clients and not yet released or reaped: each still
-        pins its slot, even when its object was deleted."""
-        tiers = {t.name: t.stats().as_dict() for t in self.tiers}
-        host = tiers[self.host.name]
-        events = dict(self.events.counts) if self.events is not None else {}
-        quotas = {(tenant, what): self.tenants.held_and_quota(tenant, what)
-                  for tenant in self.tenants.names for what in COUNTED}
-        expired = cast(float, host["leases_expired"])  # one of HostTier.stats()'s extra counters
-        return Snapshot(len(self.leases), int(expired), len(self.puts.table), tiers,
-                        dict(self.tenants.refused), events, quotas, tenant_evictions(self.lower))
-
-    def tenant_doc(self, tenant: str) -> dict[str, object]:
-        """One tenant's part of ``Stats``: its pool and SSD partition, quotas, holdings and
-        refusals (all a non-admin token sees)."""
-        self.reap()
-        tiers: dict[str, object] = {}
-        if tenant in self.host.pools:
-            tiers[self.host.name] = self.host.pool_stats(tenant)
-        for tier in self.lower:
-            if hasattr(tier, "partition_stats"):
-                tiers[tier.name] = tier.partition_stats(tenant)
-        counts = self.tenants.doc(tenant)
-        if self.events is not None:
-            max_bytes, max_entries = self.tenants.descriptions(tenant)
-            counts["quota"].update(described_bytes=max_bytes, described=max_entries)
-            counts["held"].update(described_bytes=self.events.held_bytes[tenant], described=self.events.held[tenant])
-        return {"tenant": tenant, "tiers": tiers, "puts_in_flight": self.puts.table.of(tenant), **counts}
-
-    def stats_doc(self) -> dict[str, object]:
-        """The whole ``Stats`` document, every tenant's part included (on the loop: expired
-        leases and reservations are reaped first, so the answer never counts what a reaper
-        pass would drop)."""
-        self.reap()
-        tenants = {name: self.tenant_doc(name) for name in self.host.pools if name}
-        snap = self.snapshot()
-        breakers = {name: {k: v for k, v in s.items() if k.startswith("breaker_")}
-                    for name, s in snap.tiers.items() if "breaker_open" in s}
-        return {
-            "server": {"pid": os.getpid(), "uptime_s": round(time.time() - self.started, 3),
-                       "closing": self._closing, "dumpable": dumpable()},
-            "tiers": snap.tiers,
-            "store": self.metrics.counters.as_json(),
-            "stage_latency": self.metrics.stage_latency(),
-            "leases": {"held": snap.leases_held, "expired": snap.leases_expired,
-                       "granted": self.metrics.counters.leases_granted,
-                       "released": self.metrics.counters.leases_released,
-                       "release_calls": self.metrics.counters.release_calls},
-            "puts_in_flight": snap.puts_in_flight,
-            "write_throughs_in_flight": self.core.writer.in_flight,
-            "breakers": breakers,
-            "data_tickets": {"outstanding": len(self.tickets), "minted": self.tickets.minted,
-                             "redeemed": self.tickets.redeemed, "refused": self.tickets.refused},
-            "puts_fenced": self.puts.table.fenced,
-            "tenants": tenants,
-            "kv_events": self._events_doc(snap),
-        }
-
-    def _events_doc(self, snap: Snapshot) -> dict[str, object] | None:
-        if self.events is None:
-            return None
-        doc: dict[str, object] = {"recorded": snap.events, "held": self.events.holdings()}
-        if self.publisher is not None:
-            doc.update(epoch=self.publisher.epoch, published=dict(self.publisher.published),
-                       streams={t: {"endpoint": e, "replay": r} for t, (e, r) in self.publisher.endpoints.items()})
-        return doc
 
     async def aclose(self, timeout: float = 10.0) -> None:
         """Graceful end (see the module docstring).  Idempotent."""

@@ -33,6 +33,7 @@ then it is open, with a warning.  Without a tokens file every call needs the def
 (``kvstore.localtoken``; docs/exposure.md).  ``run`` makes the process non-dumpable, so another process of the
 same uid can neither ptrace it nor open its pools through ``/proc/<pid>/fd``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,9 +56,11 @@ from kvstore.server.config import STREAM_HEADROOM, ServerConfig, is_loopback, sp
 from kvstore.server.core import ServerStore
 from kvstore.server.dataserver import DataServer
 from kvstore.server.dataserver import describe as describe_data
-from kvstore.server.metrics import ServerMetrics, start_http
+from kvstore.server.metrics import ServerMetrics
+from kvstore.server.metricshttp import start_http
 from kvstore.server.observing import start_trace, trace_tiers
 from kvstore.server.peers import PreAuth
+from kvstore.server.process import harden_process, tune_malloc
 from kvstore.server.scoping import Scoper
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.shmgate import ShmGate
@@ -84,8 +87,7 @@ def credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
     cert, key = _read(cfg.tls_cert, "tls_cert"), _read(cfg.tls_key, "tls_key")
     ca = _read(cfg.tls_client_ca, "tls_client_ca")
     _check_pem(cfg)
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def _check_pem(cfg: ServerConfig) -> None:
@@ -97,14 +99,17 @@ def _check_pem(cfg: ServerConfig) -> None:
     try:
         ctx.load_cert_chain(str(cfg.tls_cert), str(cfg.tls_key))
     except ssl.SSLError as err:
-        raise ConfigError(f"tls_cert {cfg.tls_cert} / tls_key {cfg.tls_key}: not a PEM certificate "
-                          f"and its matching private key ({err.reason or err})") from err
+        raise ConfigError(
+            f"tls_cert {cfg.tls_cert} / tls_key {cfg.tls_key}: not a PEM certificate "
+            f"and its matching private key ({err.reason or err})"
+        ) from err
     if cfg.tls_client_ca is not None:
         try:
             ctx.load_verify_locations(str(cfg.tls_client_ca))
         except ssl.SSLError as err:
-            raise ConfigError(f"tls_client_ca {cfg.tls_client_ca}: not a PEM CA certificate "
-                              f"({err.reason or err})") from err
+            raise ConfigError(
+                f"tls_client_ca {cfg.tls_client_ca}: not a PEM CA certificate ({err.reason or err})"
+            ) from err
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -112,11 +117,11 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", max(cfg.max_message_bytes, cfg.frame_bytes + STREAM_HEADROOM)),
         ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 60_000),      # find half-open connections of dead hosts
+        ("grpc.keepalive_time_ms", 60_000),  # find half-open connections of dead hosts
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.max_concurrent_streams", cfg.max_streams_per_connection),
         ("grpc.max_connection_idle_ms", int(cfg.idle_timeout * 1000)),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),   # ping floods are cut (GOAWAY)
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # ping floods are cut (GOAWAY)
     ]
 
 
@@ -134,8 +139,12 @@ def plan_tenants(cfg: ServerConfig, auth: Authenticator) -> Tenants:
     """Every tenant's quotas: those of the tokens file, shares of the capacities for the rest."""
     table = auth.table
     names = table.tenants if table is not None else {DEFAULT_TENANT}
-    return Tenants.plan(names, table.limits if table is not None else {}, cfg.host_capacity,
-                        cfg.ssd_capacity if cfg.ssd_dir is not None else None)
+    return Tenants.plan(
+        names,
+        table.limits if table is not None else {},
+        cfg.host_capacity,
+        cfg.ssd_capacity if cfg.ssd_dir is not None else None,
+    )
 
 
 def seal_read_only_pools(store: ServerStore, auth: Authenticator) -> list[str]:
@@ -143,8 +152,7 @@ def seal_read_only_pools(store: ServerStore, auth: Authenticator) -> list[str]:
     writable mapping (their clients can only map them read-only); the tenants sealed."""
     if auth.table is None:
         return []
-    writers = {p.tenant for p in auth.table.principals()
-               if p.allows(Permission.WRITE) and p.allows(Permission.SHM)}
+    writers = {p.tenant for p in auth.table.principals() if p.allows(Permission.WRITE) and p.allows(Permission.SHM)}
     sealed = [t for t in store.host.pools if t not in writers]
     for tenant in sealed:
         store.host.pool_memfd(tenant).seal_writes()
@@ -161,15 +169,22 @@ def boot_id() -> str:
 def warn_exposure(cfg: ServerConfig, auth: Authenticator) -> None:
     """Say it loudly when the store is reachable beyond this host without protection."""
     if cfg.insecure and not is_loopback(cfg.listen_host) and not (cfg.tls and auth.enabled):
-        print(f"kvstore serve: WARNING: --insecure: {cfg.listen} is served beyond loopback "
-              f"{'without TLS' if not cfg.tls else ''}{' and ' if not cfg.tls and not auth.enabled else ''}"
-              f"{'without tokens' if not auth.enabled else ''}: anyone who reaches it "
-              f"{'reads, writes and deletes every object' if not auth.enabled else 'can read the traffic'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"kvstore serve: WARNING: --insecure: {cfg.listen} is served beyond loopback "
+            f"{'without TLS' if not cfg.tls else ''}{' and ' if not cfg.tls and not auth.enabled else ''}"
+            f"{'without tokens' if not auth.enabled else ''}: anyone who reaches it "
+            f"{'reads, writes and deletes every object' if not auth.enabled else 'can read the traffic'}",
+            file=sys.stderr,
+            flush=True,
+        )
     mhost = cfg.metrics_host or cfg.listen_host
     if cfg.metrics_port is not None and not is_loopback(mhost) and metrics_authorizer(cfg, auth) is None:
-        print(f"kvstore serve: WARNING: /metrics on {mhost} is reachable beyond this host, without "
-              f"authentication (it shows every tenant's counters)", file=sys.stderr, flush=True)
+        print(
+            f"kvstore serve: WARNING: /metrics on {mhost} is reachable beyond this host, without "
+            f"authentication (it shows every tenant's counters)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def metrics_authorizer(cfg: ServerConfig, auth: Authenticator):
@@ -184,6 +199,7 @@ def metrics_authorizer(cfg: ServerConfig, auth: Authenticator):
         except UnauthenticatedError:
             return 401
         return 200 if who.allows(Permission.ADMIN) else 403
+
     return authorize
 
 
@@ -206,8 +222,9 @@ def _bind(server: grpc.aio.Server, cfg: ServerConfig, creds: grpc.ServerCredenti
         raise ConfigError(f"cannot listen on {cfg.listen}: {err}") from err
 
 
-def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metrics_url: str | None,
-              data_port: int, gate: ShmGate) -> str:
+def _describe(
+    cfg: ServerConfig, store: ServerStore, auth: Authenticator, metrics_url: str | None, data_port: int, gate: ShmGate
+) -> str:
     pools = store.host.pools
     parts = [f"host pools {cfg.host_capacity / 2**20:.1f} MiB for {len(pools)} tenant(s), shm socket {gate.path}"]
     if data_port:
@@ -217,8 +234,9 @@ def _describe(cfg: ServerConfig, store: ServerStore, auth: Authenticator, metric
     if cfg.redis:
         parts.append("redis on")
     if store.publisher is not None:
-        streams = ", ".join(f"{t} {pub}" + (f" (replay {rep})" if rep else "")
-                            for t, (pub, rep) in store.publisher.endpoints.items())
+        streams = ", ".join(
+            f"{t} {pub}" + (f" (replay {rep})" if rep else "") for t, (pub, rep) in store.publisher.endpoints.items()
+        )
         parts.append(f"kv events epoch {store.publisher.epoch}: {streams}")
     if cfg.auth_tokens is None and auth.table is not None:
         parts.append(f"auth: the default token in {cfg.default_token_file or default_token_path()}")
@@ -274,10 +292,17 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         stack.push_async_callback(store.aclose, cfg.shutdown_grace)
         if tracer is not None:
             trace_tiers(tracer, store)
-        gate = ShmGate(store.host, auth, store.tickets, tenants, store.puts.end_session, cfg.shm_socket,
-                       hello_timeout=cfg.hello_timeout,
-                       preauth=PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated),
-                       on_refused=lambda reason: metrics.counters.fail(f"shm_{reason}"))
+        gate = ShmGate(
+            store.host,
+            auth,
+            store.tickets,
+            tenants,
+            store.puts.end_session,
+            cfg.shm_socket,
+            hello_timeout=cfg.hello_timeout,
+            preauth=PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated),
+            on_refused=lambda reason: metrics.counters.fail(f"shm_{reason}"),
+        )
         seal_read_only_pools(store, auth)
         await gate.start()
         stack.push_async_callback(gate.aclose)
@@ -296,12 +321,15 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         target = f"{split_listen(cfg.listen)[0]}:{port}"
         if cfg.ready_file is not None:
             write_ready(cfg.ready_file, target)
-        print(f"kvstore serve: listening on {target} ({_describe(cfg, store, auth, metrics_url, data_port, gate)})",
-              flush=True)
+        print(
+            f"kvstore serve: listening on {target} ({_describe(cfg, store, auth, metrics_url, data_port, gate)})",
+            flush=True,
+        )
         await stop.wait()
         await health.enter_graceful_shutdown()
-        await asyncio.gather(server.stop(cfg.shutdown_grace),
-                             data.aclose(cfg.shutdown_grace) if data is not None else asyncio.sleep(0))
+        await asyncio.gather(
+            server.stop(cfg.shutdown_grace), data.aclose(cfg.shutdown_grace) if data is not None else asyncio.sleep(0)
+        )
     print("kvstore serve: stopped", flush=True)
     return 0
 
@@ -314,12 +342,14 @@ def _grpc_server(cfg: ServerConfig, servicer: KVStoreServicer, creds):
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
     return server, health, _bind(server, cfg, creds)
 
 
-def _start_metrics(cfg: ServerConfig, metrics: ServerMetrics, auth: Authenticator,
-                   stack: contextlib.AsyncExitStack) -> str | None:
+def _start_metrics(
+    cfg: ServerConfig, metrics: ServerMetrics, auth: Authenticator, stack: contextlib.AsyncExitStack
+) -> str | None:
     """Serve ``/metrics`` when ``metrics_port`` is set (its shutdown on ``stack``); its URL."""
     if cfg.metrics_port is None:
         return None
@@ -333,45 +363,12 @@ def _start_metrics(cfg: ServerConfig, metrics: ServerMetrics, auth: Authenticato
     return f"http://{mhost}:{mport}/metrics"
 
 
-def tune_malloc() -> bool:
-    """Keep freed message buffers in the heap instead of unmapping them (glibc only).
-
-    Every 1 MiB stream frame is a fresh ``bytes`` (grpc needs one per message); above glibc's
-    mmap threshold each is a new mapping whose pages fault in one by one, which caps copies
-    near 2 GB/s (docs/limits.md#fresh-allocations).  Raising the mmap and trim thresholds lets the heap reuse the
-    same pages: GetStream went from 0.78 to 0.96 GB/s here.  The cost is that the heap keeps
-    its peak size (bounded by frames in flight)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
-
-
-def harden_process() -> bool:
-    """``prctl(PR_SET_DUMPABLE, 0)``: no ptrace, no ``/proc/<pid>/fd`` or ``mem`` for other
-    processes of our uid (root excepted), no core dumps of tenants' bytes.  Linux only."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE = 4
-    except (OSError, AttributeError):
-        return False
-
-
 def run(cfg: ServerConfig) -> int:
     tune_malloc()
     harden_process()
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     try:
         return asyncio.run(serve(cfg))
     finally:

@@ -3,7 +3,8 @@
 Server side.  ``ServerCounters`` is the one record the servicer and store update (from the
 event loop); the Prometheus view is derived from it at scrape time by a collector on the
 server's *own* registry (no process-wide collectors, so tests may run several servers in one
-process).  Stage latencies are histograms observed as they happen.
+process).  Stage latencies are histograms observed as they happen.  ``kvstore.server.metricshttp``
+serves the registry over HTTP.
 
 Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its denominator:
 
@@ -37,6 +38,7 @@ Prometheus names (all prefixed ``kvstore_server_``); every hit rate names its de
 * ``kv_events_total{kind}`` (``--kv-events``: stored, removed, cleared, dropped) and
   ``kv_events_undescribed`` (objects held that no client described: never announced).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +60,7 @@ log = logging.getLogger("kvstore.server.servicer")
 PREFIX = "kvstore_server_"
 _BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 STAGE_SAMPLES = 4096  # latencies kept per stage for p50/p99 (Stats, kvstore stats)
-STAGES = ("lookup", "get", "get_stream", "get_tcp", "put_commit", "put_stream", "put_tcp", "promote",
-          "write_through")
+STAGES = ("lookup", "get", "get_stream", "get_tcp", "put_commit", "put_stream", "put_tcp", "promote", "write_through")
 
 
 @dataclass(slots=True)
@@ -68,19 +69,19 @@ class ServerCounters:
 
     lookups: int = 0
     lookup_keys: int = 0
-    lookup_hits: dict[str, int] = field(default_factory=dict)        # tier -> keys
-    gets: dict[tuple[str, str], int] = field(default_factory=dict)   # (path, tier) -> calls
-    get_misses: dict[str, int] = field(default_factory=dict)         # path -> calls
-    puts: dict[tuple[str, str], int] = field(default_factory=dict)   # (path, outcome) -> calls
+    lookup_hits: dict[str, int] = field(default_factory=dict)  # tier -> keys
+    gets: dict[tuple[str, str], int] = field(default_factory=dict)  # (path, tier) -> calls
+    get_misses: dict[str, int] = field(default_factory=dict)  # path -> calls
+    puts: dict[tuple[str, str], int] = field(default_factory=dict)  # (path, outcome) -> calls
     bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, direction) -> bytes
-    promotions: dict[str, int] = field(default_factory=dict)         # from tier -> objects
+    promotions: dict[str, int] = field(default_factory=dict)  # from tier -> objects
     write_through: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, result)
     leases_granted: int = 0
-    leases_released: int = 0        # released while still valid
-    release_calls: int = 0          # ReleaseLease calls (each may carry many lease ids)
+    leases_released: int = 0  # released while still valid
+    release_calls: int = 0  # ReleaseLease calls (each may carry many lease ids)
     puts_reaped: int = 0
-    failures: dict[str, int] = field(default_factory=dict)           # reason -> count
-    stages: dict[str, list[float]] = field(default_factory=dict)     # stage -> [count, seconds]
+    failures: dict[str, int] = field(default_factory=dict)  # reason -> count
+    stages: dict[str, list[float]] = field(default_factory=dict)  # stage -> [count, seconds]
 
     @staticmethod
     def bump(table: dict, label, n: float = 1) -> None:
@@ -94,12 +95,18 @@ class ServerCounters:
             return {(".".join(k) if isinstance(k, tuple) else k): v for k, v in dict(table).items()}
 
         return {
-            "lookups": self.lookups, "lookup_keys": self.lookup_keys,
-            "lookup_hits": flat(self.lookup_hits), "gets": flat(self.gets),
-            "get_misses": flat(self.get_misses), "puts": flat(self.puts),
-            "bytes": flat(self.bytes), "promotions": flat(self.promotions),
-            "write_through": flat(self.write_through), "leases_granted": self.leases_granted,
-            "leases_released": self.leases_released, "release_calls": self.release_calls,
+            "lookups": self.lookups,
+            "lookup_keys": self.lookup_keys,
+            "lookup_hits": flat(self.lookup_hits),
+            "gets": flat(self.gets),
+            "get_misses": flat(self.get_misses),
+            "puts": flat(self.puts),
+            "bytes": flat(self.bytes),
+            "promotions": flat(self.promotions),
+            "write_through": flat(self.write_through),
+            "leases_granted": self.leases_granted,
+            "leases_released": self.leases_released,
+            "release_calls": self.release_calls,
             "puts_reaped": self.puts_reaped,
             "failures": flat(self.failures),
             "stages": {k: {"count": v[0], "seconds": v[1]} for k, v in dict(self.stages).items()},
@@ -125,13 +132,18 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Callable[[], Snapshot] | None = None) -> None:
         self.counters = ServerCounters()
-        self.tenant_labels = "name"   # name, hash or off (see the module docstring)
+        self.tenant_labels = "name"  # name, hash or off (see the module docstring)
         self.registry = CollectorRegistry(auto_describe=False)
-        self._stage = Histogram(PREFIX + "stage_seconds", "Seconds spent in each server stage",
-                                ["stage"], registry=self.registry, buckets=_BUCKETS)
+        self._stage = Histogram(
+            PREFIX + "stage_seconds",
+            "Seconds spent in each server stage",
+            ["stage"],
+            registry=self.registry,
+            buckets=_BUCKETS,
+        )
         self._snapshot = snapshot
         self._stage_of = {stage: self._stage.labels(stage) for stage in STAGES}  # labels() locks
-        self._tracer = None                    # kvstore.trace.Tracer with --trace-path
+        self._tracer = None  # kvstore.trace.Tracer with --trace-path
         self._samples: dict[str, deque[float]] = {}  # stage -> its last latencies (p50/p99)
         self._lanes: dict[str, object] = {}
         self.registry.register(_Collector(self))
@@ -206,44 +218,78 @@ class _Collector:
         mode = self._m.tenant_labels
         refused, quotas = _relabel(snap.refused, mode), _relabel(snap.quotas, mode)
         yield _counter("lookups", "Lookup calls", [], {(): c.lookups})
-        yield _counter("lookup_keys", "Keys looked up (the denominator of the hit rate)", [],
-                       {(): c.lookup_keys})
-        yield _counter("lookup_hits", "Contiguous hits among looked-up keys, by tier", ["tier"],
-                       {(k,): v for k, v in dict(c.lookup_hits).items()})
-        yield _counter("gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"],
-                       dict(c.gets))
-        yield _counter("get_misses", "Get, GetStream and data-channel misses", ["path"],
-                       {(k,): v for k, v in dict(c.get_misses).items()})
+        yield _counter("lookup_keys", "Keys looked up (the denominator of the hit rate)", [], {(): c.lookup_keys})
+        yield _counter(
+            "lookup_hits",
+            "Contiguous hits among looked-up keys, by tier",
+            ["tier"],
+            {(k,): v for k, v in dict(c.lookup_hits).items()},
+        )
+        yield _counter(
+            "gets", "Get (shm), GetStream (stream) and data-channel (tcp) hits", ["path", "tier"], dict(c.gets)
+        )
+        yield _counter(
+            "get_misses",
+            "Get, GetStream and data-channel misses",
+            ["path"],
+            {(k,): v for k, v in dict(c.get_misses).items()},
+        )
         yield _counter("puts", "Puts by path and outcome", ["path", "outcome"], dict(c.puts))
         yield _counter("bytes", "Bytes by tier and direction", ["tier", "direction"], dict(c.bytes))
-        yield _counter("failures", "Failures by reason", ["reason"],
-                       {(k,): v for k, v in dict(c.failures).items()})
+        yield _counter("failures", "Failures by reason", ["reason"], {(k,): v for k, v in dict(c.failures).items()})
         yield _counter("leases_granted", "Leases granted", [], {(): c.leases_granted})
-        yield _counter("lease_release_calls", "ReleaseLease calls (clients batch lease ids)", [],
-                       {(): c.release_calls})
-        yield _counter("leases_expired", "Leases that expired before release", [],
-                       {(): snap.leases_expired})
-        yield _counter("evictions", "Objects evicted, by tier", ["tier"],
-                       {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()})
-        yield _counter("tenant_refused", "Calls refused at a tenant's quota (or cut at a stream deadline), "
-                       "by tenant and what", ["tenant", "what"], refused)
-        yield _counter("tenant_evictions", "Objects evicted within a tenant's own budget, by tenant and tier",
-                       ["tenant", "tier"], _relabel(snap.tenant_evictions, mode))
-        yield _counter("kv_events", "KV events published (stored, removed, cleared) and dropped unpublished",
-                       ["kind"], {(k,): v for k, v in snap.events.items() if k != "undescribed"})
-        yield _gauge("kv_events_undescribed", "Objects held whose tokens no client described (never announced)",
-                     [], {(): snap.events.get("undescribed", 0)})
+        yield _counter("lease_release_calls", "ReleaseLease calls (clients batch lease ids)", [], {(): c.release_calls})
+        yield _counter("leases_expired", "Leases that expired before release", [], {(): snap.leases_expired})
+        yield _counter(
+            "evictions",
+            "Objects evicted, by tier",
+            ["tier"],
+            {(t,): s.get("evictions", 0) for t, s in snap.tiers.items()},
+        )
+        yield _counter(
+            "tenant_refused",
+            "Calls refused at a tenant's quota (or cut at a stream deadline), by tenant and what",
+            ["tenant", "what"],
+            refused,
+        )
+        yield _counter(
+            "tenant_evictions",
+            "Objects evicted within a tenant's own budget, by tenant and tier",
+            ["tenant", "tier"],
+            _relabel(snap.tenant_evictions, mode),
+        )
+        yield _counter(
+            "kv_events",
+            "KV events published (stored, removed, cleared) and dropped unpublished",
+            ["kind"],
+            {(k,): v for k, v in snap.events.items() if k != "undescribed"},
+        )
+        yield _gauge(
+            "kv_events_undescribed",
+            "Objects held whose tokens no client described (never announced)",
+            [],
+            {(): snap.events.get("undescribed", 0)},
+        )
         yield _gauge("leases_held", "Leases held now", [], {(): snap.leases_held})
-        yield _gauge("tenant_held", "What each tenant holds now (reservations, leases, streams, connections, tickets)",
-                     ["tenant", "what"], {k: held for k, (held, _) in quotas.items()})
-        yield _gauge("tenant_quota", "Each tenant's quota of what it may hold at once", ["tenant", "what"],
-                     {k: quota for k, (_, quota) in quotas.items()})
+        yield _gauge(
+            "tenant_held",
+            "What each tenant holds now (reservations, leases, streams, connections, tickets)",
+            ["tenant", "what"],
+            {k: held for k, (held, _) in quotas.items()},
+        )
+        yield _gauge(
+            "tenant_quota",
+            "Each tenant's quota of what it may hold at once",
+            ["tenant", "what"],
+            {k: quota for k, (_, quota) in quotas.items()},
+        )
         yield _gauge("puts_in_flight", "Reserved, uncommitted puts", [], {(): snap.puts_in_flight})
-        for name, key, doc in (("tier_objects", "objects", "Objects held, per tier"),
-                               ("tier_bytes_used", "bytes_used", "Bytes held, per tier"),
-                               ("tier_capacity_bytes", "capacity_bytes",
-                                "Capacity, per tier (0: unbounded or unknown)"),
-                               ("breaker_open", "breaker_open", "Circuit breakers open now (1), per network tier")):
+        for name, key, doc in (
+            ("tier_objects", "objects", "Objects held, per tier"),
+            ("tier_bytes_used", "bytes_used", "Bytes held, per tier"),
+            ("tier_capacity_bytes", "capacity_bytes", "Capacity, per tier (0: unbounded or unknown)"),
+            ("breaker_open", "breaker_open", "Circuit breakers open now (1), per network tier"),
+        ):
             values = {(t,): s[key] for t, s in snap.tiers.items() if key in s}
             yield _gauge(name, doc, ["tier"], values)
 
@@ -272,52 +318,6 @@ def _gauge(name: str, doc: str, labels: list[str], values: dict) -> GaugeMetricF
     for label_values, value in values.items():
         family.add_metric(list(label_values), float(value))
     return family
-
-
-def start_http(metrics: ServerMetrics, host: str, port: int,
-               authorize: Callable[[str | None], int] | None = None):
-    """Serve ``/metrics`` from a daemon thread; ``(server, bound_port)``.  ``authorize``
-    (beyond loopback): the ``Authorization`` header → the HTTP status to answer with (200:
-    the metrics; 401, 403: nothing else)."""
-    if authorize is None:
-        from prometheus_client import start_http_server
-
-        server, _thread = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)
-        return server, server.server_address[1]
-    return _start_guarded(metrics, host.strip("[]"), port, authorize)
-
-
-def _start_guarded(metrics: ServerMetrics, host: str, port: int, authorize: Callable[[str | None], int]):
-    import socket
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            status = authorize(self.headers.get("Authorization"))
-            if self.path.split("?", 1)[0] != "/metrics":
-                status = 404 if status == 200 else status
-            body = generate_latest(metrics.registry) if status == 200 else b""
-            self.send_response(status)
-            if status == 401:
-                self.send_header("WWW-Authenticate", 'Bearer realm="kvstore"')
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST if status == 200 else "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:   # no request lines (nor headers) in the log
-            pass
-
-    class Server(ThreadingHTTPServer):
-        daemon_threads = True
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-    server = Server((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="kvstore-metrics", daemon=True).start()
-    return server, server.server_address[1]
 
 
 class ServerObserver(StoreObserver):
@@ -358,6 +358,4 @@ class ServerObserver(StoreObserver):
         self.metrics.counters.fail("write_down_dropped")
 
 
-
-__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "ServerObserver", "Snapshot", "start_http",
-           "tenant_label"]
+__all__ = ["PREFIX", "STAGES", "ServerCounters", "ServerMetrics", "ServerObserver", "Snapshot", "tenant_label"]

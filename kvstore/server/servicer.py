@@ -17,7 +17,8 @@ Every handler runs under the call's deadline (``asyncio.timeout``).  Streams als
 the server's own: ``GetStream`` and ``PutStream`` must move their object at
 ``stream_min_rate`` on average after ``stream_grace`` (``ServerConfig.stream_deadline``), and
 a ``PutStream`` silent for ``stream_grace`` is cut; a cut stream's reference or reservation
-is given back on the way out.  Each stream counts against its tenant's ``streams`` quota.
+is given back on the way out.  Each stream counts against its tenant's ``streams`` quota.  A
+``PutStream``'s frames are read by ``kvstore.server.putframes``.
 
 Tenant binding (``kvstore.server.scoping``, shared with the data channel): the client's
 (namespace N, hash H, tag T) is stored as ``ObjectKey(N.scoped(tenant), H, T)``; a
@@ -30,6 +31,7 @@ session of the caller's tenant.  Lease and put ids are bound to the tenant that 
 (``write``) gives the store an object's tokens for its KV events, under the caller's tenant.  The lifecycle
 (ports, TLS, health, signals) lives in ``kvstore.server.main``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,10 +46,11 @@ import grpc
 
 from kvstore import __version__
 from kvstore._proto import kvstore_pb2 as pb
-from kvstore.errors import CapacityError, ConfigError, KVStoreError, TierUnavailableError
+from kvstore.errors import CapacityError, ConfigError, TierUnavailableError
 from kvstore.keys import ObjectKey
 from kvstore.server.auth import Authenticator, Permission, PermissionDeniedError, Principal, UnauthenticatedError
 from kvstore.server.core import ServerStore
+from kvstore.server.putframes import PutFrames
 from kvstore.server.scoping import Scoper, scoped_keys
 from kvstore.server.statsdoc import flat_counters, flat_tenant
 from kvstore.server.status import DRAIN_FIRST, OUTCOMES, TIER_CODES, rpc, status_of
@@ -57,6 +60,8 @@ from tiers.base import PutResult
 log = logging.getLogger("kvstore.server.servicer")
 READ, WRITE, SHM, ADMIN = Permission.READ, Permission.WRITE, Permission.SHM, Permission.ADMIN
 MAX_DESCRIBED_TOKENS = 1 << 16  # tokens of one described object (a chunk holds a few hundred)
+
+
 def _tier_codes(tiers: list[str]) -> list[pb.Tier]:
     """Wire codes of tier names (a run of one tier, the common answer, in one step)."""
     if tiers and tiers.count(tiers[0]) == len(tiers):
@@ -76,20 +81,32 @@ class Gate(Protocol):
 class KVStoreServicer:
     """One instance per server; handlers are named after the RPCs."""
 
-    def __init__(self, store: ServerStore, auth: Authenticator, boot_id: str = "", *,
-                 scope: Scoper | None = None, gate: Gate | None = None, data_port: int = 0) -> None:
+    def __init__(
+        self,
+        store: ServerStore,
+        auth: Authenticator,
+        boot_id: str = "",
+        *,
+        scope: Scoper | None = None,
+        gate: Gate | None = None,
+        data_port: int = 0,
+    ) -> None:
         """``scope``: shared with the data channel (one event loop); ``gate``: the shared-memory
         gate, listening (None: no shared memory); ``data_port``: the data channel's, listening
         (0: none)."""
         self.store, self.auth, self.boot_id, self.cfg = store, auth, boot_id, store.cfg
         self.scope = scope if scope is not None else Scoper()
         self.gate, self.data_port = gate, data_port
+        self.frames = PutFrames(store.cfg)
 
     def guard(self) -> Guard:
         """What every call goes through before its handler (``kvstore.server.wire.Guard``):
         its token, from the metadata alone, and ``request_timeout`` for its request."""
-        return Guard(self._preauth, self.cfg.request_timeout,
-                     lambda method: self.store.metrics.counters.fail("grpc_request_timeout"))
+        return Guard(
+            self._preauth,
+            self.cfg.request_timeout,
+            lambda method: self.store.metrics.counters.fail("grpc_request_timeout"),
+        )
 
     async def _preauth(self, context: grpc.aio.ServicerContext) -> None:
         """Refuse a caller without a valid token before anything is read (counted in
@@ -127,10 +144,16 @@ class KVStoreServicer:
     @rpc()
     async def Hello(self, request, context, who: Principal) -> pb.HelloResponse:
         reply = pb.HelloResponse(
-            tenant=who.tenant, permissions=who.permission_names,
-            max_object_bytes=self.cfg.max_object_bytes, max_keys_per_call=self.cfg.max_keys_per_call,
-            lease_ms=_ms(self.cfg.lease_ttl), frame_bytes=self.cfg.frame_bytes,
-            server_version=__version__, data_port=self.data_port, kv_events=self.store.events is not None)
+            tenant=who.tenant,
+            permissions=who.permission_names,
+            max_object_bytes=self.cfg.max_object_bytes,
+            max_keys_per_call=self.cfg.max_keys_per_call,
+            lease_ms=_ms(self.cfg.lease_ttl),
+            frame_bytes=self.cfg.frame_bytes,
+            server_version=__version__,
+            data_port=self.data_port,
+            kv_events=self.store.events is not None,
+        )
         if who.allows(SHM) and self.gate is not None and who.tenant in self.store.host.pools:
             reply.shm_socket = str(self.gate.path)
             reply.segment_size = self.store.host.pool_stats(who.tenant)["capacity_bytes"]
@@ -152,9 +175,14 @@ class KVStoreServicer:
         granted = await self.store.lease(key, who.tenant, self.store.lease_ttl(request.lease_ms))
         if granted is None:
             return pb.GetResponse(found=False)
-        return pb.GetResponse(found=True, offset=granted.offset, length=granted.length,
-                              lease_id=granted.lease_id, lease_ms=_ms(granted.ttl),
-                              tier=TIER_CODES.get(granted.tier, pb.TIER_UNSPECIFIED))
+        return pb.GetResponse(
+            found=True,
+            offset=granted.offset,
+            length=granted.length,
+            lease_id=granted.lease_id,
+            lease_ms=_ms(granted.ttl),
+            tier=TIER_CODES.get(granted.tier, pb.TIER_UNSPECIFIED),
+        )
 
     @rpc(READ)
     async def GetStream(self, request, context, who: Principal) -> None:
@@ -171,9 +199,15 @@ class KVStoreServicer:
                     async with self._deadline(who, total):
                         for off in range(0, total, step):
                             first = off == 0
-                            await context.write(OutFrame(view[off:off + step], off, first,
-                                                         total if first else 0,
-                                                         TIER_CODES.get(tier, 0) if first else 0))
+                            await context.write(
+                                OutFrame(
+                                    view[off : off + step],
+                                    off,
+                                    first,
+                                    total if first else 0,
+                                    TIER_CODES.get(tier, 0) if first else 0,
+                                )
+                            )
                             sent += min(step, total - off)
             finally:
                 self.store.release(key, sent)
@@ -196,21 +230,25 @@ class KVStoreServicer:
                 yield
         except TimeoutError as err:
             self.store.tenants.refuse(who.tenant, "stream_deadline")
-            raise TimeoutError(f"stream of {nbytes} bytes cut after {seconds:g} s (slower than "
-                               f"stream_min_rate)") from err
+            raise TimeoutError(
+                f"stream of {nbytes} bytes cut after {seconds:g} s (slower than stream_min_rate)"
+            ) from err
 
     @rpc(WRITE, SHM)
     async def PutStart(self, request, context, who: Principal) -> pb.PutStartResponse:
         session = self.gate.session_of(request.session, who.tenant) if self.gate is not None else None
         if session is None or not session.writable:
-            raise PermissionDeniedError("PutStart needs a writable shared-memory session of the caller's "
-                                        "tenant (connect to Hello.shm_socket; name it in 'session')")
+            raise PermissionDeniedError(
+                "PutStart needs a writable shared-memory session of the caller's "
+                "tenant (connect to Hello.shm_socket; name it in 'session')"
+            )
         result = await self._reserve(who, request, streamed=False, session=session.session_id)
         if isinstance(result, PutResult):
             self.store.puts.count_final("shm", result)
             return pb.PutStartResponse(outcome=OUTCOMES[result])
-        return pb.PutStartResponse(put_id=result.put_id, offset=result.handle.offset,
-                                   length=result.handle.size, ttl_ms=_ms(self.cfg.put_ttl_s))
+        return pb.PutStartResponse(
+            put_id=result.put_id, offset=result.handle.offset, length=result.handle.size, ttl_ms=_ms(self.cfg.put_ttl_s)
+        )
 
     async def _reserve(self, who: Principal, req: pb.PutStartRequest, streamed: bool, session: int | None = None):
         client_key, key = self._keys(who, req.namespace, req.chunk_hash, req.tag)
@@ -232,83 +270,42 @@ class KVStoreServicer:
         denied = self._denied(who, (WRITE,))
         held, quota = self.store.tenants.held_and_quota(who.tenant, "streams")
         if denied is not None and held >= quota:
-            raise denied               # no stream to drain it under: answered at once
-        with self._stream(who):        # refused here (quota): answered at once, nothing drained
+            raise denied  # no stream to drain it under: answered at once
+        with self._stream(who):  # refused here (quota): answered at once, nothing drained
             try:
                 if denied is not None:
                     raise denied
-                first = await self._next_frame(frames)
+                first = await self.frames.next_frame(frames)
                 if first is None or first.start is None:
-                    raise ConfigError("PutStream: the first frame must be 'start'" +
-                                      (" (the stream was empty)" if first is None else ", got data"))
+                    raise ConfigError(
+                        "PutStream: the first frame must be 'start'"
+                        + (" (the stream was empty)" if first is None else ", got data")
+                    )
                 async with self._deadline(who, first.start.size):
                     return await self._put_stream(who, first.start, frames)
             except Exception as err:
                 if status_of(err)[0] in DRAIN_FIRST:
-                    await self._drain_refused(frames)   # still one of the tenant's streams
+                    await self.frames.drain_refused(frames)  # still one of the tenant's streams
                 raise
 
-    async def _put_stream(self, who: Principal, start: pb.PutStartRequest,
-                          frames: AsyncIterator[InFrame]) -> pb.PutCommitResponse:
+    async def _put_stream(
+        self, who: Principal, start: pb.PutStartRequest, frames: AsyncIterator[InFrame]
+    ) -> pb.PutCommitResponse:
         with self.store.metrics.timer("put_stream"):
             result = await self._reserve(who, start, streamed=True)
             if isinstance(result, PutResult):
-                await self._drain(frames)
+                await self.frames.drain(frames)
                 self.store.puts.count_final("stream", result)
                 return pb.PutCommitResponse(outcome=OUTCOMES[result])
             ok = False
             try:
-                await self._fill(frames, result.handle.buffer, result.handle.size)
+                await self.frames.fill(frames, result.handle.buffer, result.handle.size)
                 ok = True
             finally:
                 if not ok:
                     self.store.puts.abort(result)
             outcome = await self.store.puts.finish(result, "stream")
         return pb.PutCommitResponse(outcome=OUTCOMES[outcome])
-
-    async def _next_frame(self, frames: AsyncIterator[InFrame]) -> InFrame | None:
-        """The next frame, None at the end; a client silent for ``stream_grace`` is cut off."""
-        try:
-            async with asyncio.timeout(self.cfg.stream_grace):
-                frame = await anext(frames)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError as err:
-            raise TimeoutError(f"PutStream: no frame for {self.cfg.stream_grace:g} s") from err
-        if isinstance(frame, Malformed):
-            raise ConfigError(f"PutStream: malformed frame ({frame.reason})")
-        return frame
-
-    async def _fill(self, frames: AsyncIterator[InFrame], buf: memoryview, size: int) -> None:
-        pos = 0
-        while (frame := await self._next_frame(frames)) is not None:
-            if frame.data is None:
-                raise ConfigError("PutStream: a second 'start' frame" if frame.start is not None
-                                  else "PutStream: a frame with neither start nor data")
-            n = len(frame.data)
-            if pos + n > size:
-                raise ConfigError(f"PutStream: more than the {size} bytes announced in start")
-            buf[pos:pos + n] = frame.data
-            pos += n
-        if pos != size:
-            raise ConfigError(f"PutStream: {pos} bytes sent, start announced {size}")
-
-    async def _drain(self, frames: AsyncIterator[InFrame]) -> None:
-        """Read and drop the rest of a stream whose answer is already known (at most one
-        object's worth; a client sending more is simply answered)."""
-        budget = self.cfg.max_object_bytes
-        while budget > 0 and (frame := await self._next_frame(frames)) is not None:
-            budget -= len(frame.data) if frame.data is not None else 1
-
-    async def _drain_refused(self, frames: AsyncIterator[InFrame]) -> None:
-        """``_drain`` before a refusal (``DRAIN_FIRST``); a stream that misbehaves while
-        drained (malformed, silent for ``stream_grace``, slower than the deadline of one
-        object of ``max_object_bytes``, broken) is simply answered."""
-        try:
-            async with asyncio.timeout(self.cfg.stream_deadline(self.cfg.max_object_bytes)):
-                await self._drain(frames.__aiter__())
-        except (KVStoreError, TimeoutError, grpc.RpcError, StopAsyncIteration):
-            pass
 
     @rpc(WRITE)
     async def Delete(self, request, context, who: Principal) -> pb.DeleteResponse:
@@ -323,8 +320,9 @@ class KVStoreServicer:
     @rpc(READ)
     async def ReleaseLease(self, request, context, who: Principal) -> pb.ReleaseLeaseResponse:
         if len(request.lease_ids) > self.cfg.max_keys_per_call:
-            raise CapacityError(f"{len(request.lease_ids)} lease ids exceed max_keys_per_call "
-                                f"{self.cfg.max_keys_per_call}")
+            raise CapacityError(
+                f"{len(request.lease_ids)} lease ids exceed max_keys_per_call {self.cfg.max_keys_per_call}"
+            )
         return pb.ReleaseLeaseResponse(valid=self.store.release_leases(request.lease_ids, who.tenant))
 
     @rpc()
@@ -332,8 +330,7 @@ class KVStoreServicer:
         if not self.data_port and self.gate is None:
             raise TierUnavailableError("this store serves neither a data channel nor shared memory")
         ticket = self.store.tickets.mint(who)
-        return pb.OpenDataResponse(ticket=ticket, ttl_ms=_ms(self.store.tickets.ttl_s),
-                                   data_port=self.data_port)
+        return pb.OpenDataResponse(ticket=ticket, ttl_ms=_ms(self.store.tickets.ttl_s), data_port=self.data_port)
 
     @rpc(WRITE)
     async def Describe(self, request, context, who: Principal) -> pb.DescribeResponse:

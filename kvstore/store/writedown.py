@@ -42,11 +42,14 @@ reused scratch buffer, and every lower tier gets that copy except the store proc
 encrypts per its own tenants).  An object that cannot be encrypted is written nowhere
 (``write_down_corrupt``): a tenant that asked for encryption never gets plaintext on disk.
 
+One copy's parts (the check, the encryption, one tier's put) are ``kvstore.store.copydown``.
+
 ``settle_key`` (before a delete) takes a key out of the queue or the dirty set and cancels
 its copy in flight, so a late copy cannot bring a deleted object back.  ``aclose(timeout)``
 refuses new offers, flushes, waits up to ``timeout`` s, then cancels what is left (counted in
 ``write_down_abandoned``) and releases its references.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,40 +59,43 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 
-from kvstore import codec, integrity
 from kvstore.config import WritePolicy
 from kvstore.errors import ConfigError, ObjectFormatError
 from kvstore.keys import ObjectKey
+from kvstore.store.copydown import Item, Sealer, intact, put_one
 from kvstore.store.observer import StoreCounters, StoreObserver
-from tiers.base import PutResult, Tier, put_bytes
+from tiers.base import PutResult, Tier
 from tiers.host import HostTier
 
 log = logging.getLogger("kvstore.store")
 
 
 class Offer(Enum):
-    QUEUED = "queued"    # write-through: waiting for a copy
-    DIRTY = "dirty"      # write-back: held until flushed
+    QUEUED = "queued"  # write-through: waiting for a copy
+    DIRTY = "dirty"  # write-back: held until flushed
     DROPPED = "dropped"  # the queue was full, or the write-down is closing: not written
     SKIPPED = "skipped"  # nothing to do: host only, no lower tier, not in the pool, or pending
-
-
-@dataclass(slots=True)
-class _Item:
-    view: memoryview  # the host slot, under a reference
-    parent: ObjectKey | None
 
 
 class WriteDown:
     """Background copies from ``host`` to ``lower`` (see the module docstring)."""
 
-    def __init__(self, host: HostTier, lower: Sequence[Tier], policy: WritePolicy,
-                 counters: StoreCounters, observer: StoreObserver, *, max_in_flight: int = 2,
-                 queue_bytes: int | None = None, dirty_fraction: float = 0.5, verify: bool = False,
-                 keys=None) -> None:
+    def __init__(
+        self,
+        host: HostTier,
+        lower: Sequence[Tier],
+        policy: WritePolicy,
+        counters: StoreCounters,
+        observer: StoreObserver,
+        *,
+        max_in_flight: int = 2,
+        queue_bytes: int | None = None,
+        dirty_fraction: float = 0.5,
+        verify: bool = False,
+        keys=None,
+    ) -> None:
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
         if not 0 < dirty_fraction <= 1:
@@ -104,14 +110,15 @@ class WriteDown:
         self.keys = keys
         self._scratch: list[bytearray] = []  # encryption buffers between copies (on the loop only)
         self._counters, self._observer = counters, observer
+        self._sealer = Sealer(keys, self.lower, counters)
         # _lock guards _queue, _queued, _dirty, _dirty_bytes, _active, _flush_to and _closed
         # (offers come from other threads).  Never held across an await or a host call.
         self._lock = threading.Lock()
-        self._queue: OrderedDict[ObjectKey, _Item] = OrderedDict()  # write-through, oldest first
+        self._queue: OrderedDict[ObjectKey, Item] = OrderedDict()  # write-through, oldest first
         self._queued = 0
-        self._dirty: OrderedDict[ObjectKey, _Item] = OrderedDict()  # write-back, oldest first
+        self._dirty: OrderedDict[ObjectKey, Item] = OrderedDict()  # write-back, oldest first
         self._dirty_bytes = 0
-        self._active: dict[ObjectKey, asyncio.Task | None] = {}     # copies running
+        self._active: dict[ObjectKey, asyncio.Task | None] = {}  # copies running
         self._flush_to: int | None = None  # write-back: flushing until dirty bytes <= this
         self._closed = False
         self._loop = _running_loop()  # built on a loop: copies run there (else see ``bind``)
@@ -153,7 +160,7 @@ class WriteDown:
         if view is None:
             return Offer.SKIPPED
         with self._lock:
-            outcome, wake = self._admit(key, _Item(view, parent))
+            outcome, wake = self._admit(key, Item(view, parent))
         if outcome in (Offer.DROPPED, Offer.SKIPPED):
             self.host.release(key)
         if outcome is Offer.DROPPED:
@@ -181,10 +188,15 @@ class WriteDown:
         """Whether an offer of ``key`` now would find the write-through queue full."""
         size = self.host.size_of_sync(key)
         with self._lock:
-            return (self.policy is WritePolicy.WRITE_THROUGH and size is not None and not self._closed
-                    and bool(self._queue) and self._queued + size > self.queue_bytes)
+            return (
+                self.policy is WritePolicy.WRITE_THROUGH
+                and size is not None
+                and not self._closed
+                and bool(self._queue)
+                and self._queued + size > self.queue_bytes
+            )
 
-    def _admit(self, key: ObjectKey, item: _Item) -> tuple[Offer, bool]:
+    def _admit(self, key: ObjectKey, item: Item) -> tuple[Offer, bool]:
         """Under ``_lock``: where the offered object goes, and whether a copy may start."""
         if self._closed:
             return Offer.DROPPED, False
@@ -230,10 +242,10 @@ class WriteDown:
         for key, item in starts:
             task = asyncio.get_running_loop().create_task(self._copy(key, item))
             task.add_done_callback(functools.partial(self._done, key))  # runs even if cancelled
-            with self._lock:                                            # before it started
+            with self._lock:  # before it started
                 self._active[key] = task
 
-    def _next(self) -> tuple[ObjectKey, _Item] | None:
+    def _next(self) -> tuple[ObjectKey, Item] | None:
         """Under ``_lock``: the next object to copy (the queue first, then a dirty flush)."""
         if self._queue:
             key, item = self._queue.popitem(last=False)
@@ -247,15 +259,15 @@ class WriteDown:
             self._flush_to = None
         return None
 
-    async def _copy(self, key: ObjectKey, item: _Item) -> None:
+    async def _copy(self, key: ObjectKey, item: Item) -> None:
         t0, stored = time.perf_counter(), False
-        if self.verify and not await _intact(key, item.view):
+        if self.verify and not await intact(key, item.view):
             self._counters.write_down_corrupt += 1
             log.warning("write-down of %r refused: the object in the host pool is damaged", key)
             return
         scratch = self._scratch.pop() if self._scratch else bytearray()
         try:
-            sealed, scratch = await self._encrypted(key, item, scratch)
+            sealed, scratch = await self._sealer.encrypted(key, item, scratch)
         except (ConfigError, ObjectFormatError) as refused:
             self._counters.write_down_corrupt += 1
             log.warning("write-down of %r refused: cannot encrypt it (%s)", key, refused)
@@ -263,32 +275,13 @@ class WriteDown:
             return
         for tier in self.lower:
             at_rest = item if sealed is None or getattr(tier, "verifies_macs", False) else sealed
-            result, err = await self._put_one(tier, key, at_rest)
+            result, err = await put_one(tier, key, at_rest)
             self._counters.add("write_down", f"{tier.name}:{result.value}")
             self._observer.written(tier, result, len(item.view), err)
             stored = stored or result is PutResult.STORED
         self._scratch.append(scratch)  # not on a cancellation: a tier's thread may still read it
         self.written += stored
         self._observer.write_down_done(time.perf_counter() - t0)
-
-    async def _encrypted(self, key: ObjectKey, item: _Item,
-                         scratch: bytearray) -> tuple[_Item | None, bytearray]:
-        """The encrypted copy of the object for the lower tiers (None: its tenant does not
-        encrypt, or every lower tier verifies MACs itself), and the scratch buffer it is in
-        (``scratch``, or a larger one replacing it)."""
-        view = item.view
-        ring = None if self.keys is None else self.keys(key)
-        if ring is None or not ring.encrypt or all(getattr(t, "verifies_macs", False) for t in self.lower):
-            return None, scratch
-        need = len(view) + codec.AEAD_OVERHEAD
-        if len(scratch) < need:
-            scratch = bytearray(need)
-        if len(view) > 1 << 20:
-            out = await asyncio.to_thread(integrity.encrypt, view, ring, scratch)
-        else:
-            out = integrity.encrypt(view, ring, scratch)
-        self._counters.encrypted += 1
-        return _Item(out, item.parent), scratch
 
     def _done(self, key: ObjectKey, task: asyncio.Task) -> None:
         """A copy ended (done, failed or cancelled): release its slot, start the next."""
@@ -300,14 +293,6 @@ class WriteDown:
         if self._changed is not None:
             self._changed.set()
         self._pump()
-
-    @staticmethod
-    async def _put_one(tier: Tier, key: ObjectKey, item: _Item) -> tuple[PutResult, Exception | None]:
-        try:
-            return await put_bytes(tier, key, item.view, item.parent), None
-        except Exception as err:  # noqa: BLE001 - a failing lower tier never fails the object
-            log.warning("write-down of %r to %s failed: %s", key, tier.name, err)
-            return PutResult.FAILED, err
 
     # --- waiting, deletes, shutdown (on the loop) ----------------------------------------------
 
@@ -373,20 +358,6 @@ class WriteDown:
         if left or tasks:
             self._counters.write_down_abandoned += len(left) + len(tasks)
             log.warning("write-down: %d objects abandoned after %.1f s at close", len(left) + len(tasks), timeout)
-
-
-async def _intact(key: ObjectKey, view: memoryview) -> bool:
-    """Whether the object holds ``key`` and its checksum (large ones hashed off the loop;
-    the view is under the copy's host reference, so it stays valid)."""
-    check = lambda: codec.verify(view, expected_key=key, length=len(view))  # noqa: E731
-    try:
-        if len(view) > 1 << 20:
-            await asyncio.to_thread(check)
-        else:
-            check()
-    except ObjectFormatError:
-        return False
-    return True
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

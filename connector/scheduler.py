@@ -1,5 +1,6 @@
 """Scheduler half of the connector: keys, lookup, the load-or-recompute decision, slot
-bookkeeping and the per-step plan.  Runs in the engine's scheduler process.
+bookkeeping and the per-step plan.  Runs in the engine's scheduler process.  The keys and
+the lookup (``matched_tokens``) are the ``Lookup`` mixin of ``connector.lookup``.
 
 It owns the store core (``kvstore.store.TieredStore``, opened by ``connector.lower``): a host
 pool in shared memory, then SSD, the store process, Redis.  Workers only copy bytes into and
@@ -20,6 +21,7 @@ prefetch at most four times its predicted time (at most half of recomputing), th
 part already in host memory.  One lookup per step blocks (briefly) on a prefetch.  Saves:
 ``connector.saves`` plans them, ``connector.savejobs`` follows them to their reports.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from connector import local
 from connector.admission import NAMESPACE_CACHE, Admission
 from connector.config import ConnectorConfig
@@ -37,30 +37,40 @@ from connector.counters import SchedulerCounters
 from connector.hits import HitFinder
 from connector.ioloop import IOLoop, call_before_exit
 from connector.loads import LoadPlanner
+from connector.lookup import Lookup
 from connector.lower import open_store
 from connector.observe import RequestObserver
 from connector.plan import ReportCollector, StepPlan, WorkerReport
 from connector.prefetch import Prefetcher
-from connector.requests import Piece, ReqState, RequestView, StepClock, StepInput, hit_sources, track_blocks
+from connector.requests import ReqState, RequestView, StepClock, StepInput, hit_sources, track_blocks
 from connector.savejobs import SaveJobs
 from connector.saves import SavePlanner
 from kvstore import codec
-from kvstore.keys import Identity, ObjectKey, chunk_hashes, object_keys
+from kvstore.keys import Identity, ObjectKey
 from kvstore.layout import ChunkShape
-from kvstore.policy import CostModel, Span
+from kvstore.policy import CostModel
 from kvstore.store.pool import HostPool
 from kvstore.store.tiered import TieredStore
 from tiers.base import Removal, listen
 
 log = logging.getLogger("kvstore.connector")
-EXIT_SAVE_WAIT_S = 5.0   # at shutdown, how long to wait for gathers in flight to seal
+EXIT_SAVE_WAIT_S = 5.0  # at shutdown, how long to wait for gathers in flight to seal
 EventsOf = Callable[[TieredStore], Any]  # the store -> its KV event source (told each object's tokens)
 
 
-class SchedulerHalf:
-    def __init__(self, cfg: ConnectorConfig, identity: Identity, page_bytes: int, block_size: int,
-                 store: TieredStore | None = None, workers: int = 1, parts: bool = False,
-                 states: tuple[list[int], int, int] | None = None, kv_events: EventsOf | None = None) -> None:
+class SchedulerHalf(Lookup):
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        identity: Identity,
+        page_bytes: int,
+        block_size: int,
+        store: TieredStore | None = None,
+        workers: int = 1,
+        parts: bool = False,
+        states: tuple[list[int], int, int] | None = None,
+        kv_events: EventsOf | None = None,
+    ) -> None:
         """``page_bytes``: the canonical (topology-free) page; ``workers``: how many worker
         halves report each job (the TP size); ``parts``: each writes a part of every saved
         object (KV heads split over TP ranks), so this half seals them.  ``states``: recurrent
@@ -74,8 +84,13 @@ class SchedulerHalf:
         self.geometry = self._geometry(self.pages_per_chunk)
         self.object_size = codec.object_size(self.geometry)
         self.state_groups, self.state_layers, self.state_page_bytes = states or ([], 0, 0)
-        self.state_bytes = codec.object_size(codec.ObjectGeometry(
-            self.state_layers, 1, self.state_page_bytes, "uint8", "planned", block_size)) if states else 0
+        self.state_bytes = (
+            codec.object_size(
+                codec.ObjectGeometry(self.state_layers, 1, self.state_page_bytes, "uint8", "planned", block_size)
+            )
+            if states
+            else 0
+        )
         self.io = IOLoop()
         self.counters = SchedulerCounters(NAMESPACE_CACHE)
         self.stats = self.counters.stats
@@ -97,8 +112,8 @@ class SchedulerHalf:
         self.admission = Admission(identity, self.counters)  # kv_transfer_params, namespaces, refusals
         self.epoch = self.admission.epoch  # which weights the namespaces name (resets, declared versions)
         self._next_job = 1
-        self._steps = 0                # build_plan calls so far
-        self._idle = False             # whether the last step computed nothing
+        self._steps = 0  # build_plan calls so far
+        self._idle = False  # whether the last step computed nothing
         self.clock = StepClock(self.cost)  # times prefill steps for the cost model
         self._computed: dict[str, int] = {}
         self._closed = False
@@ -107,91 +122,20 @@ class SchedulerHalf:
         if cfg.trace_path is not None:
             for tier in self.store.lower:
                 listen(tier, self.observe)  # "persisted" moments in the trace
-        self.loads = LoadPlanner(self.host, self.shape, self.state_groups, self.saves,
-                                 self.counters, self.observe, self._job_id)
+        self.loads = LoadPlanner(
+            self.host, self.shape, self.state_groups, self.saves, self.counters, self.observe, self._job_id
+        )
         call_before_exit(self.flush_at_exit)
 
     def _geometry(self, pages: int) -> codec.ObjectGeometry:
-        return codec.ObjectGeometry(self.identity.num_layers, pages, self.page_bytes, "uint8", "planned",
-                                    pages * self.block_size)
+        return codec.ObjectGeometry(
+            self.identity.num_layers, pages, self.page_bytes, "uint8", "planned", pages * self.block_size
+        )
 
     def _size_of(self, pages: int) -> int:
         return self.object_size if pages == self.pages_per_chunk else codec.object_size(self._geometry(pages))
 
-    # --- keys ------------------------------------------------------------------------------
-
-    def _state(self, view: RequestView) -> ReqState:
-        st = self._reqs.get(view.req_id)
-        if st is None or st.epoch != self.epoch.resets:  # none yet, or keyed under weights now gone
-            ns = self.admission.namespace(view.salt, view.lora)
-            c = self.cfg.chunk_size
-            hashes = chunk_hashes(ns, np.asarray(view.prompt, dtype=np.int64), c,
-                                  extra_keys=view.chunk_extras(0, len(view.prompt) // c, c))
-            old, st = st, ReqState(view, object_keys(ns, hashes), hashes, ns, epoch=self.epoch.resets)
-            st.had_saves = old is not None and old.had_saves  # its blocks still wait for those gathers
-            self._reqs[view.req_id] = st
-        return st
-
-    def _stale(self, st: ReqState) -> bool:
-        """Whether ``st``'s keys were made before the last reset: none of its KV computed since
-        may be saved under them (the weights may have changed in between)."""
-        return st.epoch != self.epoch.resets
-
-    # --- lookup and load decision ------------------------------------------------------------
-
-    def matched_tokens(self, view: RequestView, num_computed: int) -> int | None:
-        """Tokens beyond ``num_computed`` to load now (all from host memory), or None while a
-        prefetch from a lower tier, or a save of the next chunk, is still running."""
-        if not self.admission.admit(view):
-            return 0
-        st = self._state(view)
-        self.loads.unpin(st)
-        if st.prefetch is not None and not self.prefetch.settled(st, self._steps, self._idle):
-            return None
-        pieces = self.hits.find(st)
-        if self.state_groups:
-            pieces = self.hits.with_state(st, pieces, self.state_bytes, num_computed)
-        kv = [p for p in pieces if not p.state]
-        self.observe.found(st)
-        if self.kv_events is not None:
-            self.kv_events.found(st, kv)
-        if self._save_pending(st, kv):
-            return None  # the next chunk is being saved by an earlier request: ask again soon
-        spans = [Span(p.tier, p.nbytes, p.start, p.end) for p in kv]
-        if len(kv) < len(pieces):  # the state snapshot travels with the last KV piece
-            spans[-1] = Span(kv[-1].tier, kv[-1].nbytes + self.state_bytes, kv[-1].start, kv[-1].end)
-        decision = self.cost.plan(spans, self.host.name)
-        st.first_decision = st.first_decision or decision  # before any prefetch moved the hit
-        if decision.probe is not None:
-            self.prefetch.probe(pieces[decision.load:], decision.probe)
-        chosen = pieces[:decision.load]
-        if self.state_groups:  # only the whole hit ends on its snapshot
-            chosen = pieces if decision.load >= len(kv) else []
-        lower = [p for p in chosen if p.tier != self.host.name]
-        if lower and not st.fetched:
-            self.prefetch.start(st, lower, decision)
-            self.counters.prefetched()
-            return None
-        n = self.loads.pin_prefix(st, chosen, num_computed)
-        st.pins_end_found = pieces[-1].end if pieces else 0
-        self.loads.count(st, n, decision, num_computed)
-        return n
-
-    def _save_pending(self, st: ReqState, pieces: list[Piece]) -> bool:
-        """True while an object that would extend the hit is being saved by an earlier
-        request: wait for it, at most the predicted time to recompute the rest."""
-        end = pieces[-1].end if pieces else 0
-        if not any(k in self.saves.in_flight for k in self.hits.extensions(st, end)):
-            st.save_wait_until = None
-            return False
-        now = time.perf_counter()
-        if st.save_wait_until is None:
-            st.save_wait_until = now + self.cost.recompute_seconds(len(st.view.prompt) - end, end)
-            self.counters.waited("save", "started")
-        if now < st.save_wait_until:
-            return True
-        self.counters.waited("save", "gave_up")
-        return False
+    # --- keys and lookup: connector.lookup (Lookup) ------------------------------------------
 
     def after_alloc(self, req_id: str, block_ids, num_external: int) -> None:
         """``block_ids``: the request's blocks, one list per KV cache group (or one flat list)."""
@@ -216,10 +160,18 @@ class SchedulerHalf:
         self._steps += 1
         self._computed = track_blocks(self._reqs, step)
         released, undelayed = self.jobs.take_told()
-        plan = StepPlan(self._pool_path(), self.host.size, self.pages_per_chunk,
-                        self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
-                        loads=self.loads.take(), preempted=sorted(step.preempted), released=released,
-                        undelayed=undelayed)
+        plan = StepPlan(
+            self._pool_path(),
+            self.host.size,
+            self.pages_per_chunk,
+            self.cfg.chunk_size,
+            self.geometry.page_bytes,
+            self.state_page_bytes,
+            loads=self.loads.take(),
+            preempted=sorted(step.preempted),
+            released=released,
+            undelayed=undelayed,
+        )
         for load in plan.loads:
             self.loads.running_state_blocks(load, step.scheduled.get(load.req_id, 0), self._reqs.get(load.req_id))
         plan.saves = self.jobs.take_final()
@@ -255,10 +207,12 @@ class SchedulerHalf:
         if self.parts and report.layout is not None and self.saves.geometry_of is None:
             dtype, layout_id = report.layout
             self.saves.geometry_of = lambda pages: codec.ObjectGeometry(
-                self.identity.num_layers, pages, self.page_bytes, dtype, layout_id, pages * self.block_size)
+                self.identity.num_layers, pages, self.page_bytes, dtype, layout_id, pages * self.block_size
+            )
         if self.parts and report.state_layout is not None and self.saves.state_geometry is None:
             self.saves.state_geometry = codec.ObjectGeometry(
-                self.state_layers, 1, self.state_page_bytes, "uint8", report.state_layout, self.block_size)
+                self.state_layers, 1, self.state_page_bytes, "uint8", report.state_layout, self.block_size
+            )
         for job_id, ok in report.loads.items():
             ok = self.reports.collect("load", job_id, report.load_reports.get(job_id, 1), ok, operator.and_)
             if ok is None:
@@ -267,8 +221,9 @@ class SchedulerHalf:
             if not ok:
                 self.counters.failed("host", "load")
         for job_id, oks in report.saves.items():
-            oks = self.reports.collect("save", job_id, report.save_reports.get(job_id, 1), oks,
-                                     lambda a, b: [x and y for x, y in zip(a, b)])
+            oks = self.reports.collect(
+                "save", job_id, report.save_reports.get(job_id, 1), oks, lambda a, b: [x and y for x, y in zip(a, b)]
+            )
             if oks is not None:
                 self.saves.report(job_id, oks)
                 self.jobs.reported(job_id)
@@ -339,9 +294,14 @@ class SchedulerHalf:
         dropped = self.host.clear(Removal.RESET)
         seconds = time.perf_counter() - t0
         self.counters.reset(dropped, cancelled, seconds)
-        log.info("KVStoreConnector: cache reset %d: %d host objects dropped, %d saves cancelled in %.1f ms; the "
-                 "weights are unlabelled until a request declares their version", self.epoch.resets, dropped,
-                 cancelled, seconds * 1e3)
+        log.info(
+            "KVStoreConnector: cache reset %d: %d host objects dropped, %d saves cancelled in %.1f ms; the "
+            "weights are unlabelled until a request declares their version",
+            self.epoch.resets,
+            dropped,
+            cancelled,
+            seconds * 1e3,
+        )
         self.write_stats()
         return {"dropped": dropped, "cancelled": cancelled, "seconds": seconds}
 
@@ -358,8 +318,12 @@ class SchedulerHalf:
 
     def write_stats(self) -> None:
         tiers = {t.name: t.stats().as_dict() for t in self.store.tiers}
-        self.counters.write(tiers, self.cfg.stats_path, self.saves.committed,
-                            self.cost.snapshot() if self.cfg.stats_path is not None else None)
+        self.counters.write(
+            tiers,
+            self.cfg.stats_path,
+            self.saves.committed,
+            self.cost.snapshot() if self.cfg.stats_path is not None else None,
+        )
 
     def drain(self) -> None:
         """Wait for prefetches and write-downs in flight (a write-back flush excepted)."""
@@ -375,9 +339,17 @@ class SchedulerHalf:
             return
         if self.jobs.final and (worker := local.worker_on(self._pool_path())) is not None:
             saves = self.jobs.take_final()
-            worker.save_now(StepPlan(self._pool_path(), self.host.size, self.pages_per_chunk,
-                                     self.cfg.chunk_size, self.geometry.page_bytes, self.state_page_bytes,
-                                     saves=saves))
+            worker.save_now(
+                StepPlan(
+                    self._pool_path(),
+                    self.host.size,
+                    self.pages_per_chunk,
+                    self.cfg.chunk_size,
+                    self.geometry.page_bytes,
+                    self.state_page_bytes,
+                    saves=saves,
+                )
+            )
         self.saves.adopt(EXIT_SAVE_WAIT_S)
         self.io.drain()
         self.io.run(self.store.settle(), timeout=None)

@@ -11,6 +11,7 @@ This file only converts between vLLM's objects and ours and delegates: the sched
 to ``connector.scheduler.SchedulerHalf``, the worker role to ``connector.worker.WorkerHalf``.
 They talk only through the picklable ``StepPlan`` / ``WorkerReport`` carried by vLLM.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,6 +37,7 @@ from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV, Shard, page_shape_of
 from connector.vllm_layout import _check_supported, stage_layers, state_layout, state_pages
+from connector.vllm_stats import KVStorePromMetrics, KVStoreStats, hit_source
 from connector.worker import WorkerHalf
 from kvstore.errors import ConfigError
 
@@ -57,25 +59,6 @@ class KVStoreWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
-class KVStoreStats(KVConnectorStats):
-    """Worker-side transfer counters for vLLM's periodic log (hit rates live on the
-    scheduler side: ``stats_path`` and the Prometheus counters)."""
-
-    def reset(self) -> None:
-        self.data: dict[str, int] = {}
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
-
-    def is_empty(self) -> bool:
-        return not self.data
-
-
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -91,14 +74,24 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             spec = attention_groups(kv_cache_config.kv_cache_groups)[0].kv_cache_spec
             tp = vllm_config.parallel_config.tensor_parallel_size
             pp = vllm_config.parallel_config.pipeline_parallel_size
-            self._sched = SchedulerHalf(self.cfg, identity, page_bytes, block_size, workers=tp * pp,
-                                        parts=tp_ranks(vllm_config, spec) > 1 or pp > 1,
-                                        states=state_layout(kv_cache_config.kv_cache_groups, tp),
-                                        kv_events=kv_events_of(vllm_config, self.cfg, block_size))
+            self._sched = SchedulerHalf(
+                self.cfg,
+                identity,
+                page_bytes,
+                block_size,
+                workers=tp * pp,
+                parts=tp_ranks(vllm_config, spec) > 1 or pp > 1,
+                states=state_layout(kv_cache_config.kv_cache_groups, tp),
+                kv_events=kv_events_of(vllm_config, self.cfg, block_size),
+            )
             self._events = _scheduler(self).kv_events
         else:
-            self._worker = WorkerHalf(make_device(self.cfg.device), self.cfg.verify_loads, self.cfg.load_timeout_s,
-                                      tracing=self.cfg.trace_path is not None)
+            self._worker = WorkerHalf(
+                make_device(self.cfg.device),
+                self.cfg.verify_loads,
+                self.cfg.load_timeout_s,
+                tracing=self.cfg.trace_path is not None,
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -115,26 +108,39 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             _scheduler(self).not_cached(request.request_id, "multimodal_unhashed")
             return 0, False
         lora = request.lora_request.lora_name if request.lora_request else ""
-        view = RequestView(request.request_id, request.prompt_token_ids, request.cache_salt or "", lora,
-                           request.all_token_ids, mm, getattr(request, "kv_transfer_params", None))
+        view = RequestView(
+            request.request_id,
+            request.prompt_token_ids,
+            request.cache_salt or "",
+            lora,
+            request.all_token_ids,
+            mm,
+            getattr(request, "kv_transfer_params", None),
+        )
         return _scheduler(self).matched_tokens(view, num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        _scheduler(self).after_alloc(request.request_id, [list(g) for g in blocks.get_block_ids()],
-                                        num_external_tokens)
+        _scheduler(self).after_alloc(request.request_id, [list(g) for g in blocks.get_block_ids()], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         so = scheduler_output
         cached = so.scheduled_cached_reqs
         step = StepInput(
             new=[(r.req_id, [list(g) for g in r.block_ids], r.num_computed_tokens) for r in so.scheduled_new_reqs],
-            cached=[(rid, None if nb is None else [list(g) for g in nb], cached.num_computed_tokens[i],
-                     rid in cached.resumed_req_ids)
-                    for i, (rid, nb) in enumerate(zip(cached.req_ids, cached.new_block_ids))],
+            cached=[
+                (
+                    rid,
+                    None if nb is None else [list(g) for g in nb],
+                    cached.num_computed_tokens[i],
+                    rid in cached.resumed_req_ids,
+                )
+                for i, (rid, nb) in enumerate(zip(cached.req_ids, cached.new_block_ids))
+            ],
             scheduled=dict(so.num_scheduled_tokens),
             preempted=set(so.preempted_req_ids or ()),
             states=dict(so.kv_connector_block_state.boundary_state_offloads)
-            if getattr(so, "kv_connector_block_state", None) is not None else {},
+            if getattr(so, "kv_connector_block_state", None) is not None
+            else {},
         )
         return KVStoreConnectorMetadata(_scheduler(self).build_plan(step))
 
@@ -149,8 +155,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         sched = _scheduler(self)
         return sched.request_finished(rid, request.num_computed_tokens), sched.output_params(rid)
 
-    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Hybrid models (``SupportsHMA``): one call for every KV cache group's blocks."""
         return self.request_finished(request, [])
 
@@ -227,14 +234,21 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             state_names = [n for i in state_ids for n in groups[i].layer_names]
             bad = [n for n in state_names if not isinstance(kv_caches.get(n), torch.Tensor)]
             if bad:
-                raise ConfigError(f"KVStoreConnector: recurrent layers {bad[:3]} register their state as several "
-                                  "tensors; only one state tensor per layer (a short convolution) is supported")
+                raise ConfigError(
+                    f"KVStoreConnector: recurrent layers {bad[:3]} register their state as several "
+                    "tensors; only one state tensor per layer (a short convolution) is supported"
+                )
             state_spec = groups[state_ids[0]].kv_cache_spec
             pages = {n: state_pages(kv_caches[n], state_spec, num_blocks) for n in state_names}
             # Each rank holds its channels of every state: its part of the canonical state page.
             state_shard = Shard(state_channel_axis(), rank, ranks) if ranks > 1 else Shard()
-            states = PagedKV(pages, state_names, num_blocks, state_shard,
-                             layer_groups=[i for i in state_ids for _ in groups[i].layer_names])
+            states = PagedKV(
+                pages,
+                state_names,
+                num_blocks,
+                state_shard,
+                layer_groups=[i for i in state_ids for _ in groups[i].layer_names],
+            )
         _worker(self).register(PagedKV(kv_caches, names, num_blocks, shard, layer_groups), states)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -275,8 +289,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return KVStoreStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> KVConnectorPromMetrics | None:
         """Our counters on vLLM's own ``/metrics`` (``vllm:kvstore_*``, with vLLM's engine labels)."""
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
@@ -297,67 +312,6 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             _worker(self).close()
         if self._sched is not None:
             _scheduler(self).close()
-
-
-def hit_source(tier: str, host: str) -> CacheHitSource:
-    """vLLM's name for where hits from ``tier`` came from (``host``: our host tier's name)."""
-    if tier == host:
-        return CacheHitSource.HOST
-    return CacheHitSource.DISK if tier == "ssd" else CacheHitSource.EXTERNAL_UNSPECIFIED
-
-
-# stats key (before the first ":") -> metric name, help, labels of the rest of the key
-PROM_COUNTERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "requests": ("vllm:kvstore_requests", "Requests the connector looked up", ()),
-    "requests_hit": ("vllm:kvstore_request_hits", "Requests with tokens loaded by the connector", ()),
-    "tokens_looked_up": ("vllm:kvstore_looked_up_tokens", "Prompt tokens the connector looked up", ()),
-    "tokens_hit": ("vllm:kvstore_hit_tokens", "Tokens loaded instead of recomputed", ()),
-    "tokens_hit_generated": ("vllm:kvstore_hit_tokens_generated", "Hit tokens an engine had generated", ()),
-    "chunks_looked_up": ("vllm:kvstore_looked_up_chunks", "Full chunks looked up", ()),
-    "chunks_hit": ("vllm:kvstore_chunk_hits", "Full chunks loaded", ()),
-    "prefetches": ("vllm:kvstore_prefetches", "Prefetches from a lower tier into host DRAM", ()),
-    "saves_committed": ("vllm:kvstore_saves_committed", "Objects saved into host DRAM", ()),
-    "tokens_hit_by_tier": ("vllm:kvstore_hit_tokens_by_tier", "Hit tokens by the tier they were found in",
-                           ("tier",)),
-    "bytes_by_tier": ("vllm:kvstore_tier_bytes", "Bytes moved by tier and direction", ("tier", "direction")),
-    "failures": ("vllm:kvstore_failures", "Failures by tier and reason", ("tier", "reason")),
-    "not_cached": ("vllm:kvstore_requests_not_cached", "Requests served without the connector, by reason",
-                   ("reason",)),
-    "decisions": ("vllm:kvstore_load_decisions", "Load-or-recompute decisions by outcome", ("outcome",)),
-    "resets": ("vllm:kvstore_cache_resets", "Cache resets and what they dropped or cancelled", ("what",)),
-    "loads": ("vllm:kvstore_worker_loads", "Load jobs copied by the workers", ()),
-    "load_failures": ("vllm:kvstore_worker_load_failures", "Load jobs that failed (vLLM recomputes)", ()),
-    "bytes_loaded": ("vllm:kvstore_worker_bytes_loaded", "Bytes copied into the KV cache", ()),
-    "saves": ("vllm:kvstore_worker_saves", "Objects gathered from the KV cache", ()),
-    "save_failures": ("vllm:kvstore_worker_save_failures", "Gathers that failed", ()),
-    "bytes_saved": ("vllm:kvstore_worker_bytes_saved", "Bytes gathered from the KV cache", ()),
-    "sleep_drained": ("vllm:kvstore_worker_sleep_drained", "Gathers finished before a sleep", ()),
-    "cancelled_asleep": ("vllm:kvstore_worker_cancelled_asleep", "Copies refused while asleep", ()),
-}
-
-
-class KVStorePromMetrics(KVConnectorPromMetrics):
-    """Our counters (``get_kv_connector_stats``' keys, ``PROM_COUNTERS``) as vLLM's
-    Prometheus counters, labelled per engine as vLLM labels its own."""
-
-    def __init__(self, vllm_config, metric_types, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {key: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, *extra])
-                          for key, (name, doc, extra) in PROM_COUNTERS.items()}
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        engine = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
-        for key, value in transfer_stats_data.items():
-            table, _, rest = key.partition(":")
-            spec = PROM_COUNTERS.get(table)
-            if spec is None or not isinstance(value, (int, float)) or value <= 0:
-                continue
-            extra = spec[2]
-            labels = rest.split(":", len(extra) - 1) if extra else []
-            if len(labels) != len(extra):
-                continue
-            self._counters[table].labels(*engine, *labels).inc(value)
 
 
 def multimodal_items(features) -> tuple[tuple[int, int, str], ...] | None:

@@ -9,7 +9,8 @@ staging area for every other tier.  Contract of ``tiers.base.Tier`` plus:
   verified where bytes arrive from a lower tier or the network, before they are put here.
 * **Protection.**  A buffer reference (``acquire``, an in-flight ``read_into``) protects the
   *memory*: a referenced slot is never freed, and a referenced object never evicted.  A
-  lease protects the *object* from eviction for a TTL; an expiring lease frees nothing.
+  lease protects the *object* from eviction for a TTL; an expiring lease frees nothing
+  (``tiers.host_leases``).
   ``delete`` removes an object from lookup at once (dropping its leases) and frees its slot
   when the last reference is released ("doomed" until then).
 * **Eviction** (only when a put needs room): chain tails before parents, then in the order
@@ -28,6 +29,7 @@ Keys and slots: at most one slot per key is ever *referenced*, so ``release(key)
 unambiguous.  Thread-safe: sync methods (``*_sync``, ``acquire``, ``lease``...) may be
 called from copy threads; the async methods are thin wrappers for the event loop.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,9 +41,10 @@ from typing import TYPE_CHECKING, Any, cast
 from kvstore.codec import decode_header
 from kvstore.errors import CapacityError, ConfigError, CorruptHeaderError, TierUnavailableError
 from kvstore.keys import ObjectKey
-from kvstore.lifecycle import Clock, Lease, LeaseTable
+from kvstore.lifecycle import Clock, LeaseTable
 from tiers.allocator import SlotAllocator
 from tiers.base import MemoryTierBase, PutHandle, Removal, TierStats
+from tiers.host_leases import HostLeases
 from tiers.host_pool import HostPool, make_pools
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
@@ -54,14 +57,24 @@ EvictCallback = Callable[[ObjectKey, memoryview], None]
 PoolOf = Callable[[bytes], "str | None"]
 
 
-class HostTier(SlotOps, MemoryTierBase):
+class HostTier(SlotOps, HostLeases, MemoryTierBase):
     """Host DRAM tier over one buffer; see the module docstring for the contract."""
 
-    def __init__(self, capacity_bytes: int, *, alignment: int = 4096, pin: bool | None = None,
-                 clock: Clock = time.monotonic, name: str = "host",
-                 on_evict: EvictCallback | None = None, shared: bool = False,
-                 pools: Mapping[str, int] | None = None, pool_of: PoolOf | None = None,
-                 reuse_window_s: float = 1.0, retention: RetentionPolicy | str = RetentionPolicy.REUSE) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        alignment: int = 4096,
+        pin: bool | None = None,
+        clock: Clock = time.monotonic,
+        name: str = "host",
+        on_evict: EvictCallback | None = None,
+        shared: bool = False,
+        pools: Mapping[str, int] | None = None,
+        pool_of: PoolOf | None = None,
+        reuse_window_s: float = 1.0,
+        retention: RetentionPolicy | str = RetentionPolicy.REUSE,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"host tier capacity must be positive, got {capacity_bytes}")
         self.name = name
@@ -70,8 +83,9 @@ class HostTier(SlotOps, MemoryTierBase):
         self._reuse_window = reuse_window_s
         self.retention = parse_policy(retention)
         try:
-            self._pools.update(make_pools(capacity_bytes, alignment, pin, shared, pools, pool_of, reuse_window_s,
-                                          self.retention))
+            self._pools.update(
+                make_pools(capacity_bytes, alignment, pin, shared, pools, pool_of, reuse_window_s, self.retention)
+            )
         except BaseException:
             self._release_pools()
             raise
@@ -88,9 +102,9 @@ class HostTier(SlotOps, MemoryTierBase):
         # counters), _leases, _stats, _refs, _closed, array/buffer/tensor and every Entry
         # field.  Copies of slot bytes happen outside it, under a reference.
         self._lock = threading.Lock()
-        self._index: dict[ObjectKey, Entry] = {}    # LIVE (LRU order lives in each pool)
+        self._index: dict[ObjectKey, Entry] = {}  # LIVE (LRU order lives in each pool)
         self._pending: dict[ObjectKey, Entry] = {}  # PENDING
-        self._doomed: dict[ObjectKey, Entry] = {}   # DOOMED
+        self._doomed: dict[ObjectKey, Entry] = {}  # DOOMED
         self._leases = LeaseTable(clock=clock)
         capacity = sum(p.alloc.capacity for p in self._pools.values())
         self._stats = TierStats(name, capacity_bytes=capacity)
@@ -134,8 +148,7 @@ class HostTier(SlotOps, MemoryTierBase):
             if self._one is not None:
                 size_of = self._one.alloc.size_of
                 return [None if (entry := get(key)) is None else size_of(entry.offset) for key in keys]
-            return [None if (entry := get(key)) is None else entry.pool.alloc.size_of(entry.offset)
-                    for key in keys]
+            return [None if (entry := get(key)) is None else entry.pool.alloc.size_of(entry.offset) for key in keys]
 
     # --- reads -----------------------------------------------------------------------
 
@@ -195,8 +208,9 @@ class HostTier(SlotOps, MemoryTierBase):
         if size <= 0:
             raise ConfigError(f"object size must be positive, got {size}")
         if self._one is not None and self._one.alloc.aligned(size) > self._one.alloc.capacity:
-            raise CapacityError(f"{size}-byte object exceeds host tier {self.name!r} "
-                                f"({self._one.alloc.capacity} bytes)")
+            raise CapacityError(
+                f"{size}-byte object exceeds host tier {self.name!r} ({self._one.alloc.capacity} bytes)"
+            )
         with self._lock:
             if self._closed:
                 raise TierUnavailableError(f"host tier {self.name!r} is closed")
@@ -206,8 +220,10 @@ class HostTier(SlotOps, MemoryTierBase):
             if pool is None or pool.buffer is None:
                 return None  # a key no pool takes
             if pool.alloc.aligned(size) > pool.alloc.capacity:
-                raise CapacityError(f"{size}-byte object exceeds pool {pool.name!r} of host tier "
-                                    f"{self.name!r} ({pool.alloc.capacity} bytes)")
+                raise CapacityError(
+                    f"{size}-byte object exceeds pool {pool.name!r} of host tier "
+                    f"{self.name!r} ({pool.alloc.capacity} bytes)"
+                )
             offset = self._make_room(size, pool)
             if offset is None:
                 return None
@@ -277,37 +293,18 @@ class HostTier(SlotOps, MemoryTierBase):
             keys = list(self._index)
         return sum(self.delete_sync(key, reason) for key in keys)
 
-    # --- leases ----------------------------------------------------------------------
-
-    def lease(self, key: ObjectKey, ttl: float) -> Lease | None:
-        """Protect a stored object from eviction for ``ttl`` seconds; None on a miss."""
-        with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                return None
-            self._touch(key, entry)
-            return self._leases.grant(key, ttl)
-
-    def renew_lease(self, lease_id: int, ttl: float) -> Lease:
-        with self._lock:
-            return self._leases.renew(lease_id, ttl)
-
-    def release_lease(self, lease_id: int) -> bool:
-        with self._lock:
-            return self._leases.release_lease(lease_id)
-
-    def check_lease(self, lease_id: int) -> Lease:
-        """The lease if still valid; ``LeaseError`` if unknown, released, expired or deleted."""
-        with self._lock:
-            return self._leases.check(lease_id)
-
     # --- stats and introspection -----------------------------------------------------
 
     def stats(self) -> TierStats:
         with self._lock:
             self._leases.sweep()
-            extra: dict[str, float] = {"leases_held": len(self._leases), "leases_expired": self._leases.expired_total,
-                     "refs_held": self._refs, "pending": len(self._pending), "doomed": len(self._doomed)}
+            extra: dict[str, float] = {
+                "leases_held": len(self._leases),
+                "leases_expired": self._leases.expired_total,
+                "refs_held": self._refs,
+                "pending": len(self._pending),
+                "doomed": len(self._doomed),
+            }
             used = sum(p.alloc.used_bytes for p in self._pools.values())
             return dataclasses.replace(self._stats, objects=len(self._index), bytes_used=used, extra=extra)
 
@@ -337,8 +334,9 @@ class HostTier(SlotOps, MemoryTierBase):
         """``(key, offset, size, state)`` of every reserved slot (tests, debugging)."""
         with self._lock:
             groups = (self._index, self._pending, self._doomed)
-            return [(k, e.offset, e.pool.alloc.size_of(e.offset), e.state)
-                    for group in groups for k, e in group.items()]
+            return [
+                (k, e.offset, e.pool.alloc.size_of(e.offset), e.state) for group in groups for k, e in group.items()
+            ]
 
     @property
     def allocator(self) -> SlotAllocator:
@@ -383,5 +381,4 @@ class HostTier(SlotOps, MemoryTierBase):
         return header.key == handle.key and header.total_len == handle.size
 
 
-__all__ = ["EvictCallback", "HostTier", "SharedPoolView", "SlotState", "attach_shared",
-           "remove_stale_pools"]
+__all__ = ["EvictCallback", "HostTier", "SharedPoolView", "SlotState", "attach_shared", "remove_stale_pools"]

@@ -2,7 +2,7 @@
 
 Implements ``tiers.base.Tier`` on ``redis.asyncio`` (hiredis parser); it runs wherever the
 store runs and is used from the event loop that opened it.  ``RedisTier.open(cfg)`` connects
-and checks limits (``tiers.redis_config.connect``); ``sizes(keys)`` is the batch lookup (one MGET
+and checks limits (``tiers.redis_connect.connect``); ``sizes(keys)`` is the batch lookup (one MGET
 of the manifests), and ``TierBase`` answers ``present`` and ``lookup`` over it.
 
 Layout (``tiers.redis_manifest``): the data first, the manifest LAST, so a reader never sees
@@ -51,7 +51,8 @@ from kvstore.keys import ObjectKey
 from tiers.base import Removal, TierBase, TierStats
 from tiers.redis_budget import RedisBudget
 from tiers.redis_bulk import BulkReader, Outcome, Slot
-from tiers.redis_config import RedisConfig, connect
+from tiers.redis_config import RedisConfig
+from tiers.redis_connect import connect
 from tiers.redis_manifest import (
     DELETE_IF_SAME,
     MANIFEST_SIZE,
@@ -93,7 +94,7 @@ class RedisTier(RedisPuts, RedisBudget, RedisNodes, TierBase):
 
     @classmethod
     async def open(cls, cfg: RedisConfig) -> RedisTier:
-        """Connect, PING and check limits (``tiers.redis_config.connect``)."""
+        """Connect, PING and check limits (``tiers.redis_connect.connect``)."""
         client, bulk_limit = await connect(cfg)
         return cls(cfg, client, bulk_limit)
 

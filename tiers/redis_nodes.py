@@ -21,7 +21,8 @@ from redis.asyncio.cluster import RedisCluster
 
 from kvstore.errors import TierUnavailableError
 from tiers.breaker import CircuitBreaker
-from tiers.redis_config import TRANSPORT_ERRORS, RedisConfig
+from tiers.redis_config import RedisConfig
+from tiers.redis_connect import TRANSPORT_ERRORS
 
 CLUSTER = "cluster"  # the breaker for "no node known" in cluster mode
 DOWN = object()  # a reply that never came: the node is down or its breaker open

@@ -21,6 +21,7 @@ cancelled call waits for its worker thread before re-raising, so no thread still
 a caller's buffer.  The index entry records the file's inode: removals (eviction, delete,
 corruption) unlink a name only while it still holds that inode, never a newer put's file.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,7 +32,6 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,34 +51,30 @@ from tiers.ssd_files import (
     object_path,
     own_directory,
     parent_key,
-    pwrite_all,
     scan_file,
     scan_objects,
     unlink_quiet,
 )
 from tiers.ssd_files import read_file as _read_file  # a module global: tests patch it here
 from tiers.ssd_index import Entry, Index, Partition
+from tiers.ssd_put import PutState, discard, write_part
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _PutState:
-    """Tier-private state of one put (``PutHandle.token``)."""
-
-    path: str                        # the temp file
-    fd: int = -1
-    error: Exception | None = None   # first failure; later writes are skipped
-    entry: Entry | None = None       # set once renamed into place and indexed
-    reserved: int = 0                # capacity held for this put until published or failed
 
 
 class SSDTier(TierBase):
     """A directory of object files with a byte capacity (see the module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike, capacity_bytes: int, *,
-                 fsync: bool = True, name: str = "ssd", partition: Partition | None = None,
-                 quotas: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        capacity_bytes: int,
+        *,
+        fsync: bool = True,
+        name: str = "ssd",
+        partition: Partition | None = None,
+        quotas: Mapping[str, int] | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ConfigError(f"SSD tier capacity must be positive, got {capacity_bytes}")
         self.name = name
@@ -96,7 +92,7 @@ class SSDTier(TierBase):
         self._lock = threading.Lock()
         self._index = Index(capacity_bytes, partition, quotas)
         self._stats = TierStats(name, capacity_bytes=capacity_bytes)
-        self._puts: dict[int, _PutState] = {}
+        self._puts: dict[int, PutState] = {}
         self._closed = False
         try:
             self._rebuild()
@@ -158,8 +154,11 @@ class SSDTier(TierBase):
     def stats(self) -> TierStats:
         with self._lock:
             return dataclasses.replace(
-                self._stats, objects=len(self._index.entries), bytes_used=self._index.used,
-                extra={**self._stats.extra, "reserved_bytes": self._index.reserved})
+                self._stats,
+                objects=len(self._index.entries),
+                bytes_used=self._index.used,
+                extra={**self._stats.extra, "reserved_bytes": self._index.reserved},
+            )
 
     def partition_stats(self, part: str) -> dict[str, int]:
         """Objects, bytes used and quota of one partition (see ``tiers.ssd_index``)."""
@@ -224,9 +223,8 @@ class SSDTier(TierBase):
         if size > self._index.capacity:
             raise CapacityError(f"object of {size} bytes exceeds SSD capacity {self._index.capacity}")
         if size > self._index.quota_of(key) > 0:
-            raise CapacityError(f"object of {size} bytes exceeds its SSD partition's quota "
-                                f"{self._index.quota_of(key)}")
-        state = _PutState(str(self._dir / TMP / f"{key.printable()}.{os.getpid()}.{next(self._seq)}.tmp"))
+            raise CapacityError(f"object of {size} bytes exceeds its SSD partition's quota {self._index.quota_of(key)}")
+        state = PutState(str(self._dir / TMP / f"{key.printable()}.{os.getpid()}.{next(self._seq)}.tmp"))
         handle = PutHandle(key, size, parent, None, state)
         victims = self._reserve(handle, state)
         if victims is None:
@@ -234,14 +232,14 @@ class SSDTier(TierBase):
         try:
             await in_thread(self._open_temp, state, victims)
         except BaseException as err:
-            _discard(state)
+            discard(state)
             self._finish_put(handle)
             if isinstance(err, OSError):
                 raise TierError(f"cannot create {state.path}: {err}") from err
             raise
         return handle
 
-    def _reserve(self, handle: PutHandle, state: _PutState) -> list[tuple[ObjectKey, Entry]] | None:
+    def _reserve(self, handle: PutHandle, state: PutState) -> list[tuple[ObjectKey, Entry]] | None:
         with self._lock:
             self._check_open()
             victims = self._index.reserve(handle.size, handle.key)
@@ -253,7 +251,7 @@ class SSDTier(TierBase):
                 state.reserved = handle.size
             return victims
 
-    def _open_temp(self, state: _PutState, victims: list[tuple[ObjectKey, Entry]]) -> None:
+    def _open_temp(self, state: PutState, victims: list[tuple[ObjectKey, Entry]]) -> None:
         for key, entry in victims:  # free the disk space before taking more
             self._remove_published(key, entry.ino)
         state.fd = os.open(state.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -265,7 +263,7 @@ class SSDTier(TierBase):
         if offset < 0 or offset + len(view) > handle.size:
             raise ConfigError(f"write [{offset}, {offset + len(view)}) outside a {handle.size}-byte object")
         if state.error is None:
-            await in_thread(_write, state, view, offset, self._fsync)
+            await in_thread(write_part, state, view, offset, self._fsync)
 
     async def put_commit(self, handle: PutHandle, ok: bool = True) -> bool:
         state = self._live_put(handle, claim=True)
@@ -275,7 +273,7 @@ class SSDTier(TierBase):
             self._finish_put(handle)
         return state.entry is not None
 
-    def _live_put(self, handle: PutHandle, claim: bool = False) -> _PutState:
+    def _live_put(self, handle: PutHandle, claim: bool = False) -> PutState:
         """The put's state; ``claim`` takes it out of the pending set (commit owns it now)."""
         with self._lock:
             state = self._puts.get(id(handle.token))
@@ -285,7 +283,7 @@ class SSDTier(TierBase):
                 del self._puts[id(state)]
             return state
 
-    def _settle(self, handle: PutHandle, state: _PutState, ok: bool) -> None:
+    def _settle(self, handle: PutHandle, state: PutState, ok: bool) -> None:
         """Publish the object, or remove every trace of it."""
         try:
             if ok and state.error is None:
@@ -295,11 +293,15 @@ class SSDTier(TierBase):
             self._retract(handle.key, state)
         finally:
             if state.entry is None:
-                log.log(logging.WARNING if state.error else logging.DEBUG,
-                        "ssd put of %r abandoned: %s", handle.key, state.error or "not ok")
-                _discard(state)
+                log.log(
+                    logging.WARNING if state.error else logging.DEBUG,
+                    "ssd put of %r abandoned: %s",
+                    handle.key,
+                    state.error or "not ok",
+                )
+                discard(state)
 
-    def _publish(self, handle: PutHandle, state: _PutState) -> None:
+    def _publish(self, handle: PutHandle, state: PutState) -> None:
         header, ino = check_written(state.fd, handle)
         if self._fsync:
             # Data and size must be on disk BEFORE the name is: otherwise a crash after the
@@ -327,7 +329,7 @@ class SSDTier(TierBase):
                 fsync_dir(self._dir)
         self._stored(handle.key)  # durable now: a failed fsync above retracts it unannounced
 
-    def _retract(self, key: ObjectKey, state: _PutState) -> None:
+    def _retract(self, key: ObjectKey, state: PutState) -> None:
         """Undo a publish whose directory fsync failed (the object was briefly visible)."""
         if state.entry is not None:
             with self._lock:
@@ -336,7 +338,7 @@ class SSDTier(TierBase):
             state.entry = None
 
     def _finish_put(self, handle: PutHandle) -> None:
-        state = cast(_PutState, handle.token)  # this tier's handles carry their _PutState
+        state = cast(PutState, handle.token)  # this tier's handles carry their PutState
         with self._lock:
             self._puts.pop(id(state), None)
             self._index.release(state.reserved, handle.key)
@@ -374,27 +376,8 @@ class SSDTier(TierBase):
             pending = list(self._puts.values())
             self._puts.clear()
         for state in pending:
-            await in_thread(_discard, state)
+            await in_thread(discard, state)
         os.close(self._lock_fd)
-
-
-# --- helpers ---------------------------------------------------------------------------
-
-def _write(state: _PutState, view: memoryview, offset: int, flush_early: bool) -> None:
-    """``pwrite_all`` in a worker thread.  An error (e.g. ENOSPC) is remembered in the state
-    even if the caller was cancelled meanwhile: the commit fails and cleans up."""
-    try:
-        pwrite_all(state.fd, view, offset, flush_early)
-    except OSError as err:
-        state.error = err
-
-
-def _discard(state: _PutState) -> None:
-    fd, state.fd = state.fd, -1
-    if fd >= 0:
-        with suppress(OSError):  # a broken fd (the write error being cleaned up)
-            os.close(fd)
-    unlink_quiet(state.path)
 
 
 __all__ = ["SSDTier", "drop_page_cache"]

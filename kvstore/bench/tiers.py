@@ -13,30 +13,28 @@ beside a copy of the same 32 MiB object, one thread each.  The SSD hit rows time
 chunk read from SSD into the host pool through the store core (promotion: read, checks,
 publish, then the copy out), encrypted against MAC-checked only, cold and warm.
 """
+
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
 
 from kvstore import codec, integrity
 from kvstore.bench.common import Row, gbps, print_rows, write_json, write_plot
-from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
+from kvstore.bench.lookup import IDENT, hash_rows
+from kvstore.keys import ObjectKey, chunk_hashes, object_keys
 from kvstore.store.tiered import TieredStore
 from tiers.base import put_bytes
 from tiers.host import HostTier
 from tiers.ssd import SSDTier, drop_page_cache
 
 MiB = 1 << 20
-IDENT = Identity("bench", "r0", "bf16", "bench:opaque", 32, 8, 128)
 
 
 def _object(size: int, seed: int) -> tuple[ObjectKey, np.ndarray]:
@@ -89,10 +87,24 @@ async def _host_rows(size: int, repeat: int) -> list[Row]:
     await host.aclose()
     limit = gbps(size, statistics.median(copies))
     mb = size // MiB
-    return [Row(f"host put {mb} MiB", gbps(size, statistics.median(puts)), "GB/s", "copy into reused buffer", limit,
-                target=0.8),
-            Row(f"host get {mb} MiB", gbps(size, statistics.median(gets)), "GB/s", "copy into reused buffer", limit,
-                target=0.8)]
+    return [
+        Row(
+            f"host put {mb} MiB",
+            gbps(size, statistics.median(puts)),
+            "GB/s",
+            "copy into reused buffer",
+            limit,
+            target=0.8,
+        ),
+        Row(
+            f"host get {mb} MiB",
+            gbps(size, statistics.median(gets)),
+            "GB/s",
+            "copy into reused buffer",
+            limit,
+            target=0.8,
+        ),
+    ]
 
 
 async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
@@ -106,7 +118,7 @@ async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
     for i in range(max(repeat, 2 * slots)):
         j = i % slots
         t0 = time.perf_counter()
-        np.copyto(ring[j * size:(j + 1) * size], src)
+        np.copyto(ring[j * size : (j + 1) * size], src)
         _timed(lim, t0)
         key, obj = _object(size, 1000 + i)
         t0 = time.perf_counter()
@@ -116,8 +128,14 @@ async def _host_rotating_row(size: int, repeat: int, slots: int = 8) -> Row:
         await host.put_commit(handle, True)
         _timed(put, t0)
     await host.aclose()
-    return Row(f"host put {size // MiB} MiB, new keys, evicting", gbps(size, statistics.median(put)), "GB/s",
-               f"copy into {slots} rotating buffers", gbps(size, statistics.median(lim)), target=0.8)
+    return Row(
+        f"host put {size // MiB} MiB, new keys, evicting",
+        gbps(size, statistics.median(put)),
+        "GB/s",
+        f"copy into {slots} rotating buffers",
+        gbps(size, statistics.median(lim)),
+        target=0.8,
+    )
 
 
 def _plain_write(path: Path, data: np.ndarray) -> None:
@@ -125,7 +143,7 @@ def _plain_write(path: Path, data: np.ndarray) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -170,10 +188,24 @@ async def _ssd_rows(size: int, repeat: int, root: Path) -> list[Row]:
         plain.unlink()
     await ssd.aclose()
     mb = size // MiB
-    return [Row(f"ssd write {mb} MiB", gbps(size, statistics.median(wput)), "GB/s", "plain write+fsync",
-                gbps(size, statistics.median(wlim)), target=0.7),
-            Row(f"ssd cold read {mb} MiB", gbps(size, statistics.median(rget)), "GB/s", "plain readinto, cold",
-                gbps(size, statistics.median(rlim)), target=0.8)]
+    return [
+        Row(
+            f"ssd write {mb} MiB",
+            gbps(size, statistics.median(wput)),
+            "GB/s",
+            "plain write+fsync",
+            gbps(size, statistics.median(wlim)),
+            target=0.7,
+        ),
+        Row(
+            f"ssd cold read {mb} MiB",
+            gbps(size, statistics.median(rget)),
+            "GB/s",
+            "plain readinto, cold",
+            gbps(size, statistics.median(rlim)),
+            target=0.8,
+        ),
+    ]
 
 
 async def _ssd_hit_rows(repeat: int, root: Path, size: int = 2 * MiB) -> list[Row]:
@@ -185,9 +217,10 @@ async def _ssd_hit_rows(repeat: int, root: Path, size: int = 2 * MiB) -> list[Ro
     ms: dict[tuple[bool, bool], float] = {}
     for encrypt in (False, True):
         keys = ring.encrypting(encrypt)
-        store = await TieredStore.open([("host:", {"capacity": 4 * size}),
-                                        (f"ssd:{root / f'hit-{encrypt}'}", {"capacity": 4 * size})],
-                                       keys=lambda _k, r=keys: r)
+        store = await TieredStore.open(
+            [("host:", {"capacity": 4 * size}), (f"ssd:{root / f'hit-{encrypt}'}", {"capacity": 4 * size})],
+            keys=lambda _k, r=keys: r,
+        )
         await store.put(key, memoryview(obj))
         await store.drain()
         ssd = store.lower[0]
@@ -206,8 +239,17 @@ async def _ssd_hit_rows(repeat: int, root: Path, size: int = 2 * MiB) -> list[Ro
         assert store.counters.decrypted == (2 * repeat if encrypt else 0)
         await store.aclose()
     mb = size // MiB
-    return [Row(f"ssd hit {mb} MiB encrypted, {'cold' if cold else 'warm'}", ms[True, cold], "ms",
-                "MAC only", ms[False, cold], "lower") for cold in (True, False)]
+    return [
+        Row(
+            f"ssd hit {mb} MiB encrypted, {'cold' if cold else 'warm'}",
+            ms[True, cold],
+            "ms",
+            "MAC only",
+            ms[False, cold],
+            "lower",
+        )
+        for cold in (True, False)
+    ]
 
 
 def _digest_rows(repeat: int, root: Path, size: int = 1 << 30) -> list[Row]:
@@ -236,10 +278,24 @@ def _digest_rows(repeat: int, root: Path, size: int = 1 << 30) -> list[Row]:
     path.unlink()
     rate = {k: gbps(size, statistics.median(v)) for k, v in samples.items()}
     gib = size // (1 << 30)
-    return [Row(f"weight digest {gib} GiB cold, {threads} thr", rate["cold"], "GB/s", "plain readinto, cold",
-                rate["cold_lim"], target=0.8),
-            Row(f"weight digest {gib} GiB warm, {threads} thr", rate["warm"], "GB/s", "plain readinto, warm",
-                rate["warm_lim"], target=0.8)]
+    return [
+        Row(
+            f"weight digest {gib} GiB cold, {threads} thr",
+            rate["cold"],
+            "GB/s",
+            "plain readinto, cold",
+            rate["cold_lim"],
+            target=0.8,
+        ),
+        Row(
+            f"weight digest {gib} GiB warm, {threads} thr",
+            rate["warm"],
+            "GB/s",
+            "plain readinto, warm",
+            rate["warm_lim"],
+            target=0.8,
+        ),
+    ]
 
 
 def _stream(path: Path, buf: np.ndarray) -> None:
@@ -250,63 +306,12 @@ def _stream(path: Path, buf: np.ndarray) -> None:
             pass
 
 
-async def _hash_rows(repeat: int) -> list[Row]:
-    ns = IDENT.namespace()
-    tokens = np.random.default_rng(1).integers(0, 128000, 512 * 256)
-    hash_t: list[float] = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        hashes = chunk_hashes(ns, tokens, 256)
-        _timed(hash_t, t0)
-    per_chunk_us = statistics.median(hash_t) / 512 * 1e6
-    keys = object_keys(ns, hashes)
-    tiny = codec.ObjectGeometry(1, 1, 64)
-    store = TieredStore(HostTier(len(keys) * 4096 + MiB))
-    for i, key in enumerate(keys):
-        await store.put_payload(key, tiny, np.zeros(64, np.uint8), hashes[i - 1] if i else ROOT)
-    look_t: list[float] = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        found = await store.lookup(object_keys(ns, chunk_hashes(ns, tokens, 256)))
-        _timed(look_t, t0)
-    assert found.hits == 512
-    await store.aclose()
-    overhead = host_index_overhead_bytes(20_000)
-    return [Row("chained hash per 256-token chunk", per_chunk_us, "µs", "target", 2.0, "lower", target=1.0),
-            Row("hash+lookup 128k-token prompt", statistics.median(look_t) * 1e3, "ms", "target", 2.0, "lower",
-                target=1.0),
-            Row("host index bytes per object", overhead, "B", "target", 300.0, "lower", target=1.0)]
-
-
-def host_index_overhead_bytes(n: int) -> float:
-    """Python heap bytes per object in the host index (key, entry, dict slot), by tracemalloc."""
-    geom = codec.ObjectGeometry(1, 1, 1)
-    host = HostTier(n * 512, alignment=512, pin=False)
-    obj = np.empty(codec.object_size(geom), np.uint8)
-    ns = IDENT.namespace()
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
-    keys = object_keys(ns, chunk_hashes(ns, np.arange(n), chunk_size=1))
-    for i, key in enumerate(keys):
-        codec.encode_into(obj, key, geom, b"\x01")
-        handle = host.put_start_sync(key, len(obj), keys[i - 1] if i else None)
-        assert handle is not None and handle.buffer is not None, "the host tier refused a bench put"
-        handle.buffer[:] = obj
-        assert host.put_commit_sync(handle)
-    gc.collect()
-    used = tracemalloc.get_traced_memory()[0] - base - sys.getsizeof(keys)
-    tracemalloc.stop()
-    assert host.stats().objects == n
-    return used / n
-
-
 def _integrity_rows(repeat: int, size: int = 32 * MiB) -> list[Row]:
     """MAC seal and check, AES-256-GCM and xxh3-128 of one object, against copying it."""
     _, obj = _object(size, 7)
     dst = np.empty_like(obj)
     ring = integrity.new_deployment().keyring("bench")
-    payload = obj[codec.HEADER_SIZE:]
+    payload = obj[codec.HEADER_SIZE :]
 
     def median_s(fn) -> float:
         samples: list[float] = []
@@ -320,23 +325,25 @@ def _integrity_rows(repeat: int, size: int = 32 * MiB) -> list[Row]:
     sealed = median_s(lambda: integrity.seal(obj, ring))
     checked = median_s(lambda: integrity.check(obj, ring))
     xxh = median_s(lambda: codec.checksum(payload))
-    scratch = bytearray(size + codec.AEAD_OVERHEAD)                # reused, as the write-down does
+    scratch = bytearray(size + codec.AEAD_OVERHEAD)  # reused, as the write-down does
     enc = median_s(lambda: integrity.encrypt(obj, ring, scratch))
     cipher = np.frombuffer(integrity.encrypt(obj, ring), np.uint8)
     work = np.empty_like(cipher)
     dec_samples: list[float] = []
     for _ in range(repeat):
-        np.copyto(work, cipher)                                    # untimed: decryption is in place
+        np.copyto(work, cipher)  # untimed: decryption is in place
         t0 = time.perf_counter()
         integrity.decrypt_in_place(work, ring)
         _timed(dec_samples, t0)
     dec = statistics.median(dec_samples)
     mb = size // MiB
-    return [Row(f"MAC seal (keyed BLAKE3) {mb} MiB", gbps(size, sealed), "GB/s", "copy", copy),
-            Row(f"MAC check (keyed BLAKE3) {mb} MiB", gbps(size, checked), "GB/s", "copy", copy),
-            Row(f"AES-256-GCM encrypt {mb} MiB", gbps(size, enc), "GB/s", "copy", copy),
-            Row(f"AES-256-GCM decrypt {mb} MiB", gbps(size, dec), "GB/s", "copy", copy),
-            Row(f"xxh3-128 checksum {mb} MiB", gbps(size, xxh), "GB/s", "copy", copy)]
+    return [
+        Row(f"MAC seal (keyed BLAKE3) {mb} MiB", gbps(size, sealed), "GB/s", "copy", copy),
+        Row(f"MAC check (keyed BLAKE3) {mb} MiB", gbps(size, checked), "GB/s", "copy", copy),
+        Row(f"AES-256-GCM encrypt {mb} MiB", gbps(size, enc), "GB/s", "copy", copy),
+        Row(f"AES-256-GCM decrypt {mb} MiB", gbps(size, dec), "GB/s", "copy", copy),
+        Row(f"xxh3-128 checksum {mb} MiB", gbps(size, xxh), "GB/s", "copy", copy),
+    ]
 
 
 async def _run(args) -> list[Row]:
@@ -349,7 +356,7 @@ async def _run(args) -> list[Row]:
             rows += await _ssd_rows(size, args.repeat, Path(tmp))
         rows += await _ssd_hit_rows(args.repeat, Path(tmp))
         rows += _digest_rows(args.repeat, Path(tmp))
-    rows += await _hash_rows(args.repeat)
+    rows += await hash_rows(args.repeat)
     return rows
 
 
@@ -376,7 +383,8 @@ def _run_growth(args) -> int:
     title = f"kvstore bench tiers --growth ({args.ops} operations each; reference: the smallest size, same run)"
     print_rows(title, rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [r.as_dict() for r in rows],
-                                               "runs": [growth.run_dict(r) for r in runs]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"rows": [r.as_dict() for r in rows], "runs": [growth.run_dict(r) for r in runs]}, indent=2)
+        )
     write_plot(getattr(args, "plot", None), title, rows)
     return 0

@@ -29,7 +29,7 @@ from connector.epoch import ParamsError, WeightsEpoch, parse_params
 from connector.kvcache_events import ConnectorEvents, RemovedEvent
 from connector.plan import ChunkCopy, LoadJob, SaveJob
 from connector.scheduler import RequestView, StepInput
-from connector.vllm import KVStorePromMetrics, hit_source
+from connector.vllm_stats import KVStorePromMetrics, hit_source
 from tests.kits.halves import Engine, fill, finish, prompt
 
 BS = 128

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.bench.tiers import host_index_overhead_bytes
+from kvstore.bench.lookup import host_index_overhead_bytes
 from kvstore.codec import ObjectGeometry, encode_into, object_size
 from kvstore.errors import CapacityError, ConfigError, LeaseError, TierUnavailableError
 from kvstore.keys import ROOT, Identity

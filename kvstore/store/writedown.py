@@ -20,7 +20,9 @@ Bounds and backpressure:
 * At most ``max_in_flight`` copies run at once (one object each, to every lower tier in
   order); no task exists for an object that is merely waiting.
 * Write-through objects wait in a queue of at most ``queue_bytes`` (an object larger than
-  that is still taken when the queue is empty).  **An offer that finds the queue full is
+  that is still taken when the queue is empty).  Objects a free copy slot takes at once do
+  not count, even before the loop has started them: a loop slow to run is no reason to drop.
+  **An offer that finds the queue full is
   dropped**: its reference is released at once and it is counted (``write_down_dropped``,
   ``StoreObserver.write_down_dropped``).  The object stays in host memory only, so a drop is
   a future lower-tier miss, never wrong data.  ``offer`` never blocks: neither the engine's
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -192,9 +195,20 @@ class WriteDown:
                 self.policy is WritePolicy.WRITE_THROUGH
                 and size is not None
                 and not self._closed
-                and bool(self._queue)
-                and self._queued + size > self.queue_bytes
+                and self._queue_full_for(size)
             )
+
+    def _queue_full_for(self, size: int) -> bool:
+        """Under ``_lock``: whether ``size`` more bytes would overflow the queue.  Queued
+        objects that a free copy slot takes as soon as the loop runs are not waiting: an offer
+        from another thread is judged as if the loop had already started them, so a busy loop
+        does not turn into drops."""
+        free = max(0, self.max_in_flight - len(self._active))
+        if len(self._queue) < free:
+            return False  # a copy starts for it at once
+        starting = sum(len(item.view) for item in itertools.islice(self._queue.values(), free))
+        waiting = self._queued - starting
+        return len(self._queue) > free and waiting + size > self.queue_bytes
 
     def _admit(self, key: ObjectKey, item: Item) -> tuple[Offer, bool]:
         """Under ``_lock``: where the offered object goes, and whether a copy may start."""
@@ -211,7 +225,7 @@ class WriteDown:
             target = self.dirty_limit // 2
             self._flush_to = target if self._flush_to is None else min(self._flush_to, target)
             return Offer.DIRTY, True
-        if self._queue and self._queued + size > self.queue_bytes:
+        if self._queue_full_for(size):
             return Offer.DROPPED, False
         self._queue[key] = item
         self._queued += size

@@ -4,10 +4,11 @@ endpoint, a replay endpoint, a topic) and the connector with ``trace_path``.
 
 Engine 1 saves four 2-chunk prompts into a host pool that holds four objects, written
 through to SSD, then repeats the first prompt (its chunks were evicted: it loads them from
-SSD through a prefetch).  Each prompt after the first, and the repeat, wait at a barrier until
-everything saved before them is on SSD (``wait_written``): an object still queued for SSD
-cannot be evicted, so without the wait a slow disk would turn a save into a refused one
-(``save:no_room``) and the story would depend on the queue's timing.  Engine 2, a new
+SSD through a prefetch).  Each prompt, and the repeat, wait at a barrier until everything
+saved before them (the kit's warm-up included) is on SSD (``wait_written``): an object still
+queued for SSD cannot be evicted, and the write-down queue of so small a pool holds one
+object, so without the wait a slow disk would turn a save into a refused one
+(``save:no_room``) or a dropped copy, and the story would depend on the queue's timing.  Engine 2, a new
 process on the same SSD directory, repeats it again.
 
 A pyzmq subscriber decodes every message of both engines with vLLM's own msgspec structs
@@ -50,7 +51,7 @@ def workload(vocab: int, repeat_only: bool = False) -> tuple[kit.Workload, list[
     g = kit.TokenSource(5, vocab)
     prompts = [g.take(2 * CHUNK + 40) for _ in range(4)]
     reqs = (
-        [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}" if i else None) for i, p in enumerate(prompts)]
+        [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}") for i, p in enumerate(prompts)]
     )
     reqs.append(kit.Request("p0-again", prompts[0], barrier="replay"))
     return kit.Workload(tuple(reqs)), prompts

@@ -160,6 +160,30 @@ async def test_offers_from_another_thread_are_copied_on_the_loop(rigs):
     assert await r.on_ssd(ks) == [True] * 4 and r.refs() == 0
 
 
+async def test_a_busy_loop_does_not_turn_offers_from_another_thread_into_drops(rigs):
+    """The engine's scheduler thread offers a request's chunks back to back while the loop has
+    not yet started any copy: those a free copy slot will take do not fill the queue.  (CI once
+    lost a chunk's SSD copy this way: a one-object queue behind two idle copy slots.)"""
+    size = len(make_obj(keys(1)[0], 1))
+    r = rigs("write_through", max_in_flight=2, queue_bytes=size)
+    ks = keys(5, seed=16)
+    for k in ks:
+        obj = make_obj(k, 1)
+        handle = r.host.put_start_sync(k, len(obj))
+        handle.buffer[:] = obj
+        assert r.host.put_commit_sync(handle)
+
+    def offer_all() -> list[Offer]:  # one call on another thread: the loop waits meanwhile
+        return [r.writer.offer(k, None) for k in ks]
+
+    offers = await asyncio.to_thread(offer_all)
+    # as if on the loop: two copies start, one object waits, the rest find the queue full
+    assert offers == [Offer.QUEUED] * 3 + [Offer.DROPPED] * 2
+    assert r.counters.write_down_dropped == 2
+    assert await r.writer.drain(5)
+    assert await r.on_ssd(ks) == [True] * 3 + [False] * 2 and r.refs() == 0
+
+
 async def test_write_back_holds_objects_until_the_dirty_limit_then_writes_the_oldest(rigs):
     r = rigs("write_back", pages=16)
     size = len(make_obj(keys(1)[0], 1))

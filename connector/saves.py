@@ -310,7 +310,8 @@ class SavePlanner:
     def _commit(self, handle: PutHandle, key: ObjectKey, ok: bool) -> None:
         if ok:
             try:
-                self.store.seal(key, _buffer(handle)[: handle.size])  # the MAC, before anyone sees it
+                # the MAC, before anyone sees it (the worker that wrote it whole sealed it already)
+                self.store.seal(key, _buffer(handle)[: handle.size], unless_sealed=True)
             except ObjectFormatError:
                 ok = False
         if not self.host.put_commit_sync(handle, ok):

@@ -33,6 +33,7 @@ from connector.config import ConnectorConfig
 from connector.device import make_device
 from connector.identity import attention_groups, engine_identity, is_mla, is_state, state_channel_axis, tp_ranks
 from connector.kvcache_events import ConnectorEvents, KVStoreKVEvents, kv_events_of
+from connector.lower import keys_of
 from connector.plan import StepPlan, WorkerReport
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV, Shard, page_shape_of
@@ -91,6 +92,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self.cfg.verify_loads,
                 self.cfg.load_timeout_s,
                 tracing=self.cfg.trace_path is not None,
+                keys=keys_of(self.cfg),
             )
 
     @property

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -38,8 +39,9 @@ from connector.plan import ChunkCopy, SaveJob, StepPlan, WorkerReport
 from connector.transfer import PagedKV, dtype_name
 from connector.worker_loads import DRAIN_LIMIT_S, LoadCopier
 from connector.worker_report import Ledger, Mapped
-from kvstore import codec
+from kvstore import codec, integrity
 from kvstore.errors import ConfigError
+from kvstore.integrity import Keyring
 from kvstore.keys import ROOT, ChunkHash, ObjectKey
 from tiers.host import attach_shared
 
@@ -48,9 +50,18 @@ log = logging.getLogger("kvstore.connector")
 
 class WorkerHalf:
     def __init__(
-        self, device: Device, verify_loads: bool = True, load_timeout_s: float = 30.0, tracing: bool = False
+        self,
+        device: Device,
+        verify_loads: bool = True,
+        load_timeout_s: float = 30.0,
+        tracing: bool = False,
+        keys: Callable[[ObjectKey], Keyring | None] | None = None,
     ) -> None:
-        """``tracing``: time each copy job for the trace (``WorkerReport.copies``)."""
+        """``tracing``: time each copy job for the trace (``WorkerReport.copies``).  ``keys``:
+        the MAC keys of the engine's lower tiers (``connector.lower.keys_of``): an object this
+        worker writes whole is sealed here, on the thread that saw its gather land, so the
+        scheduler's commit does not spend its own time on the MAC."""
+        self.keys = keys
         self.mapped = Mapped()  # the KV tensors registered, the host pool's mapping
         self.ledger = Ledger(self.mapped, tracing)  # the report and the interval counters, under its lock
         self.loads = LoadCopier(device, self.mapped, self.ledger, verify_loads, load_timeout_s)
@@ -235,7 +246,11 @@ class WorkerHalf:
     def _seal(self, chunk: ChunkCopy, geometry: codec.ObjectGeometry) -> None:
         parent = ChunkHash(chunk.parent) if chunk.parent else ROOT
         view = self.mapped.pool_buffer()[chunk.slot : chunk.slot + codec.object_size(geometry)]
-        codec.encode_into(view, ObjectKey.from_bytes(chunk.key), geometry, None, parent, chunk.generated)
+        key = ObjectKey.from_bytes(chunk.key)
+        codec.encode_into(view, key, geometry, None, parent, chunk.generated)
+        ring = None if self.keys is None else self.keys(key)
+        if ring is not None:
+            integrity.seal(view, ring)
 
     def _writes_whole(self, chunk: ChunkCopy) -> bool:
         """Whether this worker alone writes ``chunk``'s object (so it seals it here)."""

@@ -39,6 +39,10 @@ def test_every_sealed_object_verifies_and_holds_the_pages(tmp_path):
     stories.story_every_sealed_object_verifies_and_holds_the_pages(tmp_path, make(), "cuda")
 
 
+def test_the_worker_seals_each_object_it_writes_whole_and_the_commit_leaves_the_mac(tmp_path):
+    stories.story_the_worker_seals_each_object_it_writes_whole_and_the_commit_leaves_the_mac(tmp_path, make(), "cuda")
+
+
 def test_loads_reach_consumable_and_pages_equal_the_originals(tmp_path):
     stories.story_loads_reach_consumable_and_pages_equal_the_originals(tmp_path, make(), "cuda")
 

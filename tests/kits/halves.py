@@ -19,6 +19,7 @@ import torch
 
 from connector.config import ConnectorConfig
 from connector.device import HostDevice
+from connector.lower import keys_of
 from connector.scheduler import RequestView, SchedulerHalf, StepInput
 from connector.transfer import PagedKV
 from connector.worker import WorkerHalf
@@ -82,6 +83,7 @@ class Engine:
             self.cfg.verify_loads,
             self.cfg.load_timeout_s,
             tracing=self.cfg.trace_path is not None,
+            keys=keys_of(self.cfg),  # as connector.vllm builds it
         )
         self.worker.register(PagedKV(self.kv, list(self.kv), shape.blocks))
         self.errors: set[int] = set()

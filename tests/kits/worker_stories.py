@@ -14,7 +14,7 @@ import time
 import torch
 
 from connector.scheduler import RequestView
-from kvstore import codec
+from kvstore import codec, integrity
 from tests.kits.halves import FLASH_HND, Engine, prompt, run_request
 
 SHAPE = FLASH_HND
@@ -31,10 +31,13 @@ def engine(tmp_path, device, kv_device: str) -> Engine:
     return Engine(tmp_path, device, shape=SHAPE, kv_device=kv_device, chunk_size=CHUNK_TOKENS)
 
 
-def saved_request(tmp_path, device, kv_device: str) -> tuple[Engine, list[int]]:
+def saved_request(tmp_path, device, kv_device: str, worker_keys: bool = True) -> tuple[Engine, list[int]]:
     """Request "a" computed and finished; steps run (no drain, no preemption) until its
-    saves are reported and its blocks released.  Returns the engine and the prompt."""
+    saves are reported and its blocks released.  Returns the engine and the prompt.
+    ``worker_keys=False``: a worker without the MAC keys (the scheduler seals at commit)."""
     e = engine(tmp_path, device, kv_device)
+    if not worker_keys:
+        e.worker.keys = None
     tokens = prompt(TOKENS, seed=1)
     assert run_request(e, "a", tokens, A_BLOCKS, seed=1) == 0
     assert e.sched.request_finished("a") is True  # saves planned: the free is delayed
@@ -68,6 +71,24 @@ def story_every_sealed_object_verifies_and_holds_the_pages(tmp_path, device, kv_
         blocks = A_BLOCKS[i * pages_per_chunk : (i + 1) * pages_per_chunk]
         expected = _payload_of(e, blocks)
         assert bytes(buf[codec.HEADER_SIZE : codec.HEADER_SIZE + len(expected)]) == expected
+    e.close()
+
+
+def story_the_worker_seals_each_object_it_writes_whole_and_the_commit_leaves_the_mac(
+    tmp_path, device, kv_device, worker_keys: bool = True
+):
+    """With MAC keys (an SSD directory), the worker seals each object on the thread that saw
+    its gather land; the scheduler's commit only checks the key id and seals nothing itself
+    (a worker without keys: the commit seals each one).  Every object verifies."""
+    e, tokens = saved_request(tmp_path, device, kv_device, worker_keys)
+    ring = e.sched.store.keys(None)
+    assert ring is not None
+    assert e.sched.store.counters.sealed == (0 if worker_keys else SAVED)  # sealed at commit
+    for key in e.sched._state(RequestView("probe", tokens)).keys[:4]:
+        buf = bytearray(e.sched.store.host.size_of_sync(key))
+        e.sched.store.host.read_into_sync(key, buf)
+        assert codec.decode_header(buf).key_id == ring.current
+        assert integrity.check(memoryview(buf), ring) == ring.current
     e.close()
 
 

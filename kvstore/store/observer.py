@@ -65,6 +65,7 @@ class StoreCounters:
     write_down_abandoned: int = 0  # still queued or dirty when a close timed out
     write_down_corrupt: int = 0  # failed the check before the copy (``verify``): not written
     forged: dict[str, int] = field(default_factory=dict)  # tier -> objects refused by their MAC, removed
+    forged_reread: dict[str, int] = field(default_factory=dict)  # tier -> refused, but a second read verified: kept
     sealed: int = 0  # objects sealed with a MAC at commit
     encrypted: int = 0  # encrypted copies written down (encryption at rest)
     decrypted: int = 0  # encrypted objects read back and decrypted

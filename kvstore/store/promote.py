@@ -16,7 +16,9 @@ Runs on the core's event loop (``kvstore.store.tiered``).
   None), an object read from a tier that does not verify MACs itself (every tier but the
   store process's, ``verifies_macs``) must carry a MAC that verifies under its tenant's
   keys before its slot is published; a forged one is a counted miss (``counters.forged``,
-  ``StoreObserver.forged``) and is deleted from that tier.
+  ``StoreObserver.forged``) and is deleted from that tier, unless a second read of it
+  verifies (the first read's bytes changed while read: a miss, counted ``forged_reread``,
+  and the object is kept).
 * **Encrypted objects** (``kvstore.integrity``: encryption at rest) are decrypted in place,
   in the reserved slot, before anything else sees them (``reveal``), and the slot shrinks to
   the plaintext object; a tag that does not verify is refused like a forged MAC.  The
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -41,6 +44,8 @@ from kvstore.keys import ROOT, ObjectKey
 from kvstore.store.observer import StoreCounters, StoreObserver
 from tiers.base import Tier
 from tiers.host import HostTier
+
+log = logging.getLogger("kvstore.store")
 
 
 class Promoter:
@@ -149,7 +154,13 @@ class Promoter:
 
     async def refuse(self, tier: Tier, key: ObjectKey, err: BaseException) -> None:
         """A forged object from ``tier``: counted, and deleted there (a failing delete is
-        counted as a tier error)."""
+        counted as a tier error).  It is read and checked once more first: when that copy
+        verifies, the bytes first read were not the tier's (changed while read), so the read
+        stays a miss but the object is kept (``counters.forged_reread``, logged)."""
+        if await self._rereads_clean(tier, key):
+            self._counters.add("forged_reread", tier.name)
+            log.warning("%s: %r failed its check (%s) but a second read verifies: kept", tier.name, key, err)
+            return
         self._counters.add("forged", tier.name)
         self._observer.forged(tier, err)
         try:
@@ -157,6 +168,21 @@ class Promoter:
         except TierError as derr:
             self._counters.add("tier_errors", f"{tier.name}:delete")
             self._observer.tier_failed(tier, "delete", derr)
+
+    async def _rereads_clean(self, tier: Tier, key: ObjectKey) -> bool:
+        """Whether a fresh read of ``key`` from ``tier`` passes ``reveal`` on its own."""
+        try:
+            size = await tier.size_of(key)
+            if not size:
+                return False
+            buf = memoryview(bytearray(size))
+            n = await tier.read_into(key, buf)
+            if n is None or not 0 < n <= size:
+                return False
+            n, forged = reveal(self.keys, tier, key, buf, n)
+            return n is not None and forged is None  # the tier checked the key and checksum
+        except (TierError, ObjectFormatError):
+            return False
 
     def _failed(self, tier: Tier, err: TierError) -> None:
         self._counters.add("tier_errors", f"{tier.name}:promote")

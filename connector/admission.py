@@ -9,7 +9,7 @@ import logging
 from collections import OrderedDict
 
 from connector.counters import SchedulerCounters
-from connector.epoch import PARAMS_KEY, ParamsError, WeightsEpoch, parse_params
+from connector.epoch import PARAMS_KEY, PARAMS_SCHEMA, ParamsError, WeightsEpoch, parse_params
 from connector.requests import RequestView, identity_fields
 from kvstore.keys import Identity, Namespace
 
@@ -60,10 +60,10 @@ class Admission:
             self.counters.unknown_params(params.unknown)
             self._warn_once(
                 f"unknown:{params.unknown}",
-                "kv_transfer_params.%s: unknown keys %s ignored (known: "
-                "weights_version); counted in kvstore_params_unknown_keys",
+                "kv_transfer_params.%s: unknown keys %s ignored (known: %s); counted in kvstore_params_unknown_keys",
                 PARAMS_KEY,
                 list(params.unknown),
+                ", ".join(PARAMS_SCHEMA),
             )
         before = self.epoch.label
         if not self.epoch.admit(params.weights_version):

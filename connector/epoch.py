@@ -48,11 +48,30 @@ VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+/@-]{0,127}$")
 PARAMS_SCHEMA: dict[str, str] = {
     "weights_version": "the version of the weights the engine runs, as whoever pushed them named it: "
     "1-128 characters of [A-Za-z0-9._:+/@-], starting with a letter or digit",
+    "session": "the session (a chat, an agent run) the request belongs to, named as weights_version is; "
+    "the keys below need it (connector.sessions)",
+    "continues": "false on the session's last request: its objects no other session holds leave host DRAM "
+    "first (default true)",
+    "pin": "true: keep the session's objects in host DRAM until a request of it says pin false or "
+    "continues false (pins are bounded: half the pool, the oldest pins go first); false: unpin",
+    "resume_in_s": "seconds until the session's next request (0 to 86400): its objects are brought back "
+    "into host DRAM from the lower tiers shortly before",
 }
+RESUME_MAX_S = 86400.0
 
 
 class ParamsError(ValueError):
     """A ``kv_transfer_params`` value that does not follow ``PARAMS_SCHEMA``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHint:
+    """A request's word about its session (``PARAMS_SCHEMA``; ``connector.sessions``)."""
+
+    session: str
+    continues: bool = True
+    pin: bool | None = None  # None: as before
+    resume_in_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +80,7 @@ class TransferParams:
 
     weights_version: str | None = None
     unknown: tuple[str, ...] = ()  # keys under "kvstore" this version does not know (ignored)
+    session: SessionHint | None = None
 
 
 def parse_params(raw: Any) -> TransferParams:
@@ -82,7 +102,32 @@ def parse_params(raw: Any) -> TransferParams:
             f"got {str(version)[:40]!r}"
         )
     unknown = tuple(sorted(str(k) for k in ours if k not in PARAMS_SCHEMA))
-    return TransferParams(version, unknown)
+    return TransferParams(version, unknown, _session(ours))
+
+
+def _session(ours: dict) -> SessionHint | None:
+    """The session keys of our part (``PARAMS_SCHEMA``); ``ParamsError`` naming a bad one."""
+    name = ours.get("session")
+    if name is None:
+        extra = [k for k in ("continues", "pin", "resume_in_s") if k in ours]
+        if extra:
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY}.{extra[0]} needs a session: {PARAMS_SCHEMA['session']}")
+        return None
+    if not isinstance(name, str) or not VERSION_RE.fullmatch(name):
+        raise ParamsError(
+            f"kv_transfer_params.{PARAMS_KEY}.session: {PARAMS_SCHEMA['session']}; got {str(name)[:40]!r}"
+        )
+    for flag in ("continues", "pin"):
+        if flag in ours and not isinstance(ours[flag], bool):
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY}.{flag} must be true or false, got {ours[flag]!r:.40}")
+    resume = ours.get("resume_in_s")
+    if resume is not None and (
+        isinstance(resume, bool) or not isinstance(resume, int | float) or not 0 <= resume <= RESUME_MAX_S
+    ):
+        raise ParamsError(
+            f"kv_transfer_params.{PARAMS_KEY}.resume_in_s: {PARAMS_SCHEMA['resume_in_s']}; got {resume!r:.40}"
+        )
+    return SessionHint(name, ours.get("continues", True), ours.get("pin"), None if resume is None else float(resume))
 
 
 class WeightsEpoch:

@@ -65,6 +65,11 @@ class IOLoop:
         fut.add_done_callback(self._done)
         return fut
 
+    def later(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the loop like ``spawn``, but ``drain`` does not wait for it (work
+        timed for later, such as a resume prefetch: its owner cancels it before a close)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def _done(self, fut: concurrent.futures.Future) -> None:
         with self._lock:
             self._spawned.discard(fut)

@@ -34,6 +34,7 @@ from connector import local
 from connector.admission import NAMESPACE_CACHE, Admission
 from connector.config import ConnectorConfig
 from connector.counters import SchedulerCounters
+from connector.epoch import parse_params
 from connector.hits import HitFinder
 from connector.ioloop import IOLoop, call_before_exit
 from connector.loads import LoadPlanner
@@ -45,6 +46,7 @@ from connector.prefetch import Prefetcher
 from connector.requests import ReqState, RequestView, StepClock, StepInput, hit_sources, track_blocks
 from connector.savejobs import SaveJobs
 from connector.saves import SavePlanner
+from connector.sessions import Sessions
 from kvstore import codec
 from kvstore.keys import Identity, ObjectKey
 from kvstore.layout import ChunkShape
@@ -111,6 +113,7 @@ class SchedulerHalf(Lookup):
         self._reqs: dict[str, ReqState] = {}
         self.admission = Admission(identity, self.counters)  # kv_transfer_params, namespaces, refusals
         self.epoch = self.admission.epoch  # which weights the namespaces name (resets, declared versions)
+        self.sessions = Sessions(self.store, self.io)  # session hints of kv_transfer_params
         self._next_job = 1
         self._steps = 0  # build_plan calls so far
         self._idle = False  # whether the last step computed nothing
@@ -261,12 +264,19 @@ class SchedulerHalf(Lookup):
                 self.jobs.final.append(self.jobs.sent(job))
                 if self.kv_events is not None:
                     self.kv_events.saving(st, job)
+        self._session_hint(st)
         self.write_stats()
         if self.jobs.unreported(req_id):
             return True
         if st.had_saves:  # every gather reported: the blocks may go now, the worker is told
             self.jobs.undelayed.append(req_id)
         return False
+
+    def _session_hint(self, st: ReqState) -> None:
+        """The request's session hint (``connector.sessions``), applied to host DRAM."""
+        hint = parse_params(st.view.params).session  # admitted: it parses
+        if hint is not None and not self._stale(st):
+            self.sessions.finished(hint, [*st.keys, *(k for tail in st.tails.values() for k in tail)])
 
     def output_params(self, req_id: str) -> dict[str, object] | None:
         """What the request's output carries in ``kv_transfer_params`` (``Admission``)."""
@@ -363,6 +373,7 @@ class SchedulerHalf(Lookup):
             return
         for st in self._reqs.values():
             self.loads.unpin(st)
+        self.sessions.close()
         self.flush_at_exit()
         self._closed = True
         self.io.run(self.store.aclose())

@@ -48,7 +48,7 @@ from tiers.host_leases import HostLeases
 from tiers.host_pool import HostPool, make_pools
 from tiers.host_shm import MemfdPool, SharedPoolView, attach_shared, remove_stale_pools
 from tiers.host_slots import Entry, SlotOps, SlotState, transition
-from tiers.retention import RetentionPolicy, parse_policy
+from tiers.retention import Hint, RetentionPolicy, parse_policy
 
 if TYPE_CHECKING:
     import numpy as np
@@ -133,6 +133,17 @@ class HostTier(SlotOps, HostLeases, MemoryTierBase):
         a new ``put_start`` of it would answer None although there may be room."""
         with self._lock:
             return key in self._pending or key in self._doomed
+
+    def hint_sync(self, keys: Sequence[ObjectKey], hint: Hint) -> None:
+        """Session hints on ``keys`` (``tiers.retention.Hints``); keys not here yet wait."""
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                pool = entry.pool if entry is not None else self._pool_for(key)
+                if pool is not None:
+                    pool.hints.set(
+                        key, hint, None if entry is None else pool.alloc.aligned(pool.alloc.size_of(entry.offset))
+                    )
 
     def size_of_sync(self, key: ObjectKey) -> int | None:
         with self._lock:

@@ -28,7 +28,7 @@ import numpy as np
 from kvstore.errors import ConfigError
 from tiers.allocator import SlotAllocator
 from tiers.host_shm import MemfdPool, SharedPoolView, create_memfd, create_shared
-from tiers.retention import RetentionPolicy, make_retention
+from tiers.retention import Hints, RetentionPolicy, make_retention
 
 if TYPE_CHECKING:
     from kvstore.keys import ObjectKey
@@ -70,6 +70,7 @@ class HostPool:
         self.array: np.ndarray | None = array
         self.buffer: memoryview | None = memoryview(array)  # None once released
         self.retention = make_retention(retention, reuse_window)  # its LIVE objects, in eviction order
+        self.hints = Hints(capacity)  # session hints over that order
         self.evictions = 0
         self.pending = 0
 
@@ -94,6 +95,7 @@ class HostPool:
     def forget(self, key: ObjectKey, *, evicted: bool) -> None:
         """``key`` left the pool (evicted, or deleted when not ``evicted``)."""
         self.retention.forget(key, evicted=evicted)
+        self.hints.forget(key)
 
     def fits_after_evicting(self, size: int, victims: Iterable[int]) -> bool:
         """Whether a ``size``-byte slot would fit once the slots at offsets ``victims`` are

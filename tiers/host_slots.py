@@ -127,6 +127,7 @@ class SlotOps:
             entry.parent = parent
         self._index[handle.key] = entry
         entry.pool.retention.add(handle.key, entry, self._leases.clock())
+        entry.pool.hints.published(handle.key, entry.pool.alloc.aligned(handle.size))  # the slot it holds
         self._stats.puts += 1
         self._stats.bytes_written += handle.size
         self._stored(handle.key)
@@ -155,9 +156,11 @@ class SlotOps:
 
     def _evictable(self, pool: HostPool) -> Iterator[tuple[ObjectKey, Entry]]:
         """``(key, entry)`` of the pool's objects neither referenced nor leased, in its
-        retention policy's order (a linear scan: cheap while the first objects are unpinned)."""
+        retention policy's order under the pool's session hints (a linear scan: cheap while the
+        first objects are unpinned)."""
         held = self._leases.held
-        return ((key, entry) for key, entry in pool.retention.order() if not (entry.refs or held(key)))
+        order = pool.hints.order(pool.retention.order(), self._index)
+        return ((key, entry) for key, entry in order if not (entry.refs or held(key)))
 
     def _evict(self, key: ObjectKey) -> None:
         entry = self._index.pop(key)

@@ -24,12 +24,16 @@ Policies (``kvstore.config.RetentionPolicy``: the host tier's ``retention`` opti
   adapted online to which class's evicted keys come back (ARC's rule, ``AdaptiveRetention``).
 * ``LRU``: least recently used first, nothing else (the baseline the others are measured
   against, ``kvstore bench trace``).
+
+Over any policy, ``Hints`` (session hints, ``connector.sessions``): objects of an ended
+session go first, objects of a session pinned to come back go last, within a bound.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from kvstore.config import RetentionPolicy
@@ -211,6 +215,79 @@ class AdaptiveRetention(ReuseRetention[Entry]):
         yield from then.items()
 
 
+class Hint(Enum):
+    """What whoever knows a session says of an object (``connector.sessions``)."""
+
+    NONE = "none"  # back to the policy's own order
+    RELEASED = "released"  # its session ended: it goes before every other object
+    PINNED = "pinned"  # its session will come back: it goes after every other object
+
+
+PENDING_HINTS = 4096  # hints waiting for their object to be published (oldest dropped first)
+
+
+class Hints:
+    """Session hints over a pool's retention order (one per pool, under the tier's lock).
+
+    Released objects go first (in the order they were released), then the policy's order
+    without the hinted ones, then pinned objects (the oldest pin first).  Pins are bounded:
+    pinned bytes stay within ``pin_share`` of the pool, and a pin past it unpins the oldest
+    pins, so no client can keep the pool to itself.  A hint on an object not (yet) in the
+    pool, such as a save still being gathered, waits until it is published.  Like a policy,
+    hints only reorder evictable objects: nothing referenced, leased or being written goes."""
+
+    def __init__(self, capacity_bytes: int, pin_share: float = 0.5) -> None:
+        self.released: dict[ObjectKey, None] = {}
+        self.pinned: OrderedDict[ObjectKey, int] = OrderedDict()  # key -> bytes, oldest pin first
+        self.pinned_bytes = 0
+        self.pin_limit = int(capacity_bytes * pin_share)
+        self.pending: OrderedDict[ObjectKey, Hint] = OrderedDict()
+
+    def set(self, key: ObjectKey, hint: Hint, size: int | None) -> None:
+        """Hint ``key``, an object of ``size`` bytes in the pool (None: not in it yet)."""
+        if size is None:
+            self.pending.pop(key, None)
+            if hint is not Hint.NONE:
+                self.pending[key] = hint
+                if len(self.pending) > PENDING_HINTS:
+                    self.pending.popitem(last=False)
+            return
+        self.forget(key)
+        if hint is Hint.RELEASED:
+            self.released[key] = None
+        elif hint is Hint.PINNED and size <= self.pin_limit:
+            self.pinned[key] = size
+            self.pinned_bytes += size
+            while self.pinned_bytes > self.pin_limit:
+                self.pinned_bytes -= self.pinned.popitem(last=False)[1]
+
+    def published(self, key: ObjectKey, size: int) -> None:
+        """``key`` entered the pool: a hint waiting for it applies now."""
+        if self.pending:
+            hint = self.pending.pop(key, None)
+            if hint is not None:
+                self.set(key, hint, size)
+
+    def forget(self, key: ObjectKey) -> None:
+        """``key`` left the pool (or its hint changes)."""
+        self.released.pop(key, None)
+        size = self.pinned.pop(key, None)
+        if size is not None:
+            self.pinned_bytes -= size
+
+    def order(
+        self, base: Iterator[tuple[ObjectKey, Any]], index: dict[ObjectKey, Any]
+    ) -> Iterator[tuple[ObjectKey, Any]]:
+        """``base`` (the policy's order) with the released objects first and the pinned last."""
+        released, pinned = self.released, self.pinned
+        if not released and not pinned:
+            yield from base
+            return
+        yield from ((key, index[key]) for key in released)
+        yield from ((key, entry) for key, entry in base if key not in released and key not in pinned)
+        yield from ((key, index[key]) for key in pinned)
+
+
 def make_retention(policy: RetentionPolicy, reuse_window: float) -> Retention[Any]:
     """A fresh policy of one pool."""
     if policy is RetentionPolicy.REUSE:
@@ -222,6 +299,8 @@ def make_retention(policy: RetentionPolicy, reuse_window: float) -> Retention[An
 
 __all__ = [
     "AdaptiveRetention",
+    "Hint",
+    "Hints",
     "Retention",
     "RetentionPolicy",
     "ReuseRetention",

@@ -50,9 +50,7 @@ VLLM = msgspec.msgpack.Decoder(type=KVEventBatch)
 def workload(vocab: int, repeat_only: bool = False) -> tuple[kit.Workload, list[tuple[int, ...]]]:
     g = kit.TokenSource(5, vocab)
     prompts = [g.take(2 * CHUNK + 40) for _ in range(4)]
-    reqs = (
-        [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}") for i, p in enumerate(prompts)]
-    )
+    reqs = [] if repeat_only else [kit.Request(f"p{i}", p, barrier=f"p{i}") for i, p in enumerate(prompts)]
     reqs.append(kit.Request("p0-again", prompts[0], barrier="replay"))
     return kit.Workload(tuple(reqs)), prompts
 

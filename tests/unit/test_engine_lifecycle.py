@@ -208,6 +208,13 @@ def test_a_request_declaring_another_version_is_recomputed_counted_and_told(engi
         ({"kvstore": {"weights_version": "a b"}}, "weights_version"),
         ({"kvstore": {"weights_version": "x" * 129}}, "weights_version"),
         ({"kvstore": "step-1"}, "must be an object"),
+        ({"kvstore": {"pin": True}}, "needs a session"),
+        ({"kvstore": {"session": 7}}, "session"),
+        ({"kvstore": {"session": "s", "continues": "no"}}, "continues must be true or false"),
+        ({"kvstore": {"session": "s", "pin": 1}}, "pin must be true or false"),
+        ({"kvstore": {"session": "s", "resume_in_s": -1}}, "resume_in_s"),
+        ({"kvstore": {"session": "s", "resume_in_s": float("nan")}}, "resume_in_s"),
+        ({"kvstore": {"session": "s", "resume_in_s": True}}, "resume_in_s"),
         ("step-1", "must be an object"),
     ],
 )
@@ -228,11 +235,11 @@ def test_unknown_keys_are_ignored_and_counted_and_other_connectors_keys_left_alo
     a = engines()
     p = prompt(400, seed=8)
     store(a, "first", p, [1, 2, 3, 4])
-    params = {"kvstore": {"session": "s1", "pin": True}, "do_remote_prefill": True}
+    params = {"kvstore": {"priority": "high", "ttl_s": 60}, "do_remote_prefill": True}
     assert lookup(a, "x", p, params) == 384
-    assert a.sched.stats.params_unknown_keys == {"pin,session": 1}
+    assert a.sched.stats.params_unknown_keys == {"priority,ttl_s": 1}
     assert lookup(a, "y", p, {"do_remote_prefill": True}) == 384
-    assert a.sched.stats.params_unknown_keys == {"pin,session": 1}
+    assert a.sched.stats.params_unknown_keys == {"priority,ttl_s": 1}
     assert parse_params(None) == parse_params({}) == parse_params({"other": 1})
 
 

@@ -44,7 +44,15 @@ from harness.bench_serve.setups import SETUPS, Capacity, SetupRun, run_setup
 from harness.bench_serve.workload import Chat, ChatSpec, Workload
 from kvstore.bench.common import Row, print_rows, write_plot
 
-ORDER = ("none", "ours", "lmcache", "example", "limit")  # the reference first: the others compare to it
+ORDER = (
+    "none",
+    "ours",
+    "ours-hints",
+    "ours-lru",
+    "lmcache",
+    "example",
+    "limit",
+)  # the reference first: the others compare to it
 PEERS = ("lmcache", "example")  # a peer that fails to run is reported, not our failure; a wrong output is
 WORKLOADS = ("chat", "agent", "rag", "restart")
 # Each workload's knobs: flag dest -> its spec field (flags left unset take the spec's default).

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from harness.bench_serve.workload import Between, Tokens, Turn, WorkloadRun, blocks, finished
+from harness.bench_serve.workload import Between, Tokens, Turn, WorkloadRun, blocks, finished, session_params
 from harness.kit import TokenSource
 from harness.openai_server import OpenAIServer
 
@@ -113,8 +113,15 @@ class Agent:
     def settings(self) -> dict:
         return {k: getattr(self.spec, k) for k in self.spec.__slots__} | {"fork_at": self.fork_at}
 
-    def run(self, server: OpenAIServer, between: Between | None = None) -> WorkloadRun:
-        """Every sequence in a thread of its own (``between`` is unused: no restarts here)."""
+    @staticmethod
+    def _hint(seq: Branch, k: int) -> dict:
+        last = k == len(seq.messages) - 1
+        return session_params(f"agent-{seq.id}", continues=not last, resume_in_s=None if last else seq.pauses[k + 1])
+
+    def run(self, server: OpenAIServer, between: Between | None = None, hints: bool = False) -> WorkloadRun:
+        """Every sequence in a thread of its own (``between`` is unused: no restarts here).
+        ``hints``: each request names its session (a fork is a session of its own), says
+        whether another turn follows and, when one does, the pause before it."""
         slots, lock, run = threading.Semaphore(self.spec.concurrency), threading.Lock(), WorkloadRun()
         ready: dict[int, tuple[threading.Event, list[Tokens | None]]] = {
             q.id: (threading.Event(), [None]) for q in self.seqs if q.parent is not None
@@ -134,8 +141,9 @@ class Agent:
                 for k, message in enumerate(seq.messages if history is not None else ()):
                     time.sleep(seq.pauses[k])
                     prompt = (history or ()) + message
+                    extra = {"kv_transfer_params": self._hint(seq, k)} if hints else {}
                     with slots:
-                        out = server.stream(prompt, max_tokens=self.spec.answer)
+                        out = server.stream(prompt, max_tokens=self.spec.answer, **extra)
                     with lock:
                         run.turns.append(Turn(seq.id, seq.first + k, out))
                     history = prompt + out.token_ids

@@ -90,7 +90,8 @@ class Rag:
             "documents_per_question": [[list(c[0]) for c in round_] for round_ in self.choice]
         }
 
-    def run(self, server: OpenAIServer, between: Between | None = None) -> WorkloadRun:
+    def run(self, server: OpenAIServer, between: Between | None = None, hints: bool = False) -> WorkloadRun:
+        """``hints`` are not sent: a user's questions share documents, not a session."""
         s = self.spec
 
         def prompts(t: int) -> list[tuple[int, Tokens]]:

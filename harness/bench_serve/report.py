@@ -1,5 +1,6 @@
 """The figures of ``kvstore bench serve``: per-setup summaries, correctness against the
-connector-less server, and rows beside the limit and beside no connector.
+connector-less server, and rows beside the limit and beside no connector (and, when
+``ours-lru`` ran, ours and ours-hints beside it: host-DRAM hit tokens and TTFT).
 
 Host side.  Later turns are turns >= 2 (the ones a cache can serve; ``rag``'s rounds >= 2);
 output tokens/s is every generated token over the serving time (the time at least one
@@ -17,13 +18,15 @@ from harness import kit
 from harness.bench_serve.setups import SETUPS, SetupRun
 from kvstore.bench.common import Row
 
-REFERENCE, LIMIT = "none", "limit"
+REFERENCE, LIMIT, LRU = "none", "limit", "ours-lru"
+RETENTION = ("ours", "ours-hints")  # also shown beside ours-lru when it ran (the retention targets)
 # (summary key, row name, unit, which way is better)
 FIGURES = (
     ("ttft_p50_ms", "later-turn TTFT p50", "ms", "lower"),
     ("ttft_p99_ms", "later-turn TTFT p99", "ms", "lower"),
     ("output_tok_s", "output tokens/s", "tok/s", "higher"),
 )
+LRU_FIGURES = (("host_hit_tokens", "host-DRAM hit tokens", "tok", "higher"), *FIGURES[:2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,7 @@ def summary(run: SetupRun, reference: SetupRun | None, tolerance: float) -> dict
         serving_s=round(run.run.elapsed_s, 3),
         output_tok_s=out_tokens / run.run.elapsed_s if run.run.elapsed_s > 0 else None,
         cached_tokens_reported=sum(t.completion.cached_tokens or 0 for t in turns if t.turn >= 2),
+        host_hit_tokens=int(run.counters.get("hit_tokens_by_tier", {}).get("host", 0)),
         restarts=run.restarts,
         **{k: {n: int(v) for n, v in table.items() if v} for k, table in run.counters.items()},
     )
@@ -103,6 +107,14 @@ def build_rows(workload: str, summaries: dict[str, dict]) -> list[Row]:
                 if setup in (LIMIT, base) or value is None or limit is None:
                     continue
                 rows.append(Row(f"{workload} {setup} {name}", value, unit, f"{workload} {base} {name}", limit, better))
+    lru = summaries.get(LRU, {})
+    for key, name, unit, better in LRU_FIGURES if lru.get("ran") else ():
+        for setup in RETENTION:
+            value = summaries.get(setup, {}).get(key)
+            if value is not None and lru.get(key):
+                rows.append(
+                    Row(f"{workload} {setup} {name}", value, unit, f"{workload} {LRU} {name}", lru[key], better)
+                )
     return rows
 
 

@@ -8,6 +8,9 @@ stopped before the next setup starts:
            reference and the "no connector" column
   ours     our connector on the same capped KV, a host-DRAM budget smaller than the working
            set and an SSD directory behind it
+  ours-hints  ours, with the client sending session hints (``connector.sessions``): the
+           workloads that know their sessions (chat, restart, agent) say so per request
+  ours-lru ours with plain LRU host retention: the baseline the retention targets name
   lmcache  LMCache 0.5.6 in multiprocess mode on the same capped KV: the recipe of
            ``kvstore bench e2e`` (``harness.bench_e2e.lmcache_peer``: installed when missing,
            its server started here for the setup's whole life, ``LMCacheMPConnector``)
@@ -38,6 +41,8 @@ from harness.openai_server import OpenAIServer
 SETUPS = {
     "none": "no connector, engine KV capped (correctness reference)",
     "ours": "our connector, engine KV capped, host DRAM budget + SSD",
+    "ours-hints": "ours, the client sending session hints (kv_transfer_params: session, continues, resume_in_s)",
+    "ours-lru": "ours with plain LRU host retention (the baseline of the retention targets)",
     "lmcache": f"LMCache {lmcache_peer.LMCACHE_VERSION} multiprocess server, engine KV capped",
     "example": "vLLM ExampleConnector, engine KV capped",
     "limit": "no connector, engine KV large enough for every session (the limit)",
@@ -96,7 +101,9 @@ def make_server(key: str, model: Path, work: Path, cap: Capacity, lmcache_port: 
         "--max-model-len",
         str(cap.max_model_len),
     ]
-    connector = {"host_capacity": cap.host_capacity} if key == "ours" else None
+    connector = {"host_capacity": cap.host_capacity} if key.startswith("ours") else None
+    if key == "ours-lru":
+        connector = {"host_capacity": cap.host_capacity, "host_retention": "lru"}
     env = None
     if key == "example":
         args += [
@@ -151,7 +158,7 @@ def run_workload(key: str, server: OpenAIServer, workload: Workload, block_size:
                 out.restarts += 1
                 base = {}
 
-        out.run = workload.run(server, between if workload.restart_after else None)
+        out.run = workload.run(server, between if workload.restart_after else None, hints=key == "ours-hints")
         add_counters(out.counters, read_counters(server), base)
     except Exception:  # noqa: BLE001 -- one workload's failure is reported beside the others
         out.error = traceback.format_exc() + "\n" + server.log_tail(2000)

@@ -81,7 +81,17 @@ class Workload(Protocol):
 
     def settings(self) -> dict: ...
 
-    def run(self, server: OpenAIServer, between: Between | None) -> WorkloadRun: ...
+    def run(self, server: OpenAIServer, between: Between | None, hints: bool = False) -> WorkloadRun:
+        """``hints``: send session hints in ``kv_transfer_params`` where the workload knows them."""
+        ...
+
+
+def session_params(name: str, continues: bool = True, resume_in_s: float | None = None) -> dict:
+    """A request's session hint (``connector.sessions``) as ``kv_transfer_params``."""
+    hint: dict = {"session": name, "continues": continues}
+    if resume_in_s is not None:
+        hint["resume_in_s"] = round(resume_in_s, 3)
+    return {"kvstore": hint}
 
 
 def blocks(tokens: int, block_size: int) -> int:
@@ -97,15 +107,22 @@ def run_rounds(
     concurrency: int,
     between: Between | None = None,
     after: Callable[[int, Tokens, Completion], None] | None = None,
+    params_of: Callable[[int, int], dict] | None = None,
 ) -> WorkloadRun:
     """Round t's (session, prompt) pairs, ``concurrency`` streamed requests in flight, all
     answered before round t+1's prompts are made; ``after`` sees each answer, ``between(t)``
-    runs after every round but the last."""
+    runs after every round but the last; ``params_of(session, t)``: the request's
+    ``kv_transfer_params`` (session hints)."""
     run = WorkloadRun()
+
+    def send(item: tuple[int, Tokens], t: int) -> Completion:
+        extra = {} if params_of is None else {"kv_transfer_params": params_of(item[0], t)}
+        return server.stream(item[1], max_tokens=answer, **extra)
+
     with ThreadPoolExecutor(concurrency) as pool:
         for t in range(1, rounds + 1):
             items = list(prompts_of(t))
-            outs = list(pool.map(lambda item: server.stream(item[1], max_tokens=answer), items))
+            outs = list(pool.map(lambda item, t=t: send(item, t), items))
             for (i, prompt), out in zip(items, outs, strict=True):
                 run.turns.append(Turn(i, t, out))
                 if after is not None:
@@ -173,8 +190,10 @@ class Chat:
     def settings(self) -> dict:
         return {"restart_after": self.restart_after, **{k: getattr(self.spec, k) for k in self.spec.__slots__}}
 
-    def run(self, server: OpenAIServer, between: Between | None = None) -> WorkloadRun:
+    def run(self, server: OpenAIServer, between: Between | None = None, hints: bool = False) -> WorkloadRun:
+        """``hints``: each request names its session, and the last turn says it ends."""
         history = [s.opening for s in self.sessions]
+        turns = self.spec.turns
 
         def prompts(t: int) -> list[tuple[int, Tokens]]:
             return [(i, history[i] + s.messages[t - 1]) for i, s in enumerate(self.sessions)]
@@ -182,4 +201,9 @@ class Chat:
         def after(i: int, prompt: Tokens, out: Completion) -> None:
             history[i] = prompt + out.token_ids
 
-        return run_rounds(server, self.spec.turns, prompts, self.spec.answer, self.spec.concurrency, between, after)
+        def params(i: int, t: int) -> dict:
+            return session_params(f"chat-{i}", continues=t < turns)
+
+        return run_rounds(
+            server, turns, prompts, self.spec.answer, self.spec.concurrency, between, after, params if hints else None
+        )

@@ -1,8 +1,8 @@
 """``kvstore bench serve`` end to end, small: vLLM's OpenAI server without a connector and
 with ours (``ours-hints``: chat and agent requests carry session hints in
-``kv_transfer_params``, which vLLM's server hands to the connector), on the same capped engine KV, sent the same three workloads (streamed): interleaved
-chat sessions, agent sessions (tool outputs, pauses, a fork) and rag questions over a shared
-document set.
+``kv_transfer_params``, which vLLM's server hands to the connector), on the same capped
+engine KV, sent the same three workloads (streamed): interleaved chat sessions, agent
+sessions (tool outputs, pauses, a fork) and rag questions over a shared document set.
 
 Proves: the bench runs both setups through ``harness.bench_serve.main`` (the command's own
 entry), each workload's rows and per-setup summaries exist with sane values (every request

@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import lmcache
 import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
@@ -142,6 +143,7 @@ def phase_main(args: dict, report: dict) -> None:
             }
         ),
         "config_class": _config_class(),
+        "lmcache": [lmcache.__version__, lmcache.__file__],
     }
     ks, mine, theirs = keys(6), objects(1, 6), objects(2, 6)
     report["store"] = store(a, ks, mine)

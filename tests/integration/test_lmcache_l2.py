@@ -103,6 +103,8 @@ def test_lmcache_plugin_loader_builds_ours(reports):
     assert loader["class"] == "adapters.lmcache_l2.adapter.KVStoreL2Adapter"
     assert loader["is_l2_adapter"] is True and loader["config_class"] == "KVStoreL2AdapterConfig"
     assert loader["fds_distinct"] == 6  # two adapters, three distinct event fds each
+    version, where = loader["lmcache"]
+    assert version == "0.5.6" and Path(where).is_relative_to(LMCACHE_SITE), where
 
 
 @pytest.mark.parametrize(

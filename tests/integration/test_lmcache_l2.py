@@ -16,7 +16,7 @@ it), which this module restarts halfway, and reports each part; the tests assert
    another model and another cache salt find nothing;
 4. the objects survive a restart of the store (its SSD; Redis below holds them too).
 
-Cost: about 15-25 s on this 2-core host (one LMCache import in the child, one store process
+Cost: about 5-15 s on this 2-core host (one LMCache import in the child, one store process
 started twice, one redis-server).
 """
 

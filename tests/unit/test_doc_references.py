@@ -27,6 +27,7 @@ SKIP_DIRS = {
     ".venv",
     ".venv-vllm033",
     ".venv-sglang",
+    ".venv-lmcache",
     "venv",
     "node_modules",
     "__pycache__",

@@ -1,5 +1,6 @@
-"""``python -m harness.bench_lmcache_l2``: LMCache's hit TTFT with kvstore as its L2, beside
-LMCache's own file-system L2 adapter (``fs_native``) and beside recompute, in one run (docs/lmcache-l2.md).
+"""``kvstore bench lmcache-l2`` (or ``python -m harness.bench_lmcache_l2``): LMCache's hit TTFT
+with kvstore as its L2, beside LMCache's own file-system L2 adapter (``fs_native``) and beside
+recompute, in one run (docs/lmcache-l2.md).
 
 Host side; engines run in child processes (``harness.kit.run_engine``), LMCache's multiprocess
 server in another (``harness.bench_e2e.lmcache_peer.lmcache_server``), both with LMCache from
@@ -44,12 +45,23 @@ TOKEN = "tok-bench-lmcache"
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m harness.bench_lmcache_l2", description=__doc__.split("\n")[0])
+    _add_arguments(p)
+    return p.parse_args(argv)
+
+
+def register(suites) -> None:
+    """``kvstore bench lmcache-l2`` (a ``kvstore.bench`` entry point)."""
+    p = suites.add_parser("lmcache-l2", help="LMCache's hit TTFT with kvstore as its L2, beside its fs_native L2")
+    _add_arguments(p)
+    p.set_defaults(func=command)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="bench", choices=sorted(tinymodel.GEOMETRIES), help="harness.tinymodel name")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=8 * CHUNK, help="tokens per prompt (default 2048)")
     p.add_argument("--lmcache-site", type=Path, default=kit.PROJECT_ROOT / ".venv-lmcache")
     p.add_argument("--work", type=Path, default=None, help="keep logs here (default: a temporary directory)")
-    return p.parse_args(argv)
 
 
 def _metric(url: str, name: str) -> float:
@@ -183,7 +195,11 @@ def run(args: argparse.Namespace, work: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _args(argv)
+    return command(_args(argv))
+
+
+def command(args: argparse.Namespace) -> int:
+    """The whole bench for parsed ``args`` (``main``, or ``kvstore bench lmcache-l2``)."""
     if not (args.lmcache_site / "lmcache").is_dir():
         print(f"error: no LMCache in {args.lmcache_site}: run `make lmcache`", file=sys.stderr)
         return 2

@@ -57,3 +57,17 @@ def test_bad_parameters_name_the_key(params, named):
     with pytest.raises(ConfigError, match=named) as err:
         parse_settings(params)  # type: ignore[arg-type]
     assert "adapter_params" in str(err.value)
+
+
+def test_the_bench_command_is_registered_and_says_how_to_get_lmcache(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from harness import bench_lmcache_l2
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "bench", "lmcache-l2", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "--lmcache-site" in out.stdout
+    assert bench_lmcache_l2.main(["--lmcache-site", str(tmp_path)]) == 2
+    assert "make lmcache" in capsys.readouterr().err

@@ -16,6 +16,8 @@ Every method returns at once: lookups, stores and loads run on the store's own e
   leaves every result ready for ``get_finished_jobs``.
 * Keys: vLLM's offload key (block hash and KV group) becomes an object key in the namespace
   of the model, its geometry and ``scope`` (``adapters.vllm_tier.config``).
+* ``take_events`` and ``get_stats``: the tier's KV events (when vLLM's KV cache events are on)
+  and its metrics (``build_metric_definitions``), kept by ``adapters.vllm_tier.observe``.
 """
 
 from __future__ import annotations
@@ -26,10 +28,30 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, ReqContext, RequestOffloadingContext
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    ReqContext,
+    RequestOffloadingContext,
+)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from adapters.vllm_tier.config import LAYOUT_ID, namespace_of, object_key, parse_params
+from adapters.vllm_tier.observe import (
+    LOAD_MISSED,
+    LOADED_BYTES,
+    LOOKUPS,
+    METRICS,
+    STORE_MISSED,
+    STORE_SECONDS,
+    STORED_BYTES,
+    TierEvents,
+    TierStats,
+)
 from adapters.vllm_tier.store import LowerStore
 from kvstore.keys import ObjectKey
 
@@ -60,6 +82,10 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
         self._finished: deque[JobResult] = deque()
         self.store = LowerStore(parsed.store, LAYOUT_ID)
+        self.stats = TierStats()
+        events_on = bool(getattr(getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
+        self.events = TierEvents(events_on, self.medium, self.locality, tier_type)
+        self.events.watch(self.store.tiers)
         self._rows = primary_kv_view.cast("B")  # after the last step that can fail: released at shutdown
 
     def key_of(self, offload_key: bytes) -> ObjectKey:
@@ -83,10 +109,12 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             return LookupResult.RETRY
         del self._lookups[key]
         try:
-            return LookupResult.HIT if future.result() else LookupResult.MISS
+            answer = LookupResult.HIT if future.result() else LookupResult.MISS
         except Exception:  # noqa: BLE001 - a failed lookup is a miss (counted by the store)
             self.store.counters["lookup:failed"] += 1
-            return LookupResult.MISS
+            answer = LookupResult.MISS
+        self.stats.count(LOOKUPS, 1, ("hit" if answer is LookupResult.HIT else "miss",))
+        return answer
 
     # --- jobs ----------------------------------------------------------------------------------
 
@@ -100,13 +128,20 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._jobs[job.job_id] = self.store.submit(coro)
 
     async def _store(self, job: TransferJob) -> None:
-        t0, ok = time.monotonic(), True
+        t0, held = time.monotonic(), []
         try:
             for key, chunk in zip(job.keys, job.chunk_ids, strict=True):
-                ok = await self.store.write(self.key_of(key), self._row(chunk)) and ok
+                okey = self.key_of(key)
+                tiers = await self.store.write(okey, self._row(chunk))
+                if tiers:
+                    held.append((okey, key, tiers))
         except Exception:  # noqa: BLE001 - a job that raised failed; vLLM is told so
             self.store.counters["store:failed"] += 1
-            ok = False
+        ok = len(held) == len(job.keys)
+        self.events.job_stored(held)
+        self.stats.count(STORED_BYTES, len(held) * self.block_size_bytes)
+        self.stats.count(STORE_MISSED, len(job.keys) - len(held))
+        self.stats.observe(STORE_SECONDS, time.monotonic() - t0)
         self._finished.append(
             JobResult(
                 job.job_id,
@@ -125,6 +160,8 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         except Exception:  # noqa: BLE001 - what loaded before the failure still counts
             self.store.counters["load:failed"] += 1
         whole = len(loaded) == len(job.keys)
+        self.stats.count(LOADED_BYTES, len(loaded) * self.block_size_bytes)
+        self.stats.count(LOAD_MISSED, len(job.keys) - len(loaded))
         self._finished.append(
             JobResult(
                 job.job_id,
@@ -148,6 +185,21 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         concurrent.futures.wait(list(self._jobs.values()), DRAIN_TIMEOUT_S)
+
+    # --- events and metrics ------------------------------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Stored and removed events of this tier's keys since the last call (``observe``)."""
+        return self.events.take()
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The tier's metrics (``adapters.vllm_tier.observe.METRICS``)."""
+        return dict(METRICS)
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The tier's observations since the last call."""
+        return self.stats.take(self.store.counters)
 
     # --- requests and lifetime -----------------------------------------------------------------
 

@@ -84,9 +84,9 @@ class LowerStore:
                 self._failed(tier, "contains", err)
         return False
 
-    async def write(self, key: ObjectKey, payload: memoryview) -> bool:
+    async def write(self, key: ObjectKey, payload: memoryview) -> list[str]:
         """Encode ``payload`` as the object of ``key``, seal it, and write it through to every
-        tier; whether at least one tier holds it now."""
+        tier; the names of the tiers that hold it now (empty: none does)."""
         geometry = codec.ObjectGeometry(1, 1, len(payload), dtype="uint8", layout_id=self.layout_id)
         plain = memoryview(bytearray(codec.object_size(geometry)))
         codec.encode_into(plain, key, geometry, payload)
@@ -95,7 +95,7 @@ class LowerStore:
         if ring is not None:
             integrity.seal(plain, ring)
             at_rest = integrity.encrypt(plain, ring) if ring.encrypt else None
-        held = False
+        held: list[str] = []
         for tier in self.tiers:
             obj = plain if at_rest is None or getattr(tier, "verifies_macs", False) else at_rest
             try:
@@ -104,7 +104,8 @@ class LowerStore:
                 self._failed(tier, "write", err)
                 continue
             self.counters[f"{tier.name}:write:{result.value}"] += 1
-            held = held or result in (PutResult.STORED, PutResult.EXISTS)
+            if result in (PutResult.STORED, PutResult.EXISTS):
+                held.append(tier.name)
         return held
 
     async def read(self, key: ObjectKey, out: memoryview) -> bool:

@@ -42,15 +42,18 @@ def model_dir(root: Path, seed: int) -> Path:
     return root
 
 
-def offloading_config(model: Path, tier_params: dict, engine_id: str | None = None) -> OffloadingConfig:
-    """vLLM's normalized offloading config of a 2-layer model, 16-token blocks, one block per chunk."""
+def offloading_config(
+    model: Path, tier_params: dict, engine_id: str | None = None, events: bool = False
+) -> OffloadingConfig:
+    """vLLM's normalized offloading config of a 2-layer model, 16-token blocks, one block per
+    chunk; ``events``: vLLM's KV cache events on."""
     extra = {"cpu_bytes_to_use": CHUNK_BYTES * PRIMARY_CHUNKS, "secondary_tiers": [{**TIER, **tier_params}]}
     return OffloadingConfig(
         groups=(
             OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers.0.attn", "layers.1.attn"), group_id=0),
         ),
         worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=engine_id or f"kvstore-tier-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(name=str(model), dtype="float32"),
@@ -70,9 +73,9 @@ def offloading_config(model: Path, tier_params: dict, engine_id: str | None = No
     )
 
 
-def manager(model: Path, tier_params: dict):
+def manager(model: Path, tier_params: dict, events: bool = False):
     """vLLM's ``TieringOffloadingManager`` with our tier under its CPU primary tier."""
-    return TieringOffloadingSpec(offloading_config(model, tier_params)).get_manager()
+    return TieringOffloadingSpec(offloading_config(model, tier_params, events=events)).get_manager()
 
 
 def offload_keys(n: int, seed: int) -> list[bytes]:

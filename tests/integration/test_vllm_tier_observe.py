@@ -3,10 +3,11 @@ read through vLLM's own ``TieringOffloadingManager`` (``take_events``, ``get_sta
 ``TieringOffloadingSpec.build_metric_definitions``, over a real SSD directory.
 
 Proves: a store job's chunks yield one stored event of our tier (our medium, ownership, the
-job's keys); a key deleted from the tier yields a removed event with that key; the stats count
-the bytes stored and loaded, the lookups by result and a forged object's refusal; with vLLM's
-KV cache events off the tier keeps no events; vLLM's spec lists the tier's metric definitions.
-Cost: about 2-4 s (three small managers), plus importing vLLM when no earlier test did.
+job's keys); a key deleted from the tier, or evicted by a full SSD directory, yields a removed
+event with that key; the stats count the bytes stored and loaded, the lookups by result and a
+forged object's refusal; with vLLM's KV cache events off the tier keeps no events; vLLM's spec
+lists the tier's metric definitions.
+Cost: about 3-5 s (five small managers), plus importing vLLM when no earlier test did.
 """
 
 from __future__ import annotations
@@ -105,3 +106,22 @@ def test_vllm_spec_lists_the_tier_metrics(tmp_path):
     extra = {"secondary_tiers": [{**kit.TIER, "ssd_dir": str(tmp_path / "ssd")}]}
     definitions = TieringOffloadingSpec.build_metric_definitions(extra)
     assert {name: definitions.get(name) for name in METRICS} == METRICS
+
+
+def test_ssd_eviction_gives_removed_events(model, tmp_path):
+    """An SSD directory of room for about two objects: storing four evicts the oldest, and
+    each evicted key comes back as a removed event of our tier."""
+    keys, data = kit.offload_keys(4, seed=25), kit.payloads(4, seed=25)
+    room = 2 * kit.CHUNK_BYTES + kit.CHUNK_BYTES // 2
+    mgr = kit.manager(model, {"ssd_dir": str(tmp_path / "ssd"), "ssd_capacity": room}, events=True)
+    try:
+        kit.store(mgr, keys[:2], data[:2], req_id="a")
+        kit.store(mgr, keys[2:], data[2:], req_id="b")
+        events = ours(mgr)
+        removed = [k for e in events if e.removed for k in e.keys]
+        stored = [k for e in events if not e.removed for k in e.keys]
+        assert stored == keys and removed and set(removed) <= set(keys[:2]), events
+        (ssd,) = kit.our_tier(mgr).store.tiers
+        assert ssd.stats().evictions == len(removed)
+    finally:
+        mgr.shutdown()

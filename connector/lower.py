@@ -35,6 +35,28 @@ from kvstore.store.observer import StoreObserver
 from kvstore.store.tiered import TieredStore
 from tiers.base import PutResult, Tier
 
+# The connector's keys that configure its lower tiers (and their integrity): the one
+# vocabulary of the framework adapters (``adapters.vllm_tier``, ``adapters.sglang_hicache``,
+# ``adapters.lmcache_l2``), each parsed by ``ConnectorConfig``.
+LOWER_TIER_KEYS = frozenset(
+    {
+        "ssd_dir",
+        "ssd_capacity",
+        "lease_ttl",
+        "redis_url",
+        "store_target",
+        "store_token",
+        "store_token_file",
+        "store_tls_ca",
+        "store_tls_cert",
+        "store_tls_key",
+        "store_transport",
+        "keys_file",
+        "encrypt_at_rest",
+        "lower_tiers_required",
+    }
+)
+
 
 class ConnectorObserver(StoreObserver):
     """Core events as ``(tier, reason)`` failures and ``(tier, direction, bytes)``."""
@@ -120,4 +142,4 @@ def keys_of(cfg: ConnectorConfig):
     return lambda _key: ring
 
 
-__all__ = ["ConnectorObserver", "keys_of", "lower_tier_specs", "open_store", "tier_specs"]
+__all__ = ["LOWER_TIER_KEYS", "ConnectorObserver", "keys_of", "lower_tier_specs", "open_store", "tier_specs"]

@@ -10,7 +10,7 @@ threads.  LMCache builds it through its own ``plugin`` L2 adapter type
 * **Objects.**  Each LMCache ``MemoryObj`` is one kvstore object: its ``byte_array`` exactly,
   named by ``adapters.lmcache_l2.names`` (model, scope, cache salt in the namespace), written
   through to the store process (and, with ``redis_url``/``ssd_dir``, those) by
-  ``adapters.lmcache_l2.store.L2Store`` on a private event loop.
+  ``adapters.lower.LowerStore`` on a private event loop.
 * **Tasks.**  ``submit_*`` returns a task id at once; the work runs on that loop; its result
   is kept for ``pop_completed_store_tasks`` / ``query_*_result`` and the operation's event fd
   (three distinct ``EventNotifier``s) is signalled.  A store task succeeds when every object
@@ -42,9 +42,9 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from adapters.lmcache_l2.names import KeyMapper
+from adapters.lmcache_l2.names import LAYOUT_ID, KeyMapper
 from adapters.lmcache_l2.settings import OWN_KEYS, TIER_KEYS, L2Settings, parse_settings
-from adapters.lmcache_l2.store import L2Store
+from adapters.lower import LowerStore
 from kvstore.keys import ObjectKey
 
 log = logging.getLogger("kvstore.lmcache_l2")
@@ -80,7 +80,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=settings.max_capacity_bytes)
         self.settings = settings
         self.names = KeyMapper(settings.scope)
-        self.store = L2Store(settings.tiers)
+        self.store = LowerStore(settings.tiers, LAYOUT_ID, "lmcache-l2")
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -155,7 +155,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return self._start(self._stores, self._store(keys, views), lambda: L2StoreResult(False, 0), self._store_efd)
 
     async def _store(self, keys: list[LMCacheKey], views: list[memoryview]) -> L2StoreResult:
-        held = await self._each(list(zip(keys, views)), lambda kv: self.store.write(self._kv_key(kv[0]), kv[1]))
+        held = await self._each(list(zip(keys, views)), lambda kv: self._write(self._kv_key(kv[0]), kv[1]))
         with self._lock:
             stored = [(key, len(view)) for key, view, ok in zip(keys, views, held) if ok and key not in self._sizes]
             self._sizes.update(stored)
@@ -163,6 +163,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._notify_keys_stored([k for k, _ in stored], [n for _, n in stored])
         ok = all(held)
         return L2StoreResult(ok, sum(len(v) for v in views) if ok else 0)
+
+    async def _write(self, key: ObjectKey, view: memoryview) -> bool:
+        return bool(await self.store.write(key, view))
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:

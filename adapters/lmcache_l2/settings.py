@@ -22,28 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from connector.config import ConnectorConfig
+from connector.lower import LOWER_TIER_KEYS
 from kvstore.config import given, load
 from kvstore.errors import ConfigError
 
 OWN_KEYS = frozenset({"scope", "max_capacity_gb"})
-TIER_KEYS = frozenset(
-    {
-        "ssd_dir",
-        "ssd_capacity",
-        "lease_ttl",
-        "redis_url",
-        "store_target",
-        "store_token",
-        "store_token_file",
-        "store_tls_ca",
-        "store_tls_cert",
-        "store_tls_key",
-        "store_transport",
-        "keys_file",
-        "encrypt_at_rest",
-        "lower_tiers_required",
-    }
-)
+TIER_KEYS = LOWER_TIER_KEYS
 WHERE = "adapter_params"
 
 

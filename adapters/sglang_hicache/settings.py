@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from connector.config import ConnectorConfig
+from connector.lower import LOWER_TIER_KEYS
 from kvstore.config import from_env, given, load
 from kvstore.errors import ConfigError
 
@@ -38,26 +39,8 @@ SGLANG_KEYS = frozenset(
     }
 )
 OWN_KEYS = frozenset({"scope", "model"})
-TIER_KEYS = frozenset(
-    {
-        "host_capacity",
-        "ssd_dir",
-        "ssd_capacity",
-        "write_policy",
-        "lease_ttl",
-        "redis_url",
-        "store_target",
-        "store_token",
-        "store_token_file",
-        "store_tls_ca",
-        "store_tls_cert",
-        "store_tls_key",
-        "store_transport",
-        "keys_file",
-        "encrypt_at_rest",
-        "lower_tiers_required",
-    }
-)
+# SGLang's host pool sits above ours, so the host pool's keys are tier keys here too.
+TIER_KEYS = LOWER_TIER_KEYS | {"host_capacity", "write_policy"}
 WHERE = "hicache_storage_backend_extra_config"
 
 

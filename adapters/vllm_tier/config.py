@@ -28,6 +28,7 @@ from typing import Any
 
 from connector.config import ConnectorConfig
 from connector.identity import weights_identity
+from connector.lower import LOWER_TIER_KEYS
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkHash, Identity, Namespace, ObjectKey
 
@@ -39,24 +40,7 @@ _REFUSED = {
     "device": "vLLM's own workers copy between GPU and the CPU primary tier",
 }
 # The connector's keys for its lower tiers: the tier's vocabulary.
-LOWER_KEYS = frozenset(
-    {
-        "ssd_dir",
-        "ssd_capacity",
-        "store_target",
-        "store_token",
-        "store_token_file",
-        "store_tls_ca",
-        "store_tls_cert",
-        "store_tls_key",
-        "store_transport",
-        "lease_ttl",
-        "redis_url",
-        "keys_file",
-        "encrypt_at_rest",
-        "lower_tiers_required",
-    }
-)
+LOWER_KEYS = LOWER_TIER_KEYS
 _OWN = ("scope", "locality")
 _DOMAIN = b"kvstore/vllm-tier/v1\x00"
 LAYOUT_ID = "vllm-offload"

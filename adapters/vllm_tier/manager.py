@@ -5,7 +5,7 @@ Runs in vLLM's scheduler process: vLLM's ``SecondaryTierFactory`` builds it from
 ``kv_connector_extra_config["secondary_tiers"]`` (``type: KVStoreSecondaryTier``,
 ``module_path: adapters.vllm_tier``), and ``TieringOffloadingManager`` calls it each step.
 Every method returns at once: lookups, stores and loads run on the store's own event loop
-(``adapters.vllm_tier.store.LowerStore``).
+(``adapters.lower.LowerStore``).
 
 * ``lookup`` asks the tiers whether the chunk is there, waits ``LOOKUP_WAIT_S`` for the
   answer and otherwise answers ``RETRY`` (vLLM asks again next step and gets the answer; an
@@ -40,6 +40,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from adapters.lower import LowerStore
 from adapters.vllm_tier.config import LAYOUT_ID, namespace_of, object_key, parse_params
 from adapters.vllm_tier.observe import (
     LOAD_MISSED,
@@ -52,7 +53,6 @@ from adapters.vllm_tier.observe import (
     TierEvents,
     TierStats,
 )
-from adapters.vllm_tier.store import LowerStore
 from kvstore.keys import ObjectKey
 
 LOOKUP_WAIT_S = 0.005
@@ -81,7 +81,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._step = 0
         self._jobs: dict[int, concurrent.futures.Future[None]] = {}
         self._finished: deque[JobResult] = deque()
-        self.store = LowerStore(parsed.store, LAYOUT_ID)
+        self.store = LowerStore(parsed.store, LAYOUT_ID, "vllm-tier")
         self.stats = TierStats()
         events_on = bool(getattr(getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
         self.events = TierEvents(events_on, self.medium, self.locality, tier_type)
@@ -101,7 +101,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
     def lookup(self, key: Any, req_context: ReqContext) -> LookupResult:
         future = self._lookups.get(key, (None, 0))[0]
         if future is None:
-            future = self.store.submit(self.store.present(self.key_of(key)))
+            future = self.store.submit(self.store.contains(self.key_of(key)))
             self._lookups[key] = (future, self._step)
             concurrent.futures.wait([future], LOOKUP_WAIT_S)
         if not future.done():

@@ -181,8 +181,8 @@ def test_damaged_or_forged_ssd_objects_never_reach_vllm(models, tmp_path):
         assert kit.lookup(second, keys) == [MISS, MISS]
         assert tier.store.counters["ssd:forged"] == 1 and tier.store.counters["ssd:read"] == 0
         assert ssd.stats().corrupt == 1
-        assert tier.store.call(tier.store.present(tier.key_of(keys[0])), 10) is False
-        assert tier.store.call(tier.store.present(forged), 10) is False
+        assert tier.store.call(tier.store.contains(tier.key_of(keys[0])), 10) is False
+        assert tier.store.call(tier.store.contains(forged), 10) is False
     finally:
         second.shutdown()
 

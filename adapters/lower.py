@@ -1,18 +1,20 @@
-"""A host-less kvstore: the connector's lower tiers (SSD, store process, Redis) without a host
-pool, each object written through to every tier and read from the fastest that holds it.
+"""The store core as the framework adapters use it: the connector's lower tiers (an SSD
+directory, the store process, Redis) without a host pool, on a private event loop, each
+object written through to every tier and read from the fastest that holds a usable copy.
 
-Runs in vLLM's scheduler process, on an event loop thread of its own: the tier manager
-(``adapters.vllm_tier.manager``) hands it coroutines and never waits on them, except at
-drain and close.
+Runs in the framework's process (vLLM's scheduler for ``adapters.vllm_tier``, LMCache's
+server for ``adapters.lmcache_l2``): the adapter hands this store coroutines from its own
+threads and never waits on them, except at start, drain and close.  This module imports no
+framework, so each adapter's framework loads only what it needs.
 
 The tiers are the connector's (``connector.lower.lower_tier_specs``, opened by
 ``kvstore.store.registry.open_tiers``, ``lower_tiers_required`` honoured), and so is the
-integrity of what it writes: objects are in the ``kvstore.codec`` format (checksummed), sealed
-with the tenant's MAC key when the SSD directory or Redis is ours (``connector.lower.keys_of``),
-encrypted on their way to those tiers with ``encrypt_at_rest``, and every object read back is
-verified, decrypted and authenticated (``kvstore.store.promote.reveal``) before one byte of it
-reaches vLLM's primary tier.  A forged object is a miss and is removed; a failing tier is a
-counted miss (``counters``), never an exception into vLLM.
+integrity of what is written: objects are in the ``kvstore.codec`` format (checksummed, the
+key in the header), sealed with the tenant's MAC key where the SSD directory or Redis is ours
+(``connector.lower.keys_of``) and encrypted there with ``encrypt_at_rest``; every object read
+back is verified, decrypted and authenticated (``kvstore.store.promote.reveal``) before one
+byte of it reaches the framework's buffer.  A forged object is a miss and is removed; a
+failing tier is a counted miss (``counters``), never an exception into the framework.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from connector.config import ConnectorConfig
@@ -34,20 +36,24 @@ from kvstore.store.promote import reveal
 from kvstore.store.registry import open_tiers
 from tiers.base import PutResult, Tier, put_bytes
 
-log = logging.getLogger("kvstore.vllm_tier")
 T = TypeVar("T")
 OPEN_TIMEOUT_S = 60.0
 
 
 class LowerStore:
-    """The lower tiers of ``cfg`` on a private event loop (module docstring)."""
+    """The lower tiers of ``cfg`` on a private event loop (module docstring).  Its objects
+    carry ``layout_id``; ``name`` names it in logs and its loop thread.  ``counters``:
+    ``<tier>:write:<result>``, ``<tier>:read``, ``<tier>:<refusal>``, ``<tier>:<op>:<error>``
+    and ``<tier>:open`` for a tier left out at start."""
 
-    def __init__(self, cfg: ConnectorConfig, layout_id: str) -> None:
+    def __init__(self, cfg: ConnectorConfig, layout_id: str, name: str) -> None:
         self.layout_id = layout_id
+        self.name = name
         self.counters: Counter[str] = Counter()
         self.keys = keys_of(cfg)
+        self._log = logging.getLogger(f"kvstore.{name}")
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvstore-vllm-tier", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"kvstore-{name}", daemon=True)
         self._thread.start()
         try:
             self.tiers: list[Tier] = self.call(
@@ -72,17 +78,28 @@ class LowerStore:
 
     def _failed(self, tier: Tier, op: str, err: BaseException) -> None:
         self.counters[f"{tier.name}:{op}:{type(err).__name__}"] += 1
-        log.warning("kvstore vLLM tier: %s %s failed: %s", tier.name, op, err)
+        self._log.warning("kvstore %s: %s %s failed: %s", self.name, tier.name, op, err)
 
-    async def present(self, key: ObjectKey) -> bool:
-        """Whether some tier holds ``key`` (a failing tier holds nothing)."""
+    async def present(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Per key, whether some tier holds it (one batch question per tier for the keys
+        the faster tiers lack; a failing tier holds nothing)."""
+        found = [False] * len(keys)
         for tier in self.tiers:
+            todo = [i for i, hit in enumerate(found) if not hit]
+            if not todo:
+                break
             try:
-                if await tier.contains(key):
-                    return True
+                answers = await tier.present([keys[i] for i in todo])
             except TierError as err:
-                self._failed(tier, "contains", err)
-        return False
+                self._failed(tier, "lookup", err)
+                continue
+            for i, hit in zip(todo, answers, strict=True):
+                found[i] = hit
+        return found
+
+    async def contains(self, key: ObjectKey) -> bool:
+        """Whether some tier holds ``key``."""
+        return (await self.present([key]))[0]
 
     async def write(self, key: ObjectKey, payload: memoryview) -> list[str]:
         """Encode ``payload`` as the object of ``key``, seal it, and write it through to every
@@ -110,7 +127,7 @@ class LowerStore:
 
     async def read(self, key: ObjectKey, out: memoryview) -> bool:
         """The payload of ``key``'s object, verified, in ``out`` (exactly its size); False
-        when no tier holds a usable copy."""
+        when no tier holds a usable copy of that size."""
         buf = memoryview(bytearray(codec.HEADER_SIZE + len(out) + codec.AEAD_OVERHEAD))
         for tier in self.tiers:
             try:
@@ -138,25 +155,31 @@ class LowerStore:
         try:
             header = codec.verify(buf[:size], key, size)
         except ObjectFormatError as err:
-            log.warning("kvstore vLLM tier: %s returned a damaged %r: %s", tier.name, key, err)
+            self._log.warning("kvstore %s: %s returned a damaged %r: %s", self.name, tier.name, key, err)
             return "forged"
         if header.geometry.payload_bytes != len(out) or header.geometry.layout_id != self.layout_id:
             return "wrong_size"
         out[:] = codec.payload_view(buf, header)
         return None
 
-    async def _remove(self, tier: Tier, key: ObjectKey) -> None:
+    async def delete(self, key: ObjectKey) -> bool:
+        """Remove ``key`` from every tier; whether some tier held it."""
+        removed = [await self._remove(tier, key) for tier in self.tiers]
+        return any(removed)
+
+    async def _remove(self, tier: Tier, key: ObjectKey) -> bool:
         try:
-            await tier.delete(key)
+            return await tier.delete(key)
         except TierError as err:
             self._failed(tier, "delete", err)
+            return False
 
     async def _close_tiers(self) -> None:
         for tier in reversed(self.tiers):
             try:
                 await tier.aclose()
             except Exception as err:  # noqa: BLE001 - closing the rest matters more
-                log.warning("kvstore vLLM tier: closing %s failed: %s", tier.name, err)
+                self._log.warning("kvstore %s: closing %s failed: %s", self.name, tier.name, err)
 
     def close(self, timeout: float = 30.0) -> None:
         """Close every tier, then stop the loop thread.  Idempotent."""

@@ -1,10 +1,13 @@
 """``kvstore bench vllm-tier`` (or ``python -m harness.bench_vllm_tier``): our vLLM secondary
-tier (``adapters.vllm_tier`` on an SSD directory) beside vLLM's own file-system tier (``fs``),
-in one run, on the same blocks, through the same vLLM code: ``TieringOffloadingSpec`` builds a
+tier (``adapters.vllm_tier``) beside vLLM's own file-system tier (``fs``), in one run, on the
+same blocks, through the same vLLM code: ``TieringOffloadingSpec`` builds a
 ``TieringOffloadingManager`` over a real CPU primary region (/dev/shm), the tier under it.
+Setups: ``kvstore`` (our tier on an SSD directory), ``kvstore-serve`` (our tier over a
+``kvstore serve`` started here, host pool only: the restart is vLLM's, the store keeps
+running, so its loads come from the store's memory) and ``vllm-fs`` (on a directory).
 
-Host side, one process: the bench plays vLLM's scheduler and, where vLLM's worker would copy
-between GPU and primary rows (CUDA/XPU only), writes and reads the rows itself.
+Host side: the bench plays vLLM's scheduler and, where vLLM's worker would copy between GPU
+and primary rows (CUDA/XPU only), writes and reads the rows itself.
 
 Per setup and repeat, on a fresh directory: ``--blocks`` blocks of random bytes (one block a
 chunk; K and V of ``--layers`` x ``--kv-heads`` x ``--head-dim`` x ``--block-tokens`` in
@@ -18,7 +21,8 @@ are compared with the stored bytes; a difference or a missing block makes the ex
 The limit, in the same run and filesystem: plain files of the same blocks (one a block, as
 both tiers lay them out) from and into one mmap'd region, on 16 threads (vLLM's fs tier's
 count): ``os.pwrite`` into the page cache, no fsync (store); ``os.stat`` (lookup);
-``os.preadv`` (load).  No checksum, rename or durability: an upper bound for both tiers.
+``os.preadv`` (load).  No checksum, rename or durability: the bound of buffered I/O, which
+vLLM's ``O_DIRECT`` reads (no page-cache copy) may pass.
 
 Page cache: vLLM's fs tier uses ``O_DIRECT`` where the filesystem takes it (the run prints
 whether); kvstore's SSD tier writes through the page cache, fsyncs each object and its
@@ -52,8 +56,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.bench.common import Row, gbps, print_rows
+from kvstore.testing.serve_proc import StoreProcess
 
-SETUPS = ("kvstore", "vllm-fs")
+SETUPS = ("kvstore", "kvstore-serve", "vllm-fs")
 LIMIT = "plain files"
 STEP_S = 0.001  # the scheduler's step period while it waits for the tier
 TIMEOUT_S = 120.0
@@ -61,10 +66,14 @@ PAGE = 4096
 LIMIT_THREADS = 16  # as many as vLLM's fs tier has for its stores (and its loads)
 
 
-def _tier(setup: str, root: Path) -> dict[str, Any]:
-    """vLLM's ``secondary_tiers`` entry of ``setup`` over the directory ``root``."""
+def _tier(setup: str, root: Path, store: str) -> dict[str, Any]:
+    """vLLM's ``secondary_tiers`` entry of ``setup`` over the directory ``root`` (``kvstore-serve``:
+    over the store process at ``store``, in a scope of the pass's own)."""
+    ours = {"type": "KVStoreSecondaryTier", "module_path": "adapters.vllm_tier"}
     if setup == "kvstore":
-        return {"type": "KVStoreSecondaryTier", "module_path": "adapters.vllm_tier", "ssd_dir": str(root)}
+        return {**ours, "ssd_dir": str(root)}
+    if setup == "kvstore-serve":
+        return {**ours, "store_target": store, "scope": root.name}
     return {"type": "fs", "root_dir": str(root)}
 
 
@@ -250,7 +259,7 @@ class Pass:
 
 
 def _setup_pass(setup: str, root: Path, model: Path, args: argparse.Namespace, work: Workload) -> Pass:
-    blocks, tier = len(work.data), _tier(setup, root)
+    blocks, tier = len(work.data), _tier(setup, root, args.store_target)
     mgr = _manager(model, args.layout, blocks, tier)
     try:
         o_direct = getattr(mgr.secondary_tiers[0], "_use_o_direct", None)
@@ -259,7 +268,7 @@ def _setup_pass(setup: str, root: Path, model: Path, args: argparse.Namespace, w
         mgr.shutdown()
     if args.page_cache == "cold":
         _drop_cache(root)
-    if args.damage_one:
+    if args.damage_one and setup != "kvstore-serve":  # its objects are in the store's memory
         _damage(root, args.layout.size)
     mgr = _manager(model, args.layout, blocks, tier)  # the restart: primary empty
     try:
@@ -388,16 +397,19 @@ def run(args: argparse.Namespace, base: Path) -> int:
     head = f"{args.blocks} blocks of {args.layout.size} B ({nbytes / 1e6:.1f} MB) in requests of {args.request_blocks}"
     print(f"{head}, {args.repeats} repeats, page cache {args.page_cache}, in {base}", flush=True)
     passes: dict[str, list[Pass]] = {name: [] for name in (LIMIT, *SETUPS)}
-    for n, name in enumerate(interleaved(args.repeats)):
-        root = base / f"{name.replace(' ', '-')}-{n}"
-        root.mkdir(mode=0o700)
-        one = _limit_pass(root, args, work) if name == LIMIT else _setup_pass(name, root, model, args, work)
-        passes[name].append(one)
+    capacity = f"{max(256, 2 * args.repeats * nbytes >> 20)}MiB"  # every pass's objects stay
+    with StoreProcess(base / "serve", "--host-capacity", capacity) as store:
+        args.store_target = store.target
+        for n, name in enumerate(interleaved(args.repeats)):
+            root = base / f"{name.replace(' ', '-')}-{n}"
+            root.mkdir(mode=0o700)
+            one = _limit_pass(root, args, work) if name == LIMIT else _setup_pass(name, root, model, args, work)
+            passes[name].append(one)
     found = checks(passes, args.blocks)
     print_rows(f"vLLM secondary tiers through TieringOffloadingManager ({nbytes / 1e6:.1f} MB, medians)",
                table := rows(passes, nbytes))  # fmt: skip
     for name, c in found.items():
-        print(f"{name:<12} blocks equal per pass {c['equal']} of {args.blocks}, missing {c['missing']}"
+        print(f"{name:<14} blocks equal per pass {c['equal']} of {args.blocks}, missing {c['missing']}"
               + ("" if c["o_direct"] is None else f", O_DIRECT {c['o_direct']}"))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [r.as_dict() for r in table], "checks": found}, indent=2))

@@ -1,17 +1,19 @@
 """``kvstore bench vllm-tier`` (``harness.bench_vllm_tier.main``, the command's own code) in a
 tiny configuration: 6 blocks of 64 KiB in requests of 4, one repeat, through vLLM's own
 ``TieringOffloadingManager`` over a real /dev/shm primary region, with our tier on a real SSD
-directory and vLLM's ``fs`` tier on another.
+directory, our tier over a real ``kvstore serve`` (started by the bench), and vLLM's ``fs``
+tier on a directory.
 
 Proves: the table has the store, restart-lookup and load rows of both setups beside the
-limit's; every block of both setups (and of the limit) came back byte for byte, and the exit
+limit's; every block of every setup (and of the limit) came back byte for byte, and the exit
 status is 0; with ``--damage-one`` (a byte of one stored file flipped per setup before the
 restart) the comparison fails and the exit status is 1: kvstore refuses the damaged object
-(a missing block), vLLM's fs tier loads the wrong bytes.  The figures are not checked (speed
+(a missing block), vLLM's fs tier loads the wrong bytes (the store process's objects are in
+its memory, and are left alone).  The figures are not checked (speed
 is the bench's business, never a test's); bad sizes are refused by name; pyproject names the
 ``kvstore bench vllm-tier`` entry point, whose parser runs ``command``.
-Cost: about 2 s for the two runs, plus importing vLLM when no earlier test did (5-30 s on a
-busy 2-core host).
+Cost: about 8 s for the two runs (each starts a store process), plus importing vLLM when no
+earlier test did (5-30 s on a busy 2-core host).
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ def test_both_setups_load_every_block_back_beside_the_limit(tmp_path, capsys):
 def test_a_damaged_block_fails_the_comparison(tmp_path):
     status, report = _run(tmp_path, "--damage-one")
     assert status == 1
-    ours, theirs, limit = (report["checks"][n] for n in ("kvstore", "vllm-fs", bench.LIMIT))
+    names = ("kvstore", "vllm-fs", bench.LIMIT, "kvstore-serve")
+    ours, theirs, limit, serve = (report["checks"][n] for n in names)
     assert ours["ok"] is False and ours["equal"] == [5] and ours["missing"] == [1]  # refused: checksum
     assert theirs["ok"] is False and theirs["equal"] == [5] and theirs["missing"] == [0]  # loaded, wrong bytes
-    assert limit["ok"] is True  # the limit is never damaged
+    assert limit["ok"] is True and serve["ok"] is True  # not damaged: by design; in the store's memory
 
 
 @pytest.mark.parametrize("bad", [["--block-bytes", "5000"], ["--blocks", "0"]])

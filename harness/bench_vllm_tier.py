@@ -30,7 +30,7 @@ directory before a store counts, and drops the pages.  ``--page-cache cold`` (de
 fsyncs and drops (``POSIX_FADV_DONTNEED``) every file of every setup and of the limit before
 the restart, so all loads read the device; ``warm`` leaves them.  The stores are not on equal
 footing, by design: kvstore's is durable (fsync), vLLM's ``O_DIRECT`` write is not fsynced.
-``--damage-one`` flips a byte of one stored file per setup before the restart, to show the
+``--damage-one`` flips a byte of one stored file per file-backed setup before the restart, to show the
 comparison fail (exit status 1).
 
 Speed is measured here, never asserted in tests; the machine may be shared, so compare the
@@ -116,7 +116,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--page-cache", choices=("cold", "warm"), default="cold", help="drop written files before loads")
     p.add_argument("--dir", type=Path, default=None, help="where the directories go (default: a temporary one)")
-    p.add_argument("--damage-one", action="store_true", help="flip a byte of one stored file per setup")
+    p.add_argument("--damage-one", action="store_true", help="flip a byte of one stored file per file-backed setup")
     p.add_argument("--json", default=None, help="write the rows and the checks here")
 
 

@@ -24,7 +24,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from connector.config import ConnectorConfig
@@ -37,7 +37,9 @@ from kvstore.store.registry import open_tiers
 from tiers.base import PutResult, Tier, put_bytes
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 OPEN_TIMEOUT_S = 60.0
+PARALLEL = 16  # objects of one job in flight at once (``LowerStore.each``)
 
 
 class LowerStore:
@@ -75,6 +77,18 @@ class LowerStore:
     def call(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the store's loop and wait for it (start, drain and close only)."""
         return self.submit(coro).result(timeout)
+
+    async def each(self, items: Sequence[Item], fn: Callable[[Item], Awaitable[T]]) -> list[T | BaseException]:
+        """``fn`` of every item, at most ``PARALLEL`` in flight (the SSD's reads and writes
+        run on threads, the store process and Redis pipeline their requests); the results in
+        the items' order, an item that raised as its exception (the caller's to count)."""
+        gate = asyncio.Semaphore(PARALLEL)
+
+        async def one(item: Item) -> T:
+            async with gate:
+                return await fn(item)
+
+        return list(await asyncio.gather(*(one(item) for item in items), return_exceptions=True))
 
     def _failed(self, tier: Tier, op: str, err: BaseException) -> None:
         self.counters[f"{tier.name}:{op}:{type(err).__name__}"] += 1
@@ -197,4 +211,4 @@ class LowerStore:
             self._loop.close()
 
 
-__all__ = ["LowerStore"]
+__all__ = ["PARALLEL", "LowerStore"]

@@ -29,7 +29,6 @@ threads.  LMCache builds it through its own ``plugin`` L2 adapter type
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -48,7 +47,6 @@ from adapters.lower import LowerStore
 from kvstore.keys import ObjectKey
 
 log = logging.getLogger("kvstore.lmcache_l2")
-PARALLEL = 16  # objects of one task in flight at once
 DELETE_TIMEOUT_S = 60.0
 
 
@@ -132,15 +130,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
             table[task_id] = result
         notifier.notify()
 
-    @staticmethod
-    async def _each(items: list, fn: Callable[[Any], Awaitable[bool]]) -> list[bool]:
-        gate = asyncio.Semaphore(PARALLEL)
-
-        async def one(item: Any) -> bool:
-            async with gate:
-                return await fn(item)
-
-        return list(await asyncio.gather(*(one(item) for item in items)))
+    async def _each(self, items: list, fn: Callable[[Any], Awaitable[bool]]) -> list[bool]:
+        """``fn`` of every item (``LowerStore.each``); an item that raised is a failure, counted."""
+        results = await self.store.each(items, fn)
+        for r in results:
+            if isinstance(r, BaseException):
+                self.store.counters[f"task:{type(r).__name__}"] += 1
+        return [r is True for r in results]
 
     def _pop(self, table: dict, task_id: L2TaskId) -> Any:
         with self._lock:

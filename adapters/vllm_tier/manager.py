@@ -11,7 +11,8 @@ Every method returns at once: lookups, stores and loads run on the store's own e
   answer and otherwise answers ``RETRY`` (vLLM asks again next step and gets the answer; an
   answer not asked for again within ``STALE_STEPS`` steps is dropped).
 * ``submit_store`` writes each chunk's row of the primary region through to every tier as one
-  object; ``submit_load`` reads each object back, verified, into its primary slot.  A job's
+  object; ``submit_load`` reads each object back, verified, into its primary slot; a job's
+  chunks move concurrently (``adapters.lower.PARALLEL`` at once).  A job's
   ``JobResult`` is queued by the job itself before its future completes, so ``drain_jobs``
   leaves every result ready for ``get_finished_jobs``.
 * Keys: vLLM's offload key (block hash and KV group) becomes an object key in the namespace
@@ -128,15 +129,16 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self._jobs[job.job_id] = self.store.submit(coro)
 
     async def _store(self, job: TransferJob) -> None:
-        t0, held = time.monotonic(), []
-        try:
-            for key, chunk in zip(job.keys, job.chunk_ids, strict=True):
-                okey = self.key_of(key)
-                tiers = await self.store.write(okey, self._row(chunk))
-                if tiers:
-                    held.append((okey, key, tiers))
-        except Exception:  # noqa: BLE001 - a job that raised failed; vLLM is told so
-            self.store.counters["store:failed"] += 1
+        t0 = time.monotonic()
+        okeys = [self.key_of(key) for key in job.keys]
+        rows = [self._row(chunk) for chunk in job.chunk_ids]
+        results = await self.store.each(range(len(okeys)), lambda i: self.store.write(okeys[i], rows[i]))
+        held = []
+        for okey, key, tiers in zip(okeys, job.keys, results, strict=True):
+            if isinstance(tiers, BaseException):  # a chunk whose write raised: vLLM is told the job failed
+                self.store.counters["store:failed"] += 1
+            elif tiers:
+                held.append((okey, key, tiers))
         ok = len(held) == len(job.keys)
         self.events.job_stored(held)
         self.stats.count(STORED_BYTES, len(held) * self.block_size_bytes)
@@ -152,13 +154,17 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         )
 
     async def _load(self, job: TransferJob) -> None:
-        t0, loaded = time.monotonic(), []
-        try:
-            for key, chunk in zip(job.keys, job.chunk_ids, strict=True):
-                if await self.store.read(self.key_of(key), self._row(chunk)):
-                    loaded.append(key)
-        except Exception:  # noqa: BLE001 - what loaded before the failure still counts
-            self.store.counters["load:failed"] += 1
+        t0 = time.monotonic()
+        keys, chunks = list(job.keys), list(job.chunk_ids)
+        got = await self.store.each(
+            range(len(keys)), lambda i: self.store.read(self.key_of(keys[i]), self._row(chunks[i]))
+        )
+        loaded = []
+        for key, ok in zip(keys, got, strict=True):
+            if isinstance(ok, BaseException):  # what loaded besides it still counts
+                self.store.counters["load:failed"] += 1
+            elif ok:
+                loaded.append(key)
         whole = len(loaded) == len(job.keys)
         self.stats.count(LOADED_BYTES, len(loaded) * self.block_size_bytes)
         self.stats.count(LOAD_MISSED, len(job.keys) - len(loaded))

@@ -12,7 +12,9 @@ ever promised to the engine.
   the prefetch is cancelled (a read nobody waits for only slows the lookups and reads that
   share its link), and the wait replaces the tier's estimate ("at most this fast": the
   bytes landed plus the piece under way, over the time waited), so the very next decision
-  knows better.
+  knows better.  A tier never measured in this process (the first load after a restart, from
+  a disk whose page cache is cold) has only a prior for an estimate, so its first prefetch
+  gets the whole half-recompute bound instead: the prior cannot cut a load that would pay.
 * **No convoys.**  Only the first lookup of an engine step blocks (``PREFETCH_POLL_S``, to
   release the GIL to the I/O thread; ``IDLE_POLL_S`` after a step that computed nothing,
   when the engine has nothing to do but wait) on a running prefetch; the others only look.  Many
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -65,9 +68,9 @@ class Prefetcher:
         """Promote ``lower`` (the chosen pieces not in host memory) for request ``st``."""
         predicted = sum(self.cost.load_seconds(p.tier, p.nbytes) for p in lower)
         now = time.perf_counter()
-        st.prefetch_deadline = now + min(
-            decision.recompute_s / 2, max(PREFETCH_SPREAD * predicted, predicted + PREFETCH_SLACK_S)
-        )
+        known = all(self.cost.knows(p.tier) for p in lower)
+        spread = max(PREFETCH_SPREAD * predicted, predicted + PREFETCH_SLACK_S) if known else math.inf
+        st.prefetch_deadline = now + min(decision.recompute_s / 2, spread)
         st.prefetch_plan = (lower[0].tier, lower[0].nbytes, now)
         st.prefetch_done = [0]
         st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower], st.prefetch_done))

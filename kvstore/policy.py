@@ -171,6 +171,7 @@ class CostModel:
     _measured: dict[str, float] = field(default_factory=dict)  # tier -> when last measured
     _probed: dict[str, float] = field(default_factory=dict)  # tier -> when last probed
     _probing: set[str] = field(default_factory=set)  # tiers with a probe in flight
+    _observed: set[str] = field(default_factory=set)  # tiers a transfer was measured from (not just the prior)
     _lock: threading.Lock = field(default_factory=threading.Lock)  # guards the rates, the fit, _measured, _probed
 
     def __post_init__(self) -> None:
@@ -199,6 +200,12 @@ class CostModel:
             rate = self.bandwidth.setdefault(tier, Rate(DEFAULT_BANDWIDTH.get(tier, 1e9)))
             rate.observe(nbytes, seconds, replace=stale or replace)
             self._measured[tier] = now
+            self._observed.add(tier)
+
+    def knows(self, tier: str) -> bool:
+        """Whether a transfer from ``tier`` was measured (else its estimate is the prior)."""
+        with self._lock:
+            return tier in self._observed
 
     # --- predictions -------------------------------------------------------------------------
 

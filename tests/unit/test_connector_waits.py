@@ -8,7 +8,8 @@
 * Many requests waiting on one prefetch block the scheduler once per step, not once each.
 * A tier slower than its prediction is given up on at the prefetch deadline: the request
   takes what is already in host memory, the reads nobody waits for are cancelled (their
-  slots released), and the next decision recomputes.
+  slots released), and the next decision recomputes.  A tier never measured (after a
+  restart) is waited for up to half the recompute time, not cut by its prior.
 """
 
 from __future__ import annotations
@@ -158,6 +159,22 @@ def test_a_prefetch_slower_than_predicted_is_given_up_and_the_tier_learned_slow(
     host = e.sched.store.host.stats().as_dict()
     assert host["pending"] == 0 and host["objects"] == 0  # ... and its slots released
     assert run_request(e, "c", tokens, [10, 11, 12, 13, 14]) == 0  # the tier is known slow now
+    e.close()
+
+
+def test_a_tier_never_measured_is_waited_for_up_to_the_recompute_bound_not_its_prior(tmp_path, tokens, dev):
+    """After a restart the SSD's estimate is only its prior.  A cold first read far slower
+    than that prior but cheaper than recomputing is waited for, not cut at 4x the prior
+    (``bench e2e``'s restart scenario hit half its first prompt that way)."""
+    e = restarted(tmp_path, tokens, dev, prefill_tokens_per_s=50)  # recompute 512 tokens: ~10 s
+    assert not e.sched.cost.knows("ssd")
+    slow = SlowPromotions(e.sched.store, 0.3)  # 0.3 s a read: over 100x the prior's prediction
+    view = RequestView("b", tokens)
+    while (n := e.sched.matched_tokens(view, 0)) is None:
+        e.step()
+    assert n == 512 and slow.done == 2  # both chunks loaded: waited
+    assert e.sched._reqs["b"].decision["outcome"] == "load"
+    assert e.sched.cost.knows("ssd")  # measured now: its next prefetch is bounded by its estimate
     e.close()
 
 

@@ -39,7 +39,7 @@ from tiers.base import PutResult, Tier, put_bytes
 T = TypeVar("T")
 Item = TypeVar("Item")
 OPEN_TIMEOUT_S = 60.0
-PARALLEL = 16  # objects of one job in flight at once (``LowerStore.each``)
+PARALLEL = 16  # objects in flight at once, all jobs together (``LowerStore.each``)
 
 
 class LowerStore:
@@ -54,6 +54,7 @@ class LowerStore:
         self.counters: Counter[str] = Counter()
         self.keys = keys_of(cfg)
         self._log = logging.getLogger(f"kvstore.{name}")
+        self._gate: asyncio.Semaphore | None = None  # made on the loop (``each``)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"kvstore-{name}", daemon=True)
         self._thread.start()
@@ -79,10 +80,14 @@ class LowerStore:
         return self.submit(coro).result(timeout)
 
     async def each(self, items: Sequence[Item], fn: Callable[[Item], Awaitable[T]]) -> list[T | BaseException]:
-        """``fn`` of every item, at most ``PARALLEL`` in flight (the SSD's reads and writes
-        run on threads, the store process and Redis pipeline their requests); the results in
-        the items' order, an item that raised as its exception (the caller's to count)."""
-        gate = asyncio.Semaphore(PARALLEL)
+        """``fn`` of every item, at most ``PARALLEL`` in flight across every job of this store
+        (the SSD's reads and writes run on threads, the store process and Redis pipeline their
+        requests; one bound for all jobs, so many jobs at once never open more calls than a
+        store process takes on one connection); the results in the items' order, an item
+        that raised as its exception (the caller's to count).  Runs on the store's loop."""
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(PARALLEL)
+        gate = self._gate
 
         async def one(item: Item) -> T:
             async with gate:

@@ -30,8 +30,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
-from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.base import LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from adapters.vllm_tier.config import LAYOUT_ID
 from kvstore import codec
@@ -125,6 +127,31 @@ def test_vllm_scheduler_serves_a_restarted_engine_from_the_tier(tiny_model, tmp_
         assert second.blocks("b", 3) == computed
     finally:
         second.shutdown()
+
+
+def test_many_jobs_at_once_over_the_store_process_all_land(models, store):
+    """vLLM submits a store job per request and never waits: 24 jobs of 8 chunks at once are
+    192 objects, more than the store process takes calls at once on one connection (128).
+    The tier bounds what it has in flight across all its jobs, so every chunk lands and loads
+    back; a bound per job let 128+ calls through and the store refused some (REFUSED_STREAM)."""
+    mgr = kit.manager(models[0], {"store_target": store.target})
+    tier = kit.our_tier(mgr)
+    try:
+        keys = kit.offload_keys(24 * kit.PRIMARY_CHUNKS, seed=9)
+        rows = kit.primary_rows(mgr)
+        rows[:] = np.random.default_rng(9).integers(0, 255, rows.shape, dtype=np.uint8)
+        chunks = np.arange(kit.PRIMARY_CHUNKS)
+        for j in range(24):
+            job_keys = keys[j * kit.PRIMARY_CHUNKS : (j + 1) * kit.PRIMARY_CHUNKS]
+            tier.submit_store(TransferJob(10_000 + j, job_keys, chunks, False, ReqContext(req_id=f"s{j}")))
+        tier.drain_jobs()
+        results = list(tier.get_finished_jobs())
+        assert len(results) == 24 and all(r.success for r in results), results
+        assert tier.store.counters["remote:write:stored"] == len(keys)
+        assert sum(tier.store.counters.values()) == len(keys)  # no failure, refusal or retry of any kind
+        assert tier.store.call(tier.store.present([tier.key_of(k) for k in keys]), 30) == [True] * len(keys)
+    finally:
+        mgr.shutdown()
 
 
 def test_second_manager_shares_through_store_and_redis(models, store, redis):

@@ -200,8 +200,10 @@ def _lookup_load(mgr: Any, requests: list[list[bytes]]) -> tuple[float, float, l
         answers = [mgr.lookup(k, ctx) for ctx, keys in zip(ctxs, requests, strict=True) for k in keys]
         if found is None and LookupResult.RETRY not in answers:
             found = time.perf_counter() - t0
-        if all(a is LookupResult.HIT for a in answers) or LookupResult.MISS in answers:
+        if all(a is LookupResult.HIT for a in answers):
             break
+        if LookupResult.MISS in answers and LookupResult.RETRY not in answers and not mgr.has_pending_work():
+            break  # a key missed and every load has ended: what landed is all there is
         if time.monotonic() > deadline:
             raise TimeoutError(f"keys still not loaded after {TIMEOUT_S} s: {answers}")
         mgr.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))

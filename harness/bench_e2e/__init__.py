@@ -30,9 +30,12 @@ hitting through earlier answers) and "tp2" (TP=2 and TP=1 engines on the same ob
 ``harness.bench_e2e.chat_tp``.
 
 The default model is "bench-f32" (Llama-3.2-1B's KV geometry in float32) on CPUs without
-AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16).  The restart and
-throttled scenarios always run the float32 twin of the model (see ``scenarios``); every row
-names its dtype.
+AVX512-BF16, where bf16 prefill is about 16x slower, else "bench" (bf16).  The scenarios run
+the float32 twin of the model (see ``scenarios``), whose outputs are checked sharply against
+recompute; ``--scenario-dtype model`` runs them on the model itself (bf16 on "bench") for
+their timings, and then a scenario whose outputs differ from recompute is reported, not
+failed (bf16 KV computed after a prefix hit is not bit-equal to one whole prefill).  Every
+row names its dtype.
 
 Here: the command (``run``, and ``register`` for the ``kvstore.bench`` entry point).  The
 setups and the workload are in ``setups``, one pass over them in ``passes``, the
@@ -74,7 +77,7 @@ def run(args) -> int:
     scenarios = _scenarios(args.scenarios)
     dtype = geo.dtype
     if scenarios & {"restart", "throttled", "chat", "tp2"}:
-        twin = F32_TWIN.get(args.geometry, args.geometry)
+        twin = F32_TWIN.get(args.geometry, args.geometry) if args.scenario_dtype == "float32" else args.geometry
         sgeo = tinymodel.GEOMETRIES[twin]
         smodel = tinymodel.build_named(model_dir.expanduser().parent / twin, twin)
         print(
@@ -118,7 +121,8 @@ def run(args) -> int:
             },
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
-    return 0 if _ours_ok(summaries) and all(d["outputs_match"] for d in extra.values()) else 1
+    sharp = not extra or sgeo.dtype == "float32"  # only float32 outputs are checked sharply (module docstring)
+    return 0 if _ours_ok(summaries) and all(d["outputs_match"] or not sharp for d in extra.values()) else 1
 
 
 def _ours_ok(summaries: list[dict]) -> bool:
@@ -187,6 +191,13 @@ def register(suites) -> None:
         help="comma-separated: pairs (each prompt twice), restart (store, restart, repeat), "
         "throttled (a slow Redis link, then recovered), chat (turns through earlier "
         "answers), tp2 (tensor parallelism: TP=2 and TP=1 on the same objects)",
+    )
+    p.add_argument(
+        "--scenario-dtype",
+        choices=("float32", "model"),
+        default="float32",
+        help="the scenarios' model: the float32 twin of --geometry (default; outputs checked sharply) "
+        "or the model itself (its dtype, bf16 for bench: timings, outputs reported only)",
     )
     p.add_argument("--chat-turns", type=positive, default=3, help="chat: turns")
     p.add_argument("--chat-first", type=positive, default=1000, help="chat: tokens of the first prompt")

@@ -36,7 +36,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port", "shm_socket", "kv_events")
+    __slots__ = ("tenant", "permissions", "segment_path", "segment_size", "segment_inode", "boot_id", "max_object_bytes", "max_keys_per_call", "lease_ms", "frame_bytes", "server_version", "data_port", "shm_socket", "kv_events", "max_calls")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PERMISSIONS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class HelloResponse(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALLS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     permissions: _containers.RepeatedScalarFieldContainer[str]
     segment_path: str
@@ -65,7 +66,8 @@ class HelloResponse(_message.Message):
     data_port: int
     shm_socket: str
     kv_events: bool
-    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., kv_events: _Optional[bool] = ...) -> None: ...
+    max_calls: int
+    def __init__(self, tenant: _Optional[str] = ..., permissions: _Optional[_Iterable[str]] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ..., segment_inode: _Optional[int] = ..., boot_id: _Optional[str] = ..., max_object_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ..., lease_ms: _Optional[int] = ..., frame_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., data_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., kv_events: _Optional[bool] = ..., max_calls: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "chunk_hashes", "tag")

@@ -94,6 +94,13 @@ class Fetcher:
         return await self._checked(key, dst, reply.length, reply.digest, False, shm=False)
 
     async def _get_streamed(self, key: ObjectKey, dst: np.ndarray) -> int | None:
+        async with self.rpc.gate:  # the stream's slot, released before the check (which may call again)
+            got = await self._stream_into(key, dst)
+        return None if got is None else await self._checked(key, dst, *got, False, shm=False)
+
+    async def _stream_into(self, key: ObjectKey, dst: np.ndarray) -> tuple[int, bytes] | None:
+        """A ``GetStream`` into ``dst``: (the object's length, the payload checksum of what
+        landed, empty when not all of it did), or None on a miss."""
         req = pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.reader.lease_ms)
         call = self.rpc.get_stream(req, timeout=self.rpc.deadline(len(dst)), metadata=self.rpc.metadata)
         view = memoryview(dst)
@@ -117,7 +124,7 @@ class Fetcher:
         finally:
             if not call.done():
                 call.cancel()
-        return await self._checked(key, dst, total, hasher.digest() if got == total else b"", False, shm=False)
+        return total, hasher.digest() if got == total else b""
 
     async def _read_frame(self, call):
         try:

@@ -78,6 +78,7 @@ class ServerInfo:
     server_version: str
     data_port: int = 0  # the raw TCP data channel (0: none)
     kv_events: bool = False  # the store publishes KV events: clients Describe what they put
+    max_calls: int = 0  # gRPC calls the server takes at once on one connection (0: not said)
 
     @classmethod
     def from_pb(cls, r: pb.HelloResponse) -> ServerInfo:
@@ -94,6 +95,7 @@ class ServerInfo:
             r.server_version,
             r.data_port,
             r.kv_events,
+            r.max_calls,
         )
 
     def shm_refusal(self, boot_id: str) -> str:

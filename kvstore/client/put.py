@@ -132,19 +132,20 @@ class Writer:
             return self._put_done(PutResult.FAILED, size)
         if self._planes.data is not None:
             return await self._put_tcp(key, parts, size, parent_hash)
-        call = self._rpc.put_stream(timeout=self._rpc.deadline(size), metadata=self._rpc.metadata)
-        try:
-            await self._write_frames(call, pb.PutFrame(start=_put_start(key, size, parent_hash)), parts)
-            resp = await call
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            if code not in _REFUSED_PUT:
-                raise self._rpc.error("PutStream", err) from err
-            log.warning("kvstore: store %s refused put of %r: %s", self._rpc.target, key, code.name)
-            return self._put_done(PutResult.FAILED, size)
-        finally:
-            if not call.done():
-                call.cancel()
+        async with self._rpc.gate:  # the stream's slot (``Rpc``: calls in flight are bounded)
+            call = self._rpc.put_stream(timeout=self._rpc.deadline(size), metadata=self._rpc.metadata)
+            try:
+                await self._write_frames(call, pb.PutFrame(start=_put_start(key, size, parent_hash)), parts)
+                resp = await call
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code not in _REFUSED_PUT:
+                    raise self._rpc.error("PutStream", err) from err
+                log.warning("kvstore: store %s refused put of %r: %s", self._rpc.target, key, code.name)
+                return self._put_done(PutResult.FAILED, size)
+            finally:
+                if not call.done():
+                    call.cancel()
         return self._put_done(_outcome(resp.outcome), size)
 
     async def _put_tcp(

@@ -9,9 +9,17 @@ DEADLINE_EXCEEDED, CANCELLED) raise ``TierUnavailableError`` and count as
 RESOURCE_EXHAUSTED ``CapacityError``, NOT_FOUND ``LeaseError``, the rest ``TierError``, each
 counted as ``errors``.  ``hello`` keeps what the last ``Hello`` said (``info``): the one
 copy every collaborator reads.
+
+Calls in flight are bounded (``gate``): at most half of what the server says it takes at
+once on one connection (``max_calls``; ``DEFAULT_MAX_CALLS`` before the first ``Hello`` or
+when it says nothing).  A caller with many requests at once (a framework's batch of 128
+pages, many store jobs) waits here instead of having streams refused by the server
+(HTTP/2 REFUSED_STREAM, seen as UNAVAILABLE, which would trip the tier's breaker).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import grpc.aio
@@ -24,6 +32,7 @@ from kvstore.errors import CapacityError, ConfigError, LeaseError, TierError, Ti
 Code = grpc.StatusCode
 _TRANSPORT_CODES = frozenset({Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.CANCELLED})
 _STREAM_BYTES_PER_S = 100e6  # deadline allowance for streamed bytes (far below the real rate)
+DEFAULT_MAX_CALLS = 32  # calls in flight before the server says its limit (module docstring)
 
 
 class Rpc:
@@ -53,6 +62,8 @@ class Rpc:
             "/kvstore.v1.KVStore/Lookup", response_deserializer=pb.LookupResponse.FromString, _registered_method=True
         )
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.max_calls = DEFAULT_MAX_CALLS
+        self.gate = asyncio.Semaphore(DEFAULT_MAX_CALLS)  # calls in flight (module docstring)
 
     @property
     def server(self) -> ServerInfo:
@@ -65,6 +76,9 @@ class Rpc:
         """``Hello``; its answer becomes ``info``."""
         resp = await self.unary("Hello", pb.HelloRequest(), wait_for_ready=wait_for_ready)
         self.info = ServerInfo.from_pb(resp)
+        limit = max(1, self.info.max_calls // 2) if self.info.max_calls else DEFAULT_MAX_CALLS
+        if limit != self.max_calls:  # calls holding the old gate release it; new ones take this one
+            self.max_calls, self.gate = limit, asyncio.Semaphore(limit)
         return self.info
 
     async def ticket(self) -> bytes:
@@ -81,9 +95,10 @@ class Rpc:
         """The reply, or its status code when that is one of ``answers`` (``call``: a
         multicallable of ``name`` other than the stub's, e.g. one taking encoded bytes)."""
         try:
-            return await (call or getattr(self.stub, name))(
-                request, timeout=self.timeout_s, metadata=self.metadata, wait_for_ready=wait_for_ready
-            )
+            async with self.gate:
+                return await (call or getattr(self.stub, name))(
+                    request, timeout=self.timeout_s, metadata=self.metadata, wait_for_ready=wait_for_ready
+                )
         except grpc.aio.AioRpcError as err:
             if err.code() in answers:
                 return err.code()

@@ -153,6 +153,7 @@ class KVStoreServicer:
             server_version=__version__,
             data_port=self.data_port,
             kv_events=self.store.events is not None,
+            max_calls=self.cfg.max_streams_per_connection,
         )
         if who.allows(SHM) and self.gate is not None and who.tenant in self.store.host.pools:
             reply.shm_socket = str(self.gate.path)

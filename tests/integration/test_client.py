@@ -672,3 +672,24 @@ async def test_the_clients_lease_ttl_is_what_the_server_grants(store):
                 await asyncio.sleep(0.05)
     with pytest.raises(ConfigError, match="lease_ttl_s"):
         await StoreClient.connect(store.target, lease_ttl_s=0)
+
+
+@pytest.mark.parametrize("transport", ["shm", "stream"])
+async def test_more_calls_at_once_than_the_server_takes_all_land(store_process, transport):
+    """A framework's batch (SGLang's 128 pages, many vLLM store jobs) opens more calls at
+    once than the server takes on one connection (here 8).  The client holds the excess
+    (at most half the limit the server said in Hello), so none is refused by the server
+    (REFUSED_STREAM, UNAVAILABLE) and every put and read lands.  (48 puts: a same-host put
+    holds a reservation between its two calls, and the tenant's quota is 64.)"""
+    small = store_process("--host-capacity", "64MiB", "--max-streams-per-connection", "8")
+    keys = CHAIN.keys(48, seed=5)
+    objs = [sealed(k, 64 * KiB, seed=i) for i, k in enumerate(keys)]
+    async with await StoreClient.connect(small.target, transport=transport) as client:
+        assert client.rpc.server.max_calls == 8 and client.rpc.max_calls == 4
+        puts = await asyncio.gather(*(client.put(k, o) for k, o in zip(keys, objs, strict=True)))
+        assert puts == [PutResult.STORED] * len(keys)
+        bufs = [np.zeros(64 * KiB, np.uint8) for _ in keys]
+        got = await asyncio.gather(*(client.read_into(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)))
+        assert got == [64 * KiB] * len(keys)
+        assert all(np.array_equal(b, o) for b, o in zip(bufs, objs, strict=True))
+        assert client.counters.transport_errors == 0

@@ -75,6 +75,10 @@ def test_a_missing_or_different_page_fails_the_run(run):
         bad["setups"]["hicache-file"][0][field] = PAGES - 1
         (problem,) = bench.check(bad, PAGES)
         assert problem.startswith("hicache-file repeat 0: expected 4 pages each"), problem
+        assert [r.name for r in bench.rows_of(bad, PAGES)][-1] == "kvstore-serve hit query"  # no figures
+    bad = copy.deepcopy(report)
+    bad["setups"]["kvstore-ssd"][0]["limit"]["equal_pages"] = 0
+    assert bench.check(bad, PAGES) == [f"kvstore-ssd repeat 0: limit: 0 equal, {PAGES} found"]
 
 
 def test_without_the_sglang_environment_it_says_make_sglang(tmp_path, capsys):

@@ -209,6 +209,7 @@ def main() -> None:
         names = list(a["setups"])
         for name in names[rep % len(names) :] + names[: rep % len(names)]:  # the first place rotates
             where, plain = work / f"{name}-{rep}", work / f"limit-{name}-{rep}"
+            os.sync()  # untimed: no dirty pages of the last setup left to throttle this one's writes
             limit = run_limit(plain, ref)  # right before the setup: the same load on the machine
             shutil.rmtree(plain)
             try:

@@ -19,7 +19,7 @@ Per repeat and setup: the set of every page (through ``close()``, which writes o
 down; "acked" is before it), a fresh backend (the restart), the hit query, and the get of every
 page into the cleared host pool, compared byte for byte.  The limit, measured right before each
 setup in each repeat: the same pages' bytes as plain files, one per page (write without fsync,
-``exists``, ``readinto``).
+``exists``, ``readinto``), after an untimed ``os.sync()`` so no setup inherits another's dirty pages.
 Figures are medians over the ``--repeats`` in which every page came back.  Exit status 1 if
 any page of any setup was missing or differed, 2 without ``.venv-sglang``.  Speed is measured
 here, never asserted in tests.

@@ -16,7 +16,7 @@ backend writes down what it staged), the host pool cleared, a fresh backend (the
 ``_storage_hit_query`` and ``_page_transfer`` back into the same host indices, every page
 compared with what was set; the setups' order rotates each repeat.  The limit, measured right
 before each setup in each repeat: each page's bytes written to a file of its own (no fsync),
-each file looked up (``exists``), and read back (``readinto``).
+each file looked up (``exists``), and read back (``readinto``); an untimed ``os.sync()`` first.
 """
 
 from __future__ import annotations

@@ -82,6 +82,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--layout", default="layer_first", choices=("layer_first", "page_first", "page_first_direct", "page_head")
     )
     p.add_argument("--repeats", type=int, default=5, help="figures are the median over these (default 5)")
+    p.add_argument(
+        "--page-cache",
+        choices=("cold", "warm"),
+        default="cold",
+        help="cold (default): every written file is dropped from the page cache before it is read back, "
+        "so all reads come from the device; warm: reads find what the writes left in the page cache",
+    )
     p.add_argument("--setups", type=_setups, default=list(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
     p.add_argument("--sglang-python", type=Path, default=ROOT / ".venv-sglang" / "bin" / "python")
     p.add_argument("--work", type=Path, default=None, help="keep the directories and logs here (default: temporary)")
@@ -118,6 +125,7 @@ def run_child(args: argparse.Namespace, work: Path, specs: dict[str, dict]) -> d
         "dtype": args.dtype,
         "layout": args.layout,
         "repeats": args.repeats,
+        "page_cache": args.page_cache,
         "work": str(work / "pages"),
         "setups": specs,
     }
@@ -209,7 +217,7 @@ def run(args: argparse.Namespace, work: Path) -> int:
     print(
         f"{args.pages} pages of {args.page_size} tokens ({page_bytes(args) >> 10} KiB each, {nbytes / 2**20:.0f} MiB), "
         f"{args.layers} layers, {args.heads} KV heads x {args.head_dim}, {args.dtype}, {args.layout}; "
-        f"{args.repeats} repeat(s)",
+        f"{args.repeats} repeat(s), page cache {args.page_cache}",
         flush=True,
     )
     token_file = work / "token"

@@ -17,6 +17,10 @@ backend writes down what it staged), the host pool cleared, a fresh backend (the
 compared with what was set; the setups' order rotates each repeat.  The limit, measured right
 before each setup in each repeat: each page's bytes written to a file of its own (no fsync),
 each file looked up (``exists``), and read back (``readinto``); an untimed ``os.sync()`` first.
+With ``page_cache`` "cold" (the default), every file a setup or the limit wrote is fsynced and
+dropped from the page cache before it is read back (untimed), so every read comes from the
+device: our SSD tier keeps its writes out of the page cache (host DRAM is a tier of its own),
+``HiCacheFile`` and the limit do not, and only cold reads compare them on equal footing.
 """
 
 from __future__ import annotations
@@ -132,7 +136,18 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def run_setup(setup: dict, where: Path, pool: Any, idx: torch.Tensor, tokens: list[int], ref: list) -> dict:
+def drop_cache(where: Path, cold: bool) -> None:
+    """Every file under ``where`` synced and dropped from the page cache (when ``cold``)."""
+    for path in sorted(p for p in where.rglob("*") if p.is_file()) if cold and where.exists() else ():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_setup(setup: dict, where: Path, pool: Any, idx: torch.Tensor, tokens: list[int], ref: list, cold: bool) -> dict:
     """One repeat of one setup: set (through close), restart, hit query, get, compare."""
     from sglang.srt.managers.cache_controller import HiCacheController as C
     from sglang.srt.managers.cache_controller import PrefetchOperation, StorageOperation
@@ -148,6 +163,7 @@ def run_setup(setup: dict, where: Path, pool: Any, idx: torch.Tensor, tokens: li
     close(be)
     set_s = time.perf_counter() - t0
     pool.kv_buffer.zero_()  # the host pool forgets every page: what comes back, came from storage
+    drop_cache(where, cold)
     be2, open_s = timed(lambda: make_backend(setup, where))
     be2.register_mem_pool_host(pool)
     ctl = controller(be2, pool, setup["path"])
@@ -167,7 +183,7 @@ def run_setup(setup: dict, where: Path, pool: Any, idx: torch.Tensor, tokens: li
     }
 
 
-def run_limit(where: Path, ref: list[torch.Tensor]) -> dict:
+def run_limit(where: Path, ref: list[torch.Tensor], cold: bool) -> dict:
     """The same bytes, one plain file per page: written (no fsync), each looked up (``exists``),
     then read back with ``readinto``."""
     where.mkdir(parents=True)
@@ -181,6 +197,7 @@ def run_limit(where: Path, ref: list[torch.Tensor]) -> dict:
     present = sum((where / f"{i}.bin").exists() for i in range(len(views)))
     hit_s = time.perf_counter() - t0
     target = torch.zeros(len(views), views[0].size, dtype=torch.uint8).numpy()  # touched: no page faults timed
+    drop_cache(where, cold)
     t0 = time.perf_counter()
     for i in range(len(views)):
         with open(where / f"{i}.bin", "rb", buffering=0) as f:
@@ -196,6 +213,7 @@ def main() -> None:
     import sglang
 
     work, pool = Path(a["work"]), host_pool(a)
+    cold = a.get("page_cache", "cold") == "cold"
     idx = pool.alloc(a["pages"] * a["page_size"])
     ref = pages_of(pool, idx, a["pages"])
     original = pool.kv_buffer.clone()
@@ -210,10 +228,10 @@ def main() -> None:
         for name in names[rep % len(names) :] + names[: rep % len(names)]:  # the first place rotates
             where, plain = work / f"{name}-{rep}", work / f"limit-{name}-{rep}"
             os.sync()  # untimed: no dirty pages of the last setup left to throttle this one's writes
-            limit = run_limit(plain, ref)  # right before the setup: the same load on the machine
+            limit = run_limit(plain, ref, cold)  # right before the setup: the same load on the machine
             shutil.rmtree(plain)
             try:
-                result = run_setup(a["setups"][name], where, pool, idx, tokens, ref)
+                result = run_setup(a["setups"][name], where, pool, idx, tokens, ref, cold)
             except Exception as exc:  # noqa: BLE001 - reported per setup; the host side fails the run
                 result = {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
             report["setups"][name].append({**result, "limit": limit})

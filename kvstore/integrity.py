@@ -62,6 +62,8 @@ _CONTEXT = "kvstore 2026-12 object MAC tenant key v1"
 _CIPHER_CONTEXT = "kvstore 2026-12 object AES-256-GCM tenant key v1"
 ENV_KEYS = "KVSTORE_KEYS"
 DEFAULT_TENANT = "default"
+_DECRYPT_PIECE = 1 << 20  # decrypt_in_place works through a scratch buffer of this size
+_BLOCK = 16  # AES block: update_into wants room for one more block less a byte
 
 
 class ForgedObjectError(ObjectFormatError):
@@ -311,6 +313,21 @@ def encrypt(obj, ring: Keyring, out: bytearray | None = None) -> memoryview:
     return dst
 
 
+def _decrypt_into_itself(dec, view: memoryview) -> None:
+    """Run ``dec`` over ``view`` and leave the plaintext in ``view``, a piece at a time
+    through a small scratch buffer: ``update_into`` refuses overlapping buffers (cryptography
+    51 and later), and the plaintext of a piece never runs ahead of the ciphertext read."""
+    scratch = bytearray(min(len(view), _DECRYPT_PIECE) + _BLOCK - 1)
+    read = written = 0
+    while read < len(view):
+        piece = view[read : read + _DECRYPT_PIECE]
+        out = dec.update_into(piece, scratch)
+        view[written : written + out] = scratch[:out]
+        read, written = read + len(piece), written + out
+    if written != len(view):  # GCM is a stream mode: every byte in gives one out
+        raise ForgedObjectError(f"AES-GCM gave {written} of {len(view)} bytes")
+
+
 def decrypt_in_place(buf, ring: Keyring) -> codec.ObjectHeader:
     """Turn the encrypted object in ``buf`` back into the sealed one it was made from (its
     header says how long it now is).  ``ForgedObjectError`` when the tag does not verify
@@ -328,7 +345,7 @@ def decrypt_in_place(buf, ring: Keyring) -> codec.ObjectHeader:
         algorithms.AES(ring.cipher_key(header.key_id)), modes.GCM(tail[codec.AEAD_TAG :], tail[: codec.AEAD_TAG])
     ).decryptor()
     dec.authenticate_additional_data(codec.aead_fields(view))
-    dec.update_into(view[at : at + n], view[at : at + n])
+    _decrypt_into_itself(dec, view[at : at + n])
     try:
         dec.finalize()
     except InvalidTag:

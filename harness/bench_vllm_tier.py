@@ -57,6 +57,7 @@ import numpy as np
 
 from kvstore.bench.common import Row, gbps, print_rows
 from kvstore.testing.serve_proc import StoreProcess
+from tiers.ssd_files import drop_page_cache
 
 SETUPS = ("kvstore", "kvstore-serve", "vllm-fs")
 LIMIT = "plain files"
@@ -230,12 +231,7 @@ def _files(root: Path) -> list[Path]:
 def _drop_cache(root: Path) -> None:
     """Every file under ``root`` synced and dropped from the page cache."""
     for path in _files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache(path)
 
 
 def _damage(root: Path, block: int) -> None:

@@ -138,13 +138,10 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 def drop_cache(where: Path, cold: bool) -> None:
     """Every file under ``where`` synced and dropped from the page cache (when ``cold``)."""
+    from tiers.ssd_files import drop_page_cache  # the project is on this child's PYTHONPATH
+
     for path in sorted(p for p in where.rglob("*") if p.is_file()) if cold and where.exists() else ():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache(path)
 
 
 def run_setup(setup: dict, where: Path, pool: Any, idx: torch.Tensor, tokens: list[int], ref: list, cold: bool) -> dict:

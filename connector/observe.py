@@ -123,7 +123,7 @@ class RequestObserver:
         per_stage = _request_stages(times)
         if entry is not None:
             with self._stats_lock:
-                entry["stages"] = {k: round(v, 6) for k, v in per_stage.items()}
+                self.stats.amend(entry, stages={k: round(v, 6) for k, v in per_stage.items()})
                 for stage, seconds in per_stage.items():
                     self.stats.observe_stage(stage, seconds)
         if self.tracer is None:

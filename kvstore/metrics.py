@@ -1,8 +1,11 @@
 """Metrics with named denominators (docs/architecture.md#metrics) and their Prometheus counters.
 
 ``HitStats`` is the plain record the connector keeps and prints; every rate it reports
-names its denominator.  ``prometheus()`` returns process-wide counters (created once, so
-two connector instances in one process share them instead of colliding).
+names its denominator.  Its stats file is rewritten as each request ends, so writing it
+must stay cheap with ``RECENT_MAX`` entries logged: each entry is encoded once and its
+JSON text reused (``amend`` is the one way to change a logged entry; it drops that text).
+``prometheus()`` returns process-wide counters (created once, so two connector instances in
+one process share them instead of colliding).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ class HitStats:
 
     def __post_init__(self) -> None:
         self._stage_samples: dict[str, deque[float]] = {}
+        self._encoded: dict[int, str] = {}  # id(entry) -> its JSON, for the entries in ``recent``
 
     def log_request(
         self,
@@ -75,8 +79,15 @@ class HitStats:
         if chunks is not None:
             entry["chunks"] = chunks
         self.recent.append(entry)
+        for gone in self.recent[: -self.RECENT_MAX]:
+            self._encoded.pop(id(gone), None)
         del self.recent[: -self.RECENT_MAX]
         return entry
+
+    def amend(self, entry: dict[str, object], **changes: object) -> None:
+        """Change a logged entry (e.g. add its load's stage times once reported)."""
+        entry.update(changes)
+        self._encoded.pop(id(entry), None)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         samples = self._stage_samples.get(stage)
@@ -126,15 +137,27 @@ class HitStats:
         }
 
     def to_json(self) -> dict[str, object]:
-        d = asdict(self)
-        d["rates"] = self.rates()
-        d["stage_latency"] = self.stage_latency()
-        return d
+        return json.loads(self.dumps())
+
+    def dumps(self, **extra: object) -> str:
+        """The stats (plus ``extra`` sections) as one JSON object, ``recent`` last: the
+        counters are encoded afresh, each recent entry only once (``_encoded``)."""
+        head: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recent"}
+        head.update(rates=self.rates(), stage_latency=self.stage_latency(), **extra)
+        head.pop("recent", None)
+        recent = ",".join(self._encode(entry) for entry in self.recent)
+        return f'{json.dumps(head, default=str)[:-1]}, "recent": [{recent}]}}'
+
+    def _encode(self, entry: dict[str, object]) -> str:
+        text = self._encoded.get(id(entry))
+        if text is None:
+            text = self._encoded[id(entry)] = json.dumps(entry, default=str)
+        return text
 
     def write(self, path: Path, **extra: object) -> None:
         """Atomically replace ``path`` with the stats (plus ``extra`` sections)."""
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({**self.to_json(), **extra}, indent=1, default=str))
+        tmp.write_text(self.dumps(**extra))
         tmp.replace(path)
 
 

@@ -15,6 +15,9 @@ ever promised to the engine.
   knows better.  A tier never measured in this process (the first load after a restart, from
   a disk whose page cache is cold) has only a prior for an estimate, so its first prefetch
   gets the whole half-recompute bound instead: the prior cannot cut a load that would pay.
+  Nor can the recompute side's prior: until a prefill step has been timed (a process's
+  first is never fitted), recomputing is only guessed (``prefill_tokens_per_s``, which on a
+  slow CPU is 15x too fast), so the bound is then at least ``BLIND_BOUND_S``.
 * **No convoys.**  Only the first lookup of an engine step blocks (``PREFETCH_POLL_S``, to
   release the GIL to the I/O thread; ``IDLE_POLL_S`` after a step that computed nothing,
   when the engine has nothing to do but wait) on a running prefetch; the others only look.  Many
@@ -46,6 +49,7 @@ IDLE_POLL_S = 0.05  # ... of a step after one that computed nothing (the engine 
 PREFETCH_WINDOW = 4  # promotions of one prefetch in flight at once
 PREFETCH_SPREAD = 4  # a prefetch may take this many times its predicted time ...
 PREFETCH_SLACK_S = 0.05  # ... or this much more, whichever is longer (but see ``start``)
+BLIND_BOUND_S = 2.0  # the least a prefetch may take before any prefill step was timed
 
 
 class Prefetcher:
@@ -70,7 +74,8 @@ class Prefetcher:
         now = time.perf_counter()
         known = all(self.cost.knows(p.tier) for p in lower)
         spread = max(PREFETCH_SPREAD * predicted, predicted + PREFETCH_SLACK_S) if known else math.inf
-        st.prefetch_deadline = now + min(decision.recompute_s / 2, spread)
+        bound = decision.recompute_s / 2 if self.cost.knows_prefill() else max(decision.recompute_s / 2, BLIND_BOUND_S)
+        st.prefetch_deadline = now + min(bound, spread)
         st.prefetch_plan = (lower[0].tier, lower[0].nbytes, now)
         st.prefetch_done = [0]
         st.prefetch = self.io.spawn(self._run([p.key for p in lower], [p.nbytes for p in lower], st.prefetch_done))

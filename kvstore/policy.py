@@ -207,6 +207,11 @@ class CostModel:
         with self._lock:
             return tier in self._observed
 
+    def knows_prefill(self) -> bool:
+        """Whether a prefill step was fitted (else ``recompute_seconds`` is the prior's)."""
+        with self._lock:
+            return self._fit.observations > 0
+
     # --- predictions -------------------------------------------------------------------------
 
     def load_seconds(self, tier: str, nbytes: int) -> float:

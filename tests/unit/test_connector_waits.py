@@ -146,6 +146,7 @@ def test_requests_waiting_on_one_prefetch_block_the_scheduler_once_per_step(tmp_
 
 def test_a_prefetch_slower_than_predicted_is_given_up_and_the_tier_learned_slow(tmp_path, tokens, dev):
     e = restarted(tmp_path, tokens, dev, prefill_tokens_per_s=20000)  # recompute 512 tokens: 26 ms
+    e.sched.cost.observe_step([(0, 512)], 512 / 20000)  # ... and timed so (not only the prior)
     slow = SlowPromotions(e.sched.store, 0.3)
     view = RequestView("b", tokens)
     while (n := e.sched.matched_tokens(view, 0)) is None:
@@ -175,6 +176,22 @@ def test_a_tier_never_measured_is_waited_for_up_to_the_recompute_bound_not_its_p
     assert n == 512 and slow.done == 2  # both chunks loaded: waited
     assert e.sched._reqs["b"].decision["outcome"] == "load"
     assert e.sched.cost.knows("ssd")  # measured now: its next prefetch is bounded by its estimate
+    e.close()
+
+
+def test_before_any_prefill_is_timed_the_recompute_prior_does_not_cut_a_prefetch(tmp_path, tokens, dev):
+    """Right after a restart neither side is measured: the recompute estimate is the 5000
+    tokens/s prior (512 tokens: 0.1 s, so half of it is 0.05 s), which on a slow CPU is 15x
+    too fast.  A cold read of 0.3 s is still waited for (``BLIND_BOUND_S``); on the old bound
+    ``bench e2e``'s restart scenario hit 1024 of its first prompt's 1920 tokens."""
+    e = restarted(tmp_path, tokens, dev)
+    assert not e.sched.cost.knows_prefill() and e.sched.cost.recompute_seconds(512) < 0.15
+    slow = SlowPromotions(e.sched.store, 0.3)
+    view = RequestView("b", tokens)
+    while (n := e.sched.matched_tokens(view, 0)) is None:
+        e.step()
+    assert n == 512 and slow.done == 2
+    assert e.sched._reqs["b"].decision["outcome"] == "load"
     e.close()
 
 

@@ -56,6 +56,7 @@ class RequestObserver:
         self._loads: dict[int, str] = {}  # load job -> req
         self._saves: dict[int, tuple[str, float, list[bytes]]] = {}  # save job -> (req, planned, keys)
         self._saving: dict[bytes, str] = {}  # key being written down -> req
+        self._ended: set[str] = set()  # finished requests whose load's report is still to come
 
     # --- hooks of connector.scheduler ---------------------------------------------------
 
@@ -87,6 +88,8 @@ class RequestObserver:
             req = self._loads.pop(job, None)
             if req is not None and histories:
                 self._load_done(req, job, histories)
+            if req in self._ended and req not in self._loads.values():
+                self._forget(req)
         for job, (issued, done) in report.save_times.items():
             planned = self._saves.pop(job, None)
             if planned is not None:
@@ -97,10 +100,18 @@ class RequestObserver:
                 self.tracer.span(self.tracer.track(f"copy stream {rank}", order=0), copy, t0, t1)
 
     def finished(self, req: str) -> None:
-        found = self._found.pop(req, None)
-        self._decided.pop(req, None)
+        found = self._found.get(req)
+        if req in self._loads.values():
+            self._ended.add(req)  # its load's report is still to come (a one-token request)
+        else:
+            self._forget(req)
         if self.tracer is not None and found is not None:
             self.tracer.span(self._track(req), "request", found, time.monotonic(), {"req_id": req})
+
+    def _forget(self, req: str) -> None:
+        self._found.pop(req, None)
+        self._decided.pop(req, None)
+        self._ended.discard(req)
 
     # --- residency (the write-down reaching a lower tier) -------------------------------
 

@@ -75,3 +75,32 @@ def test_a_trace_cut_short_still_loads(tmp_path):
     t.span(tid, "a", 1.0, 2.0)
     t.flush()  # no close: a crash
     assert [e["name"] for e in trace.load(tmp_path / "cut.json") if e["ph"] == "X"] == ["a"]
+
+
+def test_a_request_that_ends_before_its_load_is_reported_keeps_its_stages(tmp_path):
+    """A one-token request ends in the step that loads it, and vLLM frees a finished request
+    before it hands the connector that step's worker output: the load's stage times arrive
+    after ``request_finished``.  They still reach the request's stats entry (they were dropped,
+    and ``bench e2e``'s restart scenario, all one-token prompts, had no stage times at all)."""
+    tokens = prompt(600)
+    e = Engine(tmp_path, HostDevice(), stats_path=str(tmp_path / "s.json"))
+    run_request(e, "a", tokens, [0, 1, 2, 3, 4])
+    e.settle()
+    finish(e, "a")
+    deliver, ended = e.sched.on_report, []
+
+    def finished_first(report):
+        if report is not None and report.timings and not ended:
+            ended.append(e.sched.request_finished("b"))
+        deliver(report)
+
+    e.sched.on_report = finished_first
+    assert run_request(e, "b", tokens, [10, 11, 12, 13, 14], seed=9) == 512
+    e.sched.on_report = deliver
+    assert ended  # request_finished ran before the load's report was delivered
+    e.step(finished={"b"})
+    e.close()
+    stats = json.loads((tmp_path / "s.json").read_text())
+    (entry,) = [r for r in stats["recent"] if r["req_id"] == "b"]
+    assert set(entry["stages"]) == set(LOAD_STAGES)
+    assert set(stats["stage_latency"]) >= set(LOAD_STAGES)

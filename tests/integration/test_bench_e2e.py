@@ -189,6 +189,9 @@ def test_bench_e2e_command_writes_rows_and_verdicts(tmp_path):
     assert set(TARGETS) <= set(targets)
     assert set(SCENARIO_TARGETS) <= set(targets)
     restart = doc["scenarios"]["restart"]
+    # vLLM's own prefix hit on the same prompts stands beside ours, measured in the same run
+    assert restart["ttft_ms"]["vllm_prefix_hit"] > 0
+    assert "restart (float32): ours hit vs vLLM's own" in {r["name"] for r in doc["rows"]}
     # every whole block but the last (512 of 600), unless a cold read on this shared machine
     # ran past its deadline (the first prompt's, which also learns the disk): then it recomputed
     assert restart["outputs_match"] and list(restart["tokens_hit_per_prompt"].values())[1:] == [512]

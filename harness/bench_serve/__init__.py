@@ -22,7 +22,9 @@ each setup, beside the limit's (no connector, KV for every session) and beside n
 connector's, measured in the same run; hit tokens by source/tier and our load decisions
 (/metrics); and whether every output equals the connector-less server's.  Exit status 1 if
 any output differed or a setup other than a peer (``lmcache``, ``example``) failed; a peer's
-failure is printed with its error.
+failure is printed with its error.  ``--repeats N`` runs every setup N times (each afresh, the
+setups interleaved) and reports each figure's median (``report.merge``): on a shared machine
+one run of a setup can differ from the next by a quarter.
 
 Here: the command (``run``, ``main`` for a direct call, ``register`` for the ``kvstore.bench``
 entry point).
@@ -39,7 +41,7 @@ from pathlib import Path
 from harness import kit, tinymodel
 from harness.bench_serve.agent import Agent, AgentSpec
 from harness.bench_serve.rag import Rag, RagSpec
-from harness.bench_serve.report import REFERENCE, build_rows, format_summary, summary
+from harness.bench_serve.report import REFERENCE, build_rows, format_summary, merge, summary
 from harness.bench_serve.setups import SETUPS, Capacity, SetupRun, run_setup
 from harness.bench_serve.workload import Chat, ChatSpec, Workload
 from kvstore.bench.common import Row, print_rows, write_plot
@@ -83,20 +85,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"  workload {w.name}: {w.describe()}", flush=True)
     tol = kit.LOGPROB_TOL.get(geo.dtype, kit.DEFAULT_LOGPROB_TOL)
     work_root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvstore-bench-serve-"))
-    runs: dict[str, dict[str, SetupRun]] = {w.name: {} for w in workloads}
-    summaries: dict[str, dict[str, dict]] = {w.name: {} for w in workloads}
-    for key in keys:
-        print(f"\nsetup {key}: {SETUPS[key]}", flush=True)
-        for w, r in zip(workloads, run_setup(key, model, work_root, cap, workloads), strict=True):
-            runs[w.name][key] = r
-            ref = runs[w.name].get(REFERENCE) if key != REFERENCE else None
-            summaries[w.name][key] = summary(r, ref, tol)
-            print(format_summary(key, summaries[w.name][key], summaries[w.name], w.name), flush=True)
+    per_repeat: list[dict[str, dict[str, dict]]] = []
+    for rep in range(args.repeats):
+        # Each repeat starts every setup afresh, in the same order, so slow moments of a
+        # shared machine fall on all of them; a repeat's own work folder keeps its SSD apart.
+        root = work_root if args.repeats == 1 else work_root / f"repeat-{rep + 1}"
+        per_repeat.append(_one_pass(keys, model, root, cap, workloads, tol, f" (repeat {rep + 1}/{args.repeats})"))
+    summaries = {w.name: {k: merge([p[w.name][k] for p in per_repeat]) for k in keys} for w in workloads}
+    if args.repeats > 1:
+        print(f"\nmedians of {args.repeats} repeats:", flush=True)
+        for w in workloads:
+            for key in keys:
+                print(format_summary(key, summaries[w.name][key], summaries[w.name], w.name), flush=True)
     rows: list[Row] = [row for w in workloads for row in build_rows(w.name, summaries[w.name])]
     elapsed = time.perf_counter() - t0
+    measured = "limits measured in this run" if args.repeats == 1 else f"medians of {args.repeats} repeats"
     title = (
         f"kvstore bench serve {','.join(w.name for w in workloads)} ({args.geometry}; engine KV {cap.blocks} "
-        f"blocks, host {cap.host_capacity}; limits measured in this run; {elapsed:.0f} s)"
+        f"blocks, host {cap.host_capacity}; {measured}; {elapsed:.0f} s)"
     )
     print_rows(title, rows)
     write_plot(args.plot, title, rows)
@@ -110,6 +116,23 @@ def run(args: argparse.Namespace) -> int:
         }
         Path(args.json).write_text(json.dumps(doc, indent=2))
     return 0 if all(_ok(s) for s in summaries.values()) else 1
+
+
+def _one_pass(
+    keys: list[str], model: Path, root: Path, cap: Capacity, workloads: list[Workload], tol: float, tag: str
+) -> dict[str, dict[str, dict]]:
+    """Every setup through every workload once: the summaries, by workload then setup."""
+    root.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict[str, SetupRun]] = {w.name: {} for w in workloads}
+    summaries: dict[str, dict[str, dict]] = {w.name: {} for w in workloads}
+    for key in keys:
+        print(f"\nsetup {key}{tag}: {SETUPS[key]}", flush=True)
+        for w, r in zip(workloads, run_setup(key, model, root, cap, workloads), strict=True):
+            runs[w.name][key] = r
+            ref = runs[w.name].get(REFERENCE) if key != REFERENCE else None
+            summaries[w.name][key] = summary(r, ref, tol)
+            print(format_summary(key, summaries[w.name][key], summaries[w.name], w.name), flush=True)
+    return summaries
 
 
 def _ok(summaries: dict[str, dict]) -> bool:
@@ -206,6 +229,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-capacity", default="32MiB", help="our connector's host-DRAM budget (SSD behind it)")
     p.add_argument("--max-model-len", type=positive, help="vLLM --max-model-len (default: the longest sequence)")
     p.add_argument("--workdir", help="keep SSD files, stats and logs here (default: a temp dir, kept)")
+    p.add_argument(
+        "--repeats",
+        type=positive,
+        default=1,
+        help="run every setup this many times (each afresh, setups interleaved) and report the median of each "
+        "figure; every repeat's outputs are checked",
+    )
 
 
 def register(suites) -> None:

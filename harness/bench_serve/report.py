@@ -95,6 +95,34 @@ def summary(run: SetupRun, reference: SetupRun | None, tolerance: float) -> dict
     return d
 
 
+MEDIANS = tuple(dict.fromkeys(key for key, *_ in (*FIGURES, *LRU_FIGURES)))  # merged across repeats
+
+
+def merge(repeats: list[dict]) -> dict:
+    """One setup's summaries of several repeats of a workload as one: each figure of
+    ``MEDIANS`` the median of the repeats that measured it (each repeat's value kept under
+    ``repeats``), correctness over all of them (every output of every repeat checked), the
+    rest (counters, titles) as the last repeat left it."""
+    if len(repeats) == 1:
+        return repeats[0]
+    d = dict(repeats[-1])
+    d["ran"] = all(r["ran"] for r in repeats)
+    d["error"] = next((r["error"] for r in repeats if r.get("error")), None)
+    d["repeats"] = {key: [r.get(key) for r in repeats] for key in MEDIANS}
+    for key in MEDIANS:
+        values = [v for v in d["repeats"][key] if v is not None]
+        d[key] = kit.percentile(values, 50) if values else None
+    checked = [r for r in repeats if "outputs_match" in r]
+    if checked:
+        d.update(
+            outputs_match=len(checked) == len(repeats) and all(r["outputs_match"] for r in checked),
+            compared=sum(r["compared"] for r in checked),
+            max_logprob_diff=max(r["max_logprob_diff"] for r in checked),
+            mismatches=[m for r in checked for m in r["mismatches"]][:5],
+        )
+    return d
+
+
 def build_rows(workload: str, summaries: dict[str, dict]) -> list[Row]:
     """Each setup's figures beside the limit's, and the connectors' beside no connector's,
     in one workload."""

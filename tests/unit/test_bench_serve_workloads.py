@@ -6,7 +6,8 @@ one its branches reach, and the same seed gives the same workload; ``rag`` promp
 system prompt, distinct documents of the shared set in varied order and a question, with the
 popular documents drawn more often; the serving time is the union of in-flight intervals
 (pauses and restarts excluded); the command's flags reach each workload and bad ones are a
-``ConfigError`` naming the flag.  Cost: under 1 s (no server).
+``ConfigError`` naming the flag; ``--repeats`` merges each figure to its median and checks
+every repeat's outputs.  Cost: under 1 s (no server).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import Counter
 import pytest
 
 from harness import bench_serve
+from harness.bench_serve import report
 from harness.bench_serve.agent import Agent, AgentSpec
 from harness.bench_serve.rag import Rag, RagSpec
 from harness.bench_serve.workload import busy_s
@@ -130,3 +132,41 @@ def test_setups_must_name_the_reference_and_known_setups():
     with pytest.raises(ConfigError, match="--setups"):
         bench_serve._setups("none,vanilla")
     assert bench_serve._setups("limit,lmcache,none") == ["none", "lmcache", "limit"]
+
+
+def _summary(p50: float, tok_s: float, match: bool = True, host: int = 0) -> dict:
+    return {
+        "title": "ours",
+        "ran": True,
+        "error": None,
+        "requests": 8,
+        "later_requests": 6,
+        "ttft_p50_ms": p50,
+        "ttft_p99_ms": 2 * p50,
+        "output_tok_s": tok_s,
+        "host_hit_tokens": host,
+        "restarts": 0,
+        "outputs_match": match,
+        "compared": 8,
+        "max_logprob_diff": p50 / 1e6,
+        "mismatches": [] if match else [f"session 0 turn 2: {p50}"],
+    }
+
+
+def test_repeats_merge_to_the_median_of_each_figure_and_check_every_output():
+    """``--repeats``: each figure is the median over the repeats, each repeat's value is kept,
+    and one repeat with a wrong output fails the merged setup."""
+    merged = report.merge([_summary(90.0, 200.0, host=10), _summary(60.0, 300.0, host=30), _summary(70.0, 250.0)])
+    assert (merged["ttft_p50_ms"], merged["ttft_p99_ms"], merged["output_tok_s"]) == (70.0, 140.0, 250.0)
+    assert merged["host_hit_tokens"] == 10 and merged["repeats"]["ttft_p50_ms"] == [90.0, 60.0, 70.0]
+    assert merged["outputs_match"] and merged["compared"] == 24 and merged["max_logprob_diff"] == 90.0 / 1e6
+    bad = report.merge([_summary(90.0, 200.0), _summary(60.0, 300.0, match=False)])
+    assert not bad["outputs_match"] and bad["mismatches"] == ["session 0 turn 2: 60.0"]
+    assert not bench_serve._ok({"none": _summary(1.0, 1.0), "ours": bad})
+    single = _summary(50.0, 100.0)
+    assert report.merge([single]) is single  # one run: as measured, no "repeats"
+    p = argparse.ArgumentParser()
+    bench_serve.add_arguments(p)
+    assert p.parse_args(["--repeats", "3"]).repeats == 3 and p.parse_args([]).repeats == 1
+    with pytest.raises(SystemExit):
+        p.parse_args(["--repeats", "0"])

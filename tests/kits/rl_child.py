@@ -55,6 +55,7 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     llm = LLM(
         model=spec["model"],
+        dtype=spec["dtype"],
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
         seed=0,

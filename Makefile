@@ -127,7 +127,10 @@ run: $(ENGINE) redis-server
 	$(PY) -m harness.main
 
 ## Every test (after the lint), then the 15 slowest; tests/compose runs docker-compose.yml.
-test: $(ENGINE) $(V033_STAMP) $(SGL_STAMP) $(LMC_STAMP) redis-server prometheus lint compose-images
+## The peers' environments, the lint and the compose images do not depend on one another:
+## they are built side by side (mostly disk and unpacking; apt-get runs before, alone).
+test: $(ENGINE) redis-server prometheus
+	$(MAKE) --no-print-directory -j4 $(V033_STAMP) $(SGL_STAMP) $(LMC_STAMP) lint compose-images
 	$(PY) -m pytest -q --durations=15
 
 ## What docker-compose.yml needs on a bare machine: Docker and mmdebstrap (apt-get), dockerd,

@@ -8,8 +8,9 @@ unless ``--target`` names one.  Rows, each a median of ``--repeat`` operations:
 * **Shared memory** (the tenant's pool, mapped through the server's gate): ``read_into`` /
   ``put`` of each ``--sizes`` object (RPCs, copy, lease release, checksum and rekey
   included) beside a copy of the same bytes into a reused buffer (target for a 32 MiB get:
-  ≥ 0.6), and the RPCs each read waited for (target: 1, its ``Get``; the lease release is
-  batched off the read path).
+  ≥ 0.6), and the round trips each read waited for (target: 1, its ``Get``, which goes on
+  the shared-memory session's socket when the server takes lease requests there; the
+  lease release is batched off the read path).
 * **The TCP data channel** (``transport="tcp"``, the path across hosts): the same beside
   the loopback TCP transfer of the same bytes (``bench.loopback``; target ≥ 0.5 at 32 MiB)
   and beside a plain grpcio unary call carrying them (raw bytes,

@@ -8,7 +8,8 @@ The object arrives carrying the tenant-scoped key: it is checked against it (hea
 length, key, payload checksum) and rekeyed to the caller's key.  A miss or a damaged object
 is ``None`` and counted; a damaged one is deleted on the server (``delete_quietly``), unless
 a pool read failed because the server changed its segment (``segment_changed``): then the
-read is tried once more.
+read is tried once more, as it is when the store closed the session's socket
+(``SessionLostError``: a restarted store).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvstore.client.info import ClientCounters
 from kvstore.client.leases import LeasedReader
 from kvstore.client.planes import CODES, Planes
 from kvstore.client.rpc import Rpc
+from kvstore.client.shmleases import SessionLostError
 from kvstore.errors import ConfigError, ObjectFormatError, TierError
 from kvstore.keys import ChunkHash, Namespace, ObjectKey
 from kvstore.wire import data as wire
@@ -76,8 +78,18 @@ class Fetcher:
         return n
 
     async def _get_shm(self, key: ObjectKey, dst: np.ndarray, retry: bool = True) -> int | None:
-        """A leased read out of the pool (``LeasedReader.get``), checked here."""
-        got = await self.reader.get(key, dst)
+        """A leased read out of the pool (``LeasedReader.get``), checked here; once more on
+        a new session when the store closed this one (it restarted)."""
+        try:
+            got = await self.reader.get(key, dst)
+        except SessionLostError:
+            if not (retry and await self._segment_changed()):
+                raise
+            return (
+                await self._get_shm(key, dst, retry=False)
+                if self.planes.segment is not None
+                else await self._get_streamed(key, dst)
+            )
         return None if got is None else await self._checked(key, dst, *got, retry, shm=True)
 
     async def _get_tcp(self, key: ObjectKey, dst: np.ndarray) -> int | None:

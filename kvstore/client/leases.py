@@ -1,5 +1,7 @@
 """``LeasedReader``, the same-host read of a ``StoreClient``: one ``Get``, one copy out of
-the server's segment, and the lease released off the critical path.
+the server's segment, and the lease released off the critical path.  The ``Get`` goes on the
+shared-memory session's own socket when the server takes lease requests there
+(``kvstore.client.shmleases``; the same answer, without a gRPC round trip), else on gRPC.
 
 Client side.  The rule (proto/kvstore/v1/kvstore.proto, header): a lease granted by ``Get``
 pins the object's slot, so its bytes cannot change while the lease lasts, and the lease
@@ -36,10 +38,12 @@ import numpy as np
 from kvstore._proto import kvstore_pb2 as pb
 from kvstore.client.dataplane import INLINE_BYTES, Copier, payload_digest
 from kvstore.client.info import ClientCounters
-from kvstore.client.planes import Planes
+from kvstore.client.planes import CODES, Planes
 from kvstore.client.rpc import Rpc
+from kvstore.client.shmleases import LeaseLine
 from kvstore.errors import ConfigError, KVStoreError, TierError
 from kvstore.keys import ObjectKey
+from kvstore.wire.shm import Leased
 
 log = logging.getLogger("kvstore.client.store_client")
 Code = grpc.StatusCode
@@ -166,11 +170,11 @@ class LeasedReader:
         """Copy ``key``'s bytes out of the pool into ``dst`` under a lease: (their length,
         the payload checksum of the copy), or None on a miss or a lease that did not hold.
         The caller checks the copy against the key (``StoreClient``)."""
-        segment = self._planes.segment.array  # held: a concurrent remap cannot unmap it under us
+        session = self._planes.session
+        assert session is not None
+        segment = session.array  # held: a concurrent remap cannot unmap it under us
         t0 = time.monotonic()
-        resp = await self._rpc.unary(
-            "Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
-        )
+        resp = await self._ask(session.leases, key)
         if not resp.found:
             return None
         n, off = resp.length, resp.offset
@@ -199,6 +203,20 @@ class LeasedReader:
             self._counters.lease_expired += 1
             return None
         return n, digest
+
+    async def _ask(self, line: LeaseLine | None, key: ObjectKey) -> pb.GetResponse | Leased:
+        """The object's place and a lease on it: on the session's socket when the server takes
+        lease requests there (``LeaseLine``), else a ``Get``."""
+        if line is None:
+            return await self._rpc.unary(
+                "Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
+            )
+        for lease_id in line.take_orphans():
+            self.releases.add(lease_id)
+        answer = await line.lease(bytes(key), self.lease_ms, self._rpc.timeout_s)
+        if answer.code:
+            raise self._rpc.status_error("Get", CODES.get(answer.code, Code.UNKNOWN), answer.message)
+        return answer
 
     async def _copy_leased(self, dst: np.ndarray, src: np.ndarray, window: LeaseWindow) -> tuple[bool, bytes]:
         """Copy under the lease, renewing it every half TTL; (whether the lease was held

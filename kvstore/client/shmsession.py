@@ -7,9 +7,11 @@ Client side (``kvstore.client.planes`` opens one per client; tests open them dir
 descriptor (``SCM_RIGHTS``) and maps it: read-write when the server says the token may
 write, read-only otherwise (a read-only mapping cannot be written, by this process or
 through it).  The descriptor is closed once mapped; the connection stays open, because
-closing it ends the session (``close``: unmap first, then close, so the server never frees
-a fenced slot this process could still write).  ``alive`` tells whether the server still
-holds the session (it closes its end when it stops).
+it carries the session's lease requests when the server takes them (``leases``, a
+``kvstore.client.shmleases.LeaseLine``), and closing it ends the session (``close``: unmap
+first, then close, so the server never frees a fenced slot this process could still
+write).  ``alive`` tells whether the server still holds the session (it closes its end
+when it stops).
 
 Blocking calls with a timeout: ``open`` runs in a worker thread when called from a loop.
 """
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.client.shmleases import LeaseLine
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 from kvstore.wire import shm as wire
 from tiers.host_shm import SharedPoolView, map_fd
@@ -45,9 +48,13 @@ class GateRefusedError(TierError):
 class ShmSession:
     """One open session (see the module docstring)."""
 
-    def __init__(self, sock: socket.socket, pool: SharedPoolView, session_id: int, writable: bool, path: str) -> None:
+    def __init__(
+        self, sock: socket.socket, pool: SharedPoolView, session_id: int, writable: bool, path: str, features: int = 0
+    ) -> None:
         self.sock, self.pool = sock, pool
         self.session_id, self.writable, self.path = session_id, writable, path
+        # lease requests on this socket (``kvstore.client.shmleases``), when the server takes them
+        self.leases = LeaseLine(sock) if features & wire.FEATURE_LEASES else None
 
     @property
     def array(self) -> np.ndarray:
@@ -74,10 +81,12 @@ class ShmSession:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, pool, reply.session, reply.writable, path)
+        return cls(sock, pool, reply.session, reply.writable, path, reply.features)
 
     def alive(self) -> bool:
         """Whether the server still holds this session (its end is open)."""
+        if self.leases is not None and self.leases.broken:
+            return False
         try:
             return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
         except BlockingIOError:
@@ -88,6 +97,8 @@ class ShmSession:
     def close(self) -> None:
         """Unmap (now, or when the last view of the mapping goes), then end the session."""
         self.pool.close()
+        if self.leases is not None and self.leases.close():
+            return  # its transport closes the socket, on the loop that reads it
         try:
             self.sock.close()
         except OSError:

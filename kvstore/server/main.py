@@ -64,6 +64,7 @@ from kvstore.server.process import harden_process, tune_malloc
 from kvstore.server.scoping import Scoper
 from kvstore.server.servicer import KVStoreServicer
 from kvstore.server.shmgate import ShmGate
+from kvstore.server.shmreads import GateReads
 from kvstore.server.tenants import Tenants
 from kvstore.server.wire import SERVICE, add_to_server
 
@@ -292,6 +293,7 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
         stack.push_async_callback(store.aclose, cfg.shutdown_grace)
         if tracer is not None:
             trace_tiers(tracer, store)
+        scope = Scoper()
         gate = ShmGate(
             store.host,
             auth,
@@ -302,11 +304,12 @@ async def serve(cfg: ServerConfig, stop: asyncio.Event | None = None) -> int:
             hello_timeout=cfg.hello_timeout,
             preauth=PreAuth(cfg.max_unauthenticated_per_peer, cfg.max_unauthenticated),
             on_refused=lambda reason: metrics.counters.fail(f"shm_{reason}"),
+            reads=GateReads(store, scope).lease,
         )
         seal_read_only_pools(store, auth)
         await gate.start()
         stack.push_async_callback(gate.aclose)
-        scope, data, data_port = Scoper(), None, 0
+        data, data_port = None, 0
         if cfg.data_channel:
             data = DataServer(store, auth, scope, cfg)
             stack.push_async_callback(data.aclose, 0)  # idempotent; cuts what a failed start-up left

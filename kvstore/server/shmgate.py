@@ -18,8 +18,11 @@ leaves the server only here (format: ``kvstore.wire.shm``):
    read-only; a tenant with no writing ``shm`` token has its pool sealed against every new
    writable mapping, so not even a reopened descriptor maps it writable).
 4. The connection stays open for the session's life: the client closes it when it unmaps
-   (or dies).  Then ``on_end(session)`` runs: the store frees that session's reservations,
-   fenced ones included (``kvstore.server.leases``).
+   (or dies).  With ``reads`` (``kvstore.server.shmreads.GateReads.lease``) the reply says
+   the session takes lease requests, and they are answered there (``serve_requests``);
+   without, any byte from the client ends the session.  Then ``on_end(session)`` runs:
+   the store frees that session's reservations, fenced ones included
+   (``kvstore.server.leases``).
 
 A client that sends no complete hello within ``hello_timeout`` is cut.  Until then it holds
 one of its peer's pre-authentication slots (``kvstore.server.peers``: a peer is its (uid, pid)
@@ -47,6 +50,7 @@ from pathlib import Path
 from kvstore.errors import CapacityError, ConfigError, KVStoreError, PermissionDeniedError
 from kvstore.server.auth import Authenticator, Permission, Principal
 from kvstore.server.peers import PreAuth
+from kvstore.server.shmreads import Answer, serve_requests
 from kvstore.server.status import status_of
 from kvstore.server.tenants import Tenants
 from kvstore.server.tickets import TicketBook
@@ -69,6 +73,7 @@ class Session:
     tenant: str
     writable: bool
     pid: int
+    who: Principal
 
 
 class ShmGate:
@@ -86,12 +91,14 @@ class ShmGate:
         hello_timeout: float = HANDSHAKE_S,
         preauth: PreAuth | None = None,
         on_refused: Callable[[str], object] = lambda reason: None,
+        reads: Answer | None = None,
     ) -> None:
         self.host, self.auth, self.tickets, self.tenants = host, auth, tickets, tenants
         self.on_end = on_end
         self.hello_timeout = hello_timeout
         self.preauth = preauth if preauth is not None else PreAuth(16, MAX_SESSIONS)
         self.on_refused = on_refused
+        self.reads = reads
         self._own_dir = path is None
         self.path = path if path is not None else Path(tempfile.mkdtemp(prefix="kvstore-shm-")) / "shm.sock"
         self.sessions: dict[int, Session] = {}
@@ -155,7 +162,9 @@ class ShmGate:
                 session = await self._open(conn)
             finally:
                 self.preauth.leave(peer)
-            if session is not None:
+            if session is not None and self.reads is not None:
+                await serve_requests(conn, session.who, self.reads, self._refuse)
+            elif session is not None:
                 await _until_closed(conn)
         except (OSError, asyncio.IncompleteReadError):
             pass
@@ -177,7 +186,7 @@ class ShmGate:
             self._refuse("uid" if isinstance(err, PeerRefusedError) else "hello")
             _reply_error(conn, err)
             return None
-        session = Session(secrets.randbits(63) | 1, who.tenant, who.allows(Permission.WRITE), pid)
+        session = Session(secrets.randbits(63) | 1, who.tenant, who.allows(Permission.WRITE), pid, who)
         try:
             self._send_pool(conn, session)
         except BaseException:
@@ -222,7 +231,8 @@ class ShmGate:
         memfd = self.host.pool_memfd(session.tenant)
         fd = memfd.fd if session.writable else memfd.readonly_fd()
         try:
-            reply = wire.encode_reply(0, session.writable, session.session_id, memfd.size)
+            features = wire.FEATURE_LEASES if self.reads is not None else 0
+            reply = wire.encode_reply(0, session.writable, session.session_id, memfd.size, features=features)
             socket.send_fds(conn, [reply], [fd])  # a few bytes on a fresh socket: never blocks
         finally:
             if fd != memfd.fd:

@@ -146,6 +146,17 @@ def create_memfd(size: int, name: str) -> MemfdPool:
     return pool
 
 
+def write_sealed(fd: int) -> bool:
+    """Whether the file behind ``fd`` refuses every new writable mapping and write
+    (``F_SEAL_FUTURE_WRITE`` or ``F_SEAL_WRITE``): asked of the file itself, so a client
+    need not take the server's word for it."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return bool(seals & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE))
+
+
 def map_fd(fd: int, size: int, writable: bool) -> SharedPoolView:
     """Map a pool received as a descriptor (the client's side); ``ConfigError`` when it is
     not ``size`` bytes long or cannot be mapped so."""
@@ -296,4 +307,5 @@ __all__ = [
     "create_shared",
     "map_fd",
     "remove_stale_pools",
+    "write_sealed",
 ]

@@ -154,15 +154,17 @@ def decode_get_frame(raw: bytes) -> GetFrame:
 # --- checks -------------------------------------------------------------------------------
 
 
-def check_object(view: memoryview, expected_key: ObjectKey, digest: bytes) -> codec.ObjectHeader:
+def check_object(view: memoryview, expected_key: ObjectKey, digest: bytes | None) -> codec.ObjectHeader:
     """``codec.verify(view, expected_key, length=len(view))`` where the payload checksum
-    (xxh3-128 of ``view[HEADER_SIZE:]``) was computed while the bytes were copied."""
+    (xxh3-128 of ``view[HEADER_SIZE:]``) was computed while the bytes were copied.  ``digest``
+    None: the payload came out of a sealed pool, verified when it entered it (the header, its
+    own checksum, the length and the key are still checked)."""
     header = codec.decode_header(view)
     if header.total_len != len(view):
         raise CorruptHeaderError(f"object is {len(view)} bytes, header says {header.total_len}")
     if header.key != expected_key:
         raise KeyMismatchError(f"object holds {header.key!r}, expected {expected_key!r}")
-    if digest != header.checksum:
+    if digest is not None and digest != header.checksum:
         raise ChecksumMismatchError(f"payload checksum mismatch for {header.key!r}")
     return header
 

@@ -2,8 +2,9 @@
 client chose, each copy checked and rekeyed.
 
 Client side.  Same host: a leased read out of the tenant's pool (``LeasedReader.get``, one
-copy, checksummed meanwhile); else one request on the TCP data channel, whose bytes land in
-the caller's buffer; else a ``GetStream``, one copy per received frame, hashed as it lands.
+copy, checksummed meanwhile unless the pool is sealed: then nobody but the store writes
+it); else one request on the TCP data channel, whose bytes land in the caller's buffer;
+else a ``GetStream``, one copy per received frame, hashed as it lands.
 The object arrives carrying the tenant-scoped key: it is checked against it (header,
 length, key, payload checksum) and rekeyed to the caller's key.  A miss or a damaged object
 is ``None`` and counted; a damaged one is deleted on the server (``delete_quietly``), unless
@@ -146,7 +147,7 @@ class Fetcher:
         return None if raw is grpc.aio.EOF else decode_get_frame(raw)
 
     async def _checked(
-        self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes, retry: bool, *, shm: bool
+        self, key: ObjectKey, dst: np.ndarray, n: int, digest: bytes | None, retry: bool, *, shm: bool
     ) -> int | None:
         """``n`` when the copy is the object (scoped key, checksum); else None, after
         deleting the damaged object, or a retry when the server changed its segment."""

@@ -166,10 +166,10 @@ class LeasedReader:
         self._after_copy = after_copy
         self.releases = ReleaseQueue(self._send_releases, lambda: rpc.server.max_keys_per_call, release_delay_s)
 
-    async def get(self, key: ObjectKey, dst: np.ndarray) -> tuple[int, bytes] | None:
+    async def get(self, key: ObjectKey, dst: np.ndarray) -> tuple[int, bytes | None] | None:
         """Copy ``key``'s bytes out of the pool into ``dst`` under a lease: (their length,
-        the payload checksum of the copy), or None on a miss or a lease that did not hold.
-        The caller checks the copy against the key (``StoreClient``)."""
+        the payload checksum of the copy, None from a sealed pool), or None on a miss or a
+        lease that did not hold.  The caller checks the copy against the key (``Fetcher``)."""
         session = self._planes.session
         assert session is not None
         segment = session.array  # held: a concurrent remap cannot unmap it under us
@@ -188,7 +188,7 @@ class LeasedReader:
             )
         window = LeaseWindow(resp.lease_id, t0, (resp.lease_ms or self._rpc.server.lease_ms) / 1000)
         try:
-            held, digest = await self._copy_leased(dst[:n], segment[off : off + n], window)
+            held, digest = await self._copy_leased(dst[:n], segment[off : off + n], window, not session.sealed)
             if self._after_copy is not None:
                 await self._after_copy()
         except BaseException:
@@ -218,16 +218,21 @@ class LeasedReader:
             raise self._rpc.status_error("Get", CODES.get(answer.code, Code.UNKNOWN), answer.message)
         return answer
 
-    async def _copy_leased(self, dst: np.ndarray, src: np.ndarray, window: LeaseWindow) -> tuple[bool, bytes]:
+    async def _copy_leased(
+        self, dst: np.ndarray, src: np.ndarray, window: LeaseWindow, verify: bool = True
+    ) -> tuple[bool, bytes | None]:
         """Copy under the lease, renewing it every half TTL; (whether the lease was held
-        throughout, the payload checksum), returned only once nothing touches ``dst`` any
-        more.  Large objects: the checksum thread hashes the pinned source while the copy
-        thread copies it (``Copier.copy_digest``); the source cannot change under a lease
-        that held, and a lease that did not is a miss, so that checksum is the copy's."""
+        throughout, the payload checksum, or None without ``verify``), returned only once
+        nothing touches ``dst`` any more.  ``verify`` False: the pool is sealed
+        (``ShmSession.sealed``), so its objects are the ones the store verified when they
+        entered it, and the copy is not checksummed again.  Large objects: the checksum
+        thread hashes the pinned source while the copy thread copies it
+        (``Copier.copy_digest``); the source cannot change under a lease that held, and a
+        lease that did not is a miss, so that checksum is the copy's."""
         if len(dst) <= INLINE_BYTES:
             np.copyto(dst, src)
-            return True, payload_digest(memoryview(dst))
-        fut = self._copier.copy_digest(dst, src)
+            return True, payload_digest(memoryview(dst)) if verify else None
+        fut = self._copier.copy_digest(dst, src) if verify else self._copier.copy(dst, src)
         ttl_ms = max(1, round(window.ttl_s * 1000))
         held = True
         try:

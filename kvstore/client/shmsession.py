@@ -11,7 +11,8 @@ it carries the session's lease requests when the server takes them (``leases``, 
 ``kvstore.client.shmleases.LeaseLine``), and closing it ends the session (``close``: unmap
 first, then close, so the server never frees a fenced slot this process could still
 write).  ``alive`` tells whether the server still holds the session (it closes its end
-when it stops).
+when it stops).  ``sealed``: the pool's file refuses every new writable mapping (the store
+seals the pools of tenants with no writing ``shm`` token), checked on the descriptor itself.
 
 Blocking calls with a timeout: ``open`` runs in a worker thread when called from a loop.
 """
@@ -28,7 +29,7 @@ import numpy as np
 from kvstore.client.shmleases import LeaseLine
 from kvstore.errors import ConfigError, TierError, TierUnavailableError
 from kvstore.wire import shm as wire
-from tiers.host_shm import SharedPoolView, map_fd
+from tiers.host_shm import SharedPoolView, map_fd, write_sealed
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +50,20 @@ class ShmSession:
     """One open session (see the module docstring)."""
 
     def __init__(
-        self, sock: socket.socket, pool: SharedPoolView, session_id: int, writable: bool, path: str, features: int = 0
+        self,
+        sock: socket.socket,
+        pool: SharedPoolView,
+        session_id: int,
+        writable: bool,
+        path: str,
+        features: int = 0,
+        sealed: bool = False,
     ) -> None:
         self.sock, self.pool = sock, pool
         self.session_id, self.writable, self.path = session_id, writable, path
+        # nobody but the store can write the pool (its file refuses writable mappings): what is
+        # in it was verified when it entered, and reads need not checksum it again
+        self.sealed = sealed
         # lease requests on this socket (``kvstore.client.shmleases``), when the server takes them
         self.leases = LeaseLine(sock) if features & wire.FEATURE_LEASES else None
 
@@ -73,6 +84,7 @@ class ShmSession:
             reply, fd = _receive(sock)
             try:
                 pool = map_fd(fd, reply.pool_size, reply.writable)
+                sealed = not reply.writable and write_sealed(fd)
             finally:
                 os.close(fd)
         except OSError as err:
@@ -81,7 +93,7 @@ class ShmSession:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, pool, reply.session, reply.writable, path, reply.features)
+        return cls(sock, pool, reply.session, reply.writable, path, reply.features, sealed)
 
     def alive(self) -> bool:
         """Whether the server still holds this session (its end is open)."""

@@ -1,7 +1,7 @@
 """``kvstore bench store`` end to end with small settings: it starts its own store, the
 plain grpcio peer and client processes, and writes every row with a limit and a ratio, for
-every path (shm, the TCP data channel, gRPC streams; no speed assertions: this machine is
-shared and noisy)."""
+every path (shm, a sealed tenant's pool, the TCP data channel, gRPC streams; no speed
+assertions: this machine is shared and noisy)."""
 
 import json
 import math
@@ -42,6 +42,7 @@ def test_bench_store_writes_rows_with_limits(tmp_path):
         "shm get 1 MiB",
         "shm get 1 MiB round trips",
         "shm put 1 MiB",
+        "shm get 1 MiB, sealed pool",
         "tcp get 1 MiB vs TCP",
         "tcp get 1 MiB vs grpc",
         "tcp put 1 MiB vs TCP",

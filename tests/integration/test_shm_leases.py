@@ -2,7 +2,9 @@
 (``kvstore.server.shmreads``, ``kvstore.client.shmleases``): the same answers as ``Get``
 (places, misses, scoping, quotas, permissions), pipelined and answered by id; a request the
 format does not allow ends the session; a lease answered to a reader that gave up is
-released, not leaked.  The raw tests speak the format by hand on a real session.
+released, not leaked.  And a pool only the store writes (sealed: its tenant's writers have
+no ``shm``) is read without checksumming the copy again, while a pool a writer maps still
+is.  The raw tests speak the format by hand on a real session.
 Cost: one store process for the module, about 5 s in all."""
 
 from __future__ import annotations
@@ -21,15 +23,21 @@ from kvstore.client.store_client import StoreClient as AsyncClient
 from kvstore.keys import ObjectKey
 from kvstore.wire import shm as shmwire
 from tests.kits.data_channel import ticket_of
-from tests.kits.hostile import admin_counters, keys, start_store
+from tests.kits.hostile import QUOTAS, TOKENS, admin_counters, keys, start_store
 from tests.kits.store_calls import MiB, Objects, StoreClient
+from tiers.base import PutResult
 
 RESOURCE_EXHAUSTED = 8
+SEALED = [  # tenant s: its writer puts over the network, its reader maps the pool
+    {"token": "tok-s", "tenant": "s", "permissions": ["read", "write"]},
+    {"token": "tok-s-ro", "tenant": "s", "permissions": ["read", "shm"]},
+]
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    proc = start_store(tmp_path_factory.mktemp("shm-leases"))
+    quotas = {**QUOTAS, "s": {"host_bytes": "4MiB"}}
+    proc = start_store(tmp_path_factory.mktemp("shm-leases"), quotas=quotas, tokens=TOKENS + SEALED)
     yield proc
     assert proc.terminate(30) == 0
 
@@ -162,5 +170,32 @@ def test_a_lease_answered_after_its_reader_gave_up_is_released(store):
             assert out[256:].tobytes() == obj[256:].tobytes()
         finally:
             await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_pool_only_the_store_writes_is_read_without_a_second_checksum(store):
+    async def run() -> None:
+        clients = [
+            await AsyncClient.connect(store.target, token=token, transport=transport, timeout_s=10)
+            for token, transport in (("tok-s", "auto"), ("tok-s-ro", "shm"), ("tok-a", "shm"), ("tok-a-ro", "shm"))
+        ]
+        s_writer, s_reader, a_writer, a_reader = clients
+        try:
+            assert not s_writer.uses_shm  # no shm: it puts over TCP
+            assert s_reader.planes.session.sealed and not a_reader.planes.session.sealed
+            for writer, reader, seed in ((s_writer, s_reader, 23), (a_writer, a_reader, 24)):
+                key, obj = make_object(2 * MiB, seed)  # above the inline size: the copy thread's
+                assert await writer.put(key, obj) is PutResult.STORED
+                copier, hashed = reader.reader._copier, []
+                copy_digest = copier.copy_digest
+                copier.copy_digest = lambda dst, src, f=copy_digest: hashed.append(len(src)) or f(dst, src)
+                out = np.empty(len(obj), np.uint8)
+                assert await reader.read_into(key, memoryview(out)) == len(obj)
+                assert out[256:].tobytes() == obj[256:].tobytes()
+                assert hashed == ([] if reader is s_reader else [len(obj)])  # a pool a writer maps: hashed
+        finally:
+            for client in clients:
+                await client.close()
 
     asyncio.run(run())

@@ -44,8 +44,8 @@ def write_tokens(path: Path, tokens=TOKENS, quotas=QUOTAS) -> Path:
     return path
 
 
-def start_store(work: Path, *extra: str, quotas=QUOTAS) -> StoreProcess:
-    tokens = write_tokens(work / "tokens.yaml", quotas=quotas)
+def start_store(work: Path, *extra: str, quotas=QUOTAS, tokens=TOKENS) -> StoreProcess:
+    tokens = write_tokens(work / "tokens.yaml", tokens=tokens, quotas=quotas)
     return StoreProcess(
         work,
         "--host-capacity",

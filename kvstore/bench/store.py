@@ -7,8 +7,8 @@ unless ``--target`` names one.  Rows, each a median of ``--repeat`` operations:
   unary call (target ≤ 2×).
 * **Shared memory** (the tenant's pool, mapped through the server's gate): ``read_into`` /
   ``put`` of each ``--sizes`` object (lease request, copy, lease release, checksum and rekey
-  included) beside a copy of the same bytes into a reused buffer (target for a 32 MiB get:
-  ≥ 0.8), and the round trips each read waited for (target: 1, its ``Get``, which goes on
+  included) beside a copy of the same bytes into a reused buffer, timed right after each
+  get (target for a 32 MiB get: ≥ 0.8), and the round trips each read waited for (target: 1, its ``Get``, which goes on
   the shared-memory session's socket when the server takes lease requests there; the
   lease release is batched off the read path).
 * **A sealed pool** (only with a store started here): the same get by a reader of a tenant
@@ -33,8 +33,6 @@ ratio only.  Objects are sealed with random payloads; every get is verified by t
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import statistics
 import tempfile
 import time
@@ -42,12 +40,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from kvstore import codec
 from kvstore.bench.common import Row, gbps, print_rows, write_json, write_plot
 from kvstore.bench.loopback import measure_loopback
-from kvstore.bench.store_peers import RawGrpcPeer, run_clients
+from kvstore.bench.store_peers import RawGrpcPeer, run_clients, write_tokens
 from kvstore.client.store_client import StoreClient
 from kvstore.errors import ConfigError, TierError
 from kvstore.keys import ROOT, Identity, ObjectKey, chunk_hashes, object_keys
@@ -85,6 +82,25 @@ async def _median_s(
         if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+async def _paired_s(
+    op: Callable[[], Awaitable[object]], limit: Callable[[], object], repeat: int
+) -> tuple[float, float]:
+    """Median seconds of ``op`` and of ``limit``, each repetition timing one right after the
+    other, after one untimed warm-up of each: this machine's memory bandwidth drifts, and a
+    copy limit measured apart from its row differed from one measured beside it by up to 2×."""
+    ours, limits = [], []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        await op()
+        t1 = time.perf_counter()
+        limit()
+        t2 = time.perf_counter()
+        if i:
+            ours.append(t1 - t0)
+            limits.append(t2 - t1)
+    return statistics.median(ours), statistics.median(limits)
 
 
 def _copy_limit_s(src: np.ndarray, dst: np.ndarray, repeat: int) -> float:
@@ -130,8 +146,11 @@ async def lookup_rows(client: StoreClient, raw: RawGrpcPeer, repeat: int) -> lis
     ]
 
 
-async def _get_put_s(client: StoreClient, key: ObjectKey, obj: np.ndarray, repeat: int) -> tuple[float, float]:
-    """Median get and put seconds of one object through ``client``."""
+async def _get_put_s(
+    client: StoreClient, key: ObjectKey, obj: np.ndarray, repeat: int, paired: Callable[[], object] | None = None
+) -> tuple[float, float, float | None]:
+    """Median get and put seconds of one object through ``client``, and the median seconds
+    of ``paired``, timed beside each get (``_paired_s``; None without it)."""
     dst = np.empty(len(obj), np.uint8)
     dst.fill(0)
     view = memoryview(dst)
@@ -149,20 +168,23 @@ async def _get_put_s(client: StoreClient, key: ObjectKey, obj: np.ndarray, repea
         if await client.read_into(key, view) != len(obj):
             raise TierError(f"bench store: get of a {len(obj)}-byte object missed")
 
-    get_s = await _median_s(get, repeat)
+    get_s, paired_s = (
+        await _paired_s(get, paired, repeat) if paired is not None else (await _median_s(get, repeat), None)
+    )
     if not np.array_equal(dst[codec.HEADER_SIZE :], obj[codec.HEADER_SIZE :]):
         raise TierError("bench store: the object read back differs from the one stored")
     await client.delete(key)
-    return get_s, put_s
+    return get_s, put_s, paired_s
 
 
 async def shm_rows(client: StoreClient, size: int, repeat: int) -> list[Row]:
     key, obj = make_object(size, size)
     before = client.counters.as_dict()
-    get_s, put_s = await _get_put_s(client, key, obj, repeat)
-    after = client.counters.as_dict()
     dst = np.ones(size, np.uint8)
-    limit = gbps(size, _copy_limit_s(obj, dst, repeat))
+    get_s, put_s, copy_s = await _get_put_s(client, key, obj, repeat, lambda: np.copyto(dst, obj))
+    after = client.counters.as_dict()
+    assert copy_s is not None
+    limit = gbps(size, copy_s)
     target = 0.8 if size == TARGET_SIZE else None
     mb = _mb(size)
     return [
@@ -191,14 +213,15 @@ async def sealed_rows(target: str, writer_token: str, reader_token: str, size: i
             if await reader.read_into(key, view) != size:
                 raise TierError(f"bench store: get of a {size}-byte object from the sealed pool missed")
 
-        get_s = await _median_s(get, repeat)
+        copy_dst = np.ones(size, np.uint8)
+        get_s, copy_s = await _paired_s(get, lambda: np.copyto(copy_dst, obj), repeat)
         if not np.array_equal(dst[codec.HEADER_SIZE :], obj[codec.HEADER_SIZE :]):
             raise TierError("bench store: the object read from the sealed pool differs from the one stored")
         await writer.delete(key)
     finally:
         await writer.close()
         await reader.close()
-    limit = gbps(size, _copy_limit_s(obj, np.ones(size, np.uint8), repeat))
+    limit = gbps(size, copy_s)
     goal = 0.8 if size == TARGET_SIZE else None
     return [Row(f"shm get {_mb(size)}, sealed pool", gbps(size, get_s), "GB/s", COPY, limit, target=goal)]
 
@@ -221,7 +244,7 @@ async def network_rows(clients: dict[str, StoreClient], raw: RawGrpcPeer, size: 
     raw_put = gbps(size, await _median_s(lambda: raw.put(data), repeat))
     big, mb, rows = size == TARGET_SIZE, _mb(size), []
     for label, client in clients.items():
-        get_s, put_s = await _get_put_s(client, key, obj, repeat)
+        get_s, put_s, _ = await _get_put_s(client, key, obj, repeat)
         g, p = gbps(size, get_s), gbps(size, put_s)
         ours = label == "tcp"
         vs_tcp = 0.5 if ours and big else None
@@ -323,26 +346,6 @@ async def _run_against(target: str, args, sealed: tuple[str, str] | None = None)
     return rows
 
 
-def _write_tokens(path: Path, capacity: int, args) -> tuple[dict[str, str], int]:
-    """A tokens file (0600) for the store started here: tenant ``bench`` (read, write, shm:
-    every row but one) and tenant ``sealed``, whose writer has no ``shm`` and whose reader
-    has no ``write`` (its pool is sealed).  (The tokens by role, the sealed pool's bytes.)"""
-    tokens = {role: secrets.token_urlsafe(24) for role in ("bench", "sealed-writer", "sealed-reader")}
-    sealed_bytes = 2 * max(args.sizes) + 16 * MiB
-    doc = {
-        "tokens": [
-            {"token": tokens["bench"], "tenant": "bench", "permissions": ["read", "write", "shm"]},
-            {"token": tokens["sealed-writer"], "tenant": "sealed", "permissions": ["read", "write"]},
-            {"token": tokens["sealed-reader"], "tenant": "sealed", "permissions": ["read", "shm"]},
-        ],
-        "tenants": {"bench": {"host_bytes": capacity}, "sealed": {"host_bytes": sealed_bytes}},
-    }
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(doc, f)
-    return tokens, sealed_bytes
-
-
 def _capacity_needed(args) -> int:
     per_size = sum(2 * s for s in args.sizes)
     return LOOKUP_KEYS * 4096 + per_size + args.client_objects * args.client_size + 64 * MiB
@@ -359,7 +362,7 @@ def run(args) -> int:
 
         capacity = max(args.host_capacity or 0, _capacity_needed(args))
         with tempfile.TemporaryDirectory(prefix="kvstore-bench-store-") as tmp:
-            tokens, sealed_bytes = _write_tokens(Path(tmp) / "tokens.yaml", capacity, args)
+            tokens, sealed_bytes = write_tokens(Path(tmp) / "tokens.yaml", capacity, max(args.sizes))
             proc = StoreProcess(
                 Path(tmp),
                 "--host-capacity",

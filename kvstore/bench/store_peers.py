@@ -8,19 +8,26 @@ and the concurrent shared-memory clients.
 * ``run_clients(n, ...)`` starts ``n`` processes, each with its own ``StoreClient`` over
   shared memory; they meet at a barrier, then each reads ``gets`` objects into its own
   reused buffer.  The answer: aggregate GB/s over the common window and latency samples.
+* ``write_tokens`` writes the tokens file of the store the bench starts (two tenants: one
+  for every row, one whose pool is sealed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import grpc.aio
 import numpy as np
+import yaml
 
+MiB = 1 << 20
 _SERVICE = "bench.Raw"
 _START_TIMEOUT_S = 120.0
 _OPTIONS = [
@@ -174,4 +181,29 @@ def run_clients(n: int, target: str, token: str | None, keys: list[bytes], size:
     return ClientsResult(n, n * gets * size / window / 1e9, lats)
 
 
-__all__ = ["ClientsResult", "RawGrpcPeer", "run_clients"]
+# --- the store's tokens ------------------------------------------------------------------
+
+
+def write_tokens(path: Path, capacity: int, largest: int) -> tuple[dict[str, str], int]:
+    """A tokens file (0600) for the store ``kvstore bench store`` starts: tenant ``bench``
+    (read, write, shm: every row but one; ``capacity`` bytes of host pool) and tenant
+    ``sealed``, whose writer has no ``shm`` and whose reader has no ``write`` (its pool is
+    sealed; room for two objects of ``largest`` bytes).  (The tokens by role, the sealed
+    pool's bytes.)"""
+    tokens = {role: secrets.token_urlsafe(24) for role in ("bench", "sealed-writer", "sealed-reader")}
+    sealed_bytes = 2 * largest + 16 * MiB
+    doc = {
+        "tokens": [
+            {"token": tokens["bench"], "tenant": "bench", "permissions": ["read", "write", "shm"]},
+            {"token": tokens["sealed-writer"], "tenant": "sealed", "permissions": ["read", "write"]},
+            {"token": tokens["sealed-reader"], "tenant": "sealed", "permissions": ["read", "shm"]},
+        ],
+        "tenants": {"bench": {"host_bytes": capacity}, "sealed": {"host_bytes": sealed_bytes}},
+    }
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(doc, f)
+    return tokens, sealed_bytes
+
+
+__all__ = ["ClientsResult", "RawGrpcPeer", "run_clients", "write_tokens"]

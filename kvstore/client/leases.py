@@ -211,8 +211,7 @@ class LeasedReader:
             return await self._rpc.unary(
                 "Get", pb.GetRequest(namespace=key[:32], chunk_hash=key[32:64], tag=key.tag, lease_ms=self.lease_ms)
             )
-        for lease_id in line.take_orphans():
-            self.releases.add(lease_id)
+        self._take_orphans(line)
         answer = await line.lease(bytes(key), self.lease_ms, self._rpc.timeout_s)
         if answer.code:
             raise self._rpc.status_error("Get", CODES.get(answer.code, Code.UNKNOWN), answer.message)
@@ -269,8 +268,16 @@ class LeasedReader:
         return resp
 
     async def flush_releases(self) -> None:
-        """Send the queued lease releases now and wait for them (and those in flight)."""
+        """Send the queued lease releases now, the session's orphans with them
+        (``LeaseLine.orphans``), and wait for them (and those in flight)."""
+        self._take_orphans(self._planes.session.leases if self._planes.session is not None else None)
         await self.releases.flush()
+
+    def _take_orphans(self, line: LeaseLine | None) -> None:
+        """Queue the leases granted to requests that gave up, for release."""
+        if line is not None:
+            for lease_id in line.take_orphans():
+                self.releases.add(lease_id)
 
 
 __all__ = ["LeaseWindow", "LeasedReader", "RELEASE_DELAY_S", "ReleaseQueue", "Timers"]

@@ -142,7 +142,7 @@ def test_a_request_the_format_does_not_allow_ends_the_session(store):
 
 def test_a_lease_answered_after_its_reader_gave_up_is_released(store):
     async def run() -> None:
-        key, obj = make_object(64 * 1024, 17)
+        key, obj = make_object(64 * 1024, 17)  # read inline: no copy thread
         client = await AsyncClient.connect(store.target, token="tok-a", transport="shm", timeout_s=10)
         try:
             assert await client.put(key, obj) is not None
@@ -168,6 +168,19 @@ def test_a_lease_answered_after_its_reader_gave_up_is_released(store):
             granted = await client.reader.renew(orphan, 1000)
             assert granted is None  # the server no longer holds it
             assert out[256:].tobytes() == obj[256:].tobytes()
+            # an orphan left when the client stops reading goes with its last flush
+            task = asyncio.get_running_loop().create_task(line.lease(bytes(key), 0, 10))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(500):
+                if line.orphans:
+                    break
+                await asyncio.sleep(0.01)
+            (last,) = line.orphans
+            await client.flush_releases()  # what close does first
+            assert not line.orphans and await client.reader.renew(last, 1000) is None
         finally:
             await client.close()
 
